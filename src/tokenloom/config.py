@@ -1,0 +1,71 @@
+"""Every engine knob in one place, with its meaning and default. Validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Batching = Literal["continuous", "static"]
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    """A GGUF file, a Hugging Face checkpoint directory, or None for the embedded SmolLM2-135M-Instruct."""
+    max_num_seqs: int = 64
+    """The most requests in the running batch at once."""
+    max_num_batched_tokens: int = 1024
+    """The token budget of one step: prompt chunks and decode tokens of all running requests together."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    num_kv_blocks: int | None = None
+    """The size of the KV cache in blocks; overrides kv_cache_memory."""
+    kv_cache_memory: int | None = None
+    """The size of the KV cache in bytes; by default 2 GiB, or less when max_num_seqs full-length requests need less."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so they share each step with other requests' decode tokens."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of identical prompt prefixes."""
+    batching: Batching = "continuous"
+    """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
+    dtype: str = "float32"
+    """Weights and activations: float32, bfloat16 or float16 (float32 is the fast one on CPUs without AMX)."""
+    device: str = "cpu"
+    """A torch device string: 'cpu', 'cuda', 'cuda:1', 'mps'."""
+    num_threads: int | None = None
+    """Threads torch uses for intra-op work on CPU; None leaves torch's default (the number of cores)."""
+    max_model_len: int | None = None
+    """The longest sequence (prompt plus output); None takes the model's own context length."""
+    seed: int = 0
+    """Seeds the sampler of requests that give no seed of their own."""
+
+    def __post_init__(self) -> None:
+        positive = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
+        for name in positive:
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) > 0, f"{name} must be a positive integer")
+        for name in ("num_kv_blocks", "kv_cache_memory", "num_threads", "max_model_len"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")
+        _require(self.batching in ("continuous", "static"), "batching must be 'continuous' or 'static'")
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype must be float32, bfloat16 or float16")
+        _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; the options are: {', '.join(cls.field_names())}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig: {message}")

@@ -1,0 +1,1 @@
+"""Scheduling and the paged KV cache, in token counts and block ids; nothing here imports torch."""

@@ -1,0 +1,127 @@
+"""Which KV blocks each request holds, and the prefix cache over full blocks of tokens."""
+
+from __future__ import annotations
+
+from tokenloom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from tokenloom.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Gives requests the blocks their tokens need, and shares full blocks of identical prefixes between them.
+
+    A block becomes shareable once every token in it is computed; its hash is chained from its parent's, so one
+    lookup per block walks the longest cached prefix of a new request.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}  # how many leading blocks of a request are in the cache index
+        self.prefix_cache_queries = 0  # in tokens, as vLLM counts them
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self._blocks.get(request_id, [])]
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached blocks that starts the request's tokens.
+
+        The last token is always left to compute, because the step must produce its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        hashes = self._full_block_hashes(request, tokens)
+        hits: list[KVBlock] = []
+        for i in range((len(tokens) - 1) // self.block_size):
+            block = self.pool.lookup(hashes[i], self._block_tokens(tokens, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a request of this many tokens could ever fit, with the whole pool to itself."""
+        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> bool:
+        """Makes room for num_new_tokens more tokens after the computed (and cache-hit) ones; False if it can't."""
+        blocks = self._blocks.setdefault(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        num_needed = cdiv(num_tokens, self.block_size) - len(blocks) - len(cached_blocks)
+        # Cache hits that sit in the free queue stop being free once we take them.
+        num_available = self.pool.num_free_blocks - sum(1 for b in cached_blocks if b.ref_cnt == 0)
+        if num_needed > num_available:
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            blocks.extend(cached_blocks)
+            self._num_registered[request.request_id] = len(blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.allocate(num_needed))
+        return True
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Makes the request's newly completed blocks findable by later requests with the same prefix."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        tokens = request.all_token_ids
+        hashes = self._full_block_hashes(request, tokens)
+        blocks = self._blocks[request.request_id]
+        for i in range(start, num_full):
+            self.pool.cache_full_block(blocks[i], hashes[i], self._block_tokens(tokens, i))
+        self._num_registered[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Gives back every block the request holds; the last blocks go first to eviction, its shared prefix last."""
+        blocks = self._blocks.pop(request.request_id, [])
+        self.pool.release(reversed(blocks))
+        self._hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+
+    def _block_tokens(self, tokens: list[int], index: int) -> tuple[int, ...]:
+        return tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
+
+    def _full_block_hashes(self, request: Request, tokens: list[int]) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        for i in range(len(hashes), len(tokens) // self.block_size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, self._block_tokens(tokens, i)))
+        return hashes
+
+    def check_invariants(self, live_request_ids: set[str]) -> None:
+        self.pool.check_invariants()
+        assert set(self._blocks) <= live_request_ids, "blocks held by a request that is gone"
+        holders: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for block in blocks:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id} ref count is off"

@@ -1,0 +1,76 @@
+"""A request as the scheduler sees it: its tokens, how many are computed, and its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    The single idea of the scheduler lives here: ``num_computed_tokens`` counts the tokens whose KV is in the
+    cache; the scheduler gives the request work to close the gap to ``num_tokens``. A prompt chunk and a decode
+    token are the same kind of work.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold: its prompt plus every token it may generate."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return self.all_token_ids[start:end]

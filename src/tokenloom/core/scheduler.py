@@ -1,0 +1,276 @@
+"""The continuous-batching scheduler: every step, fill a token budget from running requests, then waiting ones.
+
+There are no prefill and decode phases. Each request has ``num_computed_tokens``; a step gives it up to the gap
+between that and its token count. A long prompt is chunked over several steps by the budget alone, and shares
+each of them with other requests' decode tokens. When KV blocks run out, the most recently admitted running
+request is preempted: its blocks go back to the pool and it returns to the head of the queue, to be recomputed
+(its prefix blocks usually still cached) when there is room again.
+
+In static batching (the baseline the seeds compare against) the same step admits a new batch only when the
+previous one has completely finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + len(token_ids)) and where their KV goes."""
+
+    request: Request
+    start: int
+    token_ids: list[int]
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the request's last token, so this step yields its next token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.start < self.request.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests, counted once each
+    generated_tokens: int = 0
+    computed_tokens: int = 0  # every token that went through the model, recomputation included
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        enable_chunked_prefill: bool = True,
+        static_batching: bool = False,
+    ) -> None:
+        self.kv = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.static_batching = static_batching
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._static_batch_forming = False
+
+    # ---- requests in and out -------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request; raises ValueError if it could never be served under this configuration."""
+        self.check_admissible(request)
+        assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_admissible(self, request: Request) -> None:
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the model's context length is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            raise ValueError(
+                f"the prompt has {n} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens}; "
+                "enable chunked prefill or raise the budget"
+            )
+        longest = min(request.max_total_tokens, self.max_model_len)
+        if not self.kv.can_fit(longest):
+            raise ValueError(
+                f"the request may grow to {longest} tokens, more than the whole KV cache holds "
+                f"({self.kv.num_blocks} blocks of {self.kv.block_size})"
+            )
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return None
+        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        assert status.finished
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step --------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted and self._may_admit():
+            self._schedule_waiting(output, budget)
+        if self.static_batching and (len(self.running) >= self.max_num_seqs or not self.waiting):
+            self._static_batch_forming = False
+        assert output.num_batched_tokens <= self.max_num_batched_tokens, "step exceeds its token budget"
+        assert len(self.running) <= self.max_num_seqs, "running batch exceeds max_num_seqs"
+        if not output.is_empty:
+            self.stats.num_steps += 1
+            self.stats.computed_tokens += output.num_batched_tokens
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.enable_chunked_prefill and request.num_computed_tokens + num_new < request.num_tokens:
+                i += 1  # an unchunked prompt waits for a step with room for all of it
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    return budget
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks = self.kv.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
+            if not self.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, cached_blocks):
+                if self.static_batching:
+                    self._static_batch_forming = False  # the batch is as large as the KV cache allows
+                break
+            self.waiting.popleft()
+            self._admit(request, num_cached)
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _may_admit(self) -> bool:
+        if not self.static_batching:
+            return True
+        if not self.running:
+            self._static_batch_forming = True
+        return self._static_batch_forming
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        self.kv.record_prefix_query(request.num_tokens, num_cached)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = num_cached
+            self.stats.prompt_tokens += request.num_prompt_tokens
+        self.running.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: the request gives back its blocks and goes to the head of the queue."""
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request,
+            start=start,
+            token_ids=request.token_ids_slice(start, start + num_new),
+            block_ids=self.kv.block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    # ---- after the step ----------------------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advances each scheduled request, appends its sampled token, and finishes it if a stop condition holds.
+
+        Returns the requests that received a token this step.
+        """
+        now = time.monotonic()
+        advanced = []
+        for item in output.scheduled:
+            request = item.request
+            if request.finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_tokens
+            self.kv.register_computed_blocks(request)
+            if not item.sample:
+                continue
+            request.output_token_ids.append(sampled[request.request_id])
+            self.stats.generated_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            advanced.append(request)
+            status = self._stop_status(request)
+            if status is not None:
+                self.finish_request(request, status)
+        return advanced
+
+    def _stop_status(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants(set(self.requests))
+        assert len(self.running) <= self.max_num_seqs
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert all(r.status == RequestStatus.WAITING for r in self.waiting)
+        assert len(self.running) + len(self.waiting) == len(self.requests)

@@ -1,0 +1,1 @@
+"""The step loop (LLMEngine) and the offline API (LLM) over it."""

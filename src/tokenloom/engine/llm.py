@@ -1,0 +1,103 @@
+"""The offline API: ``LLM(model).generate(prompts, params)``, as vLLM spells it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+PromptInput = str | dict[str, Any] | list[int]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """Runs a model over a batch of prompts with continuous batching (or static, for comparison)."""
+
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns the outputs in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        request_ids = [self._add(prompt, params) for prompt, params in zip(prompt_list, params_list, strict=True)]
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: Conversation) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start: steps, tokens, preemptions, prefix-cache queries and hits, KV blocks."""
+        return self.engine.stats()
+
+    def _add(self, prompt: PromptInput, params: SamplingParams) -> str:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self.engine.add_request(list(prompt["prompt_token_ids"]), params).request_id
+            return self.engine.add_request(prompt["prompt"], params).request_id
+        return self.engine.add_request(prompt, params).request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        progress = Progress(
+            TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[tokens]} tok"), disable=not use_tqdm, transient=True,
+        )
+        with progress:
+            task = progress.add_task("generate", total=len(request_ids), tokens=0)
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    done[output.request_id] = output
+                progress.update(task, completed=len(done), tokens=self.engine.scheduler.stats.generated_tokens)
+        return [done[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # a single prompt of token ids
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

@@ -1,0 +1,236 @@
+"""The engine: one step = schedule, run the model, sample, update, detect stops. Synchronous and single-threaded.
+
+Requests come in as text or token ids; finished requests come out as RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.runner import ModelRunner
+from tokenloom.model.sampler import SampledToken
+from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+@dataclass
+class _RequestState:
+    """What the engine keeps beside a scheduler request: its prompt text and generated logprobs."""
+
+    prompt: str | None
+    logprobs: list[dict[int, Logprob]] | None
+    text: str | None = None  # set when a stop string cut the text short
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.dtype)
+        started = time.monotonic()
+        self.loaded = loaded or load_model(config.model, config.max_model_len, self.dtype, self.device)
+        self.max_model_len = self._max_model_len_from(self.loaded.config)
+        self.model_config: ModelConfig = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(
+            self.loaded.model, self.num_kv_blocks, config.block_size, self.device, self.dtype, config.seed
+        )
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=set(self.model_config.eos_token_ids),
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            static_batching=config.batching == "static",
+        )
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "loaded %s in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
+            self.loaded.name, time.monotonic() - started, self.num_kv_blocks, config.block_size, self.max_model_len,
+        )
+
+    # ---- sizing -------------------------------------------------------------------------------------------
+
+    def _max_model_len_from(self, model_config: ModelConfig) -> int:
+        limit = model_config.max_position_embeddings
+        if model_config.sliding_window:
+            limit = min(limit, model_config.sliding_window)  # beyond the window we would attend too far
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's context length {limit}")
+        return wanted
+
+    def kv_bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.config.block_size * self.model_config.kv_bytes_per_token_per_element * element
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        memory = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        blocks_for_memory = memory // per_block
+        if blocks_for_memory < 1:
+            raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {per_block} bytes")
+        if self.config.kv_cache_memory is not None:
+            return blocks_for_memory
+        # By default, no more than max_num_seqs full-length requests could ever use.
+        blocks_for_batch = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return min(blocks_for_memory, blocks_for_batch)
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a prompt (text or token ids); raises ValueError if it can never be served."""
+        params = params or SamplingParams()
+        prompt_text, token_ids = self._tokenize(prompt)
+        request = Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+        )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        self._states[request.request_id] = _RequestState(prompt_text, [] if params.logprobs is not None else None)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort_request(request_id)
+        return None if request is None else self._finish(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer; pass prompt token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        token_ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return None, token_ids
+
+    # ---- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step; returns the requests that finished in it."""
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        sampled = self.runner.execute(output.scheduled)
+        self._record_logprobs(sampled)
+        advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
+        finished = []
+        for request in advanced:
+            if not request.finished and request.sampling_params.stop:
+                self._check_stop_strings(request)
+            if request.finished:
+                finished.append(self._finish(request))
+        return finished
+
+    def _record_logprobs(self, sampled: dict[str, SampledToken]) -> None:
+        for request_id, token in sampled.items():
+            state = self._states[request_id]
+            if state.logprobs is None or token.logprob is None:
+                continue
+            entry = {tid: Logprob(lp, rank=rank + 1) for rank, (tid, lp) in enumerate(token.top_logprobs or [])}
+            if token.token_id not in entry:
+                entry[token.token_id] = Logprob(token.logprob)
+            state.logprobs.append(entry)
+
+    def _check_stop_strings(self, request: Request) -> None:
+        text = self.decode(request.output_token_ids)
+        hits = [(text.find(stop), stop) for stop in request.sampling_params.stop if stop in text]
+        if hits:
+            index, stop = min(hits)
+            self._states[request.request_id].text = text[:index]
+            request.stop_reason = stop
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, request: Request) -> RequestOutput:
+        self.runner.release(request.request_id)
+        state = self._states.pop(request.request_id)
+        text = state.text if state.text is not None else self.decode(request.output_token_ids)
+        cumulative = None
+        if state.logprobs is not None:
+            cumulative = sum(e[t].logprob for e, t in zip(state.logprobs, request.output_token_ids, strict=False))
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.value,
+            stop_reason=request.stop_reason,
+            logprobs=state.logprobs,
+            cumulative_logprob=cumulative,
+        )
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+            metrics=metrics,
+            num_preemptions=request.num_preemptions,
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---- observability ------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        return {
+            "num_steps": s.num_steps,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "computed_tokens": s.computed_tokens,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
+            "kv_blocks_total": self.kv_cache.num_blocks,
+            "kv_blocks_in_use": self.kv_cache.num_used_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }

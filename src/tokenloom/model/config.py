@@ -1,0 +1,79 @@
+"""The architecture of a checkpoint, read from its Hugging Face config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def kv_bytes_per_token_per_element(self) -> int:
+        """K and V elements one token keeps in the cache across all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        architectures = hf.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {architectures or hf.get('model_type')!r}; "
+                f"tokenloom runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = hf["num_attention_heads"]
+        rope = hf.get("rope_parameters") or {}
+        rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+            eos_token_ids=eos_ids,
+        )

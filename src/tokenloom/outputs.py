@@ -1,0 +1,58 @@
+"""What a finished request gives back: its text, tokens, reason for stopping, and its timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: the chosen one and the top alternatives
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock moments (time.monotonic) of a request's life, and what it cost the scheduler."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_preemptions: int = field(default=0)

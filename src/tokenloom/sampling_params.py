@@ -1,0 +1,57 @@
+"""Per-request generation settings, validated on construction (no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops; names and defaults follow vLLM and the OpenAI API."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return per generated token
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
+            (self.temperature >= 0.0, "temperature must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (or -1 to disable)"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams: {message}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
