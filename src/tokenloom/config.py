@@ -43,7 +43,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         positive = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
         for name in positive:
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) > 0, f"{name} must be a positive integer")
+            _require(
+                isinstance(getattr(self, name), int) and getattr(self, name) > 0, f"{name} must be a positive integer"
+            )
         for name in ("num_kv_blocks", "kv_cache_memory", "num_threads", "max_model_len"):
             value = getattr(self, name)
             _require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")

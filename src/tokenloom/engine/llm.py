@@ -71,8 +71,13 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         progress = Progress(
-            TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[tokens]} tok"), disable=not use_tqdm, transient=True,
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[tokens]} tok"),
+            disable=not use_tqdm,
+            transient=True,
         )
         with progress:
             task = progress.add_task("generate", total=len(request_ids), tokens=0)

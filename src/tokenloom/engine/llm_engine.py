@@ -68,7 +68,11 @@ class LLMEngine:
         self._ids = itertools.count()
         logger.info(
             "loaded %s in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
-            self.loaded.name, time.monotonic() - started, self.num_kv_blocks, config.block_size, self.max_model_len,
+            self.loaded.name,
+            time.monotonic() - started,
+            self.num_kv_blocks,
+            config.block_size,
+            self.max_model_len,
         )
 
     # ---- sizing -------------------------------------------------------------------------------------------

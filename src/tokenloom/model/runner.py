@@ -44,7 +44,10 @@ class ModelRunner:
         row = cfg.num_kv_heads * cfg.head_dim
         # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison the output.
         self.kv_caches = [
-            (torch.zeros(num_slots, row, dtype=dtype, device=device), torch.zeros(num_slots, row, dtype=dtype, device=device))
+            (
+                torch.zeros(num_slots, row, dtype=dtype, device=device),
+                torch.zeros(num_slots, row, dtype=dtype, device=device),
+            )
             for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler(device, seed)

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random checkpoints of each supported architecture, and the real embedded model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+TINY_VOCAB = 512
+
+
+def _tiny_hf_config(arch: str):
+    import transformers
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        initializer_range=0.25,  # spread-out logits, so greedy choices are far from ties
+        eos_token_id=TINY_VOCAB - 1,
+        bos_token_id=0,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True)
+    if arch == "llama3-scaled":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128, "rope_theta": 500000.0}
+        return transformers.LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(arch)
+
+
+TINY_ARCHS = ["llama", "llama3-scaled", "mistral", "qwen2", "qwen3"]
+
+
+def make_tiny_checkpoint(arch: str, directory: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(_tiny_hf_config(arch), torch_dtype=torch.float32)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_checkpoint(arch, root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints) -> Path:
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted once into the local cache."""
+    from tokenloom.model.loader import resolve_checkpoint_dir
+
+    return resolve_checkpoint_dir(None)[1]
+
+
+def hf_oracle(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+    return model.eval()

@@ -1,0 +1,119 @@
+"""The block pool and KV cache manager keep their invariants under any sequence of operations."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenloom.core.block_pool import BlockPool
+from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.request import Request
+from tokenloom.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=64))
+
+
+def test_free_queue_hands_out_least_recently_freed_first():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.release([b])
+    pool.release([a])
+    order = [block.block_id for block in pool.free_queue]
+    assert order == [2, 3, b.block_id, a.block_id]
+
+
+def test_cached_block_is_reused_until_evicted():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    first = make_request("a", list(range(9)))
+    assert kv.allocate_slots(first, 9)
+    first.num_computed_tokens = 9
+    kv.register_computed_blocks(first)
+    first_blocks = kv.block_ids("a")
+    kv.free(first)
+    second = make_request("b", list(range(8)) + [99, 98])
+    hits = kv.find_cached_prefix(second)
+    assert [b.block_id for b in hits] == first_blocks[:2]
+    # A different prefix of the same length finds nothing.
+    assert kv.find_cached_prefix(make_request("c", [7] * 10)) == []
+
+
+def test_hash_collision_never_serves_wrong_tokens():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.cache_full_block(block, 12345, (1, 2, 3))
+    assert pool.lookup(12345, (1, 2, 3)) is block
+    assert pool.lookup(12345, (9, 9, 9)) is None
+
+
+def test_last_token_is_never_served_from_cache():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(8)))
+    assert kv.allocate_slots(request, 8)
+    request.num_computed_tokens = 8
+    kv.register_computed_blocks(request)
+    kv.free(request)
+    again = make_request("b", list(range(8)))
+    assert len(kv.find_cached_prefix(again)) == 1  # 8 tokens: one block from cache, the last block recomputed
+
+
+def test_ref_count_cannot_go_negative():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.release([block])
+    try:
+        pool.release([block])
+    except AssertionError:
+        return
+    raise AssertionError("double free went unnoticed")
+
+
+operation = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 40)),
+    st.tuples(st.just("grow"), st.integers(0, 50), st.integers(1, 9)),
+    st.tuples(st.just("free"), st.integers(0, 50), st.just(0)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(operation, max_size=60), block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 24))
+def test_kv_manager_invariants_under_random_operations(ops, block_size, num_blocks):
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True)
+    live: dict[str, Request] = {}
+    counter = 0
+    for kind, a, b in ops:
+        if kind == "add":
+            counter += 1
+            # A few shared prefixes (a picks one) so the prefix cache gets hits.
+            request = make_request(f"r{counter}", [a] * 5 + list(range(b)))
+            hits = kv.find_cached_prefix(request)
+            num_new = request.num_tokens - len(hits) * block_size
+            if kv.allocate_slots(request, num_new, hits):
+                request.num_computed_tokens = request.num_tokens
+                kv.register_computed_blocks(request)
+                live[request.request_id] = request
+                assert len(kv.block_ids(request.request_id)) * block_size >= request.num_tokens
+            else:
+                kv.free(request)
+        elif kind == "grow" and live:
+            request = list(live.values())[a % len(live)]
+            request.output_token_ids.extend([7] * b)
+            if kv.allocate_slots(request, b):
+                request.num_computed_tokens += b
+                kv.register_computed_blocks(request)
+            else:
+                request.output_token_ids = request.output_token_ids[:-b]
+        elif kind == "free" and live:
+            request = live.pop(list(live)[a % len(live)])
+            kv.free(request)
+        kv.check_invariants(set(live))
+        assert kv.num_used_blocks <= num_blocks
+        all_blocks = [bid for rid in live for bid in kv.block_ids(rid)]
+        shared = {bid for bid in all_blocks if all_blocks.count(bid) > 1}
+        # Only cached (full, identical-prefix) blocks may be shared between requests.
+        assert all(kv.pool.blocks[bid].block_hash is not None for bid in shared)
+    for request in live.values():
+        kv.free(request)
+    kv.check_invariants(set())
+    assert kv.num_used_blocks == 0

@@ -1,0 +1,240 @@
+"""The scheduler alone, driven by a fake model (no torch): budgets, caps, chunking, preemption, static batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.request import Request
+from tokenloom.core.scheduler import Scheduler, SchedulerOutput
+from tokenloom.sampling_params import SamplingParams
+
+VOCAB = 1000
+EOS = 999
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    """A deterministic 'model': the next token depends on the whole sequence, never on the batch."""
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + len(tokens)) % (VOCAB - 1)
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, budget=16, static=False, chunked=True):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+    return Scheduler(
+        kv,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=512,
+        eos_token_ids={EOS},
+        enable_chunked_prefill=chunked,
+        static_batching=static,
+    )
+
+
+def run_step(scheduler: Scheduler) -> SchedulerOutput:
+    output = scheduler.schedule()
+    sampled = {}
+    for item in output.scheduled:
+        request = item.request
+        # The fake model must only ever see tokens that are scheduled in order: computed + this chunk.
+        assert item.start == request.num_computed_tokens
+        assert item.token_ids == request.all_token_ids[item.start : item.start + item.num_tokens]
+        assert len(item.block_ids) * scheduler.kv.block_size >= item.start + item.num_tokens
+        if item.sample:
+            sampled[request.request_id] = fake_next_token(request.all_token_ids)
+    scheduler.update_from_output(output, sampled)
+    scheduler.check_invariants()
+    return output
+
+
+def run_to_completion(scheduler: Scheduler, requests: list[Request], max_steps=10_000) -> list[SchedulerOutput]:
+    for request in requests:
+        scheduler.add_request(request)
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        outputs.append(run_step(scheduler))
+        assert len(outputs) < max_steps, "the scheduler stopped making progress"
+    return outputs
+
+
+def solo_output(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    out = []
+    while len(out) < max_tokens:
+        out.append(fake_next_token(tokens))
+        tokens.append(out[-1])
+    return out
+
+
+def make_request(i: int, prompt_len: int, max_tokens: int) -> Request:
+    rng = random.Random(i)
+    prompt = [rng.randrange(VOCAB - 1) for _ in range(prompt_len)]
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_budget_and_sequence_cap_are_respected_and_everyone_finishes():
+    scheduler = make_scheduler(max_num_seqs=3, budget=10)
+    requests = [make_request(i, 5 + 3 * i, 4 + i) for i in range(8)]
+    outputs = run_to_completion(scheduler, requests)
+    for output in outputs:
+        assert output.num_batched_tokens <= 10
+        assert len(output.scheduled) <= 3
+    for request in requests:
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+
+
+def test_long_prompt_is_chunked_and_shares_steps_with_decodes():
+    scheduler = make_scheduler(budget=8)
+    short = make_request(0, 3, 20)
+    scheduler.add_request(short)
+    run_step(scheduler)  # short is prefilled and decoding
+    long = make_request(1, 30, 2)
+    scheduler.add_request(long)
+    mixed_steps = 0
+    chunks = []
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        output = run_step(scheduler)
+        kinds = {item.request.request_id: item for item in output.scheduled}
+        if "r1" in kinds:
+            chunks.append(kinds["r1"].num_tokens)
+            if "r0" in kinds and kinds["r0"].num_tokens == 1:
+                mixed_steps += 1
+    assert len(chunks) >= 4 and max(chunks) <= 7  # one token of each step's budget went to the decode
+    assert mixed_steps == len(chunks)
+    assert sum(chunks) == 30
+
+
+def test_preemption_under_a_tiny_pool_and_preempted_requests_complete():
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=4, budget=32)
+    requests = [make_request(i, 6, 10) for i in range(4)]
+    outputs = run_to_completion(scheduler, requests)
+    assert scheduler.stats.num_preemptions > 0
+    assert any(output.preempted for output in outputs)
+    assert any(r.num_preemptions > 0 for r in requests)
+    for request in requests:
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, 10)
+    assert scheduler.kv.num_used_blocks == 0
+
+
+def test_victim_is_the_most_recently_admitted():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, budget=64)
+    requests = [make_request(i, 7, 16) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    preempted = []
+    while not preempted:
+        preempted = run_step(scheduler).preempted
+    assert preempted[0].request_id == "r2"
+    assert scheduler.waiting[0].request_id == "r2"
+
+
+def test_static_batching_admits_no_one_while_a_batch_runs():
+    scheduler = make_scheduler(max_num_seqs=2, budget=64, static=True)
+    requests = [make_request(0, 4, 3), make_request(1, 4, 12), make_request(2, 4, 3), make_request(3, 4, 3)]
+    for request in requests:
+        scheduler.add_request(request)
+    first_batch_done_step = None
+    step = 0
+    while scheduler.has_unfinished_requests():
+        output = run_step(scheduler)
+        step += 1
+        ids = {item.request.request_id for item in output.scheduled}
+        if requests[1].finished and first_batch_done_step is None:
+            first_batch_done_step = step
+        if first_batch_done_step is None:
+            assert ids <= {"r0", "r1"}, "a request joined a static batch that was still running"
+    assert requests[2].first_scheduled_time >= requests[1].finished_time
+    for request in requests:
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+
+
+def test_continuous_batching_fills_a_finished_slot_at_once():
+    scheduler = make_scheduler(max_num_seqs=2, budget=64)
+    requests = [make_request(0, 4, 2), make_request(1, 4, 12), make_request(2, 4, 3)]
+    for request in requests:
+        scheduler.add_request(request)
+    while not requests[0].finished:
+        run_step(scheduler)
+    output = run_step(scheduler)
+    assert "r2" in {item.request.request_id for item in output.scheduled}
+    assert not requests[1].finished
+
+
+def test_prefix_cache_hits_skip_computation():
+    scheduler = make_scheduler(budget=64)
+    shared = list(range(1, 13))  # three full blocks of 4
+    first = Request("a", [*shared, 50], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_to_completion(scheduler, [first])
+    second = Request("b", [*shared, 60, 61], SamplingParams(max_tokens=2, ignore_eos=True))
+    scheduler.add_request(second)
+    output = run_step(scheduler)
+    assert output.scheduled[0].start == 12 and second.num_cached_tokens == 12
+    assert scheduler.kv.prefix_cache_hits == 12
+    run_to_completion(scheduler, [])
+    assert second.output_token_ids == solo_output(second.prompt_token_ids, 2)
+
+
+def test_unchunked_prefill_waits_for_a_step_with_room():
+    scheduler = make_scheduler(budget=16, chunked=False)
+    requests = [make_request(i, 10, 3) for i in range(3)]
+    outputs = run_to_completion(scheduler, requests)
+    for output in outputs:
+        for item in output.scheduled:
+            assert item.start != 0 or item.num_tokens == 10, "a prompt was split with chunking off"
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        scheduler.add_request(make_request(9, 17, 3))
+
+
+def test_stop_conditions():
+    scheduler = make_scheduler()
+    eos_at = solo_output([5, 6, 7], 5)
+    stop_token = eos_at[2]
+    request = Request("s", [5, 6, 7], SamplingParams(max_tokens=5, stop_token_ids=[stop_token]))
+    run_to_completion(scheduler, [request])
+    assert request.output_token_ids == eos_at[:3] and request.status.value == "stop"
+    assert request.stop_reason == stop_token
+    limited = Request("l", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    run_to_completion(scheduler, [limited])
+    assert len(limited.output_token_ids) == 4 and limited.status.value == "length"
+
+
+def test_requests_that_can_never_fit_are_rejected():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        scheduler.add_request(make_request(0, 10, 20))
+    with pytest.raises(ValueError, match="empty"):
+        scheduler.add_request(Request("e", [], SamplingParams()))
+
+
+def test_abort_frees_blocks_in_any_state():
+    scheduler = make_scheduler(max_num_seqs=1, budget=64)
+    running, waiting = make_request(0, 9, 50), make_request(1, 9, 50)
+    scheduler.add_request(running)
+    scheduler.add_request(waiting)
+    run_step(scheduler)
+    assert scheduler.abort_request("r1") is waiting
+    assert scheduler.abort_request("r0") is running
+    scheduler.check_invariants()
+    assert scheduler.kv.num_used_blocks == 0 and not scheduler.has_unfinished_requests()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=10),
+    num_blocks=st.integers(14, 40),
+    budget=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 6),
+    static=st.booleans(),
+)
+def test_random_workloads_finish_with_solo_outputs(lengths, num_blocks, budget, max_num_seqs, static):
+    scheduler = make_scheduler(num_blocks, 4, max_num_seqs, budget, static=static)
+    requests = [make_request(i, p, m) for i, (p, m) in enumerate(lengths)]
+    outputs = run_to_completion(scheduler, requests)
+    assert all(o.num_batched_tokens <= budget for o in outputs)
+    for request in requests:
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+    assert scheduler.kv.num_used_blocks == 0
