@@ -32,8 +32,14 @@ def _tiny_hf_config(arch: str):
     if arch == "llama":
         return transformers.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True)
     if arch == "llama3-scaled":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 128, "rope_theta": 500000.0}
+        rope = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 500000.0,
+        }
         return transformers.LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0, tie_word_embeddings=False)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)

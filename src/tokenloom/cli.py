@@ -1,0 +1,107 @@
+"""The command line: ``tokenloom generate``. Engine flags are spelled as vLLM spells them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from tokenloom.config import EngineConfig
+
+SAMPLING_FLAGS = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, with its default and its docstring as help."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    docs = _field_docs()
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        hint = hints[field.name]
+        help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+        if hint is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        else:
+            kind = int if int in typing.get_args(hint) or hint is int else str
+            group.add_argument(flag, type=kind, default=field.default, help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def _field_docs() -> dict[str, str]:
+    """Reads the attribute docstrings under each EngineConfig field, so the help text lives in one place."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(EngineConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+            docs[node.target.id] = str(following.value.value).strip()
+    return docs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloom", description="An LLM inference engine with continuous batching.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate a reply to one prompt and print it")
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    generate.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    sampling = generate.add_argument_group("sampling")
+    for name, kind in SAMPLING_FLAGS.items():
+        sampling.add_argument(
+            "--" + name.replace("_", "-"), dest=f"sp_{name}", metavar=name.upper(), type=kind, default=None
+        )
+    add_engine_flags(generate)
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from tokenloom import LLM, SamplingParams
+
+    overrides = {
+        name: getattr(args, f"sp_{name}") for name in SAMPLING_FLAGS if getattr(args, f"sp_{name}") is not None
+    }
+    overrides.setdefault("max_tokens", 256)
+    overrides.setdefault("temperature", 0.0)
+    params = SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos, **overrides)
+    config = engine_config_from_args(args)
+    llm = LLM(**config.to_dict())
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": args.prompt}]], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return run_generate(args)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"tokenloom: error: {error}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

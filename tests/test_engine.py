@@ -1,0 +1,140 @@
+"""The whole engine on a tiny model: outputs do not depend on batch composition, chunking or preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenloom import LLM, SamplingParams
+
+VOCAB = 512
+
+
+def prompts(n: int, seed: int = 0, low: int = 3, high: int = 60) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(VOCAB - 1) for _ in range(rng.randint(low, high))]} for _ in range(n)]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def solo_reference(tiny_llama):
+    """Each prompt run alone, one at a time, with a generous configuration."""
+    llm = LLM(str(tiny_llama), max_num_seqs=1, max_num_batched_tokens=1024)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return token_ids(llm.generate(prompts(10), greedy, use_tqdm=False))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(max_num_seqs=16, max_num_batched_tokens=1024),
+        dict(max_num_seqs=4, max_num_batched_tokens=20),  # chunked prompts, mixed steps
+        dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8),  # preemptions
+        dict(max_num_seqs=3, max_num_batched_tokens=64, batching="static"),
+        dict(max_num_seqs=8, max_num_batched_tokens=128, enable_chunked_prefill=False, enable_prefix_caching=False),
+    ],
+)
+def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
+    llm = LLM(str(tiny_llama), **config)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert token_ids(llm.generate(prompts(10), greedy, use_tqdm=False)) == solo_reference
+    stats = llm.stats()
+    assert stats["kv_blocks_in_use"] == 0 and stats["generated_tokens"] == 120
+    if "num_kv_blocks" in config:
+        assert stats["num_preemptions"] > 0
+
+
+def test_preempted_requests_report_it(tiny_llama):
+    llm = LLM(str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8)
+    outputs = llm.generate(prompts(10), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert sum(o.num_preemptions for o in outputs) == llm.stats()["num_preemptions"] > 0
+    for output in outputs:
+        m = output.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_shared_prefixes_hit_the_prefix_cache(tiny_llama):
+    llm = LLM(str(tiny_llama), block_size=4)
+    shared = list(range(10, 42))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": [*shared, 1]}, params, use_tqdm=False)
+    second = llm.generate({"prompt_token_ids": [*shared, 2]}, params, use_tqdm=False)
+    assert second[0].metrics.num_cached_tokens == 32 and first[0].metrics.num_cached_tokens == 0
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] == 32 and stats["prefix_cache_queries"] == 66
+    cold = LLM(str(tiny_llama), block_size=4, enable_prefix_caching=False)
+    assert token_ids(cold.generate({"prompt_token_ids": [*shared, 2]}, params, use_tqdm=False)) == token_ids(second)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llama):
+    llm = LLM(str(tiny_llama), max_num_seqs=8)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(prompts(1, seed=3), seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)
+    batch = prompts(1, seed=3) + prompts(5, seed=4)
+    together = llm.generate(batch, [seeded] + [others] * 5, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == together
+    reseeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=8, max_tokens=16, ignore_eos=True)
+    assert llm.generate(prompts(1, seed=3), reseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_logprobs_are_returned_for_each_token(tiny_llama):
+    llm = LLM(str(tiny_llama))
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
+    completion = llm.generate(prompts(1), params, use_tqdm=False)[0].outputs[0]
+    assert len(completion.logprobs) == 5
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        assert len(entry) == 3
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids, strict=True))
+    )
+
+
+def test_eos_stops_unless_ignored(tiny_llama):
+    llm = LLM(str(tiny_llama))
+    first = llm.generate(prompts(1), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    eos_like = first[0].outputs[0].token_ids[1]
+    # Declare the second generated token a stop token: generation ends there with reason "stop".
+    params = SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[eos_like])
+    out = llm.generate(prompts(1), params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == first[0].outputs[0].token_ids[:2]
+    assert out.finish_reason == "stop" and out.stop_reason == eos_like
+    assert first[0].outputs[0].finish_reason == "length"
+
+
+def test_generation_stops_at_the_context_length(tiny_llama):
+    llm = LLM(str(tiny_llama), max_model_len=40)
+    out = llm.generate({"prompt_token_ids": [5] * 35}, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate({"prompt_token_ids": [5] * 40}, use_tqdm=False)
+
+
+def test_config_errors_are_clear(tiny_llama):
+    with pytest.raises(TypeError, match="unknown engine option.*max_num_seq'"):
+        LLM(str(tiny_llama), max_num_seq=4)
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
+        LLM(str(tiny_llama), max_num_seqs=0)
+    with pytest.raises(ValueError, match="batching"):
+        LLM(str(tiny_llama), batching="dynamic")
+    with pytest.raises(ValueError, match="exceeds the model's context length"):
+        LLM(str(tiny_llama), max_model_len=100_000)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+def test_bad_token_ids_and_missing_tokenizer(tiny_llama):
+    llm = LLM(str(tiny_llama))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        llm.generate({"prompt_token_ids": [VOCAB + 5]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+    assert llm.stats()["kv_blocks_in_use"] == 0 and not llm.engine.has_unfinished_requests()
