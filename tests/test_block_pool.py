@@ -32,7 +32,7 @@ def test_cached_block_is_reused_until_evicted():
     kv.register_computed_blocks(first)
     first_blocks = kv.block_ids("a")
     kv.free(first)
-    second = make_request("b", list(range(8)) + [99, 98])
+    second = make_request("b", [*list(range(8)), 99, 98])
     hits = kv.find_cached_prefix(second)
     assert [b.block_id for b in hits] == first_blocks[:2]
     # A different prefix of the same length finds nothing.

@@ -119,7 +119,7 @@ def test_generation_stops_at_the_context_length(tiny_llama):
 
 
 def test_config_errors_are_clear(tiny_llama):
-    with pytest.raises(TypeError, match="unknown engine option.*max_num_seq'"):
+    with pytest.raises(TypeError, match=r"unknown engine option.*max_num_seq'"):
         LLM(str(tiny_llama), max_num_seq=4)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
         LLM(str(tiny_llama), max_num_seqs=0)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-
 from conftest import TINY_ARCHS, TINY_VOCAB, hf_oracle
+
 from tokenloom import EngineConfig, LLMEngine
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import ScheduledRequest
@@ -51,7 +53,7 @@ def test_chunked_prefill_and_decode_logits_match_transformers(tiny_checkpoints, 
         reference = hf_oracle(path)(torch.tensor([tokens])).logits[0]
     request = Request("x", tokens, SamplingParams())
     bounds = [0, 7, 13, 22, 23, 24, 25, 26, 27, 28, 29, 30]  # prefill chunks, then decode steps
-    for start, end in zip(bounds, bounds[1:], strict=False):
+    for start, end in itertools.pairwise(bounds):
         ours = logits_of_chunk(engine, request, start, end)
         torch.testing.assert_close(ours, reference[start:end], atol=1e-4, rtol=1e-4)
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import hf_oracle
+
 from tokenloom import LLM, SamplingParams
 
 pytestmark = pytest.mark.real_model

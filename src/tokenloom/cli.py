@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 import typing
 
@@ -49,7 +50,7 @@ def _field_docs() -> dict[str, str]:
     tree = ast.parse(inspect.getsource(EngineConfig))
     body = tree.body[0].body
     docs = {}
-    for node, following in zip(body, body[1:], strict=False):
+    for node, following in itertools.pairwise(body):
         if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
             docs[node.target.id] = str(following.value.value).strip()
     return docs
