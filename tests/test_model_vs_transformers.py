@@ -18,7 +18,7 @@ BLOCK = 4
 
 
 def engine_for(path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64, block_size=BLOCK))
+    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=128, block_size=BLOCK))
 
 
 def logits_of_chunk(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
@@ -43,16 +43,22 @@ def test_prompt_logits_match_transformers(tiny_checkpoints, arch):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_chunked_prefill_and_decode_logits_match_transformers(tiny_checkpoints, arch):
-    """Chunks that start mid-block and single-token decodes read earlier KV from the paged cache."""
+@pytest.mark.parametrize(
+    ("arch", "bounds"),
+    [
+        ("llama", [0, 7, 13, 22, 23, 24, 25, 26, 27, 28, 29, 30]),  # chunks that start mid-block, then decodes
+        ("qwen3", [0, 7, 13, 22, 23, 24, 25, 26, 27, 28, 29, 30]),
+        ("llama", [0, 150, 301, 302, 303]),  # chunks longer than one attention tile, over a long past
+    ],
+)
+def test_chunked_prefill_and_decode_logits_match_transformers(tiny_checkpoints, arch, bounds):
+    """Chunks after the first and single-token decodes read earlier KV from the paged cache."""
     path = tiny_checkpoints[arch]
     engine = engine_for(path)
-    tokens = torch.randint(0, TINY_VOCAB, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = torch.randint(0, TINY_VOCAB, (bounds[-1],), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
         reference = hf_oracle(path)(torch.tensor([tokens])).logits[0]
     request = Request("x", tokens, SamplingParams())
-    bounds = [0, 7, 13, 22, 23, 24, 25, 26, 27, 28, 29, 30]  # prefill chunks, then decode steps
     for start, end in itertools.pairwise(bounds):
         ours = logits_of_chunk(engine, request, start, end)
         torch.testing.assert_close(ours, reference[start:end], atol=1e-4, rtol=1e-4)

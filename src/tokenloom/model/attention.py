@@ -1,12 +1,17 @@
 """Paged attention in plain PyTorch: the same code runs on CPU and CUDA.
 
-Each layer's cache is two tensors of shape [num_blocks * block_size, kv_heads * head_dim]; a token's KV lives in
-one row (its *slot*), and a request's block table says which rows hold its context. A step first writes the K
-and V of every new token into its slot, then lets each query read its context. Because all writes of a layer
-happen before any read, a request may read blocks another request computes in the same step.
+Each layer's cache is two tensors of shape [num_blocks * block_size, kv_heads * head_dim]; a token's K (or V)
+lives in one row, its *slot*, and a request's block table says which blocks hold its context. A step first
+writes the K and V of every new token into its slot, then lets each query read its context. Because all writes
+of a layer happen before any read, a request may read blocks another request computes in the same step.
 
-Decode queries (one new token each) are attended all at once over their padded contexts. Prefill chunks are
-attended one request at a time, each a causal block of queries over its context.
+Reading a context gathers whole blocks (one contiguous copy per block, far cheaper than per-slot indexing).
+Attention runs per KV head as batched matmuls over strided views, so grouped-query heads never copy K or V:
+
+    queries of the heads sharing KV head i   [.., group, d]  @  K[:, i*d:(i+1)*d]^T   ->  scores [.., group, ctx]
+
+Decode queries (one new token each) are attended all at once over their padded contexts. A prefill chunk is
+attended in tiles of queries, each over the keys up to its last position, which skips most of the masked half.
 """
 
 from __future__ import annotations
@@ -14,18 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+PREFILL_TILE = 128
 
 
 @dataclass
 class PrefillSegment:
-    """A chunk of queries [q_start, q_start + q_len) in the flat batch, at the end of a context of ctx_len."""
+    """Queries [q_start, q_start + q_len) of the flat batch, the last q_len tokens of a context of ctx_len."""
 
     q_start: int
     q_len: int
     ctx_len: int
-    ctx_slots: torch.Tensor | None  # [ctx_len] rows of the cache; None when the chunk is its whole context
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True where a query may attend
+    block_table: torch.Tensor | None  # [num_blocks] long; None when the chunk is its whole context
+    bias: torch.Tensor  # [q_len, ctx_len]: 0 where a query may attend, -inf elsewhere
 
 
 @dataclass
@@ -36,15 +42,23 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] long
-    num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_ctx] long, padded with slot 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] bool
-    prefills: list[PrefillSegment]
+    block_size: int
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long, padded with block 0
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, max_ctx]: 0 inside each context, -inf past it
+    prefills: list[PrefillSegment] | None = None
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
     cache_k.index_copy_(0, slots, k.reshape(k.shape[0], -1))
     cache_v.index_copy_(0, slots, v.reshape(v.shape[0], -1))
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., num_blocks * block_size, row] rows of the cache."""
+    row = cache.shape[1]
+    blocks = cache.view(-1, block_size * row).index_select(0, block_tables.reshape(-1))
+    return blocks.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, row)
 
 
 def paged_attention(
@@ -56,45 +70,53 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, heads, d]; k, v: [T, kv_heads, d] (this step's, already in the cache). Returns [T, heads, d]."""
+    """q: [T, heads, d]; k, v: [T, kv_heads * d] (this step's, already in the cache). Returns [T, heads, d]."""
     out = torch.empty_like(q)
     if meta.num_decodes:
         out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], cache_k, cache_v, meta, scale)
-    for seg in meta.prefills:
+    for seg in meta.prefills or ():
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], cache_k, cache_v, seg, scale)
+        if seg.block_table is None:
+            seg_k, seg_v = k[rows], v[rows]
+        else:
+            seg_k = gather_blocks(cache_k, seg.block_table, meta.block_size)[: seg.ctx_len]
+            seg_v = gather_blocks(cache_v, seg.block_table, meta.block_size)[: seg.ctx_len]
+        out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)
     return out
 
 
 def _decode_attention(q, cache_k, cache_v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    num_decodes, num_heads, head_dim = q.shape
-    num_kv_heads = cache_k.shape[1] // head_dim
-    group = num_heads // num_kv_heads
-    max_ctx = meta.decode_slots.shape[1]
-    # The query heads that share a KV head become that head's "query rows": [D, kv_heads, group, d].
-    qg = q.view(num_decodes, num_kv_heads, group, head_dim)
-    k = cache_k[meta.decode_slots].view(num_decodes, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
-    v = cache_v[meta.decode_slots].view(num_decodes, max_ctx, num_kv_heads, head_dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scale)
-    return out.reshape(num_decodes, num_heads, head_dim)
+    max_ctx = meta.decode_bias.shape[-1]
+    k = gather_blocks(cache_k, meta.decode_block_tables, meta.block_size)[:, :max_ctx]
+    v = gather_blocks(cache_v, meta.decode_block_tables, meta.block_size)[:, :max_ctx]
+    head_dim = q.shape[-1]
+    group = q.shape[1] // (k.shape[-1] // head_dim)
+    out = torch.empty_like(q)
+    for heads, cols in _kv_heads(k.shape[-1] // head_dim, group, head_dim):
+        scores = torch.baddbmm(meta.decode_bias, q[:, heads], k[:, :, cols].transpose(1, 2), alpha=scale)
+        out[:, heads] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, cols])
+    return out
 
 
-def _prefill_attention(q, k, v, cache_k, cache_v, seg: PrefillSegment, scale: float) -> torch.Tensor:
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    if seg.ctx_slots is not None:
-        k = cache_k[seg.ctx_slots].view(seg.ctx_len, num_kv_heads, head_dim)
-        v = cache_v[seg.ctx_slots].view(seg.ctx_len, num_kv_heads, head_dim)
-    group = num_heads // num_kv_heads
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=seg.mask,
-        is_causal=seg.mask is None,
-        scale=scale,
-    )
-    return out.transpose(0, 1)
+def _prefill_attention(q, k, v, seg: PrefillSegment, scale: float) -> torch.Tensor:
+    """q: [n, heads, d] at the end of a context; k, v: [ctx_len, kv_heads * d]."""
+    n, _, head_dim = q.shape
+    num_kv_heads = k.shape[-1] // head_dim
+    group = q.shape[1] // num_kv_heads
+    past = seg.ctx_len - n
+    out = torch.empty_like(q)
+    for start in range(0, n, PREFILL_TILE):
+        end = min(start + PREFILL_TILE, n)
+        keys = past + end  # queries of this tile see nothing past their last position
+        bias = seg.bias[start:end, :keys]
+        for heads, cols in _kv_heads(num_kv_heads, group, head_dim):
+            tile_q = q[start:end, heads].transpose(0, 1)  # [group, tile, d]
+            scores = torch.matmul(tile_q, k[:keys, cols].t()).mul_(scale).add_(bias)
+            out[start:end, heads] = torch.matmul(torch.softmax(scores, dim=-1), v[:keys, cols]).transpose(0, 1)
+    return out
+
+
+def _kv_heads(num_kv_heads: int, group: int, head_dim: int):
+    """For each KV head: the slice of query heads that share it, and its columns in a cache row."""
+    for i in range(num_kv_heads):
+        yield slice(i * group, (i + 1) * group), slice(i * head_dim, (i + 1) * head_dim)

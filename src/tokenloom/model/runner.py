@@ -39,6 +39,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype
         cfg = model.config
         num_slots = num_kv_blocks * block_size
         row = cfg.num_kv_heads * cfg.head_dim
@@ -77,14 +78,10 @@ class ModelRunner:
         ends = np.cumsum([s.num_tokens for s in ordered])
         sample_rows = [int(end) - 1 for s, end in zip(ordered, ends, strict=True) if s.sample]
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
-            num_decodes=num_decodes,
-            decode_slots=None,
-            decode_mask=None,
-            prefills=[],
+            slot_mapping=self._tensor(slot_mapping), block_size=self.block_size, num_decodes=num_decodes, prefills=[]
         )
         if num_decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_context(ordered[:num_decodes])
+            meta.decode_block_tables, meta.decode_bias = self._decode_context(ordered[:num_decodes])
         for s, end in zip(ordered[num_decodes:], ends[num_decodes:], strict=True):
             meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
         return ModelInputs(
@@ -108,20 +105,20 @@ class ModelRunner:
         for row, s in enumerate(decodes):
             used = s.block_ids[:num_blocks]
             tables[row, : len(used)] = used
-        positions = np.arange(max_ctx)
-        slots = tables[:, positions // self.block_size] * self.block_size + positions % self.block_size
-        mask = positions[None, :] < context_lens[:, None]
-        slots[~mask] = 0
-        return self._tensor(slots), self._tensor(mask[:, None, None, :])
+        visible = np.arange(max_ctx)[None, :] < context_lens[:, None]
+        return self._tensor(tables), self._bias(visible[:, None, :])
 
     def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
         ctx_len = s.start + s.num_tokens
-        if s.start == 0:
-            return PrefillSegment(q_start, s.num_tokens, ctx_len, ctx_slots=None, mask=None)
-        query_positions = np.arange(s.start, ctx_len)
-        mask = np.arange(ctx_len)[None, :] <= query_positions[:, None]
-        ctx_slots = self._slots(s.block_ids, 0, ctx_len)
-        return PrefillSegment(q_start, s.num_tokens, ctx_len, self._tensor(ctx_slots), self._tensor(mask))
+        visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
+        table = None
+        if s.start > 0:
+            table = self._tensor(np.asarray(s.block_ids[: -(-ctx_len // self.block_size)], dtype=np.int64))
+        return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self._bias(visible))
+
+    def _bias(self, visible: np.ndarray) -> torch.Tensor:
+        """An additive attention mask: 0 where visible, -inf elsewhere."""
+        return self._tensor(np.where(visible, 0.0, -np.inf).astype(np.float32)).to(self.dtype)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)
