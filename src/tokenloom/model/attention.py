@@ -10,15 +10,18 @@ Attention runs per KV head as batched matmuls over strided views, so grouped-que
 
     queries of the heads sharing KV head i   [.., group, d]  @  K[:, i*d:(i+1)*d]^T   ->  scores [.., group, ctx]
 
-Decode queries (one new token each) are attended all at once over their padded contexts. A prefill chunk is
+Decode queries (one new token each) are attended a group at a time, each group over its contexts padded to the
+longest; grouping by length keeps the padding, and so the memory traffic, small. A prefill chunk is
 attended in tiles of queries, each over the keys up to its last position, which skips most of the masked half.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from tokenloom.model import cpu_kernel
 
 PREFILL_TILE = 128
 
@@ -35,18 +38,29 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode queries of similar context length, attended together over contexts padded to the longest."""
+
+    row_start: int
+    num_rows: int
+    block_tables: torch.Tensor  # [num_rows, max_blocks] long, padded with block 0
+    context_lens: torch.Tensor  # [num_rows] long
+    bias: torch.Tensor  # [num_rows, 1, max_ctx]: 0 inside each context, -inf past it
+
+
+@dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache, and which context each query reads.
 
-    The flat batch holds the decode tokens first (rows [0, num_decodes)), then the prefill chunks.
+    The flat batch holds the decode tokens first, in groups of similar context length, then the prefill chunks.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] long
     block_size: int
-    num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long, padded with block 0
-    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, max_ctx]: 0 inside each context, -inf past it
-    prefills: list[PrefillSegment] | None = None
+    decodes: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace())
+    use_cpu_kernel: bool = False  # decode attention through the compiled kernel in cpu_kernel.py
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -54,11 +68,27 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: t
     cache_v.index_copy_(0, slots, v.reshape(v.shape[0], -1))
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_blocks * block_size, row] rows of the cache."""
-    row = cache.shape[1]
-    blocks = cache.view(-1, block_size * row).index_select(0, block_tables.reshape(-1))
-    return blocks.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, row)
+class GatherWorkspace:
+    """Reusable buffers for gathered K and V.
+
+    A fresh tensor per layer would be tens of megabytes at large batches, mapped and page-faulted in anew each
+    time; measured here, reusing one buffer made decode attention at 64 sequences 3x faster.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def gather(self, name: str, cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[..., num_blocks] block ids -> [..., num_blocks * block_size, row] rows of the cache."""
+        row = cache.shape[1]
+        num = block_tables.numel()
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < num * block_size * row or buffer.dtype != cache.dtype:
+            buffer = torch.empty(num * block_size * row * 5 // 4, dtype=cache.dtype, device=cache.device)
+            self._buffers[name] = buffer
+        out = buffer[: num * block_size * row].view(num, block_size * row)
+        torch.index_select(cache.view(-1, block_size * row), 0, block_tables.reshape(-1), out=out)
+        return out.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, row)
 
 
 def paged_attention(
@@ -72,28 +102,36 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads * d] (this step's, already in the cache). Returns [T, heads, d]."""
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        out[: meta.num_decodes] = _decode_attention(q[: meta.num_decodes], cache_k, cache_v, meta, scale)
-    for seg in meta.prefills or ():
+    ws, block_size = meta.workspace, meta.block_size
+    for group in meta.decodes:
+        rows = slice(group.row_start, group.row_start + group.num_rows)
+        if meta.use_cpu_kernel:
+            out[rows] = cpu_kernel.paged_decode_attention(
+                q[rows], cache_k, cache_v, group.block_tables, group.context_lens, block_size, scale
+            )
+            continue
+        max_ctx = group.bias.shape[-1]
+        group_k = ws.gather("k", cache_k, group.block_tables, block_size)[:, :max_ctx]
+        group_v = ws.gather("v", cache_v, group.block_tables, block_size)[:, :max_ctx]
+        out[rows] = _decode_attention(q[rows], group_k, group_v, group.bias, scale)
+    for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.block_table is None:
             seg_k, seg_v = k[rows], v[rows]
         else:
-            seg_k = gather_blocks(cache_k, seg.block_table, meta.block_size)[: seg.ctx_len]
-            seg_v = gather_blocks(cache_v, seg.block_table, meta.block_size)[: seg.ctx_len]
+            seg_k = ws.gather("k", cache_k, seg.block_table, block_size)[: seg.ctx_len]
+            seg_v = ws.gather("v", cache_v, seg.block_table, block_size)[: seg.ctx_len]
         out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)
     return out
 
 
-def _decode_attention(q, cache_k, cache_v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    max_ctx = meta.decode_bias.shape[-1]
-    k = gather_blocks(cache_k, meta.decode_block_tables, meta.block_size)[:, :max_ctx]
-    v = gather_blocks(cache_v, meta.decode_block_tables, meta.block_size)[:, :max_ctx]
+def _decode_attention(q, k, v, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [D, heads, d]; k, v: [D, ctx, kv_heads * d]; bias: [D, 1, ctx]."""
     head_dim = q.shape[-1]
-    group = q.shape[1] // (k.shape[-1] // head_dim)
+    num_kv_heads = k.shape[-1] // head_dim
     out = torch.empty_like(q)
-    for heads, cols in _kv_heads(k.shape[-1] // head_dim, group, head_dim):
-        scores = torch.baddbmm(meta.decode_bias, q[:, heads], k[:, :, cols].transpose(1, 2), alpha=scale)
+    for heads, cols in _kv_heads(num_kv_heads, q.shape[1] // num_kv_heads, head_dim):
+        scores = torch.baddbmm(bias, q[:, heads], k[:, :, cols].transpose(1, 2), alpha=scale)
         out[:, heads] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :, cols])
     return out
 

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from tokenloom.core.scheduler import ScheduledRequest
-from tokenloom.model.attention import AttentionMetadata, PrefillSegment
+from tokenloom.model import cpu_kernel
+from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.sampler import SampledToken, Sampler, SamplingBatch
 
@@ -52,6 +53,9 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler(device, seed)
+        self.workspace = GatherWorkspace()
+        group_size = cfg.num_heads // cfg.num_kv_heads
+        self.use_cpu_kernel = cpu_kernel.usable_for(device, dtype, group_size)
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -69,20 +73,23 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
-        # Single-token items (decodes) go first so their queries are one contiguous block of rows.
-        ordered = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
-        num_decodes = sum(1 for s in ordered if s.num_tokens == 1)
+        # Decodes go first, shortest context first, so each decode group is one contiguous block of rows.
+        decodes = sorted((s for s in scheduled if s.num_tokens == 1), key=lambda s: s.start)
+        ordered = decodes + [s for s in scheduled if s.num_tokens > 1]
         input_ids = np.fromiter((t for s in ordered for t in s.token_ids), dtype=np.int64)
         positions = np.concatenate([np.arange(s.start, s.start + s.num_tokens) for s in ordered])
         slot_mapping = np.concatenate([self._slots(s.block_ids, s.start, s.start + s.num_tokens) for s in ordered])
         ends = np.cumsum([s.num_tokens for s in ordered])
         sample_rows = [int(end) - 1 for s, end in zip(ordered, ends, strict=True) if s.sample]
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping), block_size=self.block_size, num_decodes=num_decodes, prefills=[]
+            slot_mapping=self._tensor(slot_mapping),
+            block_size=self.block_size,
+            workspace=self.workspace,
+            use_cpu_kernel=self.use_cpu_kernel,
         )
-        if num_decodes:
-            meta.decode_block_tables, meta.decode_bias = self._decode_context(ordered[:num_decodes])
-        for s, end in zip(ordered[num_decodes:], ends[num_decodes:], strict=True):
+        for first, last in group_by_context_length([s.start + 1 for s in decodes]):
+            meta.decodes.append(self._decode_group(decodes[first:last], first))
+        for s, end in zip(ordered[len(decodes) :], ends[len(decodes) :], strict=True):
             meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
         return ModelInputs(
             input_ids=self._tensor(input_ids),
@@ -97,8 +104,8 @@ class ModelRunner:
         table = np.asarray(block_ids, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _decode_context(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        context_lens = np.array([s.start + 1 for s in decodes])
+    def _decode_group(self, decodes: list[ScheduledRequest], row_start: int) -> DecodeGroup:
+        context_lens = np.array([s.start + 1 for s in decodes], dtype=np.int64)
         max_ctx = int(context_lens.max())
         num_blocks = -(-max_ctx // self.block_size)
         tables = np.zeros((len(decodes), num_blocks), dtype=np.int64)
@@ -106,7 +113,9 @@ class ModelRunner:
             used = s.block_ids[:num_blocks]
             tables[row, : len(used)] = used
         visible = np.arange(max_ctx)[None, :] < context_lens[:, None]
-        return self._tensor(tables), self._bias(visible[:, None, :])
+        return DecodeGroup(
+            row_start, len(decodes), self._tensor(tables), self._tensor(context_lens), self._bias(visible[:, None, :])
+        )
 
     def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
         ctx_len = s.start + s.num_tokens
@@ -141,3 +150,23 @@ class ModelRunner:
             generator.manual_seed(seed)
             self._generators[request_id] = generator
         return generator
+
+
+def group_by_context_length(
+    sorted_lens: list[int], max_waste: float = 0.25, max_groups: int = 1
+) -> list[tuple[int, int]]:
+    """Splits ascending context lengths into [first, last) runs whose padding to the run's longest stays small.
+
+    Fewer groups mean fewer kernel launches; more groups mean less padded memory to read. A new group starts
+    when a context is shorter than (1 - max_waste) of the longest in the current group.
+    """
+    groups: list[tuple[int, int]] = []
+    last = len(sorted_lens)
+    while last > 0:
+        first = last - 1
+        floor = sorted_lens[last - 1] * (1 - max_waste)
+        while first > 0 and (sorted_lens[first - 1] >= floor or len(groups) == max_groups - 1):
+            first -= 1
+        groups.append((first, last))
+        last = first
+    return groups[::-1]
