@@ -111,7 +111,7 @@ def run_transformers(work: Workload, batch_size: int) -> float:
     from transformers import AutoModelForCausalLM
 
     path = resolve_checkpoint_dir(None)[1]
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pad = 0
     start = time.perf_counter()
     for i in range(0, len(work.prompts), batch_size):

@@ -57,7 +57,7 @@ def make_tiny_checkpoint(arch: str, directory: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
-    model = AutoModelForCausalLM.from_config(_tiny_hf_config(arch), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(_tiny_hf_config(arch), dtype=torch.float32)
     model.save_pretrained(directory)
     return directory
 
@@ -84,5 +84,5 @@ def real_model_dir() -> Path:
 def hf_oracle(path: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()

@@ -157,8 +157,10 @@ def group_by_context_length(
 ) -> list[tuple[int, int]]:
     """Splits ascending context lengths into [first, last) runs whose padding to the run's longest stays small.
 
-    Fewer groups mean fewer kernel launches; more groups mean less padded memory to read. A new group starts
-    when a context is shorter than (1 - max_waste) of the longest in the current group.
+    Fewer groups mean fewer operator calls; more groups mean less padded memory to read. A new group starts
+    when a context is shorter than (1 - max_waste) of the longest in the current group. On the 2-core CPU we
+    measure on, one group was fastest: each extra group costs more in per-operator overhead than its padding
+    saves (and the compiled CPU kernel reads no padding at all).
     """
     groups: list[tuple[int, int]] = []
     last = len(sorted_lens)

@@ -1,0 +1,83 @@
+"""Where the time of a continuous-batching run goes: GEMMs, attention, sampler, scheduler, Python.
+
+    .venv/bin/python benchmarks/profile_breakdown.py [--num-requests 24] [--max-num-seqs 16]
+
+Runs the first requests of the mixed-64 workload under cProfile and sums the time of the functions that make
+up each part of a step. cProfile adds some overhead to every Python call, so the "Python and the rest" line is
+an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from offline_throughput import mixed_workload
+
+from tokenloom import LLM, SamplingParams
+
+# part of the step -> (function name, file fragment, use cumulative time?)
+PARTS = {
+    "GEMMs (q/k/v/o, MLP, LM head)": [("<built-in method torch._C._nn.linear>", "~", False)],
+    "decode attention": [
+        ("paged_decode_attention", "cpu_kernel.py", True),
+        ("_decode_attention", "attention.py", True),
+    ],
+    "prefill attention": [("_prefill_attention", "attention.py", True)],
+    "KV gather for chunked prefill": [("gather", "attention.py", True)],
+    "KV cache writes": [("write_kv", "attention.py", True)],
+    "norms, rotary, SiLU, residuals": [
+        ("<built-in method torch.rms_norm>", "~", False),
+        ("apply_rotary", "rotary.py", True),
+        ("<built-in method torch._C._nn.silu>", "~", False),
+    ],
+    "sampler": [("__call__", "sampler.py", True)],
+    "runner input preparation": [("prepare_inputs", "runner.py", True)],
+    "scheduler": [("schedule", "scheduler.py", True), ("update_from_output", "scheduler.py", True)],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    args = parser.parse_args()
+    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    work = mixed_workload(64, 0, llm.engine.model_config.vocab_size)
+    n = args.num_requests
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens[:n]]
+    prompts = [{"prompt_token_ids": p} for p in work.prompts[:n]]
+    llm.generate([{"prompt_token_ids": [7] * 40}], SamplingParams(max_tokens=4), use_tqdm=False)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.runcall(llm.generate, prompts, params, use_tqdm=False)
+    total = time.perf_counter() - start
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for part, functions in PARTS.items():
+        seconds = 0.0
+        for name, file_fragment, cumulative in functions:
+            for (file, _, func), (_, _, tottime, cumtime, _) in stats.items():
+                if func == name and file_fragment in file:
+                    seconds += cumtime if cumulative else tottime
+        rows.append((part, seconds))
+    rows.append(("Python and the rest", total - sum(s for _, s in rows)))
+    steps = llm.stats()["num_steps"]
+    print(f"{n} requests, max_num_seqs={args.max_num_seqs}: {total:.1f} s under cProfile, {steps} steps")
+    print(f"| {'part of the step':<32} | {'seconds':>8} | {'share':>6} |")
+    print(f"|{'-' * 34}|{'-' * 9}:|{'-' * 7}:|")
+    for part, seconds in rows:
+        print(f"| {part:<32} | {seconds:>8.1f} | {seconds / total:>6.0%} |")
+
+
+if __name__ == "__main__":
+    main()
