@@ -2,8 +2,9 @@
 
 Plain PyTorch must copy each context out of its scattered blocks before it can multiply (a gather), so decode
 attention reads the context three times: to copy it, to write the copy, to use it. This kernel reads it once.
-It is a few dozen lines of C built with the system compiler on first use (about a second) and kept in the
-tokenloom cache; without a compiler, or on any device but the CPU, or with TOKENLOOM_CPU_KERNEL=0, the engine
+It is a few dozen lines of C, built with the system compiler on first use (about a second) and kept in the
+tokenloom cache; without a compiler, on any device but the CPU, for dtypes other than float32, or with
+TOKENLOOM_CPU_KERNEL=0, the engine
 uses the plain PyTorch path in attention.py, which computes the same thing.
 """
 
@@ -29,59 +30,57 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
-/* One (request, KV head) pair: the query heads sharing that KV head read its K and V once, block by block.
-   HD is the head size when known at compile time (then the dot products unroll fully), else 0. */
-static inline void attend_one(
-    const float *qs, const float *k_cache, const float *v_cache, const int64_t *table, int64_t ctx,
-    int64_t group, int64_t row, int64_t head_dim, int64_t kv_offset, int64_t block_size, float scale,
+/* One request's query (all heads) over its context. Each cached row (all KV heads of one token, contiguous)
+   is read once and serves every query head, so a block's rows stream through in order. HD is the head size
+   when known at compile time (the dot products then unroll fully), else 0. */
+static inline void attend_seq(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t ctx,
+    int64_t num_heads, int64_t group, int64_t row, int64_t head_dim, int64_t block_size, float scale,
     float *out, const int HD)
 {
     const int64_t hd = HD ? HD : head_dim;
-    float *scores = (float *)malloc(sizeof(float) * group * ctx);
-    float *acc = (float *)calloc(group * hd, sizeof(float));
-    float maxes[64];
-    for (int64_t g = 0; g < group; ++g) maxes[g] = -INFINITY;
+    float *scores = (float *)malloc(sizeof(float) * num_heads * ctx);
+    float *acc = (float *)calloc(num_heads * hd, sizeof(float));
     for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, ++b) {
-        const float *k_block = k_cache + table[b] * block_size * row + kv_offset;
+        const float *k_block = k_cache + table[b] * block_size * row;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         for (int64_t j = 0; j < n; ++j) {
-            const float *k = k_block + j * row;
-            for (int64_t g = 0; g < group; ++g) {
-                const float *qg = qs + g * hd;
+            const float *k_row = k_block + j * row;
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float *qh = q + h * hd, *k = k_row + (h / group) * hd;
                 float dot = 0.0f;
-                for (int64_t d = 0; d < hd; ++d) dot += qg[d] * k[d];
-                dot *= scale;
-                scores[g * ctx + t0 + j] = dot;
-                maxes[g] = dot > maxes[g] ? dot : maxes[g];
+                for (int64_t d = 0; d < hd; ++d) dot += qh[d] * k[d];
+                scores[h * ctx + t0 + j] = dot * scale;
             }
         }
     }
-    for (int64_t g = 0; g < group; ++g) {
-        float *s = scores + g * ctx;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < ctx; ++t) { s[t] = expf(s[t] - maxes[g]); sum += s[t]; }
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float *s = scores + h * ctx;
+        float max = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < ctx; ++t) max = s[t] > max ? s[t] : max;
+        for (int64_t t = 0; t < ctx; ++t) { s[t] = expf(s[t] - max); sum += s[t]; }
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
     }
     for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, ++b) {
-        const float *v_block = v_cache + table[b] * block_size * row + kv_offset;
+        const float *v_block = v_cache + table[b] * block_size * row;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         for (int64_t j = 0; j < n; ++j) {
-            const float *v = v_block + j * row;
-            for (int64_t g = 0; g < group; ++g) {
-                const float w = scores[g * ctx + t0 + j];
-                float *a = acc + g * hd;
+            const float *v_row = v_block + j * row;
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float w = scores[h * ctx + t0 + j];
+                const float *v = v_row + (h / group) * hd;
+                float *a = acc + h * hd;
                 for (int64_t d = 0; d < hd; ++d) a[d] += w * v[d];
             }
         }
     }
-    for (int64_t i = 0; i < group * hd; ++i) out[i] = acc[i];
+    for (int64_t i = 0; i < num_heads * hd; ++i) out[i] = acc[i];
     free(scores);
     free(acc);
 }
 
-/* One query row per request, at the end of its context of ctx_lens[i] tokens; work is split over
-   (request, KV head) pairs. */
+/* One query row per request, at the end of its context of ctx_lens[i] tokens; requests are split over threads. */
 void paged_decode_attention_f32(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
     int64_t max_blocks, const int64_t *ctx_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -90,20 +89,17 @@ void paged_decode_attention_f32(
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t work = 0; work < num_seqs * num_kv_heads; ++work) {
-        const int64_t seq = work / num_kv_heads, kv_head = work % num_kv_heads;
-        const int64_t first_head = seq * num_heads + kv_head * group;
-        const float *qs = q + first_head * head_dim;
-        float *o = out + first_head * head_dim;
+    for (int64_t seq = 0; seq < num_seqs; ++seq) {
+        const float *qs = q + seq * num_heads * head_dim;
+        float *o = out + seq * num_heads * head_dim;
         const int64_t *table = block_tables + seq * max_blocks;
-        const int64_t kv_offset = kv_head * head_dim;
         const int64_t ctx = ctx_lens[seq];
         if (head_dim == 64)
-            attend_one(qs, k_cache, v_cache, table, ctx, group, row, 64, kv_offset, block_size, scale, o, 64);
+            attend_seq(qs, k_cache, v_cache, table, ctx, num_heads, group, row, 64, block_size, scale, o, 64);
         else if (head_dim == 128)
-            attend_one(qs, k_cache, v_cache, table, ctx, group, row, 128, kv_offset, block_size, scale, o, 128);
+            attend_seq(qs, k_cache, v_cache, table, ctx, num_heads, group, row, 128, block_size, scale, o, 128);
         else
-            attend_one(qs, k_cache, v_cache, table, ctx, group, row, head_dim, kv_offset, block_size, scale, o, 0);
+            attend_seq(qs, k_cache, v_cache, table, ctx, num_heads, group, row, head_dim, block_size, scale, o, 0);
     }
 }
 """
@@ -168,8 +164,8 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(built, target)
 
 
-def usable_for(device: torch.device, dtype: torch.dtype, group_size: int) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and group_size <= 64 and load_kernel() is not None
+def usable_for(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and load_kernel() is not None
 
 
 def paged_decode_attention(

@@ -54,8 +54,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()
-        group_size = cfg.num_heads // cfg.num_kv_heads
-        self.use_cpu_kernel = cpu_kernel.usable_for(device, dtype, group_size)
+        self.use_cpu_kernel = cpu_kernel.usable_for(device, dtype)
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
