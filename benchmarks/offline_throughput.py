@@ -218,7 +218,7 @@ def main() -> None:
     if args.write_results:
         command = "python benchmarks/" + Path(__file__).name + " " + " ".join(sys.argv[1:])
         section = [
-            f"## offline_throughput, mixed-{args.num_requests} — {datetime.date.today()} (commit {git_commit()})",
+            f"### offline_throughput, mixed-{args.num_requests} — {datetime.date.today()} (commit {git_commit()})",
             "",
             f"- command: `{command.strip()}`",
             f"- machine: {machine()}",
