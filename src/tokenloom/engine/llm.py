@@ -83,7 +83,8 @@ class LLM:
             task = progress.add_task("generate", total=len(request_ids), tokens=0)
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    done[output.request_id] = output
+                    if output.finished:
+                        done[output.request_id] = output
                 progress.update(task, completed=len(done), tokens=self.engine.scheduler.stats.generated_tokens)
         return [done[request_id] for request_id in request_ids]
 

@@ -17,6 +17,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
+from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.runner import ModelRunner
@@ -31,11 +32,12 @@ DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 @dataclass
 class _RequestState:
-    """What the engine keeps beside a scheduler request: its prompt text and generated logprobs."""
+    """What the engine keeps beside a scheduler request: its prompt text, its text so far, its logprobs."""
 
     prompt: str | None
     logprobs: list[dict[int, Logprob]] | None
-    text: str | None = None  # set when a stop string cut the text short
+    detokenizer: IncrementalDetokenizer
+    stop_text: str | None = None  # the text up to a stop string, once one is found
 
 
 class LLMEngine:
@@ -124,7 +126,8 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
-        self._states[request.request_id] = _RequestState(prompt_text, [] if params.logprobs is not None else None)
+        logprobs = [] if params.logprobs is not None else None
+        self._states[request.request_id] = _RequestState(prompt_text, logprobs, IncrementalDetokenizer(self.tokenizer))
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -148,20 +151,21 @@ class LLMEngine:
     # ---- the step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns the requests that finished in it."""
+        """Runs one scheduler step; returns an output for every request that received a token in it."""
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
         sampled = self.runner.execute(output.scheduled)
         self._record_logprobs(sampled)
         advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
-        finished = []
+        outputs = []
         for request in advanced:
+            state = self._states[request.request_id]
+            state.detokenizer.add(request.output_token_ids[-1])
             if not request.finished and request.sampling_params.stop:
-                self._check_stop_strings(request)
-            if request.finished:
-                finished.append(self._finish(request))
-        return finished
+                self._check_stop_strings(request, state)
+            outputs.append(self._finish(request) if request.finished else self._output(request, state))
+        return outputs
 
     def _record_logprobs(self, sampled: dict[str, SampledToken]) -> None:
         for request_id, token in sampled.items():
@@ -173,19 +177,34 @@ class LLMEngine:
                 entry[token.token_id] = Logprob(token.logprob)
             state.logprobs.append(entry)
 
-    def _check_stop_strings(self, request: Request) -> None:
-        text = self.decode(request.output_token_ids)
-        hits = [(text.find(stop), stop) for stop in request.sampling_params.stop if stop in text]
+    def _check_stop_strings(self, request: Request, state: _RequestState) -> None:
+        text = state.detokenizer.text
+        stops = request.sampling_params.stop
+        # Only the tail can hold a new match: the last token's text plus the longest stop string.
+        tail_start = max(0, len(text) - 2 * max(len(stop) for stop in stops) - 16)
+        hits = [(text.find(stop, tail_start), stop) for stop in stops if stop in text[tail_start:]]
         if hits:
             index, stop = min(hits)
-            self._states[request.request_id].text = text[:index]
+            state.stop_text = text[:index]
             request.stop_reason = stop
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _finish(self, request: Request) -> RequestOutput:
         self.runner.release(request.request_id)
         state = self._states.pop(request.request_id)
-        text = state.text if state.text is not None else self.decode(request.output_token_ids)
+        return self._output(request, state)
+
+    def _output(self, request: Request, state: _RequestState) -> RequestOutput:
+        finished = request.finished
+        if state.stop_text is not None:
+            text = state.stop_text
+        elif finished:
+            text = self.decode(request.output_token_ids)
+        else:
+            text = state.detokenizer.text
+            # While a stop string may still complete, hold back the characters it could start with.
+            held = max((len(stop) - 1 for stop in request.sampling_params.stop), default=0)
+            text = text[: len(text) - held] if held else text
         cumulative = None
         if state.logprobs is not None:
             cumulative = sum(e[t].logprob for e, t in zip(state.logprobs, request.output_token_ids, strict=False))
@@ -193,7 +212,7 @@ class LLMEngine:
             index=0,
             text=text,
             token_ids=list(request.output_token_ids),
-            finish_reason=request.status.value,
+            finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
             logprobs=state.logprobs,
             cumulative_logprob=cumulative,
@@ -211,7 +230,7 @@ class LLMEngine:
             prompt=state.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
-            finished=True,
+            finished=finished,
             metrics=metrics,
             num_preemptions=request.num_preemptions,
         )

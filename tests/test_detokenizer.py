@@ -1,0 +1,32 @@
+"""Incremental detokenization reproduces the full decode: multi-byte characters and leading spaces intact."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(real_model_dir), local_files_only=True)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        " Hello world, it's   spaced out.",
+        "Café crème brûlée — naïve façade",
+        "北京是中国的首都。東京は日本の首都です。",
+        "emoji 🎉🚀 and a flag 🇫🇷 in the middle",
+        "\n\nnew lines\tand tabs\n",
+    ],
+)
+def test_streamed_deltas_add_up_to_the_full_decode(tokenizer, text):
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    deltas = [detokenizer.add(t) for t in token_ids]
+    assert "".join(deltas) == tokenizer.decode(token_ids) == detokenizer.text
+    assert all("\ufffd" not in d for d in deltas)
