@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: test lint install bench clean
+.PHONY: test lint install bench serve clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -25,6 +25,9 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/tokenloom serve --host 127.0.0.1 --port 8000
 
 bench: $(STAMP)
 	$(PY) benchmarks/offline_throughput.py

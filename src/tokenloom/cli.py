@@ -70,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
             "--" + name.replace("_", "-"), dest=f"sp_{name}", metavar=name.upper(), type=kind, default=None
         )
     add_engine_flags(generate)
+
+    serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", default=[], help="a bearer key clients must send (repeatable)")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: its name)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--max-num-queued-requests", type=int, default=None, help="more waiting requests get 429")
+    serve.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait before 503")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    serve.add_argument("--log-level", default="info")
+    add_engine_flags(serve)
     return parser
 
 
@@ -92,12 +104,57 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    import logging
+    import subprocess
+    from contextlib import asynccontextmanager
+    from pathlib import Path
+
+    import uvicorn
+
+    from tokenloom.engine.async_engine import AsyncEngine
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.server.app import build_app
+    from tokenloom.server.metrics import ServerMetrics
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_config_from_args(args))
+    metrics = ServerMetrics(engine)
+    front = AsyncEngine(engine, args.max_num_queued_requests, args.queue_timeout, on_step=metrics.on_step)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
+    app = build_app(
+        front,
+        metrics,
+        args.served_model_name or engine.loaded.name,
+        api_keys=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        version_info={"git_commit": commit or "unknown"},
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        front.start()
+        yield
+        front.draining = True
+        front.shutdown()
+
+    app.router.lifespan_context = lifespan
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "serve":
+            return run_serve(args)
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"tokenloom: error: {error}", file=sys.stderr)
         return 2

@@ -117,7 +117,7 @@ class LLMEngine:
     ) -> Request:
         """Queues a prompt (text or token ids); raises ValueError if it can never be served."""
         params = params or SamplingParams()
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids = self.tokenize(prompt)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt_token_ids=token_ids,
@@ -137,7 +137,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer; pass prompt token ids")

@@ -1,0 +1,169 @@
+"""The async front over the engine: the step loop runs in a thread, each request streams through its own queue.
+
+A thread, not a process: on 2 cores the model's matmuls already use both, the GIL is released inside torch, and
+a thread shares the engine without serialising every token across a pipe. The event loop only tokenizes (in a
+worker thread), enqueues and relays outputs, so HTTP stays responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(Exception):
+    """The engine will not take or keep this request: the queue is full, it waited too long, or we are draining."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_num_queued_requests: int | None = None,
+        queue_timeout: float | None = None,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_num_queued_requests = max_num_queued_requests
+        self.queue_timeout = queue_timeout
+        self.on_step = on_step
+        self.draining = False
+        self._lock = threading.Lock()  # one thread at a time touches the engine
+        self._wake = threading.Event()
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    async def submit(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Admits a request (raising RequestRejected or ValueError if it can't be) and returns its output stream.
+
+        The stream yields the request's output after every step that gave it a token; the last one has
+        finished=True. If the caller stops iterating (a client disconnected), the request is aborted and its
+        blocks freed within a step.
+        """
+        if self.draining:
+            raise RequestRejected(503, "server_draining", "the server is shutting down")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        try:
+            await asyncio.to_thread(self._add, prompt, params, request_id)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True  # the engine already let go of it
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._aborts.put(request_id)
+        self._wake.set()
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.tokenize(prompt)[1]
+
+    def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> None:
+        with self._lock:
+            waiting = len(self.engine.scheduler.waiting)
+            if self.max_num_queued_requests is not None and waiting >= self.max_num_queued_requests:
+                raise RequestRejected(429, "queue_full", f"the request queue is full ({waiting} waiting)")
+            self.engine.add_request(prompt, params, request_id=request_id)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            with self._lock:
+                self._apply_aborts()
+                self._expire_queued()
+                busy = self.engine.has_unfinished_requests()
+                try:
+                    outputs = self.engine.step() if busy else []
+                except Exception as error:  # a bug must fail the requests, not hang them
+                    logger.exception("engine step failed")
+                    self._fail_all(error)
+                    outputs = []
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            if self.on_step is not None:
+                self.on_step(outputs)
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+    def _apply_aborts(self) -> None:
+        while True:
+            try:
+                request_id = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            self.engine.abort_request(request_id)
+
+    def _expire_queued(self) -> None:
+        if self.queue_timeout is None:
+            return
+        now = time.monotonic()
+        expired = [
+            r
+            for r in self.engine.scheduler.waiting
+            if r.first_scheduled_time is None and now - r.arrival_time > self.queue_timeout
+        ]
+        for request in expired:
+            self.engine.abort_request(request.request_id)
+            message = f"the request waited more than {self.queue_timeout:g}s in the queue"
+            self._deliver(request.request_id, RequestRejected(503, "queue_timeout", message))
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, RequestRejected(500, "engine_error", f"the engine failed: {error}"))
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            with contextlib.suppress(RuntimeError):  # the client's loop closed under us
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

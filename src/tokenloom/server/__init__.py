@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: endpoints, authentication, admission errors and Prometheus metrics."""

@@ -1,0 +1,98 @@
+"""Prometheus metrics with vLLM's names under the ``tokenloom:`` prefix, fed by the engine thread after each step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenloom:{name}", doc, registry=r)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"tokenloom:{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"tokenloom:{name}", doc, buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.preemptions = counter("num_preemptions", "Preemptions since start.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.iteration_tokens = counter("iteration_tokens", "Tokens computed by engine steps.")
+        self.success = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.rejected = counter("requests_rejected", "Requests refused at admission.", ("reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
+        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.")
+        self._last_token_time: dict[str, float] = {}
+        self._last_stats = engine.stats()
+        self._lock = threading.Lock()
+
+    def on_step(self, outputs: list[RequestOutput]) -> None:
+        """Called by the engine thread after every step (also idle ones)."""
+        with self._lock:
+            stats = self.engine.stats()
+            self.running.set(stats["num_running"])
+            self.waiting.set(stats["num_waiting"])
+            self.kv_usage.set(stats["kv_blocks_in_use"] / stats["kv_blocks_total"])
+            for name, metric in (
+                ("num_preemptions", self.preemptions),
+                ("prompt_tokens", self.prompt_tokens),
+                ("generated_tokens", self.generation_tokens),
+                ("prefix_cache_queries", self.prefix_queries),
+                ("prefix_cache_hits", self.prefix_hits),
+                ("computed_tokens", self.iteration_tokens),
+            ):
+                metric.inc(stats[name] - self._last_stats[name])
+            self._last_stats = stats
+            now = time.monotonic()
+            for output in outputs:
+                self._observe(output, now)
+
+    def _observe(self, output: RequestOutput, now: float) -> None:
+        last = self._last_token_time.get(output.request_id)
+        if last is not None:
+            self.itl.observe(now - last)
+        self._last_token_time[output.request_id] = now
+        if not output.finished:
+            return
+        self._last_token_time.pop(output.request_id, None)
+        m = output.metrics
+        self.success.labels(finished_reason=output.outputs[0].finish_reason).inc()
+        if m.first_token_time is None or m.first_scheduled_time is None or m.finished_time is None:
+            return
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        self.decode_time.observe(m.finished_time - m.first_token_time)
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._last_token_time.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
