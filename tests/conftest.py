@@ -86,3 +86,32 @@ def hf_oracle(path: Path):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, real_model_dir) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template: fast, and it speaks text."""
+    import shutil
+
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("tiny-chat")
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_model_dir / name).exists():
+            shutil.copy(real_model_dir / name, directory / name)
+    return directory

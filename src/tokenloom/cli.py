@@ -141,9 +141,20 @@ def run_serve(args: argparse.Namespace) -> int:
         front.shutdown()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(
+
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM/SIGINT: stop admitting, let in-flight requests finish (up to the drain timeout), exit 0."""
+
+        def handle_exit(self, sig, frame) -> None:
+            front.draining = True
+            if self.should_exit:
+                self.force_exit = True  # a second signal stops at once
+            self.should_exit = True
+
+    config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout
     )
+    DrainingServer(config).run()
     return 0
 
 

@@ -1,0 +1,260 @@
+"""The HTTP server, for real: a uvicorn process on 127.0.0.1, the official openai client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model):
+    proc = ServerProcess(
+        "--model",
+        str(tiny_chat_model),
+        "--api-key",
+        KEY,
+        "--max-body-bytes",
+        "20000",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+    )
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_models_version_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    version = httpx.get(f"{server.url}/version", headers=AUTH).json()
+    assert version["engine_config"]["max_model_len"] == 512 and "version" in version
+    assert httpx.get(f"{server.url}/health").status_code == 200  # public
+    assert httpx.get(f"{server.url}/ready").json()["status"] == "ready"
+
+
+def test_completion_usage_counts(server, client, tiny_chat_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    prompt = "The quick brown fox jumps over the lazy dog"
+    result = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert result.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert result.usage.completion_tokens == 7 and result.usage.total_tokens == result.usage.prompt_tokens + 7
+    assert result.choices[0].finish_reason == "length"
+    by_ids = client.completions.create(
+        model="tiny", prompt=tokenizer.encode(prompt), max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert by_ids.choices[0].text == result.choices[0].text
+
+
+def test_streamed_chat_equals_the_whole_answer(client):
+    messages = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+
+
+def test_chat_logprobs(client):
+    result = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = result.choices[0].logprobs.content
+    assert len(content) == result.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+
+
+def test_authentication(server):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    missing = httpx.post(f"{server.url}/v1/completions", json=body)
+    wrong = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-nope"})
+    for response in (missing, wrong):
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/metrics").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "invalid_value"),
+        ({"prompt": "hi", "n": 2}, "n", "unsupported"),
+        ({"prompt": "hi", "best_of": 3}, "best_of", "unsupported"),
+        ({"prompt": "word " * 600, "max_tokens": 4}, "max_tokens", "context_length_exceeded"),
+        ({"prompt": "hi", "max_tokens": 600}, "max_tokens", "context_length_exceeded"),
+        ({"prompt": "hi", "temperature": "hot"}, "temperature", "invalid_value"),
+        ({"prompt": "hi", "top_p": 0}, None, "invalid_value"),
+        ({"max_tokens": 4}, "prompt", "invalid_value"),
+    ],
+)
+def test_bad_requests_get_openai_style_400(server, body, param, code):
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", **body}, headers=AUTH)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == code and error["message"]
+
+
+def test_tools_are_refused(server):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
+def test_oversized_body_gets_413(server):
+    response = httpx.post(
+        f"{server.url}/v1/completions", headers=AUTH, json={"model": "tiny", "prompt": "x" * 30000, "max_tokens": 2}
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
+
+
+def test_disconnect_mid_stream_frees_everything(server):
+    body = {
+        "model": "tiny",
+        "prompt": "Once upon a time",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+        "max_model_len": 512,
+    }
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
+        assert received
+    # The client is gone: within a few steps nothing runs and no KV block is held.
+    assert server.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 0, headers=AUTH) == 0
+    assert server.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0, headers=AUTH) == 0
+    assert server.metric("tokenloom:request_success_total", AUTH) >= 0
+    assert server.metric("tokenloom:generation_tokens_total", AUTH) < 400 + 200  # it stopped early
+
+
+def test_twenty_concurrent_streams_complete(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        stream = await client.completions.create(
+            model="tiny", prompt=f"Request number {i}:", max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+        )
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(20)))
+
+    before = server.metric("tokenloom:time_to_first_token_seconds_count", AUTH)
+    results = asyncio.run(main())
+    assert [reason for _, reason in results] == ["length"] * 20
+    assert (
+        server.wait_for_metric("tokenloom:time_to_first_token_seconds_count", lambda v: v >= before + 20, headers=AUTH)
+        >= before + 20
+    )
+
+
+def test_queue_limit_gives_429_and_preemptions_are_counted(tiny_chat_model):
+    proc = ServerProcess(
+        "--model",
+        str(tiny_chat_model),
+        "--max-num-seqs",
+        "2",
+        "--max-num-queued-requests",
+        "1",
+        "--num-kv-blocks",
+        "12",
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "128",
+    )
+    try:
+        statuses: list[int] = []
+
+        def send(i: int) -> None:
+            body = {"prompt": f"Story {i}: " + "once more " * 20, "max_tokens": 60, "ignore_eos": True}
+            statuses.append(httpx.post(f"{proc.url}/v1/completions", json=body, timeout=120).status_code)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert statuses.count(429) >= 1 and statuses.count(200) >= 3, statuses
+        assert proc.metric("tokenloom:requests_rejected_total") >= statuses.count(429)
+        assert proc.metric("tokenloom:num_preemptions_total") > 0
+        assert proc.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0) == 0
+    finally:
+        proc.stop()
+
+
+def test_sigterm_drains_in_flight_request_and_exits_zero(tiny_chat_model):
+    proc = ServerProcess("--model", str(tiny_chat_model), "--drain-timeout", "60")
+    try:
+        body = {"prompt": "Drain me", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert json.loads(first[5:])["choices"]
+            proc.process.send_signal(15)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        finals = [json.loads(line[5:]) for line in rest[:-1]]
+        assert finals[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.process.wait(timeout=60) == 0
+    finally:
+        proc.stop()
+
+
+@pytest.mark.real_model
+def test_real_model_chat_says_paris():
+    proc = ServerProcess("--max-num-seqs", "4")
+    try:
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=30,
+            temperature=0,
+        )
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        proc.stop()
