@@ -258,3 +258,89 @@ def test_real_model_chat_says_paris():
         assert "Paris" in reply.choices[0].message.content
     finally:
         proc.stop()
+
+
+TENANTS = """
+[[tenant]]
+name = "alice"
+keys = ["sk-alice"]
+max_concurrent_requests = 1
+max_tokens = 2000
+max_input_tokens = 40
+
+[[tenant]]
+name = "bob"
+keys = ["sk-bob"]
+requests_per_minute = 2
+"""
+
+
+def test_tenants_caps_and_limits(tmp_path, tiny_chat_model):
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    proc = ServerProcess("--model", str(tiny_chat_model), "--tenants", str(path))
+    alice, bob = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-bob"}
+    url = f"{proc.url}/v1/completions"
+    try:
+        over_cap = httpx.post(url, json={"prompt": "hi", "max_tokens": 2001}, headers=alice)
+        assert over_cap.status_code == 400 and over_cap.json()["error"]["code"] == "max_tokens_over_cap"
+        too_long = httpx.post(url, json={"prompt": "word " * 60, "max_tokens": 5}, headers=alice)
+        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "input_over_cap"
+        assert httpx.post(url, json={"prompt": "hi"}, headers={"Authorization": "Bearer sk-eve"}).status_code == 401
+
+        # Alice's first request holds her only slot while it runs; poll until the engine is running it.
+        held = threading.Thread(
+            target=httpx.post,
+            args=(url,),
+            kwargs={
+                "json": {"prompt": "hold", "max_tokens": 2000, "ignore_eos": True},
+                "headers": alice,
+                "timeout": 120,
+            },
+        )
+        held.start()
+        assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1, headers=alice) == 1
+        second = httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=alice)
+        assert second.status_code == 429 and second.json()["error"]["code"] == "concurrency_limit"
+        assert int(second.headers["Retry-After"]) >= 1
+        # Another tenant is not held back by alice's cap.
+        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=bob).status_code == 200
+        held.join()
+        # The slot is free again once the stream ended.
+        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=alice).status_code == 200
+
+        assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=bob).status_code == 200
+        third = httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=bob)
+        assert third.status_code == 429 and third.json()["error"]["code"] == "request_rate_limit"
+        assert 1 <= int(third.headers["Retry-After"]) <= 60
+        assert proc.metric('tokenloom:requests_rejected_total{reason="concurrency_limit",tenant="alice"}', alice) == 1
+    finally:
+        proc.stop()
+
+
+def test_tenant_file_errors_are_clear(tmp_path):
+    from tokenloom.server.tenants import load_tenants
+
+    path = tmp_path / "bad.toml"
+    path.write_text('[[tenant]]\nname = "x"\nkeys = ["k"]\nmax_tokns = 5\n')
+    with pytest.raises(ValueError, match=r"unknown field.*max_tokns"):
+        load_tenants(path)
+    path.write_text('[[tenant]]\nname = "x"\nkeys = ["k"]\n[[tenant]]\nname = "y"\nkeys = ["k"]\n')
+    with pytest.raises(ValueError, match="already used"):
+        load_tenants(path)
+
+
+def test_queue_timeout_gives_503(tiny_chat_model):
+    proc = ServerProcess("--model", str(tiny_chat_model), "--max-num-seqs", "1", "--queue-timeout", "0.2")
+    url = f"{proc.url}/v1/completions"
+    try:
+        body = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
+        long_running = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": body, "timeout": 120})
+        long_running.start()
+        assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1) == 1
+        waited = httpx.post(url, json={"prompt": "short", "max_tokens": 2}, timeout=60)
+        long_running.join()
+        assert waited.status_code == 503 and waited.json()["error"]["code"] == "queue_timeout"
+        assert proc.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0) == 0
+    finally:
+        proc.stop()

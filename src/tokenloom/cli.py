@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=[], help="a bearer key clients must send (repeatable)")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: its name)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    serve.add_argument("--tenants", default=None, help="a TOML file of tenants: keys, caps, priorities, rates")
     serve.add_argument("--max-num-queued-requests", type=int, default=None, help="more waiting requests get 429")
+    serve.add_argument("--max-num-queued-tokens", type=int, default=None, help="a larger prefill backlog gets 429")
     serve.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait before 503")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     serve.add_argument("--log-level", default="info")
@@ -116,11 +118,19 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.server.app import build_app
     from tokenloom.server.metrics import ServerMetrics
+    from tokenloom.server.tenants import load_tenants
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config_from_args(args))
     metrics = ServerMetrics(engine)
-    front = AsyncEngine(engine, args.max_num_queued_requests, args.queue_timeout, on_step=metrics.on_step)
+    tenants = load_tenants(args.tenants) if args.tenants else None
+    front = AsyncEngine(
+        engine,
+        max_num_queued_requests=args.max_num_queued_requests,
+        queue_timeout=args.queue_timeout,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        on_step=metrics.on_step,
+    )
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
     ).stdout.strip()
@@ -129,6 +139,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics,
         args.served_model_name or engine.loaded.name,
         api_keys=args.api_key,
+        tenants=tenants,
         max_body_bytes=args.max_body_bytes,
         version_info={"git_commit": commit or "unknown"},
     )

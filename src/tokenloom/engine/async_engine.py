@@ -43,10 +43,12 @@ class AsyncEngine:
         engine: LLMEngine,
         max_num_queued_requests: int | None = None,
         queue_timeout: float | None = None,
+        max_num_queued_tokens: int | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_num_queued_requests = max_num_queued_requests
+        self.max_num_queued_tokens = max_num_queued_tokens
         self.queue_timeout = queue_timeout
         self.on_step = on_step
         self.draining = False
@@ -110,9 +112,17 @@ class AsyncEngine:
 
     def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> None:
         with self._lock:
-            waiting = len(self.engine.scheduler.waiting)
-            if self.max_num_queued_requests is not None and waiting >= self.max_num_queued_requests:
-                raise RequestRejected(429, "queue_full", f"the request queue is full ({waiting} waiting)")
+            waiting = self.engine.scheduler.waiting
+            if self.max_num_queued_requests is not None and len(waiting) >= self.max_num_queued_requests:
+                raise RequestRejected(429, "queue_full", f"the request queue is full ({len(waiting)} waiting)")
+            if self.max_num_queued_tokens is not None:
+                # The prefill backlog: tokens that queued requests still have to compute before their first token.
+                backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+                new = len(prompt) if isinstance(prompt, list) else 0
+                if backlog + new > self.max_num_queued_tokens:
+                    raise RequestRejected(
+                        429, "queued_tokens_full", f"the prefill backlog is full ({backlog} tokens queued)"
+                    )
             self.engine.add_request(prompt, params, request_id=request_id)
 
     def _run(self) -> None:

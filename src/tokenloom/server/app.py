@@ -6,7 +6,8 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from tokenloom.engine.async_engine import AsyncEngine, RequestRejected
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tokenloom.server.tenants import Tenant, TenantLimiter
 
 PUBLIC_PATHS = {"/health", "/ready"}
 
@@ -28,17 +30,21 @@ def build_app(
     metrics: ServerMetrics,
     model_name: str,
     api_keys: list[str] | None = None,
+    tenants: list[Tenant] | None = None,
     max_body_bytes: int = 1 << 20,
     version_info: dict[str, Any] | None = None,
 ) -> FastAPI:
+    """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)
     llm = engine.engine
     max_model_len = llm.max_model_len
-    keys = [k.encode() for k in api_keys or []]
+    default_tenant = Tenant(name="default", keys=tuple(api_keys or ()))
+    key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
+    limiter = TenantLimiter()
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -54,15 +60,17 @@ def build_app(
         async def dispatch(self, request: Request, call_next):
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > max_body_bytes:
-                metrics.rejected.labels(reason="body_too_large").inc()
+                metrics.rejected.labels(reason="body_too_large", tenant="").inc()
                 error = APIError(413, f"request body over {max_body_bytes} bytes", None, "body_too_large")
                 return JSONResponse(error.body(), status_code=413)
-            if keys and request.url.path not in PUBLIC_PATHS and not _authorized(request, keys):
-                metrics.rejected.labels(reason="unauthorized").inc()
+            tenant = _tenant_of(request, key_owners) if key_owners else default_tenant
+            if tenant is None and request.url.path not in PUBLIC_PATHS:
+                metrics.rejected.labels(reason="unauthorized", tenant="").inc()
                 error = APIError(
                     401, "a valid API key is required (Authorization: Bearer KEY)", None, "invalid_api_key"
                 )
                 return JSONResponse(error.body(), status_code=401)
+            request.state.tenant = tenant
             return await call_next(request)
 
     app.add_middleware(Guard)
@@ -99,16 +107,15 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         body.refuse_unsupported()
-        prompt = body.single_prompt()
-        prompt_ids = _checked_prompt(engine, prompt, body.max_tokens, max_model_len)
+        prompt_ids = _checked_prompt(engine, body.single_prompt(), body.max_tokens, max_model_len)
         params = body.sampling_params(_max_tokens(body.max_tokens, len(prompt_ids), max_model_len), body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await _submit(engine, metrics, prompt_ids, params, request_id)
         created = int(time.time())
-        if body.stream:
-            usage = body.stream_options.include_usage if body.stream_options else False
-            return _sse(_completion_chunks(stream, request_id, created, model_name, usage), metrics)
-        final = await _collect(stream, raw, engine, request_id)
+        async with _admitted(raw.state.tenant, prompt_ids, params, body.max_tokens, request_id) as (stream, lease):
+            if body.stream:
+                usage = body.stream_options.include_usage if body.stream_options else False
+                return _sse(_completion_chunks(stream, request_id, created, model_name, usage), lease.transfer())
+            final = await _collect(stream, raw, engine, request_id)
         choice = {
             "index": 0,
             "text": final.outputs[0].text,
@@ -140,12 +147,12 @@ def build_app(
             _max_tokens(requested, len(prompt_ids), max_model_len), top if body.logprobs else None
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await _submit(engine, metrics, prompt_ids, params, request_id)
         created = int(time.time())
-        if body.stream:
-            usage = body.stream_options.include_usage if body.stream_options else False
-            return _sse(_chat_chunks(stream, request_id, created, model_name, usage), metrics)
-        final = await _collect(stream, raw, engine, request_id)
+        async with _admitted(raw.state.tenant, prompt_ids, params, requested, request_id) as (stream, lease):
+            if body.stream:
+                usage = body.stream_options.include_usage if body.stream_options else False
+                return _sse(_chat_chunks(stream, request_id, created, model_name, usage), lease.transfer())
+            final = await _collect(stream, raw, engine, request_id)
         completion = final.outputs[0]
         choice = {
             "index": 0,
@@ -162,17 +169,53 @@ def build_app(
             "usage": _usage(final),
         }
 
+    @asynccontextmanager
+    async def _admitted(tenant: Tenant, prompt_ids: list[int], params, requested: int | None, request_id: str):
+        """Applies the tenant's caps and limits, then admits the request to the engine; yields its stream.
+
+        The tenant's concurrency slot is held until the request ends: here for a plain response, or by the
+        streaming response once the lease is transferred to it.
+        """
+        try:
+            limiter.check_caps(tenant, len(prompt_ids), requested)
+            limiter.acquire(tenant, len(prompt_ids) + params.max_tokens)
+        except APIError as error:
+            metrics.rejected.labels(reason=error.code, tenant=tenant.name).inc()
+            raise
+        lease = _Lease(lambda: limiter.release(tenant))
+        try:
+            stream = await _submit(engine, metrics, tenant, prompt_ids, params, request_id)
+            yield stream, lease
+        finally:
+            lease.release()
+
     return app
 
 
-def _authorized(request: Request, keys: list[bytes]) -> bool:
+class _Lease:
+    """A tenant's concurrency slot, released exactly once, by whoever holds it last."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+
+    def transfer(self) -> _Lease:
+        moved, self._release = _Lease(self._release), None
+        return moved
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+def _tenant_of(request: Request, key_owners: list[tuple[bytes, Tenant]]) -> Tenant | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token:
-        return False
+        return None
     # Compare against every key, in constant time each, so timing says nothing about which was close.
-    matches = [hmac.compare_digest(token.encode(), key) for key in keys]
-    return any(matches)
+    matches = [t for key, t in key_owners if hmac.compare_digest(token.encode(), key)]
+    return matches[0] if matches else None
 
 
 def _template_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
@@ -205,14 +248,14 @@ def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> i
     return requested if requested is not None else max_model_len - prompt_len
 
 
-async def _submit(engine: AsyncEngine, metrics: ServerMetrics, prompt_ids: list[int], params, request_id: str):
+async def _submit(engine: AsyncEngine, metrics: ServerMetrics, tenant: Tenant, prompt_ids, params, request_id: str):
     try:
         return await engine.submit(prompt_ids, params, request_id)
     except RequestRejected as error:
-        metrics.rejected.labels(reason=error.code).inc()
+        metrics.rejected.labels(reason=error.code, tenant=tenant.name).inc()
         raise APIError(error.status, error.message, None, error.code) from error
     except ValueError as error:
-        metrics.rejected.labels(reason="invalid").inc()
+        metrics.rejected.labels(reason="invalid", tenant=tenant.name).inc()
         raise APIError(400, str(error), "prompt", "invalid_value") from error
 
 
@@ -234,13 +277,15 @@ def _usage(output: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _sse(chunks: AsyncIterator[dict[str, Any]], metrics: ServerMetrics) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict[str, Any]], lease: _Lease) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RequestRejected as error:  # e.g. a queue timeout after the stream began
             yield f"data: {json.dumps(APIError(error.status, error.message, None, error.code).body())}\n\n"
+        finally:
+            lease.release()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

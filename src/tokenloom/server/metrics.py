@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -10,12 +11,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.outputs import RequestOutput
 
+logger = logging.getLogger("tokenloom.stats")
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, log_interval: float = 10.0) -> None:
         self.engine = engine
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
@@ -40,7 +43,7 @@ class ServerMetrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.iteration_tokens = counter("iteration_tokens", "Tokens computed by engine steps.")
         self.success = counter("request_success", "Finished requests.", ("finished_reason",))
-        self.rejected = counter("requests_rejected", "Requests refused at admission.", ("reason",))
+        self.rejected = counter("requests_rejected", "Requests refused at admission.", ("reason", "tenant"))
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
@@ -50,6 +53,8 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}
         self._last_stats = engine.stats()
         self._lock = threading.Lock()
+        self._log_every = log_interval
+        self._last_log = (time.monotonic(), self._last_stats)
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after every step (also idle ones)."""
@@ -71,6 +76,29 @@ class ServerMetrics:
             now = time.monotonic()
             for output in outputs:
                 self._observe(output, now)
+            if now - self._last_log[0] >= self._log_every:
+                self._log_throughput(now, stats)
+
+    def _log_throughput(self, now: float, stats: dict) -> None:
+        """The periodic line an operator reads, as vLLM prints it; quiet while nothing happens."""
+        since, before = self._last_log
+        self._last_log = (now, stats)
+        if stats["num_steps"] == before["num_steps"]:
+            return
+        elapsed = now - since
+        queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
+        hits = stats["prefix_cache_hits"] - before["prefix_cache_hits"]
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            (stats["prompt_tokens"] - before["prompt_tokens"]) / elapsed,
+            (stats["generated_tokens"] - before["generated_tokens"]) / elapsed,
+            stats["num_running"],
+            stats["num_waiting"],
+            100 * stats["kv_blocks_in_use"] / stats["kv_blocks_total"],
+            100 * hits / queries if queries else 0.0,
+            stats["num_preemptions"],
+        )
 
     def _observe(self, output: RequestOutput, now: float) -> None:
         last = self._last_token_time.get(output.request_id)
