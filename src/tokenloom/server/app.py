@@ -124,14 +124,7 @@ def build_app(
         }
         if body.logprobs is not None:
             choice["logprobs"] = _completion_logprobs(final, llm.tokenizer)
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": [choice],
-            "usage": _usage(final),
-        }
+        return _envelope(request_id, "text_completion", created, model_name, [choice], _usage(final))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request):
@@ -160,14 +153,7 @@ def build_app(
             "logprobs": _chat_logprobs(final, llm.tokenizer) if body.logprobs else None,
             "finish_reason": completion.finish_reason,
         }
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model_name,
-            "choices": [choice],
-            "usage": _usage(final),
-        }
+        return _envelope(request_id, "chat.completion", created, model_name, [choice], _usage(final))
 
     @asynccontextmanager
     async def _admitted(tenant: Tenant, prompt_ids: list[int], params, requested: int | None, request_id: str):
@@ -291,65 +277,48 @@ def _sse(chunks: AsyncIterator[dict[str, Any]], lease: _Lease) -> StreamingRespo
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def _completion_chunks(stream, request_id: str, created: int, model: str, include_usage: bool):
+async def _text_deltas(stream: AsyncIterator[RequestOutput]):
+    """(new text, finish reason or None, output) for each output of a request, until it finishes."""
     sent = 0
-    final = None
     async for output in stream:
-        final = output
         completion = output.outputs[0]
-        delta = completion.text[sent:]
-        sent = len(completion.text)
-        if delta or completion.finish_reason:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": completion.finish_reason}
-            yield {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
+        delta, sent = completion.text[sent:], len(completion.text)
+        yield delta, completion.finish_reason, output
+
+
+def _envelope(request_id: str, kind: str, created: int, model: str, choices: list, usage=None) -> dict[str, Any]:
+    body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+async def _completion_chunks(stream, request_id: str, created: int, model: str, include_usage: bool):
+    final = None
+    async for delta, finish_reason, output in _text_deltas(stream):
+        final = output
+        if delta or finish_reason:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            yield _envelope(request_id, "text_completion", created, model, [choice])
     if include_usage and final is not None:
-        yield {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [],
-            "usage": _usage(final),
-        }
+        yield _envelope(request_id, "text_completion", created, model, [], _usage(final))
 
 
 async def _chat_chunks(stream, request_id: str, created: int, model: str, include_usage: bool):
     def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        return {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-        }
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _envelope(request_id, "chat.completion.chunk", created, model, [choice])
 
     yield chunk({"role": "assistant", "content": ""}, None)
-    sent = 0
     final = None
-    async for output in stream:
+    async for delta, finish_reason, output in _text_deltas(stream):
         final = output
-        completion = output.outputs[0]
-        delta = completion.text[sent:]
-        sent = len(completion.text)
         if delta:
             yield chunk({"content": delta}, None)
-        if completion.finish_reason:
-            yield chunk({}, completion.finish_reason)
+        if finish_reason:
+            yield chunk({}, finish_reason)
     if include_usage and final is not None:
-        yield {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [],
-            "usage": _usage(final),
-        }
+        yield _envelope(request_id, "chat.completion.chunk", created, model, [], _usage(final))
 
 
 def _token_text(tokenizer, token_id: int) -> str:
