@@ -127,7 +127,9 @@ def load_kernel() -> ctypes.CDLL | None:
     if compiler is None:
         logger.info("no C compiler found; decode attention uses the plain PyTorch path")
         return None
-    digest = hashlib.sha256((SOURCE + compiler + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    # -march=native code must never run on another CPU, so the CPU is part of the key.
+    identity = SOURCE + compiler + " ".join(FLAGS) + _cpu_identity()
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"paged_attention-{digest}.so"
     try:
         if not target.exists():
@@ -150,6 +152,14 @@ def load_kernel() -> ctypes.CDLL | None:
     )
     _library = library
     return library
+
+
+def _cpu_identity() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return os.uname().machine
+    return "".join(line for line in lines if line.startswith(("model name", "flags")))[:4096]
 
 
 def _build(compiler: str, target: Path) -> None:
