@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     serve.add_argument("--log-level", default="info")
     add_engine_flags(serve)
+
+    from tokenloom.bench.commands import add_bench_commands
+
+    add_bench_commands(commands)
     return parser
 
 
@@ -177,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "bench":
+            from tokenloom.bench.commands import run_bench
+
+            return run_bench(args)
     except (ValueError, TypeError, FileNotFoundError) as error:
         print(f"tokenloom: error: {error}", file=sys.stderr)
         return 2

@@ -128,8 +128,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             with self._lock:
-                self._apply_aborts()
-                self._expire_queued()
+                aborted = self._apply_aborts() + self._expire_queued()
                 busy = self.engine.has_unfinished_requests()
                 try:
                     outputs = self.engine.step() if busy else []
@@ -140,32 +139,37 @@ class AsyncEngine:
             for output in outputs:
                 self._deliver(output.request_id, output)
             if self.on_step is not None:
-                self.on_step(outputs)
+                self.on_step(aborted + outputs)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
 
-    def _apply_aborts(self) -> None:
+    def _apply_aborts(self) -> list[RequestOutput]:
+        aborted = []
         while True:
             try:
                 request_id = self._aborts.get_nowait()
             except queue.Empty:
-                return
-            self.engine.abort_request(request_id)
+                return aborted
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                aborted.append(output)
 
-    def _expire_queued(self) -> None:
+    def _expire_queued(self) -> list[RequestOutput]:
         if self.queue_timeout is None:
-            return
+            return []
         now = time.monotonic()
         expired = [
             r
             for r in self.engine.scheduler.waiting
             if r.first_scheduled_time is None and now - r.arrival_time > self.queue_timeout
         ]
+        outputs = []
         for request in expired:
-            self.engine.abort_request(request.request_id)
+            outputs.append(self.engine.abort_request(request.request_id))
             message = f"the request waited more than {self.queue_timeout:g}s in the queue"
             self._deliver(request.request_id, RequestRejected(503, "queue_timeout", message))
+        return outputs
 
     def _fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):

@@ -1,0 +1,79 @@
+"""Reads a server's Prometheus /metrics (tokenloom's or vLLM's names) for what a client cannot see."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+PREFIXES = ("tokenloom:", "vllm:")
+
+
+def parse(text: str) -> dict[str, float]:
+    """'name{labels}' -> value, for every sample line."""
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return samples
+
+
+def scrape(client: httpx.Client, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
+    try:
+        response = client.get(f"{base_url}/metrics", headers=headers, timeout=5)
+    except httpx.HTTPError:
+        return None
+    return parse(response.text) if response.status_code == 200 else None
+
+
+def _find(samples: dict[str, float], suffix: str) -> float | None:
+    for prefix in PREFIXES:
+        total = [v for k, v in samples.items() if k == prefix + suffix or k.startswith(prefix + suffix + "{")]
+        if total:
+            return sum(total)
+    return None
+
+
+def histogram_quantile(before: dict[str, float], after: dict[str, float], name: str, q: float) -> float | None:
+    """The q-quantile (0-1) of observations made between two scrapes, from cumulative bucket counts."""
+    for prefix in PREFIXES:
+        key = f"{prefix}{name}_bucket"
+        buckets = []
+        for sample, value in after.items():
+            if sample.startswith(key + "{"):
+                bound = re.search(r'le="([^"]+)"', sample).group(1)
+                buckets.append((float(bound), value - before.get(sample, 0.0)))
+        if not buckets:
+            continue
+        buckets.sort()
+        total = buckets[-1][1]
+        if total <= 0:
+            return None
+        target, previous_bound, previous_count = q * total, 0.0, 0.0
+        for bound, count in buckets:
+            if count >= target:
+                if math_isinf(bound):
+                    return previous_bound
+                share = (target - previous_count) / (count - previous_count) if count > previous_count else 1.0
+                return previous_bound + (bound - previous_bound) * share
+            previous_bound, previous_count = bound, count
+    return None
+
+
+def math_isinf(x: float) -> bool:
+    return x == float("inf")
+
+
+def server_figures(before: dict | None, after: dict | None, samples: list[dict]) -> dict[str, float | None]:
+    if not before or not after:
+        return {"queue_time_p95_s": None, "preemptions": None, "memory_high_water_bytes": None}
+    preempt_before, preempt_after = _find(before, "num_preemptions_total"), _find(after, "num_preemptions_total")
+    memory = [s.get("process_resident_memory_bytes") for s in [before, *samples, after]]
+    memory = [m for m in memory if m is not None]
+    return {
+        "queue_time_p95_s": histogram_quantile(before, after, "request_queue_time_seconds", 0.95),
+        "preemptions": None if preempt_after is None else preempt_after - (preempt_before or 0.0),
+        "memory_high_water_bytes": max(memory) if memory else None,
+    }

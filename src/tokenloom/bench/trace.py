@@ -1,0 +1,146 @@
+"""Deterministic request traces for the seeds' three request sets, written as JSONL; the file's sha256 is its version.
+
+Prompt lengths are targets in tokens, approximated by words (English text runs ~1.3 tokens per word with
+SmolLM2's tokenizer), so no tokenizer is needed to make a trace and a trace fits any model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+KINDS = ("chat", "long", "agent", "mixed")
+TOKENS_PER_WORD = 1.3
+
+_WORD_TEXT = """
+the a an of to and in on for with as by at from that this these those it its their our your his her system
+model request server client memory network storage latency throughput queue batch token cache engine policy
+tenant budget schedule report signal market river city village harbour mountain forest history science music
+language garden kitchen journey morning evening winter summer question answer study design measure improve
+explain describe compare consider review observe build run write read quickly carefully often rarely always
+never usually simply clearly slowly quietly together apart small large long short bright dark early late
+simple complex quiet busy careful sudden gentle steady people teacher student doctor farmer engineer writer
+driver artist sailor neighbour friend stranger book letter map lamp window door table chair road bridge tower
+station market field stone water fire
+"""
+_WORDS = _WORD_TEXT.split()
+
+
+@dataclass
+class TraceRequest:
+    id: str
+    kind: str
+    messages: list[dict[str, str]]
+    max_tokens: int
+    tenant: str = "default"
+    priority: int = 0
+    prefix_group: str | None = None
+    cancel_after_tokens: int | None = None
+    burst: int | None = None  # requests of one burst arrive together
+    extra: dict = field(default_factory=dict)
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    chosen = [rng.choice(_WORDS) for _ in range(max(1, words))]
+    return " ".join(chosen).capitalize() + "."
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    words = max(1, round(tokens / TOKENS_PER_WORD))
+    sentences = []
+    while words > 0:
+        n = min(words, rng.randint(6, 18))
+        sentences.append(_sentence(rng, n))
+        words -= n
+    return " ".join(sentences)
+
+
+def chat_requests(rng: random.Random, n: int, start: int = 0) -> list[TraceRequest]:
+    system = {"role": "system", "content": "You are a helpful assistant. Answer briefly and clearly."}
+    return [
+        TraceRequest(
+            id=f"chat-{start + i}",
+            kind="chat",
+            messages=[system, {"role": "user", "content": _text(rng, rng.randint(20, 200))}],
+            max_tokens=rng.randint(20, 300),
+        )
+        for i in range(n)
+    ]
+
+
+def long_requests(rng: random.Random, n: int, start: int = 0) -> list[TraceRequest]:
+    out = []
+    for i in range(n):
+        document = _text(rng, rng.randint(1000, 6000))
+        question = "Summarise the document above and list its three main points."
+        out.append(
+            TraceRequest(
+                id=f"long-{start + i}",
+                kind="long",
+                messages=[{"role": "user", "content": f"{document}\n\n{question}"}],
+                max_tokens=rng.randint(50, 300),
+            )
+        )
+    return out
+
+
+def agent_requests(rng: random.Random, n: int, start: int = 0, num_prefixes: int = 4) -> list[TraceRequest]:
+    prefixes = [
+        "You are an agent with these tools and passages.\n" + _text(rng, rng.randint(500, 2000))
+        for _ in range(num_prefixes)
+    ]
+    out, burst = [], 0
+    while len(out) < n:
+        burst += 1
+        for _ in range(min(n - len(out), rng.randint(1, 6))):
+            group = rng.randrange(num_prefixes)
+            cancel = rng.randint(5, 60) if rng.random() < 0.15 else None
+            out.append(
+                TraceRequest(
+                    id=f"agent-{start + len(out)}",
+                    kind="agent",
+                    messages=[
+                        {"role": "system", "content": prefixes[group]},
+                        {"role": "user", "content": _text(rng, rng.randint(10, 120))},
+                    ],
+                    max_tokens=rng.randint(5, 500),
+                    prefix_group=f"prefix-{group}",
+                    cancel_after_tokens=cancel,
+                    burst=burst,
+                )
+            )
+    return out
+
+
+def make_trace(kind: str, num_requests: int, seed: int, mix: tuple[float, float, float] = (0.6, 0.2, 0.2)):
+    """The same kind, size and seed give the same requests, byte for byte."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown trace kind {kind!r}; choose from {', '.join(KINDS)}")
+    rng = random.Random(seed)
+    if kind == "chat":
+        return chat_requests(rng, num_requests)
+    if kind == "long":
+        return long_requests(rng, num_requests)
+    if kind == "agent":
+        return agent_requests(rng, num_requests)
+    counts = [round(num_requests * share / sum(mix)) for share in mix]
+    counts[0] += num_requests - sum(counts)
+    requests = chat_requests(rng, counts[0]) + long_requests(rng, counts[1]) + agent_requests(rng, counts[2])
+    rng.shuffle(requests)
+    return requests
+
+
+def write_trace(requests: list[TraceRequest], path: str | Path) -> str:
+    """Writes JSONL and returns the file's sha256, the trace's version."""
+    data = "".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in requests).encode()
+    Path(path).write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_trace(path: str | Path) -> tuple[list[TraceRequest], str]:
+    data = Path(path).read_bytes()
+    requests = [TraceRequest(**json.loads(line)) for line in data.decode().splitlines() if line.strip()]
+    return requests, hashlib.sha256(data).hexdigest()

@@ -1,0 +1,167 @@
+"""The bench: deterministic traces, arrival processes, scorecard arithmetic, and a real run against a server."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+from server_process import ServerProcess
+
+from tokenloom.bench.loadgen import arrival_offsets, burst_aligned
+from tokenloom.bench.scorecard import SCORECARD_KEYS, SLO, RequestRecord, percentile, scorecard
+from tokenloom.bench.server_metrics import histogram_quantile, parse
+from tokenloom.bench.trace import make_trace, read_trace, write_trace
+
+
+def test_traces_are_deterministic_and_versioned_by_sha256(tmp_path):
+    sha_a = write_trace(make_trace("mixed", 40, seed=3), tmp_path / "a.jsonl")
+    sha_b = write_trace(make_trace("mixed", 40, seed=3), tmp_path / "b.jsonl")
+    sha_c = write_trace(make_trace("mixed", 40, seed=4), tmp_path / "c.jsonl")
+    assert sha_a == sha_b != sha_c
+    requests, sha = read_trace(tmp_path / "a.jsonl")
+    assert sha == sha_a and len(requests) == 40
+    assert {r.kind for r in requests} == {"chat", "long", "agent"}
+
+
+def test_trace_shapes():
+    chat = make_trace("chat", 50, seed=0)
+    assert all(20 <= r.max_tokens <= 300 and r.messages[0]["role"] == "system" for r in chat)
+    long = make_trace("long", 10, seed=0)
+    assert all(700 <= len(r.messages[0]["content"].split()) <= 4700 for r in long)  # ~1,000-6,000 tokens
+    agent = make_trace("agent", 200, seed=0)
+    assert len({r.prefix_group for r in agent}) == 4
+    assert 0.05 < sum(r.cancel_after_tokens is not None for r in agent) / 200 < 0.3
+    assert len({r.burst for r in agent}) < 200  # requests arrive in bursts
+    shared = [r.messages[0]["content"] for r in agent if r.prefix_group == "prefix-0"]
+    assert len(set(shared)) == 1  # the prefix is reused word for word
+    with pytest.raises(ValueError, match="unknown trace kind"):
+        make_trace("video", 1, 0)
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.5])
+def test_arrival_gaps_have_the_right_mean(burstiness):
+    offsets = arrival_offsets(20_000, rate=4.0, burstiness=burstiness, seed=1)
+    gaps = [b - a for a, b in itertools.pairwise(offsets)]
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.05)
+    # A gamma with shape k has coefficient of variation 1/sqrt(k): burstier arrivals vary more.
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(burstiness**-0.5, rel=0.08)
+    assert arrival_offsets(3, rate=float("inf")) == [0.0, 0.0, 0.0]
+
+
+def test_bursts_arrive_together():
+    requests = make_trace("agent", 30, seed=0)
+    aligned = burst_aligned(requests, [float(i) for i in range(30)])
+    by_burst = {}
+    for request, offset in zip(requests, aligned, strict=True):
+        by_burst.setdefault(request.burst, set()).add(offset)
+    assert all(len(offsets) == 1 for offsets in by_burst.values())
+
+
+def test_percentile_and_goodput_arithmetic():
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([1, 2, 3, 4], 95) == pytest.approx(3.85)
+    assert percentile([], 50) is None
+    records = [
+        RequestRecord("a", 0, 200, ttft=0.5, e2e=2.0, output_tokens=10, token_gaps=[0.1] * 9),
+        RequestRecord("b", 0, 200, ttft=3.0, e2e=4.0, output_tokens=20, token_gaps=[0.1] * 19),  # TTFT misses
+        RequestRecord("c", 0, 429, error="busy"),
+        RequestRecord("d", 0, 200, ttft=0.2, e2e=0.5, output_tokens=5, cancelled=True),
+    ]
+    card = scorecard(records, duration=10.0, offered_req_s=0.4, slo=SLO.parse("ttft=1,e2e=5"), cost_per_hour=3.6)
+    assert set(card) == set(SCORECARD_KEYS)
+    assert card["completed_req_s"] == pytest.approx(0.2)  # a and b; d was cancelled
+    assert card["output_tok_s"] == pytest.approx(3.5)
+    assert card["error_rate"] == pytest.approx(0.25)
+    assert card["goodput_req_s"] == pytest.approx(0.1)  # only a meets every SLO
+    assert card["cost_per_1k_accepted"] == pytest.approx(3.6 * 10 / 3600 / 1 * 1000)
+
+
+def test_histogram_quantile_from_bucket_deltas():
+    name = "tokenloom:request_queue_time_seconds_bucket"
+    before = parse(f'{name}{{le="0.1"}} 5\n{name}{{le="1.0"}} 5\n{name}{{le="+Inf"}} 5\n')
+    after = parse(f'{name}{{le="0.1"}} 55\n{name}{{le="1.0"}} 105\n{name}{{le="+Inf"}} 105\n')
+    # 100 new observations: 50 in (0, 0.1], 50 in (0.1, 1.0]; the 95th lies 90% into the second bucket.
+    assert histogram_quantile(before, after, "request_queue_time_seconds", 0.95) == pytest.approx(0.91)
+
+
+@pytest.fixture(scope="module")
+def bench_server(tiny_chat_model):
+    proc = ServerProcess("--model", str(tiny_chat_model), "--max-model-len", "2048")
+    yield proc
+    proc.stop()
+
+
+def test_a_real_run_fills_the_scorecard_and_cancels_server_side(bench_server, tmp_path):
+    trace = tmp_path / "agent.jsonl"
+    requests = make_trace("agent", 16, seed=5)
+    for r in requests:  # keep the tiny model's context: short prefixes, short answers
+        r.messages[0]["content"] = r.messages[0]["content"][:1500]
+        r.max_tokens = min(r.max_tokens, 80)
+    requests[0].cancel_after_tokens = 3
+    write_trace(requests, trace)
+    cancelled = sum(r.cancel_after_tokens is not None for r in requests)
+    aborts_before = _aborts(bench_server)
+    out = tmp_path / "run.json"
+    command = [
+        sys.executable,
+        "-m",
+        "tokenloom.cli",
+        "bench",
+        "serve",
+        "--base-url",
+        bench_server.url,
+        "--trace",
+        str(trace),
+        "--request-rate",
+        "50",
+        "--burstiness",
+        "0.5",
+        "--slo",
+        "ttft=5,e2e=60",
+        "--cost-per-hour",
+        "1.5",
+        "--label",
+        "tiny",
+        "-o",
+        str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    run = json.loads(out.read_text())
+    card = run["scorecard"]
+    assert set(card) == set(SCORECARD_KEYS)
+    assert all(card[key] is not None for key in SCORECARD_KEYS), card
+    assert card["error_rate"] == 0 and card["completed_req_s"] > 0
+    assert len(run["records"]) == 16 and sum(r["cancelled"] for r in run["records"]) == cancelled
+    provenance = run["provenance"]
+    assert provenance["trace_sha256"] == read_trace(trace)[1]
+    assert provenance["server_version"]["engine_config"]["max_model_len"] == 2048
+    assert provenance["machine"]["cores"] >= 1
+    # The server saw each cancelled stream as an abort.
+    assert (
+        bench_server.wait_for_metric(
+            'tokenloom:request_success_total{finished_reason="abort"}', lambda v: v >= aborts_before + cancelled
+        )
+        >= aborts_before + cancelled
+    )
+
+    table = subprocess.run(
+        [sys.executable, "-m", "tokenloom.cli", "bench", "compare", str(out), str(out), "--markdown"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert table.returncode == 0
+    lines = table.stdout.strip().splitlines()
+    assert lines[0].startswith("| run | offered req/s") and len(lines) == 4 and lines[2].startswith("| tiny |")
+
+
+def _aborts(server: ServerProcess) -> float:
+    try:
+        return server.metric('tokenloom:request_success_total{finished_reason="abort"}')
+    except AssertionError:
+        return 0.0
