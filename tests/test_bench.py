@@ -165,3 +165,73 @@ def _aborts(server: ServerProcess) -> float:
         return server.metric('tokenloom:request_success_total{finished_reason="abort"}')
     except AssertionError:
         return 0.0
+
+
+def test_config_lists_parse():
+    from tokenloom.bench.commands import parse_configs
+
+    configs = parse_configs("baseline: ; budget: --max-num-batched-tokens 512; static: --batching static")
+    assert configs == [
+        ("baseline", []),
+        ("budget", ["--max-num-batched-tokens", "512"]),
+        ("static", ["--batching", "static"]),
+    ]
+    with pytest.raises(ValueError, match="name: --flag"):
+        parse_configs("--max-num-seqs 4")
+
+
+def test_sweep_ramps_until_the_limits_break_and_draws_plots(bench_server, tmp_path):
+    trace = tmp_path / "chat.jsonl"
+    write_trace(make_trace("chat", 6, seed=1), trace)
+    out = tmp_path / "sweep"
+    # A queue-time limit of zero breaks as soon as any request waits at all: the ramp must stop early.
+    command = [
+        sys.executable,
+        "-m",
+        "tokenloom.cli",
+        "bench",
+        "sweep",
+        "--base-url",
+        bench_server.url,
+        "--trace",
+        str(trace),
+        "--request-rates",
+        "2,1000,2000,4000",
+        "--max-queue-p95",
+        "0",
+        "-o",
+        str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "sweep.json").read_text())
+    assert len(summary["runs"]) < 4, "the ramp should stop at the first rate that breaks the limit"
+    assert (out / "latency.png").stat().st_size > 1000 and (out / "throughput.png").stat().st_size > 1000
+
+
+def test_matrix_runs_one_server_per_configuration(tiny_chat_model, tmp_path):
+    trace = tmp_path / "chat.jsonl"
+    write_trace(make_trace("chat", 4, seed=2), trace)
+    command = [
+        sys.executable,
+        "-m",
+        "tokenloom.cli",
+        "bench",
+        "matrix",
+        "--trace",
+        str(trace),
+        "--rate",
+        "inf",
+        "--model-path",
+        str(tiny_chat_model),
+        "--configs",
+        "baseline: ; static: --batching static",
+        "-o",
+        str(tmp_path / "matrix"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "| baseline |" in result.stdout and "| static |" in result.stdout
+    static = json.loads((tmp_path / "matrix" / "static.json").read_text())
+    assert static["provenance"]["server_version"]["engine_config"]["batching"] == "static"
+    assert static["scorecard"]["error_rate"] == 0

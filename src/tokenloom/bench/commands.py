@@ -52,25 +52,45 @@ def add_bench_commands(commands) -> None:
     trace.add_argument("-o", "--output", required=True)
 
     serve = bench.add_parser("serve", help="replay a trace against an OpenAI-compatible server")
+    _load_flags(serve)
     serve.add_argument("--base-url", required=True)
-    serve.add_argument("--model", default=None)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--trace", default=None, help="a trace file; else one is made from --kind")
-    serve.add_argument("--kind", choices=KINDS, default="chat")
-    serve.add_argument("--num-requests", type=int, default=None)
-    serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--request-rate", default="inf", help="requests per second, or inf")
-    serve.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier")
-    serve.add_argument("--max-concurrency", type=int, default=None)
-    serve.add_argument("--duration-limit", type=float, default=600.0, help="seconds; unfinished requests are errors")
-    serve.add_argument("--slo", default=None, help="e.g. ttft=2,itl=0.2,e2e=30 (seconds)")
-    serve.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour of the serving machine")
-    serve.add_argument("--label", default=None)
     serve.add_argument("-o", "--output", required=True)
+
+    sweep = bench.add_parser("sweep", help="ramp the offered rate until queue time or errors break the limits")
+    _load_flags(sweep)
+    sweep.add_argument("--base-url", required=True)
+    sweep.add_argument("--request-rates", default="0.25,0.5,1,2,4")
+    sweep.add_argument("--max-queue-p95", type=float, default=5.0, help="seconds of p95 queue time allowed")
+    sweep.add_argument("--max-error-rate", type=float, default=0.01)
+    sweep.add_argument("-o", "--output", required=True, help="a directory for runs and plots")
+
+    matrix = bench.add_parser("matrix", help="one tokenloom server per configuration, the same trace against each")
+    _load_flags(matrix)
+    matrix.add_argument("--request-rate", "--rate", default="inf")
+    matrix.add_argument("--configs", required=True, help='e.g. "baseline: ; budget: --max-num-batched-tokens 512"')
+    matrix.add_argument("--model-path", default=None, help="the --model of every server (default: embedded)")
+    matrix.add_argument("--server-args", default="", help="flags given to every server")
+    matrix.add_argument("-o", "--output", required=True, help="a directory for the runs")
 
     compare = bench.add_parser("compare", help="print the scorecard table of saved runs")
     compare.add_argument("runs", nargs="+")
     compare.add_argument("--markdown", action="store_true")
+
+
+def _load_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="the model id sent in requests")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--trace", default=None, help="a trace file; else one is made from --kind")
+    parser.add_argument("--kind", choices=KINDS, default="chat")
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--duration-limit", type=float, default=600.0, help="seconds; unfinished requests are errors")
+    parser.add_argument("--slo", default=None, help="e.g. ttft=2,itl=0.2,e2e=30 (seconds)")
+    parser.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour of the serving machine")
+    parser.add_argument("--label", default=None)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -83,36 +103,49 @@ def run_bench(args: argparse.Namespace) -> int:
         Path(args.output).write_text(json.dumps(run, indent=2))
         print(render_table([run], markdown=False))
         return 0
+    if args.bench_command == "sweep":
+        bench_sweep(args)
+        return 0
+    if args.bench_command == "matrix":
+        bench_matrix(args)
+        return 0
     runs = [json.loads(Path(p).read_text()) for p in args.runs]
     print(render_table(runs, markdown=args.markdown))
     return 0
 
 
-def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from rich.progress import Progress
-
+def _trace_from_args(args: argparse.Namespace):
     if args.trace:
         requests, sha = read_trace(args.trace)
-        if args.num_requests:
-            requests = requests[: args.num_requests]
-    else:
-        requests = make_trace(args.kind, args.num_requests or 100, args.seed)
-        sha = "generated:" + write_trace_sha(requests)
+        return (requests[: args.num_requests] if args.num_requests else requests), sha
+    requests = make_trace(args.kind, args.num_requests or 100, args.seed)
+    return requests, "generated:" + write_trace_sha(requests)
+
+
+def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
+    requests, sha = _trace_from_args(args)
     rate = math.inf if str(args.request_rate) == "inf" else float(args.request_rate)
+    return bench_run(args, args.base_url, requests, sha, rate, args.label or Path(args.output).stem)
+
+
+def bench_run(args, base_url: str, requests, sha: str, rate: float, label: str) -> dict[str, Any]:
+    """Replays requests at the given rate against base_url; the run's scorecard, records and provenance."""
+    from rich.progress import Progress
+
     offsets = burst_aligned(requests, arrival_offsets(len(requests), rate, args.burstiness, args.seed))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     sync = httpx.Client()
-    before = server_metrics.scrape(sync, args.base_url, headers)
+    before = server_metrics.scrape(sync, base_url, headers)
     samples: list[dict] = []
     stop = threading.Event()
-    sampler = threading.Thread(target=_sample_metrics, args=(args.base_url, headers, samples, stop), daemon=True)
+    sampler = threading.Thread(target=_sample_metrics, args=(base_url, headers, samples, stop), daemon=True)
     sampler.start()
     started = datetime.datetime.now(datetime.UTC).isoformat()
     with Progress(transient=True) as progress:
-        task = progress.add_task("requests", total=len(requests))
+        task = progress.add_task(f"{label} @ {rate:g} req/s", total=len(requests))
         records, duration = asyncio.run(
             run_load(
-                args.base_url,
+                base_url,
                 requests,
                 offsets,
                 args.model,
@@ -124,22 +157,127 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         )
     stop.set()
     sampler.join(timeout=5)
-    after = server_metrics.scrape(sync, args.base_url, headers)
-    offered = len(requests) / offsets[-1] if offsets and offsets[-1] > 0 else float("inf")
+    after = server_metrics.scrape(sync, base_url, headers)
+    offered = rate if not math.isinf(rate) else (len(requests) / duration if duration > 0 else math.inf)
     card = scorecard(
         records,
         duration,
-        offered if math.isinf(rate) else rate,
+        offered,
         SLO.parse(args.slo),
         server_metrics.server_figures(before, after, samples),
         args.cost_per_hour,
     )
     return {
-        "label": args.label or Path(args.output).stem,
+        "label": label,
         "scorecard": card,
         "records": [vars(r) for r in records],
-        "provenance": _provenance(args, sha, sync, headers, started),
+        "provenance": _provenance(args, base_url, sha, sync, headers, started),
     }
+
+
+def bench_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Ramps the offered rate; stops after the first rate that breaks the queue-time or error limits."""
+    requests, sha = _trace_from_args(args)
+    out_dir = Path(args.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for rate in [float(r) for r in args.request_rates.split(",")]:
+        run = bench_run(args, args.base_url, requests, sha, rate, f"{args.label or 'sweep'}@{rate:g}")
+        run["meets_slo"] = _meets(run["scorecard"], run["records"], args)
+        runs.append(run)
+        (out_dir / f"rate-{rate:g}.json").write_text(json.dumps(run, indent=2))
+        if not run["meets_slo"]:
+            break
+    met = [r["scorecard"]["offered_req_s"] for r in runs if r["meets_slo"]]
+    capacity = max(met) if met else None
+    (out_dir / "sweep.json").write_text(json.dumps({"capacity_req_s": capacity, "runs": [r["label"] for r in runs]}))
+    _plot_sweep(runs, out_dir)
+    print(render_table(runs, markdown=False))
+    print(f"capacity: {capacity if capacity is not None else 'no rate'} req/s met the limits; plots in {out_dir}")
+    return runs
+
+
+def _meets(card: dict, records: list[dict], args: argparse.Namespace) -> bool:
+    if card["error_rate"] > args.max_error_rate:
+        return False
+    queue = card["queue_time_p95_s"]
+    if args.max_queue_p95 is not None and queue is not None and queue > args.max_queue_p95:
+        return False
+    if args.slo and card["completed_req_s"] > 0:
+        return card["goodput_req_s"] >= 0.9 * card["completed_req_s"]
+    return True
+
+
+def _plot_sweep(runs: list[dict], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["scorecard"]["offered_req_s"] for r in runs]
+    log_x = len(rates) > 1 and max(rates) / min(rates) > 20
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, name in (
+        ("ttft_p50_s", "TTFT p50"),
+        ("ttft_p95_s", "TTFT p95"),
+        ("e2e_p95_s", "E2E p95"),
+        ("queue_time_p95_s", "queue p95"),
+    ):
+        values = [r["scorecard"][key] for r in runs]
+        if any(v is not None for v in values):
+            ax.plot(rates, [v if v is not None else float("nan") for v in values], marker="o", label=name)
+    ax.set_xlabel("offered req/s")
+    ax.set_xscale("log" if log_x else "linear")
+    ax.set_ylabel("seconds")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "latency.png", dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(rates, [r["scorecard"]["completed_req_s"] for r in runs], marker="o", label="completed")
+    ax.plot(rates, [r["scorecard"]["goodput_req_s"] for r in runs], marker="o", label="goodput")
+    ax.plot(rates, rates, linestyle=":", color="grey", label="offered")
+    ax.set_xlabel("offered req/s")
+    ax.set_xscale("log" if log_x else "linear")
+    ax.set_ylabel("req/s")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "throughput.png", dpi=110)
+    plt.close("all")
+
+
+def parse_configs(text: str) -> list[tuple[str, list[str]]]:
+    """'baseline: ; budget: --max-num-batched-tokens 512' -> [(baseline, []), (budget, [...])]."""
+    configs = []
+    for part in filter(str.strip, text.split(";")):
+        name, sep, flags = part.partition(":")
+        if not sep or not name.strip():
+            raise ValueError(f"config {part.strip()!r} should read 'name: --flag value ...'")
+        configs.append((name.strip(), flags.split()))
+    return configs
+
+
+def bench_matrix(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One server per configuration on a free loopback port, the same trace against each, one table."""
+    from tokenloom.bench.local_server import LocalServer
+
+    requests, sha = _trace_from_args(args)
+    rate = math.inf if str(args.request_rate) == "inf" else float(args.request_rate)
+    out_dir = Path(args.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for name, flags in parse_configs(args.configs):
+        server_args = [*(["--model", args.model_path] if args.model_path else []), *args.server_args.split(), *flags]
+        with LocalServer(*server_args) as server:
+            run = bench_run(args, server.url, requests, sha, rate, name)
+        run["server_args"] = server_args
+        runs.append(run)
+        (out_dir / f"{name}.json").write_text(json.dumps(run, indent=2))
+    print(render_table(runs, markdown=False))
+    print()
+    print(render_table(runs, markdown=True))
+    return runs
 
 
 def write_trace_sha(requests) -> str:
@@ -158,11 +296,11 @@ def _sample_metrics(base_url: str, headers: dict, samples: list[dict], stop: thr
                 samples.append({"process_resident_memory_bytes": sample.get("process_resident_memory_bytes")})
 
 
-def _provenance(args, sha: str, client: httpx.Client, headers: dict, started: str) -> dict[str, Any]:
+def _provenance(args, base_url: str, sha: str, client: httpx.Client, headers: dict, started: str) -> dict[str, Any]:
     import tokenloom
 
     try:
-        version = client.get(f"{args.base_url}/version", headers=headers, timeout=5)
+        version = client.get(f"{base_url}/version", headers=headers, timeout=5)
         server_version = version.json() if version.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         server_version = None
