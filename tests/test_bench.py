@@ -38,6 +38,7 @@ def test_trace_shapes():
     assert len({r.burst for r in agent}) < 200  # requests arrive in bursts
     shared = [r.messages[0]["content"] for r in agent if r.prefix_group == "prefix-0"]
     assert len(set(shared)) == 1  # the prefix is reused word for word
+    assert {r.kind for r in make_trace("mixed", 10, seed=0, mix=(0, 0, 1))} == {"agent"}
     with pytest.raises(ValueError, match="unknown trace kind"):
         make_trace("video", 1, 0)
 

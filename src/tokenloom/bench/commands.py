@@ -49,6 +49,7 @@ def add_bench_commands(commands) -> None:
     trace.add_argument("--kind", choices=KINDS, required=True)
     trace.add_argument("--num-requests", type=int, default=100)
     trace.add_argument("--seed", type=int, default=0)
+    trace.add_argument("--mix", default="0.6,0.2,0.2", help="chat,long,agent shares of a mixed trace")
     trace.add_argument("-o", "--output", required=True)
 
     serve = bench.add_parser("serve", help="replay a trace against an OpenAI-compatible server")
@@ -84,6 +85,7 @@ def _load_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, help="a trace file; else one is made from --kind")
     parser.add_argument("--kind", choices=KINDS, default="chat")
     parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--mix", default="0.6,0.2,0.2", help="chat,long,agent shares when --kind mixed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)
@@ -95,7 +97,7 @@ def _load_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "trace":
-        sha = write_trace(make_trace(args.kind, args.num_requests, args.seed), args.output)
+        sha = write_trace(make_trace(args.kind, args.num_requests, args.seed, _mix(args.mix)), args.output)
         print(f"{args.output}: {args.num_requests} {args.kind} requests, sha256 {sha}")
         return 0
     if args.bench_command == "serve":
@@ -118,8 +120,15 @@ def _trace_from_args(args: argparse.Namespace):
     if args.trace:
         requests, sha = read_trace(args.trace)
         return (requests[: args.num_requests] if args.num_requests else requests), sha
-    requests = make_trace(args.kind, args.num_requests or 100, args.seed)
+    requests = make_trace(args.kind, args.num_requests or 100, args.seed, _mix(args.mix))
     return requests, "generated:" + write_trace_sha(requests)
+
+
+def _mix(text: str) -> tuple[float, float, float]:
+    shares = tuple(float(x) for x in text.split(","))
+    if len(shares) != 3 or min(shares) < 0 or sum(shares) <= 0:
+        raise ValueError("--mix takes three non-negative shares: chat,long,agent")
+    return shares
 
 
 def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
