@@ -32,7 +32,7 @@ class EngineConfig:
     dtype: str = "float32"
     """Weights and activations: float32, bfloat16 or float16 (float32 is the fast one on CPUs without AMX)."""
     device: str = "cpu"
-    """A torch device string: 'cpu', 'cuda', 'cuda:1', 'mps'."""
+    """A torch device string, as torch.device takes it (cpu, a CUDA device and its index, mps)."""
     num_threads: int | None = None
     """Threads torch uses for intra-op work on CPU; None leaves torch's default (the number of cores)."""
     max_model_len: int | None = None
