@@ -86,8 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
 
     from tokenloom.bench.commands import add_bench_commands
+    from tokenloom.tools.plan import add_plan_command
 
     add_bench_commands(commands)
+    add_plan_command(commands)
     return parser
 
 
@@ -181,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "plan":
+            from tokenloom.tools.plan import run_plan
+
+            return run_plan(args)
         if args.command == "bench":
             from tokenloom.bench.commands import run_bench
 

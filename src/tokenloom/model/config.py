@@ -34,11 +34,6 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
 
-    @property
-    def kv_bytes_per_token_per_element(self) -> int:
-        """K and V elements one token keeps in the cache across all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         architectures = hf.get("architectures") or []

@@ -1,0 +1,261 @@
+"""Capacity planning: weights + KV cache at a concurrency and context + runtime overhead + safety margin.
+
+The engine sizes its own KV pool with `kv_bytes_per_token` from here, so the plan and the engine agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tokenloom.model.config import ModelConfig
+
+GiB = 1024**3
+
+ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_s: float
+    runtime_overhead_bytes: int  # CUDA context, allocator slack, framework: not available to the model
+
+
+GPU_RUNTIME = 1 * GiB
+CATALOGUE = {
+    a.name.lower(): a
+    for a in (
+        Accelerator("A100-40GB", 40 * GiB, 1555e9, GPU_RUNTIME),
+        Accelerator("A100-80GB", 80 * GiB, 2039e9, GPU_RUNTIME),
+        Accelerator("H100-80GB", 80 * GiB, 3350e9, GPU_RUNTIME),
+        Accelerator("H200-141GB", 141 * 10**9, 4800e9, GPU_RUNTIME),
+        Accelerator("B200-192GB", 192 * 10**9, 8000e9, GPU_RUNTIME),
+        Accelerator("RTX4090-24GB", 24 * GiB, 1008e9, GPU_RUNTIME),
+        Accelerator("RTX5090-32GB", 32 * GiB, 1792e9, GPU_RUNTIME),
+        Accelerator("L4-24GB", 24 * GiB, 300e9, GPU_RUNTIME),
+        Accelerator("L40S-48GB", 48 * GiB, 864e9, GPU_RUNTIME),
+    )
+}
+
+
+def this_cpu(bandwidth_bytes_s: float = 20e9) -> Accelerator:
+    """This machine, from its available memory; the bandwidth is a nominal dual-channel figure."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return Accelerator("cpu", available, bandwidth_bytes_s, 512 * 1024**2)
+
+
+def accelerator(name: str) -> Accelerator:
+    if name.lower() == "cpu":
+        return this_cpu()
+    found = CATALOGUE.get(name.lower())
+    if found is None:
+        known = ", ".join([*(a.name for a in CATALOGUE.values()), "cpu"])
+        raise ValueError(f"unknown accelerator {name!r}; known: {known} (or give --memory GiB)")
+    return found
+
+
+def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
+    """K and V of one token across all layers: layers x 2 x KV heads x head dim x element size."""
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_bytes
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+    if cfg.qkv_bias:
+        per_layer += q + 2 * kv
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_dim
+    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return embeddings + cfg.num_layers * per_layer + h
+
+
+def overhead_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, element_bytes: int) -> int:
+    """Activations of the largest step (hidden states, q/k/v, the MLP's widest layer) and the sampled logits."""
+    per_token = (
+        4 * cfg.hidden_size + 2 * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim + 3 * cfg.intermediate_size
+    ) * element_bytes
+    logits = max_num_seqs * cfg.vocab_size * 4 * 2  # float32 logits and their softmax
+    return max_num_batched_tokens * per_token + logits
+
+
+@dataclass
+class Plan:
+    model: str
+    accelerator: str
+    memory_bytes: int
+    usable_bytes: int
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_bytes_total: int
+    overhead_bytes: int
+    safety_margin_bytes: int
+    fits: bool
+    max_concurrency: int
+    max_context: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    decode_tokens_per_s: float  # bandwidth-bound estimate at the target concurrency and context
+
+
+def make_plan(
+    cfg: ModelConfig,
+    model_name: str,
+    context: int,
+    concurrency: int,
+    device: Accelerator,
+    weights_dtype: str = "fp32",
+    kv_dtype: str = "fp32",
+    tensor_parallel: int = 1,
+    utilization: float = 0.9,
+    max_num_batched_tokens: int | None = None,
+    block_size: int = 16,
+) -> Plan:
+    if kv_dtype not in ELEMENT_BYTES or weights_dtype not in ELEMENT_BYTES:
+        raise ValueError(f"dtypes are one of {', '.join(ELEMENT_BYTES)}")
+    if not 0 < utilization <= 1 or tensor_parallel < 1 or context < 1 or concurrency < 1:
+        raise ValueError("utilization in (0, 1], tensor_parallel, context and concurrency >= 1")
+    budget = max_num_batched_tokens or (2048 if device.name != "cpu" else 1024)
+    memory = device.memory_bytes * tensor_parallel
+    margin = int(memory * (1 - utilization))
+    usable = memory - margin - device.runtime_overhead_bytes * tensor_parallel
+    weights = parameter_count(cfg) * ELEMENT_BYTES[weights_dtype]
+    per_token = kv_bytes_per_token(cfg, ELEMENT_BYTES[kv_dtype])
+    overhead = overhead_bytes(cfg, budget, min(concurrency, 256), ELEMENT_BYTES[weights_dtype]) * tensor_parallel
+    kv_room = max(0, usable - weights - overhead)
+    kv_total = per_token * context * concurrency
+    model_limit = cfg.max_position_embeddings
+    max_concurrency = kv_room // (per_token * context)
+    max_context = min(model_limit, kv_room // (per_token * concurrency))
+    step_bytes = weights + concurrency * context * per_token  # one decode step reads weights and every context
+    return Plan(
+        model=model_name,
+        accelerator=device.name,
+        memory_bytes=memory,
+        usable_bytes=usable,
+        weights_bytes=weights,
+        kv_bytes_per_token=per_token,
+        kv_bytes_total=kv_total,
+        overhead_bytes=overhead,
+        safety_margin_bytes=margin,
+        fits=weights + overhead + kv_total <= usable and context <= model_limit,
+        max_concurrency=int(max_concurrency),
+        max_context=int(max_context),
+        max_num_seqs=int(max(1, min(concurrency, max_concurrency, 256))),
+        max_num_batched_tokens=budget,
+        num_kv_blocks=int(kv_room // (per_token * block_size)),
+        decode_tokens_per_s=concurrency * device.bandwidth_bytes_s * tensor_parallel / step_bytes,
+    )
+
+
+def render(plan: Plan) -> str:
+    def gib(n: int) -> str:
+        return f"{n / GiB:.2f} GiB"
+
+    verdict = "fits" if plan.fits else "does NOT fit"
+    return "\n".join(
+        [
+            f"{plan.model} on {plan.accelerator}: {verdict}",
+            f"  memory {gib(plan.memory_bytes)}, usable {gib(plan.usable_bytes)} "
+            f"after a {gib(plan.safety_margin_bytes)} safety margin and the runtime",
+            f"  weights {gib(plan.weights_bytes)}; KV {plan.kv_bytes_per_token / 1024:.1f} KiB per token, "
+            f"{gib(plan.kv_bytes_total)} at the target; activations and logits {gib(plan.overhead_bytes)}",
+            f"  largest concurrency at this context: {plan.max_concurrency}; longest context at this concurrency: "
+            f"{plan.max_context}",
+            f"  start with: --max-num-seqs {plan.max_num_seqs} --max-num-batched-tokens {plan.max_num_batched_tokens} "
+            f"--num-kv-blocks {plan.num_kv_blocks}",
+            f"  decode-bound estimate: {plan.decode_tokens_per_s:.0f} tokens/s in all at the target",
+        ]
+    )
+
+
+def plan_json(plan: Plan) -> str:
+    return json.dumps(asdict(plan), indent=2)
+
+
+def load_model_config(model: str | None) -> tuple[str, ModelConfig]:
+    """A checkpoint directory, a GGUF file, a config.json, or None for the embedded default."""
+    if model is not None and Path(model).name.endswith(".json"):
+        return Path(model).parent.name or model, ModelConfig.from_hf(json.loads(Path(model).read_text()))
+    from tokenloom.model.loader import resolve_checkpoint_dir
+
+    name, path = resolve_checkpoint_dir(model)
+    return name, ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+
+
+def add_plan_command(commands) -> None:
+    plan = commands.add_parser(
+        "plan", help="will this model fit, at this concurrency and context, and with which flags"
+    )
+    plan.add_argument("--model", default=None, help="a checkpoint dir, a GGUF, a config.json (default: embedded)")
+    plan.add_argument("--context", type=int, default=4096)
+    plan.add_argument("--concurrency", type=int, default=64)
+    plan.add_argument("--kv-dtype", default=None, choices=sorted(ELEMENT_BYTES), help="default: the weights' dtype")
+    plan.add_argument(
+        "--weights-dtype",
+        default=None,
+        choices=sorted(ELEMENT_BYTES),
+        help="default: fp32 on cpu, bf16 on accelerators",
+    )
+    plan.add_argument("--accelerator", default="cpu", help=f"{', '.join(a.name for a in CATALOGUE.values())}, cpu")
+    plan.add_argument("--memory", type=float, default=None, help="GiB of a device not in the catalogue")
+    plan.add_argument("--tensor-parallel", type=int, default=1)
+    plan.add_argument("--utilization", type=float, default=0.9)
+    plan.add_argument("--max-num-batched-tokens", type=int, default=None)
+    plan.add_argument("--all", action="store_true", help="a table over the whole catalogue")
+    plan.add_argument("--json", action="store_true")
+
+
+def run_plan(args) -> int:
+    name, cfg = load_model_config(args.model)
+    devices = [*list(CATALOGUE.values()), this_cpu()] if args.all else [_device(args)]
+    plans = []
+    for device in devices:
+        weights_dtype = args.weights_dtype or ("fp32" if device.name == "cpu" else "bf16")
+        plans.append(
+            make_plan(
+                cfg,
+                name,
+                args.context,
+                args.concurrency,
+                device,
+                weights_dtype,
+                args.kv_dtype or weights_dtype,
+                args.tensor_parallel,
+                args.utilization,
+                args.max_num_batched_tokens,
+            )
+        )
+    if args.json:
+        print(json.dumps([asdict(p) for p in plans] if args.all else asdict(plans[0]), indent=2))
+    elif args.all:
+        print(
+            f"| accelerator | fits | weights GiB | KV GiB | max concurrency @ {args.context} | "
+            f"max context @ {args.concurrency} | decode tok/s |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for p in plans:
+            print(
+                f"| {p.accelerator} | {'yes' if p.fits else 'no'} | {p.weights_bytes / GiB:.1f} | "
+                f"{p.kv_bytes_total / GiB:.1f} | {p.max_concurrency} | {p.max_context} | {p.decode_tokens_per_s:.0f} |"
+            )
+    else:
+        print(render(plans[0]))
+    return 0
+
+
+def _device(args) -> Accelerator:
+    if args.memory is not None:
+        return Accelerator(f"custom-{args.memory:g}GiB", int(args.memory * GiB), 1000e9, GPU_RUNTIME)
+    return accelerator(args.accelerator)
