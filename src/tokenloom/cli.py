@@ -86,10 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
 
     from tokenloom.bench.commands import add_bench_commands
+    from tokenloom.tools.diagnose import add_diagnose_command
     from tokenloom.tools.plan import add_plan_command
 
     add_bench_commands(commands)
     add_plan_command(commands)
+    add_diagnose_command(commands)
     return parser
 
 
@@ -183,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "diagnose":
+            from tokenloom.tools.diagnose import run_diagnose
+
+            return run_diagnose(args)
         if args.command == "plan":
             from tokenloom.tools.plan import run_plan
 

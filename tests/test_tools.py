@@ -1,0 +1,194 @@
+"""The capacity planner against hand-computed cases, and each diagnosis rule on a snapshot built for it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from server_process import ServerProcess
+
+from tokenloom.model.config import ModelConfig
+from tokenloom.tools.diagnose import Window, diagnose
+from tokenloom.tools.plan import Accelerator, GiB, accelerator, kv_bytes_per_token, make_plan, parameter_count
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+
+
+def test_kv_bytes_per_token_by_hand(real_model_dir):
+    llama = ModelConfig.from_hf(LLAMA3_8B)
+    assert kv_bytes_per_token(llama, 2) == 128 * 1024  # 32 layers x 2 x 8 heads x 128 x 2 bytes
+    smol = ModelConfig.from_hf(json.loads((real_model_dir / "config.json").read_text()))
+    assert kv_bytes_per_token(smol, 4) == 45 * 1024  # 30 x 2 x 3 x 64 x 4 bytes
+    assert parameter_count(llama) == 8_030_261_248  # Llama-3-8B's published count
+
+
+def test_plan_figures_by_hand():
+    cfg = ModelConfig.from_hf(LLAMA3_8B)
+    device = Accelerator("test", 80 * GiB, 2e12, 0)
+    plan = make_plan(
+        cfg,
+        "llama",
+        context=8192,
+        concurrency=16,
+        device=device,
+        weights_dtype="bf16",
+        kv_dtype="fp16",
+        utilization=1.0,
+        max_num_batched_tokens=2048,
+    )
+    assert plan.weights_bytes == 8_030_261_248 * 2
+    assert plan.kv_bytes_total == 16 * 8192 * 128 * 1024 == 16 * GiB
+    assert plan.fits
+    room = 80 * GiB - plan.weights_bytes - plan.overhead_bytes
+    assert plan.max_concurrency == room // (8192 * 128 * 1024)
+    assert plan.max_context == min(8192, room // (16 * 128 * 1024))
+    assert plan.num_kv_blocks == room // (16 * 128 * 1024)
+    too_many = make_plan(cfg, "llama", 8192, 200, device, "bf16", "fp16", utilization=1.0)
+    assert not too_many.fits
+    fp8 = make_plan(cfg, "llama", 8192, 16, device, "bf16", "fp8", utilization=1.0)
+    assert fp8.kv_bytes_per_token == 64 * 1024 and fp8.max_concurrency > plan.max_concurrency
+
+
+def test_engine_sizes_its_kv_pool_with_the_plan(tiny_llama):
+    from tokenloom import LLM
+    from tokenloom.tools.plan import load_model_config
+
+    llm = LLM(str(tiny_llama), kv_cache_memory=10 * 2**20, block_size=16)
+    _, cfg = load_model_config(str(tiny_llama))
+    assert llm.stats()["kv_blocks_total"] == 10 * 2**20 // (16 * kv_bytes_per_token(cfg, 4))
+
+
+def test_catalogue_and_cli(real_model_dir):
+    assert accelerator("h100-80gb").memory_bytes == 80 * GiB
+    with pytest.raises(ValueError, match="unknown accelerator"):
+        accelerator("V100")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenloom.cli",
+            "plan",
+            "--model",
+            str(real_model_dir / "config.json"),
+            "--context",
+            "8192",
+            "--concurrency",
+            "4",
+            "--accelerator",
+            "L4-24GB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    plan = json.loads(out.stdout)
+    for key in (
+        "weights_bytes",
+        "kv_bytes_per_token",
+        "kv_bytes_total",
+        "overhead_bytes",
+        "fits",
+        "max_concurrency",
+        "max_context",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "num_kv_blocks",
+    ):
+        assert key in plan
+    assert plan["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2 and plan["fits"] is True
+
+
+def window(**changes) -> Window:
+    healthy = dict(
+        seconds=10.0,
+        waiting_before=0,
+        waiting_after=0,
+        running=4,
+        kv_usage=0.3,
+        preemptions=0,
+        iteration_tokens=5000,
+        prompt_tokens=2000,
+        finished_requests=10,
+        ttft_p95=0.4,
+        queue_p95=0.05,
+        e2e_p95=6.0,
+        max_num_seqs=8,
+    )
+    return Window(**{**healthy, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "rule"),
+    [
+        (dict(waiting_before=2, waiting_after=5, running=8), "waiting_while_kv_has_room"),
+        (dict(ttft_p95=9.0, prompt_tokens=30000), "long_prefill_ttft"),
+        (dict(queue_p95=20.0, e2e_p95=30.0), "queueing_dominates_latency"),
+        (dict(preemptions=12, kv_usage=0.97), "kv_pressure"),
+        (dict(waiting_after=3, waiting_before=3, iteration_tokens=0, running=0), "idle_while_waiting"),
+        (dict(error_rate=0.2), "errors"),
+    ],
+)
+def test_each_rule_fires_on_its_symptom(changes, rule):
+    findings = diagnose(window(**changes))
+    assert rule in [f.rule for f in findings]
+    finding = next(f for f in findings if f.rule == rule)
+    assert finding.evidence and finding.action
+
+
+def test_healthy_snapshot_says_so():
+    assert [f.rule for f in diagnose(window())] == ["healthy"]
+    at_cap = next(f for f in diagnose(window(waiting_before=1, waiting_after=4, running=8)))
+    assert "--max-num-seqs" in at_cap.action
+
+
+def test_diagnose_names_kv_pressure_on_a_flooded_server(tiny_chat_model):
+    proc = ServerProcess(
+        "--model",
+        str(tiny_chat_model),
+        "--max-num-seqs",
+        "4",
+        "--num-kv-blocks",
+        "24",
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "300",
+    )
+    try:
+
+        def flood(i: int) -> None:
+            body = {"prompt": f"Flood {i}: " + "again " * 30, "max_tokens": 250, "ignore_eos": True}
+            httpx.post(f"{proc.url}/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=flood, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        result = subprocess.run(
+            [sys.executable, "-m", "tokenloom.cli", "diagnose", "--url", proc.url, "--interval", "1.5", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        for t in threads:
+            t.join()
+        findings = json.loads(result.stdout)
+        kv = next(f for f in findings if f["rule"] == "kv_pressure")
+        assert kv["evidence"]["preemptions"] > 0 or kv["evidence"]["kv_usage"] >= 0.9
+        assert proc.metric("tokenloom:num_preemptions_total") > 0
+    finally:
+        proc.stop()
