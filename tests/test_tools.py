@@ -13,7 +13,7 @@ from server_process import ServerProcess
 
 from tokenloom.model.config import ModelConfig
 from tokenloom.tools.diagnose import Window, diagnose
-from tokenloom.tools.plan import Accelerator, GiB, accelerator, kv_bytes_per_token, make_plan, parameter_count
+from tokenloom.tools.plan import Accelerator, GiB, accelerator, make_plan, parameter_count
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -30,9 +30,9 @@ LLAMA3_8B = {
 
 def test_kv_bytes_per_token_by_hand(real_model_dir):
     llama = ModelConfig.from_hf(LLAMA3_8B)
-    assert kv_bytes_per_token(llama, 2) == 128 * 1024  # 32 layers x 2 x 8 heads x 128 x 2 bytes
+    assert llama.kv_bytes_per_token(2) == 128 * 1024  # 32 layers x 2 x 8 heads x 128 x 2 bytes
     smol = ModelConfig.from_hf(json.loads((real_model_dir / "config.json").read_text()))
-    assert kv_bytes_per_token(smol, 4) == 45 * 1024  # 30 x 2 x 3 x 64 x 4 bytes
+    assert smol.kv_bytes_per_token(4) == 45 * 1024  # 30 x 2 x 3 x 64 x 4 bytes
     assert parameter_count(llama) == 8_030_261_248  # Llama-3-8B's published count
 
 
@@ -69,7 +69,7 @@ def test_engine_sizes_its_kv_pool_with_the_plan(tiny_llama):
 
     llm = LLM(str(tiny_llama), kv_cache_memory=10 * 2**20, block_size=16)
     _, cfg = load_model_config(str(tiny_llama))
-    assert llm.stats()["kv_blocks_total"] == 10 * 2**20 // (16 * kv_bytes_per_token(cfg, 4))
+    assert llm.stats()["kv_blocks_total"] == 10 * 2**20 // (16 * cfg.kv_bytes_per_token(4))
 
 
 def test_catalogue_and_cli(real_model_dir):

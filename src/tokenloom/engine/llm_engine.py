@@ -24,7 +24,6 @@ from tokenloom.model.runner import ModelRunner
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.tools.plan import kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +90,7 @@ class LLMEngine:
 
     def kv_bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.config.block_size * kv_bytes_per_token(self.model_config, element)
+        return self.config.block_size * self.model_config.kv_bytes_per_token(element)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

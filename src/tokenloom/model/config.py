@@ -34,6 +34,13 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
 
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        """K and V of one token across all layers: layers x 2 x KV heads x head dim x element size.
+
+        The engine sizes its KV pool with this, and so does `tokenloom plan`.
+        """
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_bytes
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         architectures = hf.get("architectures") or []

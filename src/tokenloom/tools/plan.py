@@ -1,6 +1,6 @@
 """Capacity planning: weights + KV cache at a concurrency and context + runtime overhead + safety margin.
 
-The engine sizes its own KV pool with `kv_bytes_per_token` from here, so the plan and the engine agree.
+KV bytes per token come from `ModelConfig.kv_bytes_per_token`, the same method the engine sizes its pool with.
 """
 
 from __future__ import annotations
@@ -62,11 +62,6 @@ def accelerator(name: str) -> Accelerator:
         known = ", ".join([*(a.name for a in CATALOGUE.values()), "cpu"])
         raise ValueError(f"unknown accelerator {name!r}; known: {known} (or give --memory GiB)")
     return found
-
-
-def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
-    """K and V of one token across all layers: layers x 2 x KV heads x head dim x element size."""
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_bytes
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -131,7 +126,7 @@ def make_plan(
     margin = int(memory * (1 - utilization))
     usable = memory - margin - device.runtime_overhead_bytes * tensor_parallel
     weights = parameter_count(cfg) * ELEMENT_BYTES[weights_dtype]
-    per_token = kv_bytes_per_token(cfg, ELEMENT_BYTES[kv_dtype])
+    per_token = cfg.kv_bytes_per_token(ELEMENT_BYTES[kv_dtype])
     overhead = overhead_bytes(cfg, budget, min(concurrency, 256), ELEMENT_BYTES[weights_dtype]) * tensor_parallel
     kv_room = max(0, usable - weights - overhead)
     kv_total = per_token * context * concurrency
