@@ -134,11 +134,6 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash, block.token_ids = None, ()
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0:
-                self._evict(block)
-
     def check_invariants(self) -> None:
         """Every block is either free (ref 0, queued) or owned (ref > 0, not queued); the index is consistent."""
         queued = {b.block_id for b in self.free_queue}

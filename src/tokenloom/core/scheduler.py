@@ -34,10 +34,6 @@ class ScheduledRequest:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.start < self.request.num_prompt_tokens
-
 
 @dataclass
 class SchedulerOutput:

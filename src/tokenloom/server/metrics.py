@@ -118,9 +118,5 @@ class ServerMetrics:
         self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         self.decode_time.observe(m.finished_time - m.first_token_time)
 
-    def forget(self, request_id: str) -> None:
-        with self._lock:
-            self._last_token_time.pop(request_id, None)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)

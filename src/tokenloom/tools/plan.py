@@ -175,10 +175,6 @@ def render(plan: Plan) -> str:
     )
 
 
-def plan_json(plan: Plan) -> str:
-    return json.dumps(asdict(plan), indent=2)
-
-
 def load_model_config(model: str | None) -> tuple[str, ModelConfig]:
     """A checkpoint directory, a GGUF file, a config.json, or None for the embedded default."""
     if model is not None and Path(model).name.endswith(".json"):
