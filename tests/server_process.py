@@ -8,6 +8,8 @@ import httpx
 
 from tokenloom.bench.local_server import LocalServer
 
+POLL_INTERVAL_S = 0.05  # between reads of /metrics while waiting, always under a deadline
+
 
 class ServerProcess(LocalServer):
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
@@ -27,4 +29,4 @@ class ServerProcess(LocalServer):
             value = self.metric(name, headers)
             if predicate(value) or time.monotonic() > deadline:
                 return value
-            time.sleep(0.05)
+            time.sleep(POLL_INTERVAL_S)
