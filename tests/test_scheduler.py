@@ -22,7 +22,9 @@ def fake_next_token(tokens: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + len(tokens)) % (VOCAB - 1)
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, budget=16, static=False, chunked=True):
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=4, budget=16, static=False, chunked=True, long_prefill=0, partial=0
+):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     return Scheduler(
         kv,
@@ -32,6 +34,8 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=4, budget=16, stati
         eos_token_ids={EOS},
         enable_chunked_prefill=chunked,
         static_batching=static,
+        long_prefill_token_threshold=long_prefill,
+        max_num_partial_prefills=partial,
     )
 
 
@@ -229,12 +233,37 @@ def test_abort_frees_blocks_in_any_state():
     budget=st.integers(1, 48),
     max_num_seqs=st.integers(1, 6),
     static=st.booleans(),
+    long_prefill=st.sampled_from([0, 1, 5]),
+    partial=st.sampled_from([0, 1, 2]),
 )
-def test_random_workloads_finish_with_solo_outputs(lengths, num_blocks, budget, max_num_seqs, static):
-    scheduler = make_scheduler(num_blocks, 4, max_num_seqs, budget, static=static)
+def test_random_workloads_finish_with_solo_outputs(
+    lengths, num_blocks, budget, max_num_seqs, static, long_prefill, partial
+):
+    scheduler = make_scheduler(
+        num_blocks, 4, max_num_seqs, budget, static=static, long_prefill=long_prefill, partial=partial
+    )
     requests = [make_request(i, p, m) for i, (p, m) in enumerate(lengths)]
     outputs = run_to_completion(scheduler, requests)
     assert all(o.num_batched_tokens <= budget for o in outputs)
     for request in requests:
         assert request.output_token_ids == solo_output(request.prompt_token_ids, request.sampling_params.max_tokens)
     assert scheduler.kv.num_used_blocks == 0
+
+
+def test_stall_free_prefill_caps_long_prompts_and_keeps_decodes_moving():
+    scheduler = make_scheduler(budget=32, long_prefill=8, partial=1)
+    decoding = [make_request(i, 3, 40) for i in range(2)]
+    for request in decoding:
+        scheduler.add_request(request)
+    run_step(scheduler)
+    long_a, long_b = make_request(10, 40, 2), make_request(11, 40, 2)
+    scheduler.add_request(long_a)
+    scheduler.add_request(long_b)
+    while not (long_a.finished and long_b.finished):
+        output = run_step(scheduler)
+        prefills = [s for s in output.scheduled if s.num_tokens > 1]
+        assert len(prefills) <= 1, "max_num_partial_prefills=1 lets one prompt prefill per step"
+        assert all(s.num_tokens <= 8 for s in prefills), "a prompt gets at most 8 tokens of a step"
+        if not decoding[0].finished:
+            assert {"r0", "r1"} <= {s.request.request_id for s in output.scheduled}, "decodes were stalled"
+    assert long_a.first_token_time <= long_b.first_token_time  # first come, first prefilled

@@ -27,6 +27,10 @@ class EngineConfig:
     """Split long prompts across steps so they share each step with other requests' decode tokens."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of identical prompt prefixes."""
+    long_prefill_token_threshold: int = 0
+    """Stall-free prefill: one prompt gets at most this many tokens of a step, so decodes keep moving; 0: no cap."""
+    max_num_partial_prefills: int = 0
+    """Stall-free prefill: at most this many prompts are prefilled in one step; 0: no limit."""
     batching: Batching = "continuous"
     """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
     dtype: str = "float32"
@@ -49,6 +53,13 @@ class EngineConfig:
         for name in ("num_kv_blocks", "kv_cache_memory", "num_threads", "max_model_len"):
             value = getattr(self, name)
             _require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")
+        for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0")
+        _require(
+            self.enable_chunked_prefill or not self.long_prefill_token_threshold,
+            "long_prefill_token_threshold needs chunked prefill",
+        )
         _require(self.batching in ("continuous", "static"), "batching must be 'continuous' or 'static'")
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype must be float32, bfloat16 or float16")
         _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")

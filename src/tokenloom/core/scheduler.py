@@ -69,6 +69,8 @@ class Scheduler:
         eos_token_ids: set[int],
         enable_chunked_prefill: bool = True,
         static_batching: bool = False,
+        long_prefill_token_threshold: int = 0,
+        max_num_partial_prefills: int = 0,
     ) -> None:
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -77,6 +79,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.enable_chunked_prefill = enable_chunked_prefill
         self.static_batching = static_batching
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_num_partial_prefills = max_num_partial_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -155,9 +159,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.enable_chunked_prefill and request.num_computed_tokens + num_new < request.num_tokens:
-                i += 1  # an unchunked prompt waits for a step with room for all of it
+            num_new = self._stall_free(request, request.num_tokens - request.num_computed_tokens, budget, output)
+            if num_new == 0 or (
+                not self.enable_chunked_prefill and request.num_computed_tokens + num_new < request.num_tokens
+            ):
+                i += 1  # this prompt waits: an unchunked one for room for all of it, or for a prefill slot
                 continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -178,7 +184,9 @@ class Scheduler:
             num_new = request.num_tokens - num_cached
             if not self.enable_chunked_prefill and num_new > budget:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._stall_free(request, num_new, budget, output)
+            if num_new == 0:
+                break
             if not self.kv.allocate_slots(request, num_new, cached_blocks):
                 if self.static_batching:
                     self._static_batch_forming = False  # the batch is as large as the KV cache allows
@@ -187,6 +195,23 @@ class Scheduler:
             self._admit(request, num_cached)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    def _stall_free(self, request: Request, remaining: int, budget: int, output: SchedulerOutput) -> int:
+        """How many of a request's remaining tokens this step gives it, under the stall-free prefill limits.
+
+        A prompt (more than one token left to compute) takes at most long_prefill_token_threshold tokens, and
+        only max_num_partial_prefills prompts are prefilled per step, so decode tokens are never starved.
+        """
+        num_new = min(remaining, budget)
+        if remaining <= 1:
+            return num_new
+        if self.max_num_partial_prefills:
+            prefills = sum(1 for s in output.scheduled if s.num_tokens > 1 or not s.sample)
+            if prefills >= self.max_num_partial_prefills:
+                return 0
+        if self.long_prefill_token_threshold:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return num_new
 
     def _may_admit(self) -> bool:
         if not self.static_batching:

@@ -65,6 +65,8 @@ class LLMEngine:
             eos_token_ids=set(self.model_config.eos_token_ids),
             enable_chunked_prefill=config.enable_chunked_prefill,
             static_batching=config.batching == "static",
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_num_partial_prefills=config.max_num_partial_prefills,
         )
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
