@@ -49,6 +49,16 @@ def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
         assert stats["num_preemptions"] > 0
 
 
+def test_priority_policy_keeps_outputs_and_serves_urgent_first(tiny_llama, solo_reference):
+    llm = LLM(str(tiny_llama), max_num_seqs=2, max_num_batched_tokens=32, scheduling_policy="priority")
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    priorities = [5, 5, 5, 5, 5, 5, 5, 5, 5, 0]
+    outputs = llm.generate(prompts(10), greedy, use_tqdm=False, priority=priorities)
+    assert token_ids(outputs) == solo_reference
+    finish_order = sorted(range(10), key=lambda i: outputs[i].metrics.finished_time)
+    assert finish_order.index(9) <= 2, "the urgent request, last to arrive, finished among the first"
+
+
 def test_preempted_requests_report_it(tiny_llama):
     llm = LLM(str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8)
     outputs = llm.generate(prompts(10), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.policy import make_policy
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.sampling_params import SamplingParams
@@ -23,7 +24,15 @@ def fake_next_token(tokens: list[int]) -> int:
 
 
 def make_scheduler(
-    num_blocks=64, block_size=4, max_num_seqs=4, budget=16, static=False, chunked=True, long_prefill=0, partial=0
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=4,
+    budget=16,
+    static=False,
+    chunked=True,
+    long_prefill=0,
+    partial=0,
+    policy="fcfs",
 ):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     return Scheduler(
@@ -36,6 +45,7 @@ def make_scheduler(
         static_batching=static,
         long_prefill_token_threshold=long_prefill,
         max_num_partial_prefills=partial,
+        policy=make_policy(policy),
     )
 
 
@@ -235,14 +245,18 @@ def test_abort_frees_blocks_in_any_state():
     static=st.booleans(),
     long_prefill=st.sampled_from([0, 1, 5]),
     partial=st.sampled_from([0, 1, 2]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    priorities=st.lists(st.integers(0, 2), min_size=10, max_size=10),
 )
 def test_random_workloads_finish_with_solo_outputs(
-    lengths, num_blocks, budget, max_num_seqs, static, long_prefill, partial
+    lengths, num_blocks, budget, max_num_seqs, static, long_prefill, partial, policy, priorities
 ):
     scheduler = make_scheduler(
-        num_blocks, 4, max_num_seqs, budget, static=static, long_prefill=long_prefill, partial=partial
+        num_blocks, 4, max_num_seqs, budget, static=static, long_prefill=long_prefill, partial=partial, policy=policy
     )
     requests = [make_request(i, p, m) for i, (p, m) in enumerate(lengths)]
+    for request, priority in zip(requests, priorities, strict=False):
+        request.priority = priority
     outputs = run_to_completion(scheduler, requests)
     assert all(o.num_batched_tokens <= budget for o in outputs)
     for request in requests:
@@ -267,3 +281,43 @@ def test_stall_free_prefill_caps_long_prompts_and_keeps_decodes_moving():
         if not decoding[0].finished:
             assert {"r0", "r1"} <= {s.request.request_id for s in output.scheduled}, "decodes were stalled"
     assert long_a.first_token_time <= long_b.first_token_time  # first come, first prefilled
+
+
+def test_higher_priority_displaces_at_the_sequence_cap():
+    scheduler = make_scheduler(max_num_seqs=1, budget=64, policy="priority")
+    low = make_request(0, 5, 30)
+    low.priority = 5
+    scheduler.add_request(low)
+    run_step(scheduler)
+    run_step(scheduler)
+    urgent = make_request(1, 5, 3)
+    urgent.priority = 0
+    scheduler.add_request(urgent)
+    output = run_step(scheduler)
+    assert [r.request_id for r in output.preempted] == ["r0"]
+    assert [s.request.request_id for s in output.scheduled] == ["r1"], "priority inversion at max_num_seqs"
+    run_to_completion(scheduler, [])
+    assert urgent.finished_time < low.finished_time and low.num_preemptions == 1
+    assert low.output_token_ids == solo_output(low.prompt_token_ids, 30)
+
+
+def test_equal_priorities_never_ping_pong():
+    scheduler = make_scheduler(max_num_seqs=1, budget=64, policy="priority")
+    requests = [make_request(i, 5, 10) for i in range(3)]
+    outputs = run_to_completion(scheduler, requests)
+    assert not any(o.preempted for o in outputs)
+    assert [r.request_id for r in sorted(requests, key=lambda r: r.finished_time)] == ["r0", "r1", "r2"]
+
+
+def test_priority_orders_the_queue_and_fcfs_does_not():
+    for policy, expected in (("priority", ["r2", "r1", "r0"]), ("fcfs", ["r0", "r1", "r2"])):
+        scheduler = make_scheduler(max_num_seqs=1, budget=64, policy=policy)
+        blocker = make_request(9, 3, 2)
+        scheduler.add_request(blocker)
+        run_step(scheduler)
+        requests = [make_request(i, 3, 2) for i in range(3)]
+        for request, priority in zip(requests, (3, 2, 1), strict=True):
+            request.priority = priority
+        run_to_completion(scheduler, requests)
+        order = [r.request_id for r in sorted(requests, key=lambda r: r.first_scheduled_time)]
+        assert order == expected, policy

@@ -31,6 +31,8 @@ class EngineConfig:
     """Stall-free prefill: one prompt gets at most this many tokens of a step, so decodes keep moving; 0: no cap."""
     max_num_partial_prefills: int = 0
     """Stall-free prefill: at most this many prompts are prefilled in one step; 0: no limit."""
+    scheduling_policy: str = "fcfs"
+    """'fcfs' (arrival order) or 'priority' (a request's priority, then arrival; may displace at the cap)."""
     batching: Batching = "continuous"
     """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
     dtype: str = "float32"
@@ -61,6 +63,7 @@ class EngineConfig:
             "long_prefill_token_threshold needs chunked prefill",
         )
         _require(self.batching in ("continuous", "static"), "batching must be 'continuous' or 'static'")
+        _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be 'fcfs' or 'priority'")
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype must be float32, bfloat16 or float16")
         _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
 

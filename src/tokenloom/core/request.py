@@ -34,6 +34,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under the priority policy
+    tenant: str = "default"
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.policy import FCFSPolicy, PriorityPolicy
 from tokenloom.core.request import Request, RequestStatus
 
 
@@ -71,6 +72,7 @@ class Scheduler:
         static_batching: bool = False,
         long_prefill_token_threshold: int = 0,
         max_num_partial_prefills: int = 0,
+        policy: FCFSPolicy | PriorityPolicy | None = None,
     ) -> None:
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -81,6 +83,8 @@ class Scheduler:
         self.static_batching = static_batching
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_partial_prefills = max_num_partial_prefills
+        self.policy = policy or FCFSPolicy()
+        self._displaced_this_step = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -94,7 +98,7 @@ class Scheduler:
         self.check_admissible(request)
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.policy.enqueue(self.waiting, request)
 
     def check_admissible(self, request: Request) -> None:
         n = request.num_prompt_tokens
@@ -143,8 +147,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.policy.order_running(self.running)
+        self._displace_for_better_waiting(output)
         budget = self._schedule_running(output, budget)
-        if not output.preempted and self._may_admit():
+        if not self._preempted_for_kv(output) and self._may_admit():
             self._schedule_waiting(output, budget)
         if self.static_batching and (len(self.running) >= self.max_num_seqs or not self.waiting):
             self._static_batch_forming = False
@@ -154,6 +160,21 @@ class Scheduler:
             self.stats.num_steps += 1
             self.stats.computed_tokens += output.num_batched_tokens
         return output
+
+    def _displace_for_better_waiting(self, output: SchedulerOutput) -> None:
+        """At the sequence cap, a waiting request the policy ranks strictly higher takes the worst one's seat."""
+        if self.static_batching:
+            return
+        while (
+            self.waiting
+            and self.running
+            and len(self.running) >= self.max_num_seqs
+            and self.policy.displaces(self.waiting[0], self.running[-1])
+        ):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+        self._displaced_this_step = len(output.preempted)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -213,6 +234,10 @@ class Scheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
 
+    def _preempted_for_kv(self, output: SchedulerOutput) -> bool:
+        """A step that had to preempt for KV admits no one; seats freed by displacement are meant to be filled."""
+        return len(output.preempted) > self._displaced_this_step
+
     def _may_admit(self) -> bool:
         if not self.static_batching:
             return True
@@ -237,7 +262,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.policy.requeue(self.waiting, request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -68,7 +68,12 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
     async def submit(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        tenant: str = "default",
     ) -> AsyncIterator[RequestOutput]:
         """Admits a request (raising RequestRejected or ValueError if it can't be) and returns its output stream.
 
@@ -81,7 +86,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await asyncio.to_thread(self._add, prompt, params, request_id)
+            await asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -110,7 +115,7 @@ class AsyncEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)[1]
 
-    def _add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> None:
+    def _add(self, prompt, params: SamplingParams, request_id: str, priority: int, tenant: str) -> None:
         with self._lock:
             waiting = self.engine.scheduler.waiting
             if self.max_num_queued_requests is not None and len(waiting) >= self.max_num_queued_requests:
@@ -123,7 +128,7 @@ class AsyncEngine:
                     raise RequestRejected(
                         429, "queued_tokens_full", f"the prefill backlog is full ({backlog} tokens queued)"
                     )
-            self.engine.add_request(prompt, params, request_id=request_id)
+            self.engine.add_request(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
 
     def _run(self) -> None:
         while not self._stopping:

@@ -31,11 +31,20 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns the outputs in input order."""
+        """Generates for every prompt; returns the outputs in input order.
+
+        `priority` (one per prompt, lower first) matters under scheduling_policy="priority".
+        """
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        request_ids = [self._add(prompt, params) for prompt, params in zip(prompt_list, params_list, strict=True)]
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        request_ids = [
+            self._add(prompt, params, p) for prompt, params, p in zip(prompt_list, params_list, priorities, strict=True)
+        ]
         return self._run(request_ids, use_tqdm)
 
     def chat(
@@ -61,12 +70,10 @@ class LLM:
         """Counters since start: steps, tokens, preemptions, prefix-cache queries and hits, KV blocks."""
         return self.engine.stats()
 
-    def _add(self, prompt: PromptInput, params: SamplingParams) -> str:
+    def _add(self, prompt: PromptInput, params: SamplingParams, priority: int = 0) -> str:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return self.engine.add_request(list(prompt["prompt_token_ids"]), params).request_id
-            return self.engine.add_request(prompt["prompt"], params).request_id
-        return self.engine.add_request(prompt, params).request_id
+            prompt = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
+        return self.engine.add_request(prompt, params, priority=priority).request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -15,6 +15,7 @@ import torch
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.policy import make_policy
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
@@ -67,6 +68,7 @@ class LLMEngine:
             static_batching=config.batching == "static",
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_num_partial_prefills=config.max_num_partial_prefills,
+            policy=make_policy(config.scheduling_policy),
         )
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
@@ -116,6 +118,8 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "default",
     ) -> Request:
         """Queues a prompt (text or token ids); raises ValueError if it can never be served."""
         params = params or SamplingParams()
@@ -124,6 +128,8 @@ class LLMEngine:
             request_id=request_id if request_id is not None else str(next(self._ids)),
             prompt_token_ids=token_ids,
             sampling_params=params,
+            priority=priority,
+            tenant=tenant,
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time

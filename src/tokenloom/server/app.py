@@ -111,7 +111,7 @@ def build_app(
         params = body.sampling_params(_max_tokens(body.max_tokens, len(prompt_ids), max_model_len), body.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        async with _admitted(raw.state.tenant, prompt_ids, params, body.max_tokens, request_id) as (stream, lease):
+        async with _admitted(raw.state.tenant, prompt_ids, params, body, request_id) as (stream, lease):
             if body.stream:
                 usage = body.stream_options.include_usage if body.stream_options else False
                 return _sse(_completion_chunks(stream, request_id, created, model_name, usage), lease.transfer())
@@ -141,7 +141,7 @@ def build_app(
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        async with _admitted(raw.state.tenant, prompt_ids, params, requested, request_id) as (stream, lease):
+        async with _admitted(raw.state.tenant, prompt_ids, params, body, request_id, requested) as (stream, lease):
             if body.stream:
                 usage = body.stream_options.include_usage if body.stream_options else False
                 return _sse(_chat_chunks(stream, request_id, created, model_name, usage), lease.transfer())
@@ -156,12 +156,14 @@ def build_app(
         return _envelope(request_id, "chat.completion", created, model_name, [choice], _usage(final))
 
     @asynccontextmanager
-    async def _admitted(tenant: Tenant, prompt_ids: list[int], params, requested: int | None, request_id: str):
+    async def _admitted(tenant: Tenant, prompt_ids: list[int], params, body, request_id: str, requested=None):
         """Applies the tenant's caps and limits, then admits the request to the engine; yields its stream.
 
         The tenant's concurrency slot is held until the request ends: here for a plain response, or by the
         streaming response once the lease is transferred to it.
         """
+        requested = requested if requested is not None else body.max_tokens
+        priority = body.priority if body.priority is not None else tenant.priority
         try:
             limiter.check_caps(tenant, len(prompt_ids), requested)
             limiter.acquire(tenant, len(prompt_ids) + params.max_tokens)
@@ -170,7 +172,7 @@ def build_app(
             raise
         lease = _Lease(lambda: limiter.release(tenant))
         try:
-            stream = await _submit(engine, metrics, tenant, prompt_ids, params, request_id)
+            stream = await _submit(engine, metrics, tenant, prompt_ids, params, request_id, priority)
             yield stream, lease
         finally:
             lease.release()
@@ -234,9 +236,11 @@ def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> i
     return requested if requested is not None else max_model_len - prompt_len
 
 
-async def _submit(engine: AsyncEngine, metrics: ServerMetrics, tenant: Tenant, prompt_ids, params, request_id: str):
+async def _submit(
+    engine: AsyncEngine, metrics: ServerMetrics, tenant: Tenant, prompt_ids, params, request_id: str, priority: int
+):
     try:
-        return await engine.submit(prompt_ids, params, request_id)
+        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name)
     except RequestRejected as error:
         metrics.rejected.labels(reason=error.code, tenant=tenant.name).inc()
         raise APIError(error.status, error.message, None, error.code) from error

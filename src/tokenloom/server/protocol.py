@@ -53,7 +53,7 @@ class _Common(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
-    priority: int = 0
+    priority: int | None = None  # else the tenant's
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
