@@ -37,6 +37,7 @@ def solo_reference(tiny_llama):
         dict(max_num_seqs=3, max_num_batched_tokens=64, batching="static"),
         dict(max_num_seqs=8, max_num_batched_tokens=128, enable_chunked_prefill=False, enable_prefix_caching=False),
         dict(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=7, max_num_partial_prefills=1),
+        dict(max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8, scheduling_policy="fair"),
     ],
 )
 def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):

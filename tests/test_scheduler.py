@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -245,7 +246,7 @@ def test_abort_frees_blocks_in_any_state():
     static=st.booleans(),
     long_prefill=st.sampled_from([0, 1, 5]),
     partial=st.sampled_from([0, 1, 2]),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(["fcfs", "priority", "fair"]),
     priorities=st.lists(st.integers(0, 2), min_size=10, max_size=10),
 )
 def test_random_workloads_finish_with_solo_outputs(
@@ -257,6 +258,7 @@ def test_random_workloads_finish_with_solo_outputs(
     requests = [make_request(i, p, m) for i, (p, m) in enumerate(lengths)]
     for request, priority in zip(requests, priorities, strict=False):
         request.priority = priority
+        request.tenant = f"t{priority}"
     outputs = run_to_completion(scheduler, requests)
     assert all(o.num_batched_tokens <= budget for o in outputs)
     for request in requests:
@@ -321,3 +323,56 @@ def test_priority_orders_the_queue_and_fcfs_does_not():
         run_to_completion(scheduler, requests)
         order = [r.request_id for r in sorted(requests, key=lambda r: r.first_scheduled_time)]
         assert order == expected, policy
+
+
+def steps_until_scheduled(policy: str) -> int:
+    """Tenant A floods long requests; tenant B's one short request arrives later. Steps until B is scheduled."""
+    scheduler = make_scheduler(num_blocks=200, max_num_seqs=2, budget=64, policy=policy)
+    for i in range(12):
+        flood = make_request(i, 20, 30)
+        flood.tenant = "A"
+        scheduler.add_request(flood)
+    for _ in range(5):
+        run_step(scheduler)
+    short = make_request(99, 5, 3)
+    short.tenant = "B"
+    scheduler.add_request(short)
+    steps = 0
+    while short.first_scheduled_time is None:
+        run_step(scheduler)
+        steps += 1
+    run_to_completion(scheduler, [])
+    return steps
+
+
+def test_fair_share_bounds_the_wait_of_a_tenant_behind_a_flood():
+    fair, fcfs = steps_until_scheduled("fair"), steps_until_scheduled("fcfs")
+    assert fair <= 31, "B waits at most until one of A's running requests finishes"
+    assert fcfs > 5 * fair, (fair, fcfs)
+
+
+def test_an_idle_tenant_banks_no_credit():
+    from tokenloom.core.policy import FairPolicy
+
+    policy = FairPolicy()
+    waiting: deque = deque()
+    busy = make_request(0, 5, 5)
+    busy.tenant = "A"
+    policy.enqueue(waiting, busy)
+    policy.charge(busy, 1000)
+    newcomer = make_request(1, 5, 5)
+    newcomer.tenant = "B"
+    policy.enqueue(waiting, newcomer)
+    # B was idle while A used 1,000 tokens: it starts level with A, not 1,000 tokens ahead.
+    assert policy.virtual_tokens["B"] == policy.virtual_tokens["A"] == 1000
+
+
+def test_fair_weights_share_tokens():
+    from tokenloom.core.policy import FairPolicy
+
+    policy = FairPolicy({"gold": 3.0, "free": 1.0})
+    gold, free = make_request(0, 5, 5), make_request(1, 5, 5)
+    gold.tenant, free.tenant = "gold", "free"
+    policy.charge(gold, 300)
+    policy.charge(free, 100)
+    assert policy.virtual_tokens["gold"] == policy.virtual_tokens["free"] == 100

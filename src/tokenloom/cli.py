@@ -122,6 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from tokenloom.core.policy import FairPolicy
     from tokenloom.engine.async_engine import AsyncEngine
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.server.app import build_app
@@ -132,6 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     metrics = ServerMetrics(engine)
     tenants = load_tenants(args.tenants) if args.tenants else None
+    if tenants and isinstance(engine.scheduler.policy, FairPolicy):
+        engine.scheduler.policy.weights.update({t.name: t.weight for t in tenants})
     front = AsyncEngine(
         engine,
         max_num_queued_requests=args.max_num_queued_requests,

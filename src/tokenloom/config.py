@@ -32,7 +32,8 @@ class EngineConfig:
     max_num_partial_prefills: int = 0
     """Stall-free prefill: at most this many prompts are prefilled in one step; 0: no limit."""
     scheduling_policy: str = "fcfs"
-    """'fcfs' (arrival order) or 'priority' (a request's priority, then arrival; may displace at the cap)."""
+    """'fcfs' (arrival order), 'priority' (a request's priority, then arrival; may displace at the cap) or 'fair'
+    (weighted fair share of tokens between tenants)."""
     batching: Batching = "continuous"
     """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
     dtype: str = "float32"
@@ -63,7 +64,10 @@ class EngineConfig:
             "long_prefill_token_threshold needs chunked prefill",
         )
         _require(self.batching in ("continuous", "static"), "batching must be 'continuous' or 'static'")
-        _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy must be 'fcfs' or 'priority'")
+        _require(
+            self.scheduling_policy in ("fcfs", "priority", "fair"),
+            "scheduling_policy must be 'fcfs', 'priority' or 'fair'",
+        )
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype must be float32, bfloat16 or float16")
         _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
 

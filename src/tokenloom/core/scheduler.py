@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenloom.core.kv_cache_manager import KVCacheManager
-from tokenloom.core.policy import FCFSPolicy, PriorityPolicy
+from tokenloom.core.policy import FCFSPolicy
 from tokenloom.core.request import Request, RequestStatus
 
 
@@ -72,7 +72,7 @@ class Scheduler:
         static_batching: bool = False,
         long_prefill_token_threshold: int = 0,
         max_num_partial_prefills: int = 0,
-        policy: FCFSPolicy | PriorityPolicy | None = None,
+        policy: FCFSPolicy | None = None,
     ) -> None:
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -136,6 +136,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finished_time = time.monotonic()
+        self.policy.finished(request)
         self.kv.free(request)
         del self.requests[request.request_id]
 
@@ -148,6 +149,7 @@ class Scheduler:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.policy.order_running(self.running)
+        self.policy.order_waiting(self.waiting)
         self._displace_for_better_waiting(output)
         budget = self._schedule_running(output, budget)
         if not self._preempted_for_kv(output) and self._may_admit():
@@ -265,6 +267,7 @@ class Scheduler:
         self.policy.requeue(self.waiting, request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        self.policy.charge(request, num_new)
         start = request.num_computed_tokens
         return ScheduledRequest(
             request=request,
