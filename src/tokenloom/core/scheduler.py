@@ -84,7 +84,6 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_partial_prefills = max_num_partial_prefills
         self.policy = policy or FCFSPolicy()
-        self._displaced_this_step = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -150,9 +149,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.policy.order_running(self.running)
         self.policy.order_waiting(self.waiting)
-        self._displace_for_better_waiting(output)
+        displaced = self._displace_for_better_waiting(output)
         budget = self._schedule_running(output, budget)
-        if not self._preempted_for_kv(output) and self._may_admit():
+        # A step that had to preempt for KV admits no one; seats freed by displacement are meant to be filled.
+        preempted_for_kv = len(output.preempted) > displaced
+        if not preempted_for_kv and self._may_admit():
             self._schedule_waiting(output, budget)
         if self.static_batching and (len(self.running) >= self.max_num_seqs or not self.waiting):
             self._static_batch_forming = False
@@ -163,10 +164,10 @@ class Scheduler:
             self.stats.computed_tokens += output.num_batched_tokens
         return output
 
-    def _displace_for_better_waiting(self, output: SchedulerOutput) -> None:
+    def _displace_for_better_waiting(self, output: SchedulerOutput) -> int:
         """At the sequence cap, a waiting request the policy ranks strictly higher takes the worst one's seat."""
         if self.static_batching:
-            return
+            return 0
         while (
             self.waiting
             and self.running
@@ -176,7 +177,7 @@ class Scheduler:
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
-        self._displaced_this_step = len(output.preempted)
+        return len(output.preempted)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -235,10 +236,6 @@ class Scheduler:
         if self.long_prefill_token_threshold:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
-
-    def _preempted_for_kv(self, output: SchedulerOutput) -> bool:
-        """A step that had to preempt for KV admits no one; seats freed by displacement are meant to be filled."""
-        return len(output.preempted) > self._displaced_this_step
 
     def _may_admit(self) -> bool:
         if not self.static_batching:
