@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import resolve_checkpoint_dir
 
@@ -133,26 +132,11 @@ def run_transformers(work: Workload, batch_size: int) -> float:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    m = machine_info()
     return (
-        f"{cpu}, {os.cpu_count()} cores, {memory:.0f} GiB, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 1024**3:.0f} GiB, torch {m['torch']} "
+        f"({m['torch_threads']} threads), Python {m['python']}"
     )
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:

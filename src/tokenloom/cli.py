@@ -116,12 +116,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     import logging
-    import subprocess
     from contextlib import asynccontextmanager
-    from pathlib import Path
 
     import uvicorn
 
+    from tokenloom.bench.provenance import git_commit
     from tokenloom.core.policy import FairPolicy
     from tokenloom.engine.async_engine import AsyncEngine
     from tokenloom.engine.llm_engine import LLMEngine
@@ -142,9 +141,6 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_queued_tokens=args.max_num_queued_tokens,
         on_step=metrics.on_step,
     )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    ).stdout.strip()
     app = build_app(
         front,
         metrics,
@@ -152,7 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
         api_keys=args.api_key,
         tenants=tenants,
         max_body_bytes=args.max_body_bytes,
-        version_info={"git_commit": commit or "unknown"},
+        version_info={"git_commit": git_commit()},
     )
 
     @asynccontextmanager

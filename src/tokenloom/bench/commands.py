@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -20,8 +16,9 @@ import httpx
 
 from tokenloom.bench import server_metrics
 from tokenloom.bench.loadgen import arrival_offsets, burst_aligned, run_load
+from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.bench.scorecard import SCORECARD_KEYS, SLO, scorecard
-from tokenloom.bench.trace import KINDS, make_trace, read_trace, write_trace
+from tokenloom.bench.trace import KINDS, make_trace, read_trace, trace_sha256, write_trace
 
 COLUMNS = [
     ("label", "run", "{}"),
@@ -121,7 +118,7 @@ def _trace_from_args(args: argparse.Namespace):
         requests, sha = read_trace(args.trace)
         return (requests[: args.num_requests] if args.num_requests else requests), sha
     requests = make_trace(args.kind, args.num_requests or 100, args.seed, _mix(args.mix))
-    return requests, "generated:" + write_trace_sha(requests)
+    return requests, "generated:" + trace_sha256(requests)
 
 
 def _mix(text: str) -> tuple[float, float, float]:
@@ -235,25 +232,23 @@ def _plot_sweep(runs: list[dict], out_dir: Path) -> None:
         values = [r["scorecard"][key] for r in runs]
         if any(v is not None for v in values):
             ax.plot(rates, [v if v is not None else float("nan") for v in values], marker="o", label=name)
-    ax.set_xlabel("offered req/s")
-    ax.set_xscale("log" if log_x else "linear")
-    ax.set_ylabel("seconds")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "latency.png", dpi=110)
+    _finish_plot(fig, ax, log_x, "seconds", out_dir / "latency.png")
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(rates, [r["scorecard"]["completed_req_s"] for r in runs], marker="o", label="completed")
     ax.plot(rates, [r["scorecard"]["goodput_req_s"] for r in runs], marker="o", label="goodput")
     ax.plot(rates, rates, linestyle=":", color="grey", label="offered")
+    _finish_plot(fig, ax, log_x, "req/s", out_dir / "throughput.png")
+    plt.close("all")
+
+
+def _finish_plot(fig, ax, log_x: bool, ylabel: str, path: Path) -> None:
     ax.set_xlabel("offered req/s")
     ax.set_xscale("log" if log_x else "linear")
-    ax.set_ylabel("req/s")
+    ax.set_ylabel(ylabel)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_dir / "throughput.png", dpi=110)
-    plt.close("all")
+    fig.savefig(path, dpi=110)
 
 
 def parse_configs(text: str) -> list[tuple[str, list[str]]]:
@@ -289,14 +284,6 @@ def bench_matrix(args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
-def write_trace_sha(requests) -> str:
-    import hashlib
-    from dataclasses import asdict
-
-    data = "".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in requests).encode()
-    return hashlib.sha256(data).hexdigest()
-
-
 def _sample_metrics(base_url: str, headers: dict, samples: list[dict], stop: threading.Event) -> None:
     with httpx.Client() as client:
         while not stop.wait(1.0):
@@ -313,37 +300,16 @@ def _provenance(args, base_url: str, sha: str, client: httpx.Client, headers: di
         server_version = version.json() if version.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         server_version = None
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    ).stdout.strip()
     return {
         "command": " ".join(sys.argv),
         "trace_sha256": sha,
         "server_version": server_version,
         "tokenloom_version": tokenloom.__version__,
-        "git_commit": commit or "unknown",
-        "machine": _machine(),
+        "git_commit": git_commit(),
+        "machine": machine_info(),
         "started": started,
         "finished": datetime.datetime.now(datetime.UTC).isoformat(),
     }
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = None
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory, "torch": torch_version}
 
 
 def render_table(runs: list[dict[str, Any]], markdown: bool) -> str:

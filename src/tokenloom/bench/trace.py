@@ -133,9 +133,19 @@ def make_trace(kind: str, num_requests: int, seed: int, mix: tuple[float, float,
     return requests
 
 
+def trace_bytes(requests: list[TraceRequest]) -> bytes:
+    """The JSONL form of a trace, byte for byte what write_trace puts in the file."""
+    return "".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in requests).encode()
+
+
+def trace_sha256(requests: list[TraceRequest]) -> str:
+    """The trace's version: the sha256 of its file."""
+    return hashlib.sha256(trace_bytes(requests)).hexdigest()
+
+
 def write_trace(requests: list[TraceRequest], path: str | Path) -> str:
     """Writes JSONL and returns the file's sha256, the trace's version."""
-    data = "".join(json.dumps(asdict(r), sort_keys=True) + "\n" for r in requests).encode()
+    data = trace_bytes(requests)
     Path(path).write_bytes(data)
     return hashlib.sha256(data).hexdigest()
 

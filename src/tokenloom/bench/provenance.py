@@ -1,0 +1,44 @@
+"""What a measurement needs beside its numbers to be repeatable: the machine and the code's version."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def git_commit() -> str:
+    """The short commit of the tokenloom checkout, or "unknown" outside one."""
+    with contextlib.suppress(OSError):
+        result = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+        if result.returncode == 0 and result.stdout.strip():
+            return result.stdout.strip()
+    return "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "python": platform.python_version(),
+        "torch": None,
+        "torch_threads": None,
+    }
+    with contextlib.suppress(ImportError):
+        import torch
+
+        info["torch"], info["torch_threads"] = torch.__version__, torch.get_num_threads()
+    return info
