@@ -1,4 +1,9 @@
-"""The scheduler alone, driven by a fake model (no torch): budgets, caps, chunking, preemption, static batches."""
+"""The scheduler alone, driven by a fake model (no torch): budgets, caps, chunking, preemption, static batches.
+
+The fake model keeps a fake paged KV cache (the token id stands in for its KV) and a fake host swap pool, makes
+each step's swap copies as the runner does, and reads every request's context back through its block table.
+So a wrong block table, a bad prefix-cache hit or a wrong swap copy changes the output, as it would on a GPU.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +11,13 @@ import random
 from collections import deque
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import make_policy
-from tokenloom.core.request import Request
+from tokenloom.core.preemption import PreemptionCosts, SwapSpace
+from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -34,9 +40,12 @@ def make_scheduler(
     long_prefill=0,
     partial=0,
     policy="fcfs",
+    preemption="recompute",
+    swap_slots=0,
+    costs=None,
 ):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
-    return Scheduler(
+    scheduler = Scheduler(
         kv,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
@@ -47,11 +56,42 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill,
         max_num_partial_prefills=partial,
         policy=make_policy(policy),
+        preemption_mode=preemption,
+        swap_space=SwapSpace(swap_slots),
+        preemption_costs=costs,
     )
+    scheduler.fake_kv = FakePagedKV(num_blocks, swap_slots, block_size)
+    return scheduler
+
+
+class FakePagedKV:
+    """Token ids in place of KV vectors: a device cache of num_blocks blocks and a host pool of swap slots."""
+
+    def __init__(self, num_blocks: int, num_swap_slots: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.device: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.host: list[list[int | None]] = [[None] * block_size for _ in range(num_swap_slots)]
+
+    def swap(self, output: SchedulerOutput) -> None:
+        for block, slot in output.swap_out:
+            self.host[slot] = list(self.device[block])
+        for slot, block in output.swap_in:
+            self.device[block] = list(self.host[slot])
+
+    def write(self, block_ids: list[int], start: int, token_ids: list[int]) -> None:
+        for position, token in enumerate(token_ids, start):
+            self.device[block_ids[position // self.block_size]][position % self.block_size] = token
+
+    def read(self, block_ids: list[int], length: int) -> list[int | None]:
+        return [self.device[block_ids[p // self.block_size]][p % self.block_size] for p in range(length)]
 
 
 def run_step(scheduler: Scheduler) -> SchedulerOutput:
     output = scheduler.schedule()
+    kv = scheduler.fake_kv
+    kv.swap(output)
+    for item in output.scheduled:
+        kv.write(item.block_ids, item.start, item.token_ids)
     sampled = {}
     for item in output.scheduled:
         request = item.request
@@ -59,8 +99,10 @@ def run_step(scheduler: Scheduler) -> SchedulerOutput:
         assert item.start == request.num_computed_tokens
         assert item.token_ids == request.all_token_ids[item.start : item.start + item.num_tokens]
         assert len(item.block_ids) * scheduler.kv.block_size >= item.start + item.num_tokens
+        context = kv.read(item.block_ids, item.start + item.num_tokens)
+        assert context == request.all_token_ids[: len(context)], f"{request.request_id}'s KV is corrupt"
         if item.sample:
-            sampled[request.request_id] = fake_next_token(request.all_token_ids)
+            sampled[request.request_id] = fake_next_token(context)
     scheduler.update_from_output(output, sampled)
     scheduler.check_invariants()
     return output
@@ -145,6 +187,92 @@ def test_victim_is_the_most_recently_admitted():
         preempted = run_step(scheduler).preempted
     assert preempted[0].request_id == "r2"
     assert scheduler.waiting[0].request_id == "r2"
+
+
+def run_until_preemption(scheduler: Scheduler, requests: list[Request]) -> SchedulerOutput:
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(100):
+        output = run_step(scheduler)
+        if output.preempted:
+            return output
+    raise AssertionError("no preemption happened")
+
+
+def computed_once(requests: list[Request]) -> int:
+    """Tokens a run computes when nothing is recomputed: every prompt token and every output token but the last."""
+    return sum(r.num_prompt_tokens + r.sampling_params.max_tokens - 1 for r in requests)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_swap_preemption_resumes_without_recomputing(preemption):
+    scheduler = make_scheduler(
+        num_blocks=10, block_size=4, max_num_seqs=4, budget=32, preemption=preemption, swap_slots=16
+    )
+    requests = [make_request(i, 6, 10) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    resume_at: dict[str, int] = {}  # a preempted request's computed tokens when it was preempted
+    resumed_from: list[tuple[int, int]] = []  # (computed at preemption, where its next chunk started)
+    while scheduler.has_unfinished_requests():
+        output = run_step(scheduler)
+        for item in output.scheduled:
+            if item.request.request_id in resume_at:
+                resumed_from.append((resume_at.pop(item.request.request_id), item.start))
+        resume_at.update({r.request_id: r.num_computed_tokens for r in output.preempted})
+    for request in requests:
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, 10)
+    stats = scheduler.stats
+    assert stats.num_preemptions > 0 and resumed_from
+    if preemption == "swap":
+        assert stats.preemptions == {"recompute": 0, "swap": stats.num_preemptions}
+        assert all(at > 0 and start == at for at, start in resumed_from), "a swapped-in request started over"
+        assert stats.computed_tokens == computed_once(requests)
+        assert stats.swapped_in_blocks == stats.swapped_out_blocks > 0
+    else:
+        assert stats.preemptions["swap"] == 0 and all(at == 0 for at, _ in resumed_from)
+        assert stats.computed_tokens > computed_once(requests)
+    assert scheduler.swap_space.num_used_slots == 0 and scheduler.kv.num_used_blocks == 0
+
+
+def test_swap_falls_back_to_recompute_when_the_pool_is_full():
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=4, budget=32, preemption="swap", swap_slots=2)
+    requests = [make_request(i, 6, 10) for i in range(4)]
+    run_to_completion(scheduler, requests)
+    for request in requests:
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, 10)
+    assert scheduler.stats.preemptions["recompute"] > 0, "victims of 3+ blocks cannot fit in 2 slots"
+    assert scheduler.swap_space.num_used_slots == 0
+
+
+@pytest.mark.parametrize(("victim_prompt", "expected_mode"), [(2, "recompute"), (28, "swap")])
+def test_auto_recomputes_short_contexts_and_swaps_long_ones(victim_prompt, expected_mode):
+    # Swapping costs 2 x (2 + blocks) and recomputing 1 per token: 2 tokens are cheaper to recompute (2 < 6),
+    # 28 tokens in 7 blocks cheaper to swap (18 < 28). The two prompts fill all 8 blocks; the victim is the
+    # request admitted last, preempted when the next token needs a 9th block.
+    costs = PreemptionCosts(seconds_per_token=1.0, seconds_per_copy=2.0, seconds_per_block_copy=1.0)
+    scheduler = make_scheduler(
+        num_blocks=8, block_size=4, max_num_seqs=2, budget=64, preemption="auto", swap_slots=16, costs=costs
+    )
+    first = make_request(0, 30 - victim_prompt, 2 + victim_prompt)
+    victim = make_request(1, victim_prompt, 32 - victim_prompt)
+    output = run_until_preemption(scheduler, [first, victim])
+    assert output.preempted == [victim]
+    assert scheduler.stats.preemptions[expected_mode] == 1
+    assert victim.status == (RequestStatus.SWAPPED if expected_mode == "swap" else RequestStatus.WAITING)
+
+
+def test_abort_frees_a_swapped_out_request():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, budget=64, preemption="swap", swap_slots=8)
+    requests = [make_request(i, 7, 16) for i in range(3)]
+    output = run_until_preemption(scheduler, requests)
+    victim = output.preempted[0]
+    assert victim.status == RequestStatus.SWAPPED and scheduler.swap_space.num_used_slots == len(output.swap_out) > 0
+    assert scheduler.abort_request(victim.request_id) is victim
+    scheduler.check_invariants()
+    assert scheduler.swap_space.num_used_slots == 0 and victim.status == RequestStatus.FINISHED_ABORTED
+    run_to_completion(scheduler, [])
+    assert scheduler.kv.num_used_blocks == 0
 
 
 def test_static_batching_admits_no_one_while_a_batch_runs():
@@ -237,9 +365,57 @@ def test_abort_frees_blocks_in_any_state():
     assert scheduler.kv.num_used_blocks == 0 and not scheduler.has_unfinished_requests()
 
 
-@settings(max_examples=60, deadline=None)
+def run_workload(
+    scheduler: Scheduler, requests: list[Request], arrivals: list[int], aborts: dict[int, int], max_steps=10_000
+) -> list[SchedulerOutput]:
+    """Adds request i at step arrivals[i] and aborts it at step aborts[i] (if still unfinished); runs until done."""
+    pending = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    outputs: list[SchedulerOutput] = []
+    step = 0
+    while pending or scheduler.has_unfinished_requests():
+        while pending and arrivals[pending[0]] <= step:
+            scheduler.add_request(requests[pending.pop(0)])
+        for i, when in aborts.items():
+            if when == step and i < len(requests) and requests[i].request_id in scheduler.requests:
+                scheduler.abort_request(requests[i].request_id)
+                scheduler.check_invariants()
+        outputs.append(run_step(scheduler))
+        step += 1
+        assert step < max_steps, "the scheduler stopped making progress"
+    return outputs
+
+
+def check_workload(scheduler: Scheduler, lengths, priorities, arrivals, aborts) -> None:
+    """Every request not aborted finishes with its solo output; an aborted one stops on a prefix of it; no leaks."""
+    requests = [make_request(i, p, m) for i, (p, m) in enumerate(lengths)]
+    for request, priority in zip(requests, priorities, strict=False):
+        request.priority = priority
+        request.tenant = f"t{priority}"
+    outputs = run_workload(scheduler, requests, arrivals, aborts)
+    assert all(o.num_batched_tokens <= scheduler.max_num_batched_tokens for o in outputs)
+    for request in requests:
+        expected = solo_output(request.prompt_token_ids, request.sampling_params.max_tokens)
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            assert expected[: request.num_output_tokens] == request.output_token_ids
+        else:
+            assert request.output_token_ids == expected
+    if scheduler.preemption_mode == "recompute":
+        assert scheduler.stats.preemptions["swap"] == 0
+    assert scheduler.kv.num_used_blocks == 0 and scheduler.swap_space.num_used_slots == 0
+    event(f"preempted by swap: {scheduler.stats.preemptions['swap'] > 0}")
+    event(f"preempted by recompute: {scheduler.stats.preemptions['recompute'] > 0}")
+
+
+arrivals_and_aborts = dict(
+    priorities=st.lists(st.integers(0, 2), min_size=10, max_size=10),
+    arrivals=st.lists(st.integers(0, 12), min_size=10, max_size=10),
+    aborts=st.dictionaries(st.integers(0, 9), st.integers(0, 40), max_size=3),
+)
+
+
+@settings(max_examples=100, deadline=None)
 @given(
-    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=1, max_size=10),
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 16)), min_size=1, max_size=10),
     num_blocks=st.integers(14, 40),
     budget=st.integers(1, 48),
     max_num_seqs=st.integers(1, 6),
@@ -247,23 +423,55 @@ def test_abort_frees_blocks_in_any_state():
     long_prefill=st.sampled_from([0, 1, 5]),
     partial=st.sampled_from([0, 1, 2]),
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
-    priorities=st.lists(st.integers(0, 2), min_size=10, max_size=10),
+    preemption=st.sampled_from(["recompute", "swap", "auto"]),
+    **arrivals_and_aborts,
 )
 def test_random_workloads_finish_with_solo_outputs(
-    lengths, num_blocks, budget, max_num_seqs, static, long_prefill, partial, policy, priorities
+    lengths, num_blocks, budget, max_num_seqs, static, long_prefill, partial, policy, preemption, **workload
 ):
     scheduler = make_scheduler(
-        num_blocks, 4, max_num_seqs, budget, static=static, long_prefill=long_prefill, partial=partial, policy=policy
+        num_blocks,
+        4,
+        max_num_seqs,
+        budget,
+        static=static,
+        long_prefill=long_prefill,
+        partial=partial,
+        policy=policy,
+        preemption=preemption,
+        swap_slots=16,
     )
-    requests = [make_request(i, p, m) for i, (p, m) in enumerate(lengths)]
-    for request, priority in zip(requests, priorities, strict=False):
-        request.priority = priority
-        request.tenant = f"t{priority}"
-    outputs = run_to_completion(scheduler, requests)
-    assert all(o.num_batched_tokens <= budget for o in outputs)
-    for request in requests:
-        assert request.output_token_ids == solo_output(request.prompt_token_ids, request.sampling_params.max_tokens)
-    assert scheduler.kv.num_used_blocks == 0
+    check_workload(scheduler, lengths, **workload)
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap", "auto"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(8, 40), st.integers(4, 16)), min_size=4, max_size=10),
+    num_blocks=st.integers(14, 20),
+    budget=st.integers(8, 48),
+    max_num_seqs=st.integers(2, 6),
+    swap_slots=st.integers(0, 24),
+    block_copy_cost=st.sampled_from([0.1, 1.0, 10.0]),
+    **arrivals_and_aborts,
+)
+def test_kv_pressure_in_every_policy_and_preemption_mode(
+    policy, preemption, lengths, num_blocks, budget, max_num_seqs, swap_slots, block_copy_cost, **workload
+):
+    """A tiny pool, so requests are preempted often: swapped out (into a pool that may fill up) or recomputed."""
+    costs = PreemptionCosts(seconds_per_token=1.0, seconds_per_block_copy=block_copy_cost)
+    scheduler = make_scheduler(
+        num_blocks,
+        4,
+        max_num_seqs,
+        budget,
+        policy=policy,
+        preemption=preemption,
+        swap_slots=swap_slots,
+        costs=costs,
+    )
+    check_workload(scheduler, lengths, **workload)
 
 
 def test_stall_free_prefill_caps_long_prompts_and_keeps_decodes_moving():

@@ -34,7 +34,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         if hint is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
         else:
-            kind = int if int in typing.get_args(hint) or hint is int else str
+            kind = next((t for t in (int, float) if hint is t or t in typing.get_args(hint)), str)
             group.add_argument(flag, type=kind, default=field.default, help=help_text)
 
 

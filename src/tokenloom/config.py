@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tokenloom.core.preemption import PREEMPTION_MODES
+
 Batching = Literal["continuous", "static"]
 
 
@@ -34,6 +36,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     """'fcfs' (arrival order), 'priority' (a request's priority, then arrival; may displace at the cap) or 'fair'
     (weighted fair share of tokens between tenants)."""
+    preemption_mode: str = "recompute"
+    """When KV blocks run out: 'recompute' drops a victim's KV and computes it again on resuming; 'swap' copies its
+    blocks to a host-memory pool and back (recompute when the pool is full); 'auto' picks the cheaper per victim."""
+    swap_space: float = 4.0
+    """GiB of host memory for swapped-out KV blocks; allocated only when preemption_mode is 'swap' or 'auto'."""
+    num_swap_blocks: int | None = None
+    """The size of the swap pool in blocks; overrides swap_space."""
     batching: Batching = "continuous"
     """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
     dtype: str = "float32"
@@ -53,7 +62,7 @@ class EngineConfig:
             _require(
                 isinstance(getattr(self, name), int) and getattr(self, name) > 0, f"{name} must be a positive integer"
             )
-        for name in ("num_kv_blocks", "kv_cache_memory", "num_threads", "max_model_len"):
+        for name in ("num_kv_blocks", "kv_cache_memory", "num_threads", "max_model_len", "num_swap_blocks"):
             value = getattr(self, name)
             _require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")
         for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
@@ -63,6 +72,8 @@ class EngineConfig:
             self.enable_chunked_prefill or not self.long_prefill_token_threshold,
             "long_prefill_token_threshold needs chunked prefill",
         )
+        _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
+        _require(isinstance(self.swap_space, int | float) and self.swap_space >= 0, "swap_space must be >= 0 GiB")
         _require(self.batching in ("continuous", "static"), "batching must be 'continuous' or 'static'")
         _require(
             self.scheduling_policy in ("fcfs", "priority", "fair"),

@@ -99,6 +99,15 @@ class KVCacheManager:
             self.pool.cache_full_block(blocks[i], hashes[i], self._block_tokens(tokens, i))
         self._num_registered[request.request_id] = num_full
 
+    def num_shared_prefix_tokens(self, request: Request) -> int:
+        """Computed tokens in the request's leading blocks that other requests hold too."""
+        num_shared = 0
+        for block in self._blocks.get(request.request_id, []):
+            if block.ref_cnt < 2:
+                break
+            num_shared += 1
+        return min(num_shared * self.block_size, request.num_computed_tokens)
+
     def free(self, request: Request) -> None:
         """Gives back every block the request holds; the last blocks go first to eviction, its shared prefix last."""
         blocks = self._blocks.pop(request.request_id, [])

@@ -2,9 +2,11 @@
 
 There are no prefill and decode phases. Each request has ``num_computed_tokens``; a step gives it up to the gap
 between that and its token count. A long prompt is chunked over several steps by the budget alone, and shares
-each of them with other requests' decode tokens. When KV blocks run out, the most recently admitted running
-request is preempted: its blocks go back to the pool and it returns to the head of the queue, to be recomputed
-(its prefix blocks usually still cached) when there is room again.
+each of them with other requests' decode tokens. When KV blocks run out, the policy's worst running request
+(under FCFS the most recently admitted) is preempted: its blocks go back to the pool and it returns to the
+queue. Under recompute preemption its tokens are computed again when there is room (its prefix blocks often
+still cached); under swap preemption its blocks are first copied to a host pool and copied back when it resumes
+(the step's output lists the copies, which the runner makes before the forward: all swap-outs, then swap-ins).
 
 In static batching (the baseline the seeds compare against) the same step admits a new batch only when the
 previous one has completely finished.
@@ -16,8 +18,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenloom.core.policy import FCFSPolicy
+from tokenloom.core.preemption import PREEMPTION_MODES, PreemptionCosts, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 
 
@@ -40,6 +43,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot), copied first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block), copied second
 
     @property
     def num_batched_tokens(self) -> int:
@@ -53,10 +58,16 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     num_steps: int = 0
-    num_preemptions: int = 0
+    preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
     prompt_tokens: int = 0  # prompt tokens of admitted requests, counted once each
     generated_tokens: int = 0
     computed_tokens: int = 0  # every token that went through the model, recomputation included
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
 
 class Scheduler:
@@ -73,7 +84,11 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         max_num_partial_prefills: int = 0,
         policy: FCFSPolicy | None = None,
+        preemption_mode: str = "recompute",
+        swap_space: SwapSpace | None = None,
+        preemption_costs: PreemptionCosts | None = None,
     ) -> None:
+        assert preemption_mode in PREEMPTION_MODES, f"unknown preemption mode {preemption_mode!r}"
         self.kv = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -84,6 +99,9 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_num_partial_prefills = max_num_partial_prefills
         self.policy = policy or FCFSPolicy()
+        self.preemption_mode = preemption_mode
+        self.swap_space = swap_space or SwapSpace(0)
+        self.preemption_costs = preemption_costs or PreemptionCosts()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -133,6 +151,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self.swap_space.release(request.request_id)  # a swapped-out request's slots; nothing to copy back
         request.status = status
         request.finished_time = time.monotonic()
         self.policy.finished(request)
@@ -174,9 +193,7 @@ class Scheduler:
             and len(self.running) >= self.max_num_seqs
             and self.policy.displaces(self.waiting[0], self.running[-1])
         ):
-            victim = self.running.pop()
-            self._preempt(victim)
-            output.preempted.append(victim)
+            self._preempt(self.running.pop(), output)
         return len(output.preempted)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -191,8 +208,7 @@ class Scheduler:
                 continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
-                self._preempt(victim)
-                output.preempted.append(victim)
+                self._preempt(victim, output)
                 if victim is request:
                     return budget
             output.scheduled.append(self._scheduled(request, num_new))
@@ -203,6 +219,15 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.status == RequestStatus.SWAPPED:
+                num_new = self._stall_free(request, request.num_tokens - request.num_computed_tokens, budget, output)
+                if num_new == 0 or not self.kv.allocate_slots(request, num_new):
+                    break
+                self.waiting.popleft()
+                self._swap_in(request, output)
+                output.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                continue
             cached_blocks = self.kv.find_cached_prefix(request)
             num_cached = len(cached_blocks) * self.kv.block_size
             num_new = request.num_tokens - num_cached
@@ -254,14 +279,52 @@ class Scheduler:
             self.stats.prompt_tokens += request.num_prompt_tokens
         self.running.append(request)
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: the request gives back its blocks and goes to the head of the queue."""
-        self.kv.free(request)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """The request gives back its device blocks and returns to the queue, its KV swapped out or dropped."""
+        mode = self._preemption_mode_for(request)
+        if mode == "swap":
+            self._swap_out(request, output)
+        else:
+            self.kv.free(request)
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.stats.num_preemptions += 1
+        self.stats.preemptions[mode] += 1
+        output.preempted.append(request)
         self.policy.requeue(self.waiting, request)
+
+    def _preemption_mode_for(self, request: Request) -> str:
+        """Swap when configured to and the host pool has room (else fall back to recompute); auto: the cheaper."""
+        if self.preemption_mode == "recompute":
+            return "recompute"
+        num_blocks = cdiv(request.num_computed_tokens, self.kv.block_size)
+        if num_blocks == 0 or not self.swap_space.can_hold(num_blocks):
+            return "recompute"
+        if self.preemption_mode == "swap":
+            return "swap"
+        # Blocks other running requests share stay in the cache, so recomputing them would be a cache hit.
+        to_recompute = request.num_computed_tokens - self.kv.num_shared_prefix_tokens(request)
+        return "swap" if self.preemption_costs.prefers_swap(to_recompute, num_blocks) else "recompute"
+
+    def _swap_out(self, request: Request, output: SchedulerOutput) -> None:
+        num_blocks = cdiv(request.num_computed_tokens, self.kv.block_size)
+        device_blocks = self.kv.block_ids(request.request_id)[:num_blocks]
+        slots = self.swap_space.take(request.request_id, num_blocks)
+        output.swap_out.extend(zip(device_blocks, slots, strict=True))
+        self.stats.swapped_out_blocks += num_blocks
+        self.kv.free(request)  # the blocks may be handed out again this step: the runner copies them out first
+        request.status = RequestStatus.SWAPPED
+
+    def _swap_in(self, request: Request, output: SchedulerOutput) -> None:
+        """Resumes a swapped-out request in the fresh blocks it was just given, its computed tokens intact."""
+        slots = self.swap_space.release(request.request_id)
+        device_blocks = self.kv.block_ids(request.request_id)[: len(slots)]
+        # Swap-outs all precede swap-ins in a step, so a slot freed here is never refilled before it is read.
+        assert not {slot for _, slot in output.swap_out} & set(slots), "swap slot reused within a step"
+        output.swap_in.extend(zip(slots, device_blocks, strict=True))
+        self.stats.swapped_in_blocks += len(slots)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         self.policy.charge(request, num_new)
@@ -318,5 +381,6 @@ class Scheduler:
         self.kv.check_invariants(set(self.requests))
         assert len(self.running) <= self.max_num_seqs
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
-        assert all(r.status == RequestStatus.WAITING for r in self.waiting)
+        assert all(r.status in (RequestStatus.WAITING, RequestStatus.SWAPPED) for r in self.waiting)
         assert len(self.running) + len(self.waiting) == len(self.requests)
+        self.swap_space.check_invariants({r.request_id for r in self.waiting if r.status == RequestStatus.SWAPPED})

@@ -16,6 +16,7 @@ import torch
 from tokenloom.config import EngineConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import make_policy
+from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
@@ -54,9 +55,21 @@ class LLMEngine:
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.num_kv_blocks = self._num_kv_blocks()
+        self.num_swap_blocks = self._num_swap_blocks()
         self.runner = ModelRunner(
-            self.loaded.model, self.num_kv_blocks, config.block_size, self.device, self.dtype, config.seed
+            self.loaded.model,
+            self.num_kv_blocks,
+            config.block_size,
+            self.device,
+            self.dtype,
+            config.seed,
+            self.num_swap_blocks,
         )
+        self.preemption_costs = PreemptionCosts()
+        self._step_costs = LinearCostFit()
+        self._copy_costs = LinearCostFit()
+        if self.num_swap_blocks:
+            self._measure_block_copies()
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -69,15 +82,19 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_num_partial_prefills=config.max_num_partial_prefills,
             policy=make_policy(config.scheduling_policy),
+            preemption_mode=config.preemption_mode,
+            swap_space=SwapSpace(self.num_swap_blocks),
+            preemption_costs=self.preemption_costs,
         )
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         logger.info(
-            "loaded %s in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
+            "loaded %s in %.1fs: %d KV blocks of %d tokens (%d swap blocks), max_model_len %d",
             self.loaded.name,
             time.monotonic() - started,
             self.num_kv_blocks,
             config.block_size,
+            self.num_swap_blocks,
             self.max_model_len,
         )
 
@@ -109,6 +126,13 @@ class LLMEngine:
         # By default, no more than max_num_seqs full-length requests could ever use.
         blocks_for_batch = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
         return min(blocks_for_memory, blocks_for_batch)
+
+    def _num_swap_blocks(self) -> int:
+        if self.config.preemption_mode == "recompute":
+            return 0
+        if self.config.num_swap_blocks is not None:
+            return self.config.num_swap_blocks
+        return int(self.config.swap_space * 1024**3) // self.kv_bytes_per_block()
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -161,9 +185,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns an output for every request that received a token in it."""
         output = self.scheduler.schedule()
+        self._copy_blocks(output.swap_out, output.swap_in)
         if output.is_empty:
             return []
+        started = time.perf_counter()
         sampled = self.runner.execute(output.scheduled)
+        self._step_costs.add(output.num_batched_tokens, time.perf_counter() - started)
+        self.preemption_costs.seconds_per_token = self._step_costs.slope() or 0.0
         self._record_logprobs(sampled)
         advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
         outputs = []
@@ -174,6 +202,26 @@ class LLMEngine:
                 self._check_stop_strings(request, state)
             outputs.append(self._finish(request) if request.finished else self._output(request, state))
         return outputs
+
+    def _copy_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Makes the step's swap copies (all out, then all in), timing each to keep the cost of a copy current."""
+        for pairs, copy in ((swap_out, self.runner.swap_out), (swap_in, self.runner.swap_in)):
+            if not pairs:
+                continue
+            started = time.perf_counter()
+            copy(pairs)
+            self._copy_costs.add(len(pairs), time.perf_counter() - started)
+        if swap_out or swap_in:
+            costs = self.preemption_costs
+            costs.seconds_per_block_copy = self._copy_costs.slope() or 0.0
+            costs.seconds_per_copy = self._copy_costs.intercept() or 0.0
+
+    def _measure_block_copies(self) -> None:
+        """Times copies of a few sizes between free blocks and slots (no request holds any yet), for auto mode."""
+        for n in (1, 4, 1, 4):
+            n = min(n, self.num_kv_blocks, self.num_swap_blocks)
+            pairs = [(i, i) for i in range(n)]
+            self._copy_blocks(pairs, pairs)
 
     def _record_logprobs(self, sampled: dict[str, SampledToken]) -> None:
         for request_id, token in sampled.items():
@@ -258,10 +306,17 @@ class LLMEngine:
             "generated_tokens": s.generated_tokens,
             "computed_tokens": s.computed_tokens,
             "num_preemptions": s.num_preemptions,
+            "num_preemptions_recompute": s.preemptions["recompute"],
+            "num_preemptions_swap": s.preemptions["swap"],
+            "swapped_out_blocks": s.swapped_out_blocks,
+            "swapped_in_blocks": s.swapped_in_blocks,
+            "swap_blocks_total": self.scheduler.swap_space.num_slots,
+            "swap_blocks_in_use": self.scheduler.swap_space.num_used_slots,
             "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
             "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
             "kv_blocks_total": self.kv_cache.num_blocks,
             "kv_blocks_in_use": self.kv_cache.num_used_blocks,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) - self.scheduler.swap_space.num_swapped_requests,
+            "num_swapped": self.scheduler.swap_space.num_swapped_requests,
         }

@@ -1,7 +1,7 @@
 """Turns a scheduler decision into tensors, runs one forward over the flat batch, and samples.
 
-The runner owns the KV cache tensors and the per-request random generators; it is the only place where
-requests meet tensors.
+The runner owns the KV cache tensors (and their host-memory swap pool) and the per-request random generators;
+it is the only place where requests meet tensors.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        num_swap_blocks: int = 0,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -52,6 +53,12 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        # The swap pool is host memory even when the device is the CPU: a pool of its own, never the KV cache's.
+        pin = device.type == "cuda"
+        self.swap_caches = [
+            tuple(torch.zeros(num_swap_blocks * block_size, row, dtype=dtype, pin_memory=pin) for _ in range(2))
+            for _ in range(cfg.num_layers if num_swap_blocks else 0)
+        ]
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()
         self.use_cpu_kernel = cpu_kernel.usable_for(device, dtype)
@@ -67,6 +74,27 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         results = self.sampler(logits, self._sampling_batch(inputs.sampled_items))
         return {item.request.request_id: r for item, r in zip(inputs.sampled_items, results, strict=True)}
+
+    @torch.inference_mode()
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies (device block, host slot) pairs to the swap pool; before a step's swap-ins and its forward."""
+        self._copy_blocks(self.kv_caches, self.swap_caches, pairs)
+
+    @torch.inference_mode()
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies (host slot, device block) pairs back from the swap pool; before the step's forward."""
+        self._copy_blocks(self.swap_caches, self.kv_caches, pairs)
+
+    def _copy_blocks(self, sources: list, destinations: list, pairs: list[tuple[int, int]]) -> None:
+        src_index = torch.tensor([p[0] for p in pairs], device=sources[0][0].device)
+        dst_index = torch.tensor([p[1] for p in pairs], device=destinations[0][0].device)
+        for source_layer, destination_layer in zip(sources, destinations, strict=True):
+            for source, destination in zip(source_layer, destination_layer, strict=True):
+                blocks = source.view(-1, self.block_size, source.shape[-1]).index_select(0, src_index)
+                # Blocking: a copy to the host must have landed before the host pool is read again.
+                destination.view(-1, self.block_size, destination.shape[-1]).index_copy_(
+                    0, dst_index, blocks.to(destination.device)
+                )
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -34,9 +34,12 @@ class ServerMetrics:
             return Histogram(f"tokenloom:{name}", doc, buckets=buckets, registry=r)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (swapped ones not counted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
-        self.preemptions = counter("num_preemptions", "Preemptions since start.")
+        preemptions = counter("num_preemptions", "Preemptions since start, by mode (recompute, swap).", ("mode",))
+        self.preemptions = {mode: preemptions.labels(mode=mode) for mode in ("recompute", "swap")}
+        self.swapped = gauge("num_requests_swapped", "Preempted requests whose KV is in the host swap pool.")
+        self.swap_usage = gauge("swap_space_usage_perc", "Fraction of host swap pool blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -63,8 +66,11 @@ class ServerMetrics:
             self.running.set(stats["num_running"])
             self.waiting.set(stats["num_waiting"])
             self.kv_usage.set(stats["kv_blocks_in_use"] / stats["kv_blocks_total"])
+            self.swapped.set(stats["num_swapped"])
+            self.swap_usage.set(stats["swap_blocks_in_use"] / max(stats["swap_blocks_total"], 1))
             for name, metric in (
-                ("num_preemptions", self.preemptions),
+                ("num_preemptions_recompute", self.preemptions["recompute"]),
+                ("num_preemptions_swap", self.preemptions["swap"]),
                 ("prompt_tokens", self.prompt_tokens),
                 ("generated_tokens", self.generation_tokens),
                 ("prefix_cache_queries", self.prefix_queries),
@@ -90,10 +96,12 @@ class ServerMetrics:
         hits = stats["prefix_cache_hits"] - before["prefix_cache_hits"]
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
-            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, Preemptions: %d",
+            "Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+            "Preemptions: %d",
             (stats["prompt_tokens"] - before["prompt_tokens"]) / elapsed,
             (stats["generated_tokens"] - before["generated_tokens"]) / elapsed,
             stats["num_running"],
+            stats["num_swapped"],
             stats["num_waiting"],
             100 * stats["kv_blocks_in_use"] / stats["kv_blocks_total"],
             100 * hits / queries if queries else 0.0,
