@@ -5,8 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.config import EngineConfig
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.model.loader import load_model
 
 VOCAB = 512
 
@@ -38,6 +44,23 @@ def solo_reference(tiny_llama):
         dict(max_num_seqs=8, max_num_batched_tokens=128, enable_chunked_prefill=False, enable_prefix_caching=False),
         dict(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=7, max_num_partial_prefills=1),
         dict(max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8, scheduling_policy="fair"),
+        dict(
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            num_kv_blocks=12,
+            block_size=8,
+            preemption_mode="swap",
+            num_swap_blocks=64,
+        ),
+        dict(
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            num_kv_blocks=12,
+            block_size=8,
+            preemption_mode="auto",
+            num_swap_blocks=4,
+            scheduling_policy="priority",
+        ),
     ],
 )
 def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
@@ -48,6 +71,10 @@ def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
     assert stats["kv_blocks_in_use"] == 0 and stats["generated_tokens"] == 120
     if "num_kv_blocks" in config:
         assert stats["num_preemptions"] > 0
+    if config.get("preemption_mode") == "swap":
+        assert stats["num_preemptions_swap"] == stats["num_preemptions"], "a 64-block pool never falls back"
+        assert stats["swapped_in_blocks"] == stats["swapped_out_blocks"] > 0
+    assert stats["swap_blocks_in_use"] == 0 and stats["num_swapped"] == 0
 
 
 def test_priority_policy_keeps_outputs_and_serves_urgent_first(tiny_llama, solo_reference):
@@ -158,3 +185,113 @@ def test_plain_pytorch_attention_path_gives_the_same_outputs(tiny_llama, solo_re
     llm.engine.runner.use_cpu_kernel = False
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert token_ids(llm.generate(prompts(10), greedy, use_tqdm=False)) == solo_reference
+
+
+def test_swap_copies_blocks_to_the_host_pool_and_back(tiny_llama):
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_llama), num_kv_blocks=8, block_size=4, preemption_mode="swap", num_swap_blocks=5)
+    )
+    runner = engine.runner
+    assert len(runner.swap_caches) == len(runner.kv_caches)
+    assert all(
+        host.device.type == "cpu" and host.data_ptr() != dev.data_ptr()
+        for (host, _), (dev, _) in zip(runner.swap_caches, runner.kv_caches, strict=True)
+    )
+    for k, v in runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    runner.swap_out([(1, 4), (6, 0)])
+    for k, v in runner.kv_caches:
+        k.zero_()
+        v.zero_()
+    runner.swap_in([(4, 2), (0, 7)])
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+        for now, then in ((k, k0), (v, v0)):
+            blocks, blocks_then = now.view(8, 4, -1), then.view(8, 4, -1)
+            assert torch.equal(blocks[2], blocks_then[1]) and torch.equal(blocks[7], blocks_then[6])
+            assert not blocks[[0, 1, 3, 4, 5, 6]].any(), "a copy touched another block"
+
+
+def test_recompute_mode_allocates_no_swap_pool(tiny_llama):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, swap_space=4.0))
+    assert engine.num_swap_blocks == 0 and engine.runner.swap_caches == []
+    sized = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, preemption_mode="auto", swap_space=0.001))
+    assert sized.num_swap_blocks == int(0.001 * 1024**3) // sized.kv_bytes_per_block() > 0
+    costs = sized.preemption_costs
+    assert costs.seconds_per_block_copy > 0, "the engine measures block copies at start"
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_llama):
+    return load_model(str(tiny_llama), None, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(tiny_loaded):
+    """Greedy output of a prompt run alone, 16 tokens, memoised: a shorter run's output is a prefix of it."""
+    engine = LLMEngine(EngineConfig(max_num_seqs=1), loaded=tiny_loaded)
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def solo(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in cache:
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        cache[tuple(prompt)] = output.outputs[0].token_ids
+        return cache[tuple(prompt)]
+
+    return solo
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap", "auto"])
+@settings(max_examples=25, deadline=None)
+@given(
+    workload=st.lists(st.tuples(st.integers(3, 40), st.integers(2, 16), st.integers(0, 10)), min_size=3, max_size=7),
+    aborts=st.dictionaries(st.integers(0, 6), st.integers(0, 20), max_size=2),
+    num_swap_blocks=st.sampled_from([2, 64]),
+    policy=st.sampled_from(["fcfs", "priority", "fair"]),
+    seed=st.integers(0, 1000),
+)
+def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
+    tiny_loaded, solo_outputs, preemption_mode, workload, aborts, num_swap_blocks, policy, seed
+):
+    """Real tensors this time: a wrong swap copy or block table changes the tokens."""
+    config = EngineConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_kv_blocks=10,
+        block_size=8,
+        scheduling_policy=policy,
+        preemption_mode=preemption_mode,
+        num_swap_blocks=num_swap_blocks,
+    )
+    engine = LLMEngine(config, loaded=tiny_loaded)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB - 1) for _ in range(length)] for length, _, _ in workload]
+    finished = {}
+    step = 0
+    while step <= 10 or engine.has_unfinished_requests():
+        for i, (_, max_tokens, arrival) in enumerate(workload):
+            if arrival == step:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                engine.add_request(prompts[i], params, request_id=str(i), priority=i % 3, tenant=f"t{i % 2}")
+        for i, when in aborts.items():
+            if when == step and engine.abort_request(str(i)) is not None:
+                engine.scheduler.check_invariants()
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+        assert step < 2000
+    for i, (_, max_tokens, _) in enumerate(workload):
+        expected = solo_outputs(prompts[i])[:max_tokens]
+        if str(i) in finished:
+            assert finished[str(i)].outputs[0].token_ids == expected
+        else:
+            assert i in aborts
+    stats = engine.stats()
+    assert stats["kv_blocks_in_use"] == 0 and stats["swap_blocks_in_use"] == 0
+    if preemption_mode == "recompute":
+        assert stats["num_preemptions_swap"] == 0
+    event(f"preempted by swap: {stats['num_preemptions_swap'] > 0}")
+    event(f"preempted by recompute: {stats['num_preemptions_recompute'] > 0}")

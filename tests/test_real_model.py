@@ -40,24 +40,42 @@ def hf_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=20, block_size=16)
+
+
 @pytest.fixture(scope="module")
 def llm_under_pressure(real_model_dir):
     # A 48-token budget chunks every long prompt; 20 blocks of 16 cannot hold all eight requests at once.
-    return LLM(str(real_model_dir), max_num_seqs=8, max_num_batched_tokens=48, num_kv_blocks=20, block_size=16)
+    return LLM(str(real_model_dir), **PRESSURE)
 
 
-def test_greedy_matches_transformers_with_chunking_and_preemption(real_model_dir, llm_under_pressure):
-    llm = llm_under_pressure
+@pytest.fixture(scope="module")
+def transformers_outputs(real_model_dir, llm_under_pressure) -> dict[str, list[int]]:
+    oracle = hf_oracle(real_model_dir)
+    return {prompt: hf_greedy(oracle, llm_under_pressure.tokenizer.encode(prompt), MAX_TOKENS) for prompt in PROMPTS}
+
+
+def assert_greedy_matches_transformers(llm: LLM, expected: dict[str, list[int]]) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0, "the KV pool was meant to force preemptions"
     assert max(len(o.prompt_token_ids) for o in outputs) > 48, "some prompt was meant to be chunked"
-    oracle = hf_oracle(real_model_dir)
     for output in outputs:
-        expected = hf_greedy(oracle, output.prompt_token_ids, MAX_TOKENS)
-        assert output.outputs[0].token_ids == expected, f"diverged on {output.prompt!r}"
-    assert stats["kv_blocks_in_use"] == 0
+        assert output.outputs[0].token_ids == expected[output.prompt], f"diverged on {output.prompt!r}"
+    assert stats["kv_blocks_in_use"] == 0 and stats["swap_blocks_in_use"] == 0
+    return stats
+
+
+def test_greedy_matches_transformers_with_chunking_and_preemption(llm_under_pressure, transformers_outputs):
+    assert_greedy_matches_transformers(llm_under_pressure, transformers_outputs)
+
+
+def test_greedy_matches_transformers_with_swap_preemption(real_model_dir, transformers_outputs):
+    # Six swap slots hold the KV of a short victim but not of a long one, which falls back to recompute.
+    llm = LLM(str(real_model_dir), **PRESSURE, preemption_mode="swap", num_swap_blocks=6)
+    stats = assert_greedy_matches_transformers(llm, transformers_outputs)
+    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
 
 
 def test_stop_strings_end_generation_and_are_left_out(llm_under_pressure):

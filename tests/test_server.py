@@ -211,7 +211,8 @@ def test_queue_limit_gives_429(tiny_chat_model):
         proc.stop()
 
 
-def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model):
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model, preemption_mode):
     # 24 blocks of 16 hold 384 tokens; each request grows to ~295, so any two running together must preempt.
     proc = ServerProcess(
         "--model",
@@ -224,6 +225,10 @@ def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model):
         "16",
         "--max-model-len",
         "300",
+        "--preemption-mode",
+        preemption_mode,
+        "--swap-space",
+        "0.01",
     )
     try:
         statuses: list[int] = []
@@ -239,8 +244,13 @@ def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model):
             t.join()
         assert statuses == [200] * 4
         assert proc.metric("tokenloom:num_preemptions_total") > 0
+        other = "recompute" if preemption_mode == "swap" else "swap"
+        assert proc.metric(f'tokenloom:num_preemptions_total{{mode="{preemption_mode}"}}') > 0
+        assert proc.metric(f'tokenloom:num_preemptions_total{{mode="{other}"}}') == 0
         assert proc.metric("tokenloom:generation_tokens_total") == 1000
         assert proc.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0) == 0
+        assert proc.metric("tokenloom:swap_space_usage_perc") == 0
+        assert proc.metric("tokenloom:num_requests_swapped") == 0
     finally:
         proc.stop()
 
