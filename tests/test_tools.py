@@ -150,6 +150,14 @@ def test_each_rule_fires_on_its_symptom(changes, rule):
     assert finding.evidence and finding.action
 
 
+def test_kv_pressure_suggests_swap_only_when_requests_were_recomputed():
+    def kv_action(**changes) -> str:
+        return next(f for f in diagnose(window(**changes)) if f.rule == "kv_pressure").action
+
+    assert "--preemption-mode swap" in kv_action(preemptions=12, recompute_preemptions=12, kv_usage=0.97)
+    assert "--preemption-mode swap" not in kv_action(preemptions=12, recompute_preemptions=0, kv_usage=0.97)
+
+
 def test_healthy_snapshot_says_so():
     assert [f.rule for f in diagnose(window())] == ["healthy"]
     at_cap = next(f for f in diagnose(window(waiting_before=1, waiting_after=4, running=8)))

@@ -68,8 +68,10 @@ class LLMEngine:
         self.preemption_costs = PreemptionCosts()
         self._step_costs = LinearCostFit()
         self._copy_costs = LinearCostFit()
+        self._swap_copy_seconds = 0.0
         if self.num_swap_blocks:
             self._measure_block_copies()
+            self._swap_copy_seconds = 0.0  # time spent swapping requests, not measuring
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -210,7 +212,9 @@ class LLMEngine:
                 continue
             started = time.perf_counter()
             copy(pairs)
-            self._copy_costs.add(len(pairs), time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._copy_costs.add(len(pairs), seconds)
+            self._swap_copy_seconds += seconds
         if swap_out or swap_in:
             costs = self.preemption_costs
             costs.seconds_per_block_copy = self._copy_costs.slope() or 0.0
@@ -310,6 +314,7 @@ class LLMEngine:
             "num_preemptions_swap": s.preemptions["swap"],
             "swapped_out_blocks": s.swapped_out_blocks,
             "swapped_in_blocks": s.swapped_in_blocks,
+            "swap_copy_seconds": self._swap_copy_seconds,
             "swap_blocks_total": self.scheduler.swap_space.num_slots,
             "swap_blocks_in_use": self.scheduler.swap_space.num_used_slots,
             "prefix_cache_queries": self.kv_cache.prefix_cache_queries,

@@ -45,6 +45,7 @@ class Window:
     e2e_p95: float | None
     error_rate: float | None = None
     max_num_seqs: int | None = None
+    recompute_preemptions: float = 0.0  # of the preemptions, those whose KV was dropped to be computed again
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -63,6 +64,7 @@ def window_from_metrics(before: dict[str, float], after: dict[str, float], secon
         running=_value(after, "tokenloom:num_requests_running"),
         kv_usage=_value(after, "tokenloom:kv_cache_usage_perc"),
         preemptions=delta("tokenloom:num_preemptions_total"),
+        recompute_preemptions=delta('tokenloom:num_preemptions_total{mode="recompute"}'),
         iteration_tokens=delta("tokenloom:iteration_tokens_total"),
         prompt_tokens=delta("tokenloom:prompt_tokens_total"),
         finished_requests=delta("tokenloom:request_success_total"),
@@ -164,6 +166,8 @@ def kv_pressure(w: Window) -> Finding | None:
         "KV cache at its limit: lower --max-num-seqs or --max-model-len, give it more memory "
         "(--kv-cache-memory / --num-kv-blocks), or a smaller KV dtype"
     )
+    if w.recompute_preemptions > 0:
+        action += "; --preemption-mode swap keeps a preempted request's KV in host memory instead of recomputing it"
     return Finding("kv_pressure", "critical" if w.preemptions > 0 else "warning", evidence, action)
 
 

@@ -1,0 +1,117 @@
+"""KV pressure: the same arrivals served with recompute, swap and auto preemption (issue 5, scenario 2).
+
+    .venv/bin/python benchmarks/kv_pressure.py [--requests 16] [--rate 1.0] [--kv-blocks 96]
+
+The embedded SmolLM2-135M serves `--requests` requests (prompts of 100-300 tokens, 128-256 output tokens,
+distinct, so no prefix is shared between requests) arriving as a Poisson process of `--rate` requests per
+second, with up to 16 running at once over a KV pool of `--kv-blocks` blocks of 16 tokens: the engine admits
+as many prompts as fit, and as they grow it must preempt. Each mode gets the same arrivals, once with prefix
+caching (a recompute victim's freed blocks stay findable until they are handed out again) and once without.
+It reports generated tokens per second, p50/p95 end-to-end latency, preemptions by mode, tokens computed more
+than once, and blocks copied to and from the host pool with the time the copies took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from tokenloom import EngineConfig, LLMEngine, SamplingParams
+
+
+def workload(n: int, rate: float, seed: int = 0) -> list[tuple[float, list[int], int]]:
+    """(arrival second, prompt token ids, max_tokens) per request."""
+    rng = random.Random(seed)
+    arrival, requests = 0.0, []
+    for _ in range(n):
+        prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(100, 300))]
+        requests.append((arrival, prompt, rng.randint(128, 256)))
+        arrival += rng.expovariate(rate)
+    return requests
+
+
+def run(mode: str, requests: list[tuple[float, list[int], int]], kv_blocks: int, prefix_caching: bool) -> dict:
+    config = EngineConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        num_kv_blocks=kv_blocks,
+        preemption_mode=mode,
+        enable_prefix_caching=prefix_caching,
+    )
+    engine = LLMEngine(config)
+    pending = list(enumerate(requests))
+    latencies, generated = [], 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0][1][0] <= now:
+            i, (_, prompt, max_tokens) = pending.pop(0)
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(prompt, params, request_id=str(i), arrival_time=time.monotonic())
+        if not engine.has_unfinished_requests():
+            time.sleep(min(0.05, max(0.0, pending[0][1][0] - now)))
+            continue
+        for output in engine.step():
+            if output.finished:
+                latencies.append(output.metrics.finished_time - output.metrics.arrival_time)
+                generated += len(output.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    stats = engine.stats()
+    latencies.sort()
+    once = sum(len(p) + m - 1 for _, p, m in requests)
+    return {
+        "seconds": elapsed,
+        "tok_s": generated / elapsed,
+        "e2e_p50": latencies[len(latencies) // 2],
+        "e2e_p95": latencies[int(0.95 * (len(latencies) - 1))],
+        "recompute": stats["num_preemptions_recompute"],
+        "swap": stats["num_preemptions_swap"],
+        "recomputed_tokens": stats["computed_tokens"] - once,
+        "blocks_copied": stats["swapped_out_blocks"] + stats["swapped_in_blocks"],
+        "copy_seconds": stats["swap_copy_seconds"],
+        "costs": engine.preemption_costs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--rate", type=float, default=1.0)
+    parser.add_argument("--kv-blocks", type=int, default=96)
+    parser.add_argument("--modes", default="recompute,swap,auto")
+    args = parser.parse_args()
+    requests = workload(args.requests, args.rate)
+    print(f"load average: {os.getloadavg()[0]:.2f}")
+    for prefix_caching in (True, False):
+        print(f"prefix caching {'on' if prefix_caching else 'off'}:")
+        results = {}
+        for mode in args.modes.split(","):
+            r = results[mode] = run(mode, requests, args.kv_blocks, prefix_caching)
+            print(
+                f"{mode:>9}: {r['tok_s']:5.1f} tok/s, e2e p50 {r['e2e_p50']:5.1f} s p95 {r['e2e_p95']:5.1f} s, "
+                f"preemptions recompute {r['recompute']:3d} swap {r['swap']:3d}, "
+                f"tokens computed again {r['recomputed_tokens']:5d}, blocks copied {r['blocks_copied']:4d} "
+                f"in {r['copy_seconds']:.2f} s ({r['seconds']:.0f} s; load average {os.getloadavg()[0]:.2f})"
+            )
+            if mode == "auto":
+                c = r["costs"]
+                print(
+                    f"           auto's measured costs at the end: {c.seconds_per_token * 1e3:.2f} ms per token "
+                    f"recomputed; a copy {c.seconds_per_copy * 1e3:.2f} ms + {c.seconds_per_block_copy * 1e3:.2f} ms "
+                    f"per block of 16 tokens"
+                )
+        base = results.get("recompute")
+        for mode, r in results.items():
+            if base and mode != "recompute":
+                print(
+                    f"  {mode} / recompute: throughput {r['tok_s'] / base['tok_s']:.2f}x, "
+                    f"p95 e2e {r['e2e_p95'] / base['e2e_p95']:.2f}x"
+                )
+
+
+if __name__ == "__main__":
+    main()
