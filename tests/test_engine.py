@@ -164,6 +164,10 @@ def test_config_errors_are_clear(tiny_llama):
         LLM(str(tiny_llama), max_num_seqs=0)
     with pytest.raises(ValueError, match="batching"):
         LLM(str(tiny_llama), batching="dynamic")
+    with pytest.raises(ValueError, match="preemption_mode must be one of"):
+        LLM(str(tiny_llama), preemption_mode="drop")
+    with pytest.raises(ValueError, match="swap_space must be >= 0"):
+        LLM(str(tiny_llama), swap_space=-1)
     with pytest.raises(ValueError, match="exceeds the model's context length"):
         LLM(str(tiny_llama), max_model_len=100_000)
     with pytest.raises(ValueError, match="top_p"):

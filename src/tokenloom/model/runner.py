@@ -54,9 +54,11 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         # The swap pool is host memory even when the device is the CPU: a pool of its own, never the KV cache's.
+        # Empty, not zeroed: a slot is only ever copied in after a whole device block was copied out to it, and
+        # untouched pages of a large pool cost no memory until swapping reaches them.
         pin = device.type == "cuda"
         self.swap_caches = [
-            tuple(torch.zeros(num_swap_blocks * block_size, row, dtype=dtype, pin_memory=pin) for _ in range(2))
+            tuple(torch.empty(num_swap_blocks * block_size, row, dtype=dtype, pin_memory=pin) for _ in range(2))
             for _ in range(cfg.num_layers if num_swap_blocks else 0)
         ]
         self.sampler = Sampler(device, seed)
