@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import make_policy
-from tokenloom.core.preemption import PreemptionCosts, SwapSpace
+from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.sampling_params import SamplingParams
@@ -584,3 +584,17 @@ def test_fair_weights_share_tokens():
     policy.charge(gold, 300)
     policy.charge(free, 100)
     assert policy.virtual_tokens["gold"] == policy.virtual_tokens["free"] == 100
+
+
+def test_cost_fit_separates_overhead_from_per_unit_cost():
+    fit = LinearCostFit()
+    assert fit.slope() is None and fit.intercept() is None
+    for work in (1, 8, 64, 8, 200, 1):
+        fit.add(work, 0.5 + 0.01 * work)
+    assert fit.slope() == pytest.approx(0.01) and fit.intercept() == pytest.approx(0.5)
+    same = LinearCostFit()
+    for _ in range(3):
+        same.add(10, 1.0)
+    assert same.slope() == pytest.approx(0.1), "alike samples: the whole time is charged per unit"
+    costs = PreemptionCosts(seconds_per_token=0.01, seconds_per_copy=0.5, seconds_per_block_copy=0.01)
+    assert not costs.prefers_swap(50, 4) and costs.prefers_swap(200, 13)  # 1.08 > 0.5; 1.26 < 2.0
