@@ -1,6 +1,7 @@
 """KV pressure: the same arrivals served with recompute, swap and auto preemption (issue 5, scenario 2).
 
     .venv/bin/python benchmarks/kv_pressure.py [--requests 16] [--rate 1.0] [--kv-blocks 96]
+        [--prompt-tokens 100-300] [--output-tokens 128-256] [--prefix-caching both|on|off] [--modes ...]
 
 The embedded SmolLM2-135M serves `--requests` requests (prompts of 100-300 tokens, 128-256 output tokens,
 distinct, so no prefix is shared between requests) arriving as a Poisson process of `--rate` requests per
@@ -23,13 +24,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from tokenloom import EngineConfig, LLMEngine, SamplingParams
 
 
-def workload(n: int, rate: float, seed: int = 0) -> list[tuple[float, list[int], int]]:
+def workload(
+    n: int, rate: float, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0
+) -> list[tuple[float, list[int], int]]:
     """(arrival second, prompt token ids, max_tokens) per request."""
     rng = random.Random(seed)
     arrival, requests = 0.0, []
     for _ in range(n):
-        prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(100, 300))]
-        requests.append((arrival, prompt, rng.randint(128, 256)))
+        prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_range))]
+        requests.append((arrival, prompt, rng.randint(*output_range)))
         arrival += rng.expovariate(rate)
     return requests
 
@@ -77,16 +80,24 @@ def run(mode: str, requests: list[tuple[float, list[int], int]], kv_blocks: int,
     }
 
 
+def span(text: str) -> tuple[int, int]:
+    low, high = text.split("-")
+    return int(low), int(high)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--rate", type=float, default=1.0)
     parser.add_argument("--kv-blocks", type=int, default=96)
+    parser.add_argument("--prompt-tokens", default="100-300", help="the range of prompt lengths, min-max")
+    parser.add_argument("--output-tokens", default="128-256", help="the range of max_tokens, min-max")
+    parser.add_argument("--prefix-caching", choices=["both", "on", "off"], default="both")
     parser.add_argument("--modes", default="recompute,swap,auto")
     args = parser.parse_args()
-    requests = workload(args.requests, args.rate)
+    requests = workload(args.requests, args.rate, span(args.prompt_tokens), span(args.output_tokens))
     print(f"load average: {os.getloadavg()[0]:.2f}")
-    for prefix_caching in (True, False):
+    for prefix_caching in {"both": (True, False), "on": (True,), "off": (False,)}[args.prefix_caching]:
         print(f"prefix caching {'on' if prefix_caching else 'off'}:")
         results = {}
         for mode in args.modes.split(","):
