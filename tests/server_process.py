@@ -10,6 +10,9 @@ from tokenloom.bench.local_server import LocalServer
 
 POLL_INTERVAL_S = 0.05  # between reads of /metrics while waiting, always under a deadline
 
+# 24 blocks of 16 hold 384 tokens: two requests that grow to ~295 tokens each cannot run together.
+TINY_KV_POOL_ARGS = ("--max-num-seqs", "4", "--num-kv-blocks", "24", "--block-size", "16", "--max-model-len", "300")
+
 
 class ServerProcess(LocalServer):
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:

@@ -34,33 +34,21 @@ def solo_reference(tiny_llama):
     return token_ids(llm.generate(prompts(10), greedy, use_tqdm=False))
 
 
+UNDER_PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8)  # preempts
+
+
 @pytest.mark.parametrize(
     "config",
     [
         dict(max_num_seqs=16, max_num_batched_tokens=1024),
         dict(max_num_seqs=4, max_num_batched_tokens=20),  # chunked prompts, mixed steps
-        dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8),  # preemptions
+        UNDER_PRESSURE,
         dict(max_num_seqs=3, max_num_batched_tokens=64, batching="static"),
         dict(max_num_seqs=8, max_num_batched_tokens=128, enable_chunked_prefill=False, enable_prefix_caching=False),
         dict(max_num_seqs=8, max_num_batched_tokens=64, long_prefill_token_threshold=7, max_num_partial_prefills=1),
         dict(max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8, scheduling_policy="fair"),
-        dict(
-            max_num_seqs=8,
-            max_num_batched_tokens=32,
-            num_kv_blocks=12,
-            block_size=8,
-            preemption_mode="swap",
-            num_swap_blocks=64,
-        ),
-        dict(
-            max_num_seqs=8,
-            max_num_batched_tokens=32,
-            num_kv_blocks=12,
-            block_size=8,
-            preemption_mode="auto",
-            num_swap_blocks=4,
-            scheduling_policy="priority",
-        ),
+        dict(UNDER_PRESSURE, preemption_mode="swap", num_swap_blocks=64),
+        dict(UNDER_PRESSURE, preemption_mode="auto", num_swap_blocks=4, scheduling_policy="priority"),
     ],
 )
 def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
@@ -88,7 +76,7 @@ def test_priority_policy_keeps_outputs_and_serves_urgent_first(tiny_llama, solo_
 
 
 def test_preempted_requests_report_it(tiny_llama):
-    llm = LLM(str(tiny_llama), max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8)
+    llm = LLM(str(tiny_llama), **UNDER_PRESSURE)
     outputs = llm.generate(prompts(10), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert sum(o.num_preemptions for o in outputs) == llm.stats()["num_preemptions"] > 0
     for output in outputs:

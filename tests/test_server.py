@@ -9,7 +9,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import TINY_KV_POOL_ARGS, ServerProcess
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -217,14 +217,7 @@ def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model, preemptio
     proc = ServerProcess(
         "--model",
         str(tiny_chat_model),
-        "--max-num-seqs",
-        "4",
-        "--num-kv-blocks",
-        "24",
-        "--block-size",
-        "16",
-        "--max-model-len",
-        "300",
+        *TINY_KV_POOL_ARGS,
         "--preemption-mode",
         preemption_mode,
         "--swap-space",

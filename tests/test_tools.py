@@ -9,7 +9,7 @@ import threading
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import TINY_KV_POOL_ARGS, ServerProcess
 
 from tokenloom.model.config import ModelConfig
 from tokenloom.tools.diagnose import Window, diagnose
@@ -168,14 +168,7 @@ def test_diagnose_names_kv_pressure_on_a_flooded_server(tiny_chat_model):
     proc = ServerProcess(
         "--model",
         str(tiny_chat_model),
-        "--max-num-seqs",
-        "4",
-        "--num-kv-blocks",
-        "24",
-        "--block-size",
-        "16",
-        "--max-model-len",
-        "300",
+        *TINY_KV_POOL_ARGS,
     )
     try:
 
