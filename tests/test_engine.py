@@ -61,7 +61,8 @@ def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
         assert stats["num_preemptions"] > 0
     if config.get("preemption_mode") == "swap":
         assert stats["num_preemptions_swap"] == stats["num_preemptions"], "a 64-block pool never falls back"
-        assert stats["swapped_in_blocks"] == stats["swapped_out_blocks"] > 0
+        restored = stats["swapped_in_blocks"] + stats["swap_in_cached_blocks"]  # copied back or found cached
+        assert restored == stats["swapped_out_blocks"] > 0
     assert stats["swap_blocks_in_use"] == 0 and stats["num_swapped"] == 0
 
 

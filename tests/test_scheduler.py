@@ -43,8 +43,9 @@ def make_scheduler(
     preemption="recompute",
     swap_slots=0,
     costs=None,
+    prefix_caching=True,
 ):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     scheduler = Scheduler(
         kv,
         max_num_seqs=max_num_seqs,
@@ -204,10 +205,17 @@ def computed_once(requests: list[Request]) -> int:
     return sum(r.num_prompt_tokens + r.sampling_params.max_tokens - 1 for r in requests)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_swap_preemption_resumes_without_recomputing(preemption):
+def test_swap_preemption_resumes_without_recomputing(preemption, prefix_caching):
     scheduler = make_scheduler(
-        num_blocks=10, block_size=4, max_num_seqs=4, budget=32, preemption=preemption, swap_slots=16
+        num_blocks=10,
+        block_size=4,
+        max_num_seqs=4,
+        budget=32,
+        preemption=preemption,
+        swap_slots=16,
+        prefix_caching=prefix_caching,
     )
     requests = [make_request(i, 6, 10) for i in range(4)]
     for request in requests:
@@ -228,7 +236,9 @@ def test_swap_preemption_resumes_without_recomputing(preemption):
         assert stats.preemptions == {"recompute": 0, "swap": stats.num_preemptions}
         assert all(at > 0 and start == at for at, start in resumed_from), "a swapped-in request started over"
         assert stats.computed_tokens == computed_once(requests)
-        assert stats.swapped_in_blocks == stats.swapped_out_blocks > 0
+        # Blocks still in the prefix cache at swap-in are taken from there instead of being copied back.
+        assert stats.swapped_in_blocks + stats.swap_in_cached_blocks == stats.swapped_out_blocks > 0
+        assert (stats.swap_in_cached_blocks > 0) == prefix_caching
     else:
         assert stats.preemptions["swap"] == 0 and all(at == 0 for at, _ in resumed_from)
         assert stats.computed_tokens > computed_once(requests)

@@ -69,8 +69,22 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> bool:
         """Makes room for num_new_tokens more tokens after the computed (and cache-hit) ones; False if it can't."""
-        blocks = self._blocks.setdefault(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        return self._allocate(request, num_tokens, cached_blocks)
+
+    def allocate_for_swap_in(self, request: Request, num_new_tokens: int) -> int | None:
+        """Blocks for a swapped-out request's computed tokens and num_new_tokens more; None if there is no room.
+
+        Its leading blocks that are still in the prefix cache are taken from there; returns how many, since
+        their KV need not be copied back from the host.
+        """
+        hits = self.find_cached_prefix(request)[: request.num_computed_tokens // self.block_size]
+        if not self._allocate(request, request.num_computed_tokens + num_new_tokens, hits):
+            return None
+        return len(hits)
+
+    def _allocate(self, request: Request, num_tokens: int, cached_blocks: list[KVBlock]) -> bool:
+        blocks = self._blocks.setdefault(request.request_id, [])
         num_needed = cdiv(num_tokens, self.block_size) - len(blocks) - len(cached_blocks)
         # Cache hits that sit in the free queue stop being free once we take them.
         num_available = self.pool.num_free_blocks - sum(1 for b in cached_blocks if b.ref_cnt == 0)

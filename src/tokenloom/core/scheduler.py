@@ -64,6 +64,7 @@ class SchedulerStats:
     computed_tokens: int = 0  # every token that went through the model, recomputation included
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
+    swap_in_cached_blocks: int = 0  # blocks of swapped-in requests found in the prefix cache, so not copied back
 
     @property
     def num_preemptions(self) -> int:
@@ -221,10 +222,11 @@ class Scheduler:
             request = self.waiting[0]
             if request.status == RequestStatus.SWAPPED:
                 num_new = self._stall_free(request, request.num_tokens - request.num_computed_tokens, budget, output)
-                if num_new == 0 or not self.kv.allocate_slots(request, num_new):
+                num_still_cached = self.kv.allocate_for_swap_in(request, num_new) if num_new else None
+                if num_still_cached is None:
                     break
                 self.waiting.popleft()
-                self._swap_in(request, output)
+                self._swap_in(request, num_still_cached, output)
                 output.scheduled.append(self._scheduled(request, num_new))
                 budget -= num_new
                 continue
@@ -315,14 +317,19 @@ class Scheduler:
         self.kv.free(request)  # the blocks may be handed out again this step: the runner copies them out first
         request.status = RequestStatus.SWAPPED
 
-    def _swap_in(self, request: Request, output: SchedulerOutput) -> None:
-        """Resumes a swapped-out request in the fresh blocks it was just given, its computed tokens intact."""
+    def _swap_in(self, request: Request, num_still_cached: int, output: SchedulerOutput) -> None:
+        """Resumes a swapped-out request in the blocks it was just given, its computed tokens intact.
+
+        Its first num_still_cached blocks came from the prefix cache; only the others are copied back.
+        """
         slots = self.swap_space.release(request.request_id)
         device_blocks = self.kv.block_ids(request.request_id)[: len(slots)]
         # Swap-outs all precede swap-ins in a step, so a slot freed here is never refilled before it is read.
         assert not {slot for _, slot in output.swap_out} & set(slots), "swap slot reused within a step"
-        output.swap_in.extend(zip(slots, device_blocks, strict=True))
-        self.stats.swapped_in_blocks += len(slots)
+        copies = list(zip(slots, device_blocks, strict=True))[num_still_cached:]
+        output.swap_in.extend(copies)
+        self.stats.swapped_in_blocks += len(copies)
+        self.stats.swap_in_cached_blocks += num_still_cached
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

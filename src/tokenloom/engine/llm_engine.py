@@ -314,6 +314,7 @@ class LLMEngine:
             "num_preemptions_swap": s.preemptions["swap"],
             "swapped_out_blocks": s.swapped_out_blocks,
             "swapped_in_blocks": s.swapped_in_blocks,
+            "swap_in_cached_blocks": s.swap_in_cached_blocks,
             "swap_copy_seconds": self._swap_copy_seconds,
             "swap_blocks_total": self.scheduler.swap_space.num_slots,
             "swap_blocks_in_use": self.scheduler.swap_space.num_used_slots,
