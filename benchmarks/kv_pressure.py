@@ -75,6 +75,7 @@ def run(mode: str, requests: list[tuple[float, list[int], int]], kv_blocks: int,
         "swap": stats["num_preemptions_swap"],
         "recomputed_tokens": stats["computed_tokens"] - once,
         "blocks_copied": stats["swapped_out_blocks"] + stats["swapped_in_blocks"],
+        "blocks_found_cached": stats["swap_in_cached_blocks"],
         "copy_seconds": stats["swap_copy_seconds"],
         "costs": engine.preemption_costs,
     }
@@ -106,7 +107,8 @@ def main() -> None:
                 f"{mode:>9}: {r['tok_s']:5.1f} tok/s, e2e p50 {r['e2e_p50']:5.1f} s p95 {r['e2e_p95']:5.1f} s, "
                 f"preemptions recompute {r['recompute']:3d} swap {r['swap']:3d}, "
                 f"tokens computed again {r['recomputed_tokens']:5d}, blocks copied {r['blocks_copied']:4d} "
-                f"in {r['copy_seconds']:.2f} s ({r['seconds']:.0f} s; load average {os.getloadavg()[0]:.2f})"
+                f"in {r['copy_seconds']:.2f} s (+{r['blocks_found_cached']} found cached at swap-in) "
+                f"({r['seconds']:.0f} s; load average {os.getloadavg()[0]:.2f})"
             )
             if mode == "auto":
                 c = r["costs"]
