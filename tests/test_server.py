@@ -241,6 +241,14 @@ def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model, preemptio
         assert proc.metric(f'tokenloom:num_preemptions_total{{mode="{preemption_mode}"}}') > 0
         assert proc.metric(f'tokenloom:num_preemptions_total{{mode="{other}"}}') == 0
         assert proc.metric("tokenloom:generation_tokens_total") == 1000
+        # Every step's tokens: each prompt token not served from the cache, each output token but the last,
+        # and under recompute the tokens computed again.
+        computed_once = (
+            proc.metric("tokenloom:prompt_tokens_total") - proc.metric("tokenloom:prefix_cache_hits_total") + 1000 - 4
+        )
+        computed = proc.metric("tokenloom:iteration_tokens_total_sum")
+        assert computed == computed_once if preemption_mode == "swap" else computed > computed_once
+        assert proc.metric("tokenloom:iteration_tokens_total_count") > 0
         assert proc.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0) == 0
         assert proc.metric("tokenloom:swap_space_usage_perc") == 0
         assert proc.metric("tokenloom:num_requests_swapped") == 0

@@ -15,6 +15,7 @@ logger = logging.getLogger("tokenloom.stats")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class ServerMetrics:
@@ -44,7 +45,10 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
-        self.iteration_tokens = counter("iteration_tokens", "Tokens computed by engine steps.")
+        # As vLLM: a histogram named like a counter, one observation per step (its sum: every token computed).
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per engine step.", buckets=_STEP_TOKEN_BUCKETS
+        )
         self.success = counter("request_success", "Finished requests.", ("finished_reason",))
         self.rejected = counter("requests_rejected", "Requests refused at admission.", ("reason", "tenant"))
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
@@ -75,9 +79,11 @@ class ServerMetrics:
                 ("generated_tokens", self.generation_tokens),
                 ("prefix_cache_queries", self.prefix_queries),
                 ("prefix_cache_hits", self.prefix_hits),
-                ("computed_tokens", self.iteration_tokens),
             ):
                 metric.inc(stats[name] - self._last_stats[name])
+            step_tokens = stats["computed_tokens"] - self._last_stats["computed_tokens"]
+            if step_tokens > 0:
+                self.iteration_tokens.observe(step_tokens)
             self._last_stats = stats
             now = time.monotonic()
             for output in outputs:

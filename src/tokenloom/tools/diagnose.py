@@ -65,7 +65,7 @@ def window_from_metrics(before: dict[str, float], after: dict[str, float], secon
         kv_usage=_value(after, "tokenloom:kv_cache_usage_perc"),
         preemptions=delta("tokenloom:num_preemptions_total"),
         recompute_preemptions=delta('tokenloom:num_preemptions_total{mode="recompute"}'),
-        iteration_tokens=delta("tokenloom:iteration_tokens_total"),
+        iteration_tokens=delta("tokenloom:iteration_tokens_total_sum"),
         prompt_tokens=delta("tokenloom:prompt_tokens_total"),
         finished_requests=delta("tokenloom:request_success_total"),
         ttft_p95=histogram_quantile(before, after, "time_to_first_token_seconds", 0.95),
