@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import EngineConfig
+from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.loader import load_model
 
@@ -288,3 +291,24 @@ def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
         assert stats["num_preemptions_swap"] == 0
     event(f"preempted by swap: {stats['num_preemptions_swap'] > 0}")
     event(f"preempted by recompute: {stats['num_preemptions_recompute'] > 0}")
+
+
+def test_async_arrival_is_stamped_before_waiting_for_the_running_step(tiny_llama):
+    """Queue time includes the wait for the engine's lock, which a step holds while it runs."""
+    front = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama))))
+    front.start()
+
+    async def submit_while_a_step_holds_the_lock() -> tuple[float, float]:
+        front._lock.acquire()  # as a long step would
+        stream = asyncio.ensure_future(front.submit([5, 6, 7], SamplingParams(max_tokens=2), "r"))
+        await asyncio.sleep(0.2)
+        released = time.monotonic()
+        front._lock.release()
+        outputs = [o async for o in await stream]
+        return outputs[-1].metrics.arrival_time, released
+
+    try:
+        arrival, released = asyncio.run(submit_while_a_step_holds_the_lock())
+    finally:
+        front.shutdown()
+    assert arrival < released

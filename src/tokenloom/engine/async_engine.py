@@ -83,10 +83,12 @@ class AsyncEngine:
         """
         if self.draining:
             raise RequestRejected(503, "server_draining", "the server is shutting down")
+        # Stamped now: admission waits for the running step to end, and that wait is part of the queue time.
+        arrival_time = time.monotonic()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant)
+            await asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant, arrival_time)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -115,7 +117,9 @@ class AsyncEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)[1]
 
-    def _add(self, prompt, params: SamplingParams, request_id: str, priority: int, tenant: str) -> None:
+    def _add(
+        self, prompt, params: SamplingParams, request_id: str, priority: int, tenant: str, arrival_time: float
+    ) -> None:
         with self._lock:
             waiting = self.engine.scheduler.waiting
             if self.max_num_queued_requests is not None and len(waiting) >= self.max_num_queued_requests:
@@ -128,7 +132,9 @@ class AsyncEngine:
                     raise RequestRejected(
                         429, "queued_tokens_full", f"the prefill backlog is full ({backlog} tokens queued)"
                     )
-            self.engine.add_request(prompt, params, request_id=request_id, priority=priority, tenant=tenant)
+            self.engine.add_request(
+                prompt, params, request_id=request_id, arrival_time=arrival_time, priority=priority, tenant=tenant
+            )
 
     def _run(self) -> None:
         while not self._stopping:
