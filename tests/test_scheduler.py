@@ -178,18 +178,6 @@ def test_preemption_under_a_tiny_pool_and_preempted_requests_complete():
     assert scheduler.kv.num_used_blocks == 0
 
 
-def test_victim_is_the_most_recently_admitted():
-    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, budget=64)
-    requests = [make_request(i, 7, 16) for i in range(3)]
-    for request in requests:
-        scheduler.add_request(request)
-    preempted = []
-    while not preempted:
-        preempted = run_step(scheduler).preempted
-    assert preempted[0].request_id == "r2"
-    assert scheduler.waiting[0].request_id == "r2"
-
-
 def run_until_preemption(scheduler: Scheduler, requests: list[Request]) -> SchedulerOutput:
     for request in requests:
         scheduler.add_request(request)
@@ -198,6 +186,13 @@ def run_until_preemption(scheduler: Scheduler, requests: list[Request]) -> Sched
         if output.preempted:
             return output
     raise AssertionError("no preemption happened")
+
+
+def test_victim_is_the_most_recently_admitted():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, budget=64)
+    preempted = run_until_preemption(scheduler, [make_request(i, 7, 16) for i in range(3)]).preempted
+    assert preempted[0].request_id == "r2"
+    assert scheduler.waiting[0].request_id == "r2"
 
 
 def computed_once(requests: list[Request]) -> int:

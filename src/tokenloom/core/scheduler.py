@@ -299,7 +299,7 @@ class Scheduler:
         """Swap when configured to and the host pool has room (else fall back to recompute); auto: the cheaper."""
         if self.preemption_mode == "recompute":
             return "recompute"
-        num_blocks = cdiv(request.num_computed_tokens, self.kv.block_size)
+        num_blocks = self._num_computed_blocks(request)
         if num_blocks == 0 or not self.swap_space.can_hold(num_blocks):
             return "recompute"
         if self.preemption_mode == "swap":
@@ -308,8 +308,12 @@ class Scheduler:
         to_recompute = request.num_computed_tokens - self.kv.num_shared_prefix_tokens(request)
         return "swap" if self.preemption_costs.prefers_swap(to_recompute, num_blocks) else "recompute"
 
+    def _num_computed_blocks(self, request: Request) -> int:
+        """The blocks holding the request's computed KV: what a swap must copy out."""
+        return cdiv(request.num_computed_tokens, self.kv.block_size)
+
     def _swap_out(self, request: Request, output: SchedulerOutput) -> None:
-        num_blocks = cdiv(request.num_computed_tokens, self.kv.block_size)
+        num_blocks = self._num_computed_blocks(request)
         device_blocks = self.kv.block_ids(request.request_id)[:num_blocks]
         slots = self.swap_space.take(request.request_id, num_blocks)
         output.swap_out.extend(zip(device_blocks, slots, strict=True))

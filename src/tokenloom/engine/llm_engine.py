@@ -69,7 +69,8 @@ class LLMEngine:
         self._step_costs = LinearCostFit()
         self._copy_costs = LinearCostFit()
         self._swap_copy_seconds = 0.0
-        if self.num_swap_blocks:
+        self._measures_costs = config.preemption_mode == "auto" and self.num_swap_blocks > 0  # only auto uses them
+        if self._measures_costs:
             self._measure_block_copies()
             self._swap_copy_seconds = 0.0  # time spent swapping requests, not measuring
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -187,13 +188,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns an output for every request that received a token in it."""
         output = self.scheduler.schedule()
-        self._copy_blocks(output.swap_out, output.swap_in)
+        self._make_swap_copies(output.swap_out, output.swap_in)
         if output.is_empty:
             return []
         started = time.perf_counter()
         sampled = self.runner.execute(output.scheduled)
-        self._step_costs.add(output.num_batched_tokens, time.perf_counter() - started)
-        self.preemption_costs.seconds_per_token = self._step_costs.slope() or 0.0
+        if self._measures_costs:
+            self._step_costs.add(output.num_batched_tokens, time.perf_counter() - started)
+            self.preemption_costs.seconds_per_token = self._step_costs.slope() or 0.0
         self._record_logprobs(sampled)
         advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
         outputs = []
@@ -205,7 +207,7 @@ class LLMEngine:
             outputs.append(self._finish(request) if request.finished else self._output(request, state))
         return outputs
 
-    def _copy_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+    def _make_swap_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Makes the step's swap copies (all out, then all in), timing each to keep the cost of a copy current."""
         for pairs, copy in ((swap_out, self.runner.swap_out), (swap_in, self.runner.swap_in)):
             if not pairs:
@@ -215,7 +217,7 @@ class LLMEngine:
             seconds = time.perf_counter() - started
             self._copy_costs.add(len(pairs), seconds)
             self._swap_copy_seconds += seconds
-        if swap_out or swap_in:
+        if self._measures_costs and (swap_out or swap_in):
             costs = self.preemption_costs
             costs.seconds_per_block_copy = self._copy_costs.slope() or 0.0
             costs.seconds_per_copy = self._copy_costs.intercept() or 0.0
@@ -225,7 +227,7 @@ class LLMEngine:
         for n in (1, 4, 1, 4):
             n = min(n, self.num_kv_blocks, self.num_swap_blocks)
             pairs = [(i, i) for i in range(n)]
-            self._copy_blocks(pairs, pairs)
+            self._make_swap_copies(pairs, pairs)
 
     def _record_logprobs(self, sampled: dict[str, SampledToken]) -> None:
         for request_id, token in sampled.items():
