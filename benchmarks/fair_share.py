@@ -45,7 +45,7 @@ def run(policy: str, flood: int, short: int) -> tuple[list[float], float]:
                 b_tokens += item.num_tokens
             else:
                 a_tokens += item.num_tokens
-        sampled = engine.runner.execute(output.scheduled)
+        sampled = engine.runner.execute(output.scheduled).sampled
         engine.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
         steps += 1
     ttfts = sorted(r.first_token_time - r.arrival_time for r in b_requests if r.first_token_time is not None)

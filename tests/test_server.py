@@ -118,7 +118,7 @@ def test_authentication(server):
         ({"prompt": "word " * 600, "max_tokens": 4}, "max_tokens", "context_length_exceeded"),
         ({"prompt": "hi", "max_tokens": 600}, "max_tokens", "context_length_exceeded"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature", "invalid_value"),
-        ({"prompt": "hi", "top_p": 0}, None, "invalid_value"),
+        ({"prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
         ({"max_tokens": 4}, "prompt", "invalid_value"),
     ],
 )
@@ -204,6 +204,7 @@ def test_queue_limit_gives_429(tiny_chat_model):
         assert proc.wait_for_metric("tokenloom:num_requests_waiting", lambda v: v == 1) == 1
         refused = httpx.post(url, json={"prompt": "one more", "max_tokens": 2}, timeout=60)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        assert int(refused.headers["Retry-After"]) >= 1
         assert proc.metric('tokenloom:requests_rejected_total{reason="queue_full",tenant="default"}') == 1
         running.join()
         queued.join()

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-queued-tokens", type=int, default=None, help="a larger prefill backlog gets 429")
     serve.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait before 503")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    serve.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds a connection has to send a request's headers"
+    )
+    serve.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle keep-alive stays open")
     serve.add_argument("--log-level", default="info")
     add_engine_flags(serve)
 
@@ -125,6 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenloom.engine.async_engine import AsyncEngine
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.server.app import build_app
+    from tokenloom.server.connections import with_header_timeout
     from tokenloom.server.metrics import ServerMetrics
     from tokenloom.server.tenants import load_tenants
 
@@ -164,13 +169,22 @@ def run_serve(args: argparse.Namespace) -> int:
         """SIGTERM/SIGINT: stop admitting, let in-flight requests finish (up to the drain timeout), exit 0."""
 
         def handle_exit(self, sig, frame) -> None:
-            front.draining = True
+            front.begin_drain(args.drain_timeout)
             if self.should_exit:
                 self.force_exit = True  # a second signal stops at once
             self.should_exit = True
 
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.drain_timeout
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=with_header_timeout(args.header_timeout),
+        timeout_keep_alive=args.keep_alive_timeout,
+        h11_max_incomplete_event_size=16 * 1024,  # request line plus headers
+        # The engine cuts what is still running at the drain timeout, with a final error event; this leaves
+        # time for those events to reach the clients before uvicorn closes the connections.
+        timeout_graceful_shutdown=args.drain_timeout + 5.0,
     )
     DrainingServer(config).run()
     return 0

@@ -17,7 +17,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     logprobs: list[dict[int, Logprob]] | None = None  # per generated token: the chosen one and the top alternatives
     cumulative_logprob: float | None = None
@@ -56,3 +56,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_preemptions: int = field(default=0)
+    error: str | None = None  # why the request failed, when its finish_reason is "error"

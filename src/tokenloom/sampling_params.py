@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -33,13 +37,20 @@ class SamplingParams:
             self.top_k = 0
         checks = [
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be an integer >= 1"),
-            (self.temperature >= 0.0, "temperature must be >= 0"),
+            (
+                self.seed is None or (isinstance(self.seed, int) and SEED_MIN <= self.seed <= SEED_MAX),
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}]",
+            ),
+            (math.isfinite(self.temperature) and self.temperature >= 0.0, "temperature must be finite and >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0 (or -1 to disable)"),
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
+            (
+                math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+                "repetition_penalty must be finite and > 0",
+            ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),

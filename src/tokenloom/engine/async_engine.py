@@ -26,9 +26,10 @@ logger = logging.getLogger(__name__)
 class RequestRejected(Exception):
     """The engine will not take or keep this request: the queue is full, it waited too long, or we are draining."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
+        self.retry_after = retry_after  # seconds a client should wait before sending it again, when that may work
 
 
 @dataclass
@@ -57,10 +58,18 @@ class AsyncEngine:
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
+        self._drain_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def begin_drain(self, timeout: float) -> None:
+        """Stops admitting; requests still in flight after `timeout` seconds are failed with a 503 of their own."""
+        if not self.draining:
+            self.draining = True
+            self._drain_deadline = time.monotonic() + timeout
+            self._wake.set()
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -123,14 +132,19 @@ class AsyncEngine:
         with self._lock:
             waiting = self.engine.scheduler.waiting
             if self.max_num_queued_requests is not None and len(waiting) >= self.max_num_queued_requests:
-                raise RequestRejected(429, "queue_full", f"the request queue is full ({len(waiting)} waiting)")
+                raise RequestRejected(
+                    429, "queue_full", f"the request queue is full ({len(waiting)} waiting)", retry_after=1.0
+                )
             if self.max_num_queued_tokens is not None:
                 # The prefill backlog: tokens that queued requests still have to compute before their first token.
                 backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
                 new = len(prompt) if isinstance(prompt, list) else 0
                 if backlog + new > self.max_num_queued_tokens:
                     raise RequestRejected(
-                        429, "queued_tokens_full", f"the prefill backlog is full ({backlog} tokens queued)"
+                        429,
+                        "queued_tokens_full",
+                        f"the prefill backlog is full ({backlog} tokens queued)",
+                        retry_after=1.0,
                     )
             self.engine.add_request(
                 prompt, params, request_id=request_id, arrival_time=arrival_time, priority=priority, tenant=tenant
@@ -139,16 +153,20 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             with self._lock:
-                aborted = self._apply_aborts() + self._expire_queued()
+                aborted = self._apply_aborts() + self._expire_queued() + self._cut_after_drain()
                 busy = self.engine.has_unfinished_requests()
                 try:
                     outputs = self.engine.step() if busy else []
-                except Exception as error:  # a bug must fail the requests, not hang them
+                except Exception as error:  # the forward itself failed: no request can be told apart
                     logger.exception("engine step failed")
-                    self._fail_all(error)
+                    aborted += self._fail_all(RequestRejected(500, "engine_error", f"the engine failed: {error}"))
                     outputs = []
             for output in outputs:
-                self._deliver(output.request_id, output)
+                if output.error is not None:  # this request alone failed; the step went on for the others
+                    failure = RequestRejected(500, "request_failed", f"the request failed: {output.error}")
+                    self._deliver(output.request_id, failure)
+                else:
+                    self._deliver(output.request_id, output)
             if self.on_step is not None:
                 self.on_step(aborted + outputs)
             if not busy:
@@ -182,10 +200,20 @@ class AsyncEngine:
             self._deliver(request.request_id, RequestRejected(503, "queue_timeout", message))
         return outputs
 
-    def _fail_all(self, error: Exception) -> None:
+    def _cut_after_drain(self) -> list[RequestOutput]:
+        if self._drain_deadline is None or time.monotonic() < self._drain_deadline:
+            return []
+        message = "the server shut down before this request finished (drain timeout)"
+        return self._fail_all(RequestRejected(503, "server_shutdown", message))
+
+    def _fail_all(self, error: RequestRejected) -> list[RequestOutput]:
+        outputs = []
         for request_id in list(self.engine.scheduler.requests):
-            self.engine.abort_request(request_id)
-            self._deliver(request_id, RequestRejected(500, "engine_error", f"the engine failed: {error}"))
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                outputs.append(output)
+            self._deliver(request_id, error)
+        return outputs
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         stream = self._streams.get(request_id)

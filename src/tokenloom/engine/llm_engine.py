@@ -192,20 +192,50 @@ class LLMEngine:
         if output.is_empty:
             return []
         started = time.perf_counter()
-        sampled = self.runner.execute(output.scheduled)
+        result = self.runner.execute(output.scheduled)
         if self._measures_costs:
             self._step_costs.add(output.num_batched_tokens, time.perf_counter() - started)
             self.preemption_costs.seconds_per_token = self._step_costs.slope() or 0.0
+        outputs = [self.fail_request(self.scheduler.requests[rid], error) for rid, error in result.failed.items()]
+        sampled = result.sampled
         self._record_logprobs(sampled)
         advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
-        outputs = []
         for request in advanced:
-            state = self._states[request.request_id]
-            state.detokenizer.add(request.output_token_ids[-1])
-            if not request.finished and request.sampling_params.stop:
-                self._check_stop_strings(request, state)
-            outputs.append(self._finish(request) if request.finished else self._output(request, state))
+            try:
+                outputs.append(self._advance_output(request))
+            except Exception as error:  # detokenizing or matching stops for this request alone
+                outputs.append(self.fail_request(request, error))
         return outputs
+
+    def _advance_output(self, request: Request) -> RequestOutput:
+        state = self._states[request.request_id]
+        state.detokenizer.add(request.output_token_ids[-1])
+        if not request.finished and request.sampling_params.stop:
+            self._check_stop_strings(request, state)
+        return self._finish(request) if request.finished else self._output(request, state)
+
+    def fail_request(self, request: Request, error: BaseException) -> RequestOutput:
+        """Finishes one request with finish_reason "error" and frees its blocks and slots; the others go on."""
+        logger.error("request %s failed: %r", request.request_id, error, exc_info=error)
+        if request.finished:  # it finished in this step, before its output could be built; its blocks are free
+            request.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        self.runner.release(request.request_id)
+        self._states.pop(request.request_id, None)
+        completion = CompletionOutput(
+            index=0, text="", token_ids=list(request.output_token_ids), finish_reason=request.status.value
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=None,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+            metrics=self._metrics_of(request),
+            num_preemptions=request.num_preemptions,
+            error=f"{type(error).__name__}: {error}",
+        )
 
     def _make_swap_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Makes the step's swap copies (all out, then all in), timing each to keep the cost of a copy current."""
@@ -279,22 +309,25 @@ class LLMEngine:
             logprobs=state.logprobs,
             cumulative_logprob=cumulative,
         )
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            finished_time=request.finished_time,
-            num_preemptions=request.num_preemptions,
-            num_cached_tokens=request.num_cached_tokens,
-        )
         return RequestOutput(
             request_id=request.request_id,
             prompt=state.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=[completion],
             finished=finished,
-            metrics=metrics,
+            metrics=self._metrics_of(request),
             num_preemptions=request.num_preemptions,
+        )
+
+    @staticmethod
+    def _metrics_of(request: Request) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def decode(self, token_ids: list[int]) -> str:

@@ -6,7 +6,7 @@ it is the only place where requests meet tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,12 @@ class ModelInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # the row of each sampled request's last token
     sampled_items: list[ScheduledRequest]
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    failed: dict[str, Exception] = field(default_factory=dict)  # requests whose sampling raised
 
 
 class ModelRunner:
@@ -67,15 +73,30 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> dict[str, SampledToken]:
-        """Runs one step; returns the sampled token of each request whose chunk reached its last token."""
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        """Runs one step; samples a token for each request whose chunk reached its last token.
+
+        Sampling is where one request's settings can raise; such a request is failed alone (in
+        ``StepResult.failed``) and the others still get their tokens. A failing forward fails the whole step.
+        """
         inputs = self.prepare_inputs(scheduled)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        result = StepResult()
         if not inputs.sampled_items:
-            return {}
+            return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        results = self.sampler(logits, self._sampling_batch(inputs.sampled_items))
-        return {item.request.request_id: r for item, r in zip(inputs.sampled_items, results, strict=True)}
+        try:
+            tokens = self.sampler(logits, self._sampling_batch(inputs.sampled_items))
+            result.sampled = {item.request.request_id: t for item, t in zip(inputs.sampled_items, tokens, strict=True)}
+        except Exception:
+            # Something in the batch raised: sample row by row to find whose it was.
+            for row, item in enumerate(inputs.sampled_items):
+                request_id = item.request.request_id
+                try:
+                    result.sampled[request_id] = self.sampler(logits[row : row + 1], self._sampling_batch([item]))[0]
+                except Exception as error:
+                    result.failed[request_id] = error
+        return result
 
     @torch.inference_mode()
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

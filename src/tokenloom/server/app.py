@@ -1,28 +1,47 @@
-"""The FastAPI application: OpenAI-compatible completions and chat, models, health, readiness, metrics, version."""
+"""The FastAPI application: OpenAI-compatible completions and chat, models, health, readiness, metrics, version.
+
+Every error leaves as OpenAI's body, {"error": {"message", "type", "param", "code"}}, whatever raised it. A
+request's failure is its own: the engine fails it alone, the others go on.
+"""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.middleware.base import BaseHTTPMiddleware
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 import tokenloom
 from tokenloom.engine.async_engine import AsyncEngine, RequestRejected
 from tokenloom.outputs import RequestOutput
+from tokenloom.server.guard import Guard, Receive, until_disconnected
 from tokenloom.server.metrics import ServerMetrics
-from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
 from tokenloom.server.tenants import Tenant, TenantLimiter
 
-PUBLIC_PATHS = {"/health", "/ready"}
+T = TypeVar("T")
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (429, "Over a rate, concurrency or queue limit (see Retry-After)"),
+        (503, "Waited too long in the queue, or the server is shutting down"),
+    )
+}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_body"}
 
 
 def build_app(
@@ -44,36 +63,24 @@ def build_app(
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return _error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(p) for p in first.get("loc", ())[1:]]
-        param = location[0] if location else None  # the field, not pydantic's union branch
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
-        return JSONResponse(APIError(400, message, param, "invalid_value").body(), status_code=400)
+        return _error_response(_validation_api_error(error))
 
-    class Guard(BaseHTTPMiddleware):
-        """Body size first (413), then the bearer key (401), before any endpoint sees the request."""
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(error.status_code, "http_error")
+        return _error_response(APIError(error.status_code, str(error.detail), None, code, dict(error.headers or {})))
 
-        async def dispatch(self, request: Request, call_next):
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > max_body_bytes:
-                metrics.rejected.labels(reason="body_too_large", tenant="").inc()
-                error = APIError(413, f"request body over {max_body_bytes} bytes", None, "body_too_large")
-                return JSONResponse(error.body(), status_code=413)
-            tenant = _tenant_of(request, key_owners) if key_owners else default_tenant
-            if tenant is None and request.url.path not in PUBLIC_PATHS:
-                metrics.rejected.labels(reason="unauthorized", tenant="").inc()
-                error = APIError(
-                    401, "a valid API key is required (Authorization: Bearer KEY)", None, "invalid_api_key"
-                )
-                return JSONResponse(error.body(), status_code=401)
-            request.state.tenant = tenant
-            return await call_next(request)
-
-    app.add_middleware(Guard)
+    app.add_middleware(
+        Guard,
+        max_body_bytes=max_body_bytes,
+        key_owners=key_owners,
+        default_tenant=default_tenant,
+        on_reject=lambda reason: metrics.rejected.labels(reason=reason, tenant="").inc(),
+    )
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -89,7 +96,7 @@ def build_app(
     async def version() -> dict[str, Any]:
         return {"version": tokenloom.__version__, **(version_info or {}), "engine_config": llm.config.to_dict()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -104,18 +111,19 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request):
+        _check_model(body, model_name)
         body.refuse_unsupported()
-        prompt_ids = _checked_prompt(engine, body.single_prompt(), body.max_tokens, max_model_len)
-        params = body.sampling_params(_max_tokens(body.max_tokens, len(prompt_ids), max_model_len), body.logprobs)
+        prompt_ids = await _tokenized(engine, body.single_prompt())
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        async with _admitted(raw.state.tenant, prompt_ids, params, body, request_id) as (stream, lease):
+        async with _admitted(raw, body, prompt_ids, body.logprobs, request_id) as (stream, lease):
             if body.stream:
                 usage = body.stream_options.include_usage if body.stream_options else False
-                return _sse(_completion_chunks(stream, request_id, created, model_name, usage), lease.transfer())
-            final = await _collect(stream, raw, engine, request_id)
+                chunks = _completion_chunks(stream, request_id, created, model_name, usage)
+                return await _sse(chunks, lease.transfer(), raw.receive)
+            final = await _collect(stream, raw.receive)
         choice = {
             "index": 0,
             "text": final.outputs[0].text,
@@ -126,26 +134,23 @@ def build_app(
             choice["logprobs"] = _completion_logprobs(final, llm.tokenizer)
         return _envelope(request_id, "text_completion", created, model_name, [choice], _usage(final))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, raw: Request):
+        _check_model(body, model_name)
         body.refuse_unsupported()
         if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = list(_template_ids(llm.tokenizer, conversation))
-        requested = body.max_completion_tokens or body.max_tokens
-        _checked_prompt(engine, prompt_ids, requested, max_model_len)
+        prompt_ids = await _templated(llm.tokenizer, conversation)
         top = body.top_logprobs if body.top_logprobs is not None else 0
-        params = body.sampling_params(
-            _max_tokens(requested, len(prompt_ids), max_model_len), top if body.logprobs else None
-        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        async with _admitted(raw.state.tenant, prompt_ids, params, body, request_id, requested) as (stream, lease):
+        async with _admitted(raw, body, prompt_ids, top if body.logprobs else None, request_id) as (stream, lease):
             if body.stream:
                 usage = body.stream_options.include_usage if body.stream_options else False
-                return _sse(_chat_chunks(stream, request_id, created, model_name, usage), lease.transfer())
-            final = await _collect(stream, raw, engine, request_id)
+                chunks = _chat_chunks(stream, request_id, created, model_name, usage)
+                return await _sse(chunks, lease.transfer(), raw.receive)
+            final = await _collect(stream, raw.receive)
         completion = final.outputs[0]
         choice = {
             "index": 0,
@@ -156,28 +161,179 @@ def build_app(
         return _envelope(request_id, "chat.completion", created, model_name, [choice], _usage(final))
 
     @asynccontextmanager
-    async def _admitted(tenant: Tenant, prompt_ids: list[int], params, body, request_id: str, requested=None):
+    async def _admitted(raw: Request, body: _Common, prompt_ids: list[int], logprobs: int | None, request_id: str):
         """Applies the tenant's caps and limits, then admits the request to the engine; yields its stream.
 
-        The tenant's concurrency slot is held until the request ends: here for a plain response, or by the
-        streaming response once the lease is transferred to it.
+        Caps apply to what the request will really do, after defaults are filled in: a request that leaves out
+        max_tokens gets the tenant's cap, not the rest of the context. The tenant's concurrency slot is held until
+        the request ends: here for a plain response, or by the streaming response once the lease is transferred.
         """
-        requested = requested if requested is not None else body.max_tokens
-        priority = body.priority if body.priority is not None else tenant.priority
+        tenant: Tenant = raw.state.tenant
+        requested = body.requested_max_tokens()
+        _check_context(len(prompt_ids), requested, max_model_len)
         try:
             limiter.check_caps(tenant, len(prompt_ids), requested)
+            max_tokens = _default_max_tokens(requested, tenant, len(prompt_ids), max_model_len)
+            params = body.sampling_params(max_tokens, logprobs)
             limiter.acquire(tenant, len(prompt_ids) + params.max_tokens)
         except APIError as error:
-            metrics.rejected.labels(reason=error.code, tenant=tenant.name).inc()
+            metrics.rejected.labels(reason=error.code or "invalid", tenant=tenant.name).inc()
             raise
         lease = _Lease(lambda: limiter.release(tenant))
         try:
+            priority = _priority(body.priority, tenant)
             stream = await _submit(engine, metrics, tenant, prompt_ids, params, request_id, priority)
             yield stream, lease
         finally:
             lease.release()
 
+    app.openapi = lambda: _openapi_with_our_errors(app)  # type: ignore[method-assign]
     return app
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _validation_api_error(error: RequestValidationError) -> APIError:
+    first = error.errors()[0] if error.errors() else {}
+    if first.get("type") == "json_invalid":
+        return APIError(
+            400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None, "invalid_json"
+        )
+    location = [str(p) for p in first.get("loc", ())[1:]]
+    param = location[0] if location else None  # the field, not pydantic's union branch
+    message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
+    return APIError(400, message, param, "invalid_value")
+
+
+def _openapi_with_our_errors(app: FastAPI) -> dict[str, Any]:
+    """FastAPI documents 422 for validation errors; tokenloom answers them with 400 in OpenAI's shape."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _check_model(body: _Common, model_name: str) -> None:
+    if body.model is not None and body.model != model_name:
+        raise APIError(
+            404,
+            f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def _priority(requested: int | None, tenant: Tenant) -> int:
+    """Lower runs first: a request may ask to run after its tenant's priority, never before it."""
+    return tenant.priority if requested is None else max(requested, tenant.priority)
+
+
+async def _tokenized(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
+    """Tokenizes in a worker thread, so a long prompt never stalls the event loop (and /health with it)."""
+    try:
+        prompt_ids = await asyncio.to_thread(engine.tokenize, prompt)
+    except ValueError as error:
+        raise APIError(400, str(error), "prompt", "invalid_value") from error
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
+    return prompt_ids
+
+
+async def _templated(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+    try:
+        prompt_ids = list(await asyncio.to_thread(_template_ids, tokenizer, conversation))
+    except Exception as error:  # the template itself refuses a conversation (roles out of order, ...)
+        raise APIError(400, f"the chat template could not render these messages: {error}", "messages") from error
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "messages", "invalid_value")
+    return prompt_ids
+
+
+def _template_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+
+
+def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    wanted = prompt_len + (max_tokens or 1)
+    if wanted > max_model_len:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the request has {prompt_len} "
+            f"prompt tokens and asks for {max_tokens or 1} more",
+            "messages" if max_tokens is None else "max_tokens",
+            "context_length_exceeded",
+        )
+
+
+def _default_max_tokens(requested: int | None, tenant: Tenant, prompt_len: int, max_model_len: int) -> int:
+    """What the client asked for, else the rest of the context, never more than the tenant's cap."""
+    if requested is not None:
+        return requested
+    rest = max_model_len - prompt_len
+    return min(rest, tenant.max_tokens) if tenant.max_tokens is not None else rest
+
+
+async def _submit(
+    engine: AsyncEngine, metrics: ServerMetrics, tenant: Tenant, prompt_ids, params, request_id: str, priority: int
+):
+    try:
+        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name)
+    except RequestRejected as error:
+        metrics.rejected.labels(reason=error.code, tenant=tenant.name).inc()
+        raise _rejected(error) from error
+    except ValueError as error:
+        metrics.rejected.labels(reason="invalid", tenant=tenant.name).inc()
+        raise APIError(400, str(error), "prompt", "invalid_value") from error
+
+
+def _rejected(error: RequestRejected) -> APIError:
+    headers = {"Retry-After": str(max(1, round(error.retry_after)))} if error.retry_after is not None else None
+    return APIError(error.status, error.message, None, error.code, headers)
+
+
+class ClientGone(Exception):
+    """The client hung up while its request waited or ran; the request has been aborted."""
+
+
+async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
+    """Awaits `work`, or cancels it (aborting its request) as soon as the client hangs up."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(until_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone
+    finally:
+        for pending in (task, watch):
+            pending.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def _collect(stream: AsyncIterator[RequestOutput], receive: Receive) -> RequestOutput:
+    """The request's final output; a hang-up aborts it at once (its KV blocks and tenant slot are freed)."""
+
+    async def last() -> RequestOutput:
+        final = None
+        async for output in stream:
+            final = output
+        assert final is not None
+        return final
+
+    try:
+        return await _unless_disconnected(last(), receive)
+    except ClientGone as gone:
+        raise APIError(499, "client disconnected", None, "client_disconnected") from gone
+    except RequestRejected as error:
+        raise _rejected(error) from error
 
 
 class _Lease:
@@ -196,84 +352,29 @@ class _Lease:
             self._release = None
 
 
-def _tenant_of(request: Request, key_owners: list[tuple[bytes, Tenant]]) -> Tenant | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return None
-    # Compare against every key, in constant time each, so timing says nothing about which was close.
-    matches = [t for key, t in key_owners if hmac.compare_digest(token.encode(), key)]
-    return matches[0] if matches else None
-
-
-def _template_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-    return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-
-
-def _checked_prompt(engine: AsyncEngine, prompt: str | list[int], max_tokens: int | None, max_model_len: int):
-    try:
-        prompt_ids = engine.tokenize(prompt)
-    except ValueError as error:
-        raise APIError(400, str(error), "prompt", "invalid_value") from error
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
-    wanted = len(prompt_ids) + (max_tokens or 1)
-    if wanted > max_model_len:
-        raise APIError(
-            400,
-            f"this model's maximum context length is {max_model_len} tokens; the request has {len(prompt_ids)} "
-            f"prompt tokens and asks for {max_tokens or 1} more",
-            "messages" if max_tokens is None else "max_tokens",
-            "context_length_exceeded",
-        )
-    return prompt_ids
-
-
-def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
-    return requested if requested is not None else max_model_len - prompt_len
-
-
-async def _submit(
-    engine: AsyncEngine, metrics: ServerMetrics, tenant: Tenant, prompt_ids, params, request_id: str, priority: int
-):
-    try:
-        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name)
-    except RequestRejected as error:
-        metrics.rejected.labels(reason=error.code, tenant=tenant.name).inc()
-        raise APIError(error.status, error.message, None, error.code) from error
-    except ValueError as error:
-        metrics.rejected.labels(reason="invalid", tenant=tenant.name).inc()
-        raise APIError(400, str(error), "prompt", "invalid_value") from error
-
-
-async def _collect(stream: AsyncIterator[RequestOutput], raw: Request, engine: AsyncEngine, request_id: str):
-    final = None
-    try:
-        async for output in stream:
-            final = output
-            if await raw.is_disconnected():
-                engine.abort(request_id)
-                raise APIError(499, "client disconnected")
-    except RequestRejected as error:
-        raise APIError(error.status, error.message, None, error.code) from error
-    return final
-
-
 def _usage(output: RequestOutput) -> dict[str, int]:
     prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _sse(chunks: AsyncIterator[dict[str, Any]], lease: _Lease) -> StreamingResponse:
+async def _sse(chunks: AsyncIterator[dict[str, Any]], lease: _Lease, receive: Receive) -> StreamingResponse:
+    """Commits to 200 only once the request has its first output: a queue timeout before it is a real 503."""
+    try:
+        first = await _unless_disconnected(anext(chunks), receive)
+    except (ClientGone, RequestRejected, StopAsyncIteration) as error:
+        lease.release()
+        await chunks.aclose()
+        if isinstance(error, RequestRejected):
+            raise _rejected(error) from error
+        raise APIError(499, "client disconnected", None, "client_disconnected") from error
+
     async def events() -> AsyncIterator[str]:
         try:
+            yield f"data: {json.dumps(first)}\n\n"
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
-        except RequestRejected as error:  # e.g. a queue timeout after the stream began
-            yield f"data: {json.dumps(APIError(error.status, error.message, None, error.code).body())}\n\n"
+        except RequestRejected as error:  # failed or cut after the stream began: the client still hears why
+            yield f"data: {json.dumps(_rejected(error).body())}\n\n"
         finally:
             lease.release()
         yield "data: [DONE]\n\n"
@@ -313,12 +414,13 @@ async def _chat_chunks(stream, request_id: str, created: int, model: str, includ
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return _envelope(request_id, "chat.completion.chunk", created, model, [choice])
 
-    yield chunk({"role": "assistant", "content": ""}, None)
     final = None
     async for delta, finish_reason, output in _text_deltas(stream):
-        final = output
-        if delta:
+        if final is None:  # the role goes with the first token, as vLLM sends it, so TTFT is timed right
+            yield chunk({"role": "assistant", "content": delta}, None)
+        elif delta:
             yield chunk({"content": delta}, None)
+        final = output
         if finish_reason:
             yield chunk({}, finish_reason)
     if include_usage and final is not None:

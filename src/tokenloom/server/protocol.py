@@ -1,12 +1,16 @@
-"""The request bodies of the OpenAI API that tokenloom accepts, and its error body."""
+"""The request bodies of the OpenAI API that tokenloom accepts, and its error body.
+
+The models are strict: a field gets the JSON type OpenAI documents or a 400 (no "10" for 10, no true for 1), and
+numbers stay within OpenAI's documented bounds (finite, so no Infinity).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 
 class APIError(Exception):
@@ -31,34 +35,56 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
+def _valid_utf8(text: str) -> str:
+    # JSON may carry a lone surrogate ("\\ud800"), a str in Python but no text any tokenizer can encode.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"the text is not valid Unicode ({error.reason} at position {error.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_utf8)]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    # Unknown fields are tolerated (clients send extras such as "user"); unsupported known ones are refused below.
-    model_config = ConfigDict(extra="allow")
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+
+class _Common(_Strict):
+    # Unknown fields are tolerated (clients send extras such as "user"); unsupported known ones are refused below.
+    model: Text | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=64)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int | None = None  # else the tenant's
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    # Lower runs first. A request may lower its own priority below its tenant's, never raise it above.
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    best_of: int | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    best_of: Annotated[int, Field(ge=1)] | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    user: Text | None = None
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:
@@ -71,13 +97,14 @@ class _Common(BaseModel):
             value = (self.model_extra or {}).get(name)
             if value not in (None, False, "", [], "none"):
                 raise APIError(400, f"{name} is not supported by tokenloom", name, "unsupported")
-        response_format = (self.model_extra or {}).get("response_format")
-        if response_format and response_format.get("type", "text") != "text":
+        if self.response_format is not None and self.response_format.type != "text":
             raise APIError(400, "only the text response_format is supported", "response_format", "unsupported")
 
+    def requested_max_tokens(self) -> int | None:
+        """The output length the client asked for, if it asked."""
+        return self.max_tokens
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens", "invalid_value")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -101,9 +128,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | list[TokenId] | Annotated[list[Text], Field(min_length=1)] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def single_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -114,23 +141,43 @@ class CompletionRequest(_Common):
         return prompt
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(_Strict):
+    type: Text
+    text: Text | None = None
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-            if len(parts) != len(self.content):
-                raise APIError(400, "only text content parts are supported", "messages")
-            return "".join(parts)
+            if any(p.type != "text" or p.text is None for p in self.content):
+                raise APIError(400, "only text content parts are supported", "messages", "unsupported")
+            return "".join(p.text or "" for p in self.content)
         return self.content or ""
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is the current name; max_tokens is deprecated but still sent by most clients.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error tokenloom sends has this body, as OpenAI's API does."""
+
+    error: ErrorDetail

@@ -1,0 +1,140 @@
+"""What stands in front of every endpoint, as plain ASGI: the bearer key, the body limit, and the last resort.
+
+Plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides the client's disconnect from the endpoint: here
+the body is read once (counted as its bytes arrive, so a chunked body cannot slip past the limit), handed on, and
+every later ``receive()`` reaches the server itself, where a hang-up shows as ``http.disconnect``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tokenloom.server.protocol import APIError
+from tokenloom.server.tenants import Tenant
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
+
+
+class Guard:
+    """Authenticates (401), bounds the body (413), and turns any unhandled exception into an OpenAI-style 500.
+
+    The tenant a key belongs to is put in ``scope["state"]["tenant"]``; ``on_reject(reason)`` counts refusals.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        key_owners: list[tuple[bytes, Tenant]],
+        default_tenant: Tenant,
+        on_reject: Callable[[str], None],
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.key_owners = key_owners
+        self.default_tenant = default_tenant
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, tracked_send)
+        except APIError as error:
+            if not started:
+                await send_error(send, error)
+        except Exception:
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:  # else the response is cut; the server closes that connection
+                await send_error(send, APIError(500, "internal server error", None, "internal_error"))
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise self._body_too_large()
+        tenant = self._tenant_of(headers.get("authorization", "")) if self.key_owners else self.default_tenant
+        if tenant is None and scope["path"] not in PUBLIC_PATHS:
+            self.on_reject("unauthorized")
+            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", None, "invalid_api_key")
+        scope.setdefault("state", {})["tenant"] = tenant
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body = await self._read_body(receive)
+            if body is None:
+                return  # the client left before sending its body
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._body_too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _body_too_large(self) -> APIError:
+        self.on_reject("body_too_large")
+        return APIError(413, f"request body over {self.max_body_bytes} bytes", None, "body_too_large")
+
+    def _tenant_of(self, header: str) -> Tenant | None:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return None
+        # Compare against every key, in constant time each, so timing says nothing about which was close.
+        matches = [t for key, t in self.key_owners if hmac.compare_digest(token.encode(), key)]
+        return matches[0] if matches else None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body once, then the server's own receive (where a disconnect shows)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def send_error(send: Send, error: APIError) -> None:
+    payload = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+async def until_disconnected(receive: Receive) -> None:
+    """Returns when the client has hung up; only for use once the body has been read."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

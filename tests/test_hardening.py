@@ -1,0 +1,436 @@
+"""One request's bad input never hurts another: each probe against a real `tokenloom serve` process.
+
+Every bad request must get its 4xx in OpenAI's error shape while requests running beside it finish normally, and
+caps, limits and disconnects must hold on every path (defaults, chunked bodies, hang-ups).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import ClassVar
+
+import httpx
+import pytest
+from server_process import ServerProcess
+
+TENANTS = """
+[[tenant]]
+name = "capped"
+keys = ["sk-capped"]
+max_tokens = 5
+
+[[tenant]]
+name = "single"
+keys = ["sk-single"]
+max_concurrent_requests = 1
+
+[[tenant]]
+name = "open"
+keys = ["sk-open"]
+"""
+CAPPED = {"Authorization": "Bearer sk-capped"}
+SINGLE = {"Authorization": "Bearer sk-single"}
+OPEN = {"Authorization": "Bearer sk-open"}
+HEADER_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model, tmp_path_factory):
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants.write_text(TENANTS)
+    proc = ServerProcess(
+        "--model",
+        str(tiny_chat_model),
+        "--served-model-name",
+        "tiny",
+        "--tenants",
+        str(tenants),
+        "--max-model-len",
+        "1024",
+        "--max-body-bytes",
+        "200000",
+        "--header-timeout",
+        str(HEADER_TIMEOUT_S),
+    )
+    yield proc
+    proc.stop()
+
+
+def post(server, path: str, body, headers=OPEN, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=kwargs.pop("timeout", 60), **kwargs)
+
+
+def send_json(client: httpx.Client, path: str, body) -> httpx.Response:
+    """As a client in another language would send it: lone surrogates escaped as \\ud800, which httpx refuses."""
+    return client.post(path, content=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None = None, param: str | None = None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def wait_idle(server, headers=OPEN) -> None:
+    """Nothing runs or waits and no KV block is held: no request outlived its client."""
+    assert server.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 0, headers=headers) == 0
+    assert server.wait_for_metric("tokenloom:num_requests_waiting", lambda v: v == 0, headers=headers) == 0
+    assert server.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0, headers=headers) == 0
+
+
+class Bystanders:
+    """Greedy requests, streaming and not, that run while a bad one is sent; their answers must be untouched."""
+
+    BODY: ClassVar[dict] = {
+        "model": "tiny",
+        "prompt": "A bystander's story:",
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.expected = post(server, "/v1/completions", self.BODY).json()["choices"][0]["text"]
+        self.texts: list[str] = []
+        self.threads = [threading.Thread(target=self._plain), threading.Thread(target=self._streamed)]
+
+    def __enter__(self) -> Bystanders:
+        for thread in self.threads:
+            thread.start()
+        assert self.server.wait_for_metric("tokenloom:num_requests_running", lambda v: v >= 1, headers=OPEN) >= 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for thread in self.threads:
+            thread.join(timeout=120)
+        assert self.texts == [self.expected, self.expected]
+
+    def _plain(self) -> None:
+        response = post(self.server, "/v1/completions", self.BODY)
+        assert response.status_code == 200
+        self.texts.append(response.json()["choices"][0]["text"])
+
+    def _streamed(self) -> None:
+        text = ""
+        with httpx.stream(
+            "POST", f"{self.server.url}/v1/completions", json={**self.BODY, "stream": True}, headers=OPEN, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        self.texts.append(text)
+
+
+# ---- 1. a seed the generator cannot take fails that request alone ------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_out_of_range_seed_is_a_400_and_bystanders_finish(server, seed):
+    with Bystanders(server):
+        response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "seed": seed})
+        assert_openai_error(response, 400, "invalid_value", "seed")
+        chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": seed})
+        assert_openai_error(chat, 400, "invalid_value", "seed")
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63)])
+def test_seeds_at_the_ends_of_the_range_work(server, seed):
+    body = {"prompt": "hi", "max_tokens": 4, "seed": seed, "temperature": 1.0, "ignore_eos": True}
+    first, second = (post(server, "/v1/completions", body) for _ in range(2))
+    assert first.status_code == second.status_code == 200
+    assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+
+
+# ---- 2. a non-streaming client that hangs up is noticed --------------------------------------------------------
+
+
+def test_non_streaming_hang_up_frees_the_request_and_its_tenant_slot(server):
+    before = server.metric("tokenloom:generation_tokens_total", OPEN)
+    # "single" may have one request in flight: the hung-up one must give its slot back.
+    for path, body in (
+        ("/v1/completions", {"prompt": "Go on and on", "max_tokens": 900, "ignore_eos": True}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Go"}], "max_tokens": 900, "ignore_eos": True},
+        ),
+    ):
+        with pytest.raises(httpx.TimeoutException):
+            post(server, path, body, SINGLE, timeout=1.0)
+        wait_idle(server)
+        assert post(server, "/v1/completions", {"prompt": "next", "max_tokens": 2}, SINGLE).status_code == 200
+    assert server.metric("tokenloom:generation_tokens_total", OPEN) - before < 2 * 900  # both stopped early
+
+
+# ---- 3. the tenant's max_tokens cap holds when max_tokens is left out -------------------------------------------
+
+
+def test_tenant_cap_bounds_a_missing_or_null_max_tokens(server):
+    chat = {"messages": [{"role": "user", "content": "Talk"}], "ignore_eos": True}
+    for body, path in (
+        (chat, "/v1/chat/completions"),
+        ({**chat, "max_tokens": None}, "/v1/chat/completions"),
+        ({"prompt": "Talk", "max_tokens": None, "ignore_eos": True}, "/v1/completions"),
+    ):
+        response = post(server, path, body, CAPPED)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 5
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_max_completion_tokens_is_honoured_and_capped(server):
+    chat = {"messages": [{"role": "user", "content": "Talk"}], "ignore_eos": True}
+    honoured = post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 3, "max_tokens": 50}, CAPPED)
+    assert honoured.status_code == 200 and honoured.json()["usage"]["completion_tokens"] == 3
+    assert_openai_error(
+        post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 6}, CAPPED),
+        400,
+        "max_tokens_over_cap",
+    )
+    assert_openai_error(
+        post(server, "/v1/chat/completions", {**chat, "max_completion_tokens": 0}, CAPPED),
+        400,
+        "invalid_value",
+        "max_completion_tokens",
+    )
+
+
+# ---- 4. the body limit holds for chunked bodies; big prompts do not stall the event loop -------------------------
+
+
+def test_chunked_body_over_the_limit_gets_413(server):
+    payload = json.dumps({"prompt": "x" * 300_000}).encode()
+
+    def chunks():
+        for i in range(0, len(payload), 16_384):
+            yield payload[i : i + 16_384]
+
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        content=chunks(),
+        headers={**OPEN, "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert_openai_error(response, 413, "body_too_large")
+    assert "content-length" not in {k.lower() for k in response.request.headers}  # it really was chunked
+
+
+def test_health_answers_while_big_prompts_are_tokenized(server):
+    prompt = "lorem ipsum dolor sit amet " * 7000  # ~190 kB: just under the body limit, many tokens to encode
+    results: list[int] = []
+
+    def send() -> None:
+        results.append(post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).status_code)
+
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    for thread in senders:
+        thread.start()
+    health = [httpx.get(f"{server.url}/health", timeout=30).status_code for _ in range(10)]
+    for thread in senders:
+        thread.join(timeout=120)
+    assert health == [200] * 10
+    assert results == [400] * 4  # over the context: a clear 400, each of them
+    wait_idle(server)
+
+
+# ---- 5. a request may lower its priority, never raise it above its tenant's ------------------------------------
+
+
+PRIORITY_TENANTS = """
+[[tenant]]
+name = "high"
+keys = ["sk-high"]
+priority = 0
+
+[[tenant]]
+name = "low"
+keys = ["sk-low"]
+priority = 10
+"""
+
+
+def test_request_priority_cannot_jump_above_its_tenant(tiny_chat_model, tmp_path):
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(PRIORITY_TENANTS)
+    proc = ServerProcess(
+        "--model", str(tiny_chat_model), "--tenants", str(tenants), "--scheduling-policy", "priority",
+        "--max-num-seqs", "1",
+    )  # fmt: skip
+    high, low = {"Authorization": "Bearer sk-high"}, {"Authorization": "Bearer sk-low"}
+    finished: list[str] = []
+
+    def send(name: str, headers: dict[str, str], body: dict) -> None:
+        response = post(proc, "/v1/completions", {"ignore_eos": True, **body}, headers, timeout=120)
+        assert response.status_code == 200
+        finished.append(name)
+
+    try:
+        blocker = threading.Thread(target=send, args=("blocker", high, {"prompt": "block", "max_tokens": 300}))
+        blocker.start()
+        assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1, headers=high) == 1
+        sneaky = threading.Thread(
+            target=send, args=("low", low, {"prompt": "me first", "max_tokens": 4, "priority": -1000})
+        )
+        sneaky.start()
+        assert proc.wait_for_metric("tokenloom:num_requests_waiting", lambda v: v == 1, headers=high) == 1
+        honest = threading.Thread(target=send, args=("high", high, {"prompt": "my turn", "max_tokens": 4}))
+        honest.start()
+        for thread in (blocker, sneaky, honest):
+            thread.join(timeout=120)
+        # Had -1000 counted, "low" would have displaced the blocker and finished first.
+        assert finished == ["blocker", "high", "low"]
+    finally:
+        proc.stop()
+
+
+# ---- 6, 8, 9. client errors are 400/404/405 in OpenAI's shape, and the connection stays usable ------------------
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": ["ok", "\udfff"]}, "prompt"),
+    ({"prompt": "hi", "stop": "\ud800"}, "stop"),
+    ({"prompt": "hi", "response_format": "json"}, "response_format"),
+    ({"prompt": "hi", "response_format": ["text"]}, "response_format"),
+    ({"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": [True]}, "prompt"),
+    ({"prompt": [[False]]}, "prompt"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi", "logprobs": "yes"}, "logprobs"),
+    ({"prompt": "hi", "temperature": 1e9}, "temperature"),
+    ({"prompt": "hi", "seed": 1.5}, "seed"),
+    ({"prompt": "hi", "priority": 2**40}, "priority"),
+]
+BAD_MESSAGES = [
+    [{"role": "user", "content": "\ud800"}],
+    [{"role": "\ud800", "content": "hi"}],
+    [{"role": "wizard", "content": "hi"}],
+    [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+    [{"role": "user", "content": [{"type": "text", "text": None}]}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+]
+
+
+def test_bad_fields_get_openai_400s_on_a_live_connection(server):
+    with httpx.Client(base_url=server.url, headers=OPEN, timeout=60) as client:
+        for body, param in BAD_COMPLETIONS:
+            assert_openai_error(send_json(client, "/v1/completions", {"model": "tiny", **body}), 400, param=param)
+        for messages in BAD_MESSAGES:
+            assert_openai_error(
+                send_json(client, "/v1/chat/completions", {"messages": messages}), 400, param="messages"
+            )
+        # Python's json writes Infinity for float("inf"); a client can send it.
+        infinite = b'{"prompt": "hi", "temperature": Infinity, "repetition_penalty": Infinity}'
+        response = client.post("/v1/completions", content=infinite, headers={"Content-Type": "application/json"})
+        assert_openai_error(response, 400, "invalid_value")
+        # Still the same keep-alive connection, still serving.
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_unknown_model_is_404(server):
+    response = post(server, "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert_openai_error(response, 404, "model_not_found", "model")
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
+def test_unparseable_bodies_and_unknown_routes_are_openai_errors(server):
+    json_headers = {**OPEN, "Content-Type": "application/json"}
+    url = f"{server.url}/v1/completions"
+    assert_openai_error(httpx.post(url, content=b'{"prompt": "\xff\xfe"}', headers=json_headers), 400)
+    deep = b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    assert_openai_error(httpx.post(url, content=deep, headers=json_headers), 400)
+    assert_openai_error(httpx.post(url, content=b"{not json", headers=json_headers), 400, "invalid_json")
+    assert_openai_error(httpx.post(url, content=b"[1, 2]", headers=json_headers), 400)
+    assert_openai_error(httpx.delete(url, headers=OPEN), 405, "method_not_allowed")
+    assert_openai_error(httpx.get(f"{server.url}/v1/nothing-here", headers=OPEN), 404, "not_found")
+    assert_openai_error(httpx.get(f"{server.url}/v1/models"), 401, "invalid_api_key")
+
+
+# ---- 7. a streaming request that times out in the queue gets its 503 before any 200 ------------------------------
+
+
+def test_streaming_queue_timeout_is_a_503_not_a_200(tiny_chat_model):
+    proc = ServerProcess("--model", str(tiny_chat_model), "--max-num-seqs", "1", "--queue-timeout", "0.2")
+    url = f"{proc.url}/v1/completions"
+    try:
+        body = {"prompt": "long", "max_tokens": 600, "ignore_eos": True}
+        blocker = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": body, "timeout": 120})
+        blocker.start()
+        assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1) == 1
+        for path, payload in (
+            ("/v1/completions", {"prompt": "short", "max_tokens": 2, "stream": True}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ):
+            with httpx.stream("POST", f"{proc.url}{path}", json=payload, timeout=60) as response:
+                response.read()
+            assert_openai_error(response, 503, "queue_timeout")
+        blocker.join(timeout=120)
+        assert proc.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0) == 0
+    finally:
+        proc.stop()
+
+
+# ---- 10. Retry-After, drain timeout, OpenAPI, idle and slow connections -----------------------------------------
+
+
+def test_drain_timeout_ends_streams_with_an_error_event(tiny_chat_model):
+    proc = ServerProcess("--model", str(tiny_chat_model), "--drain-timeout", "1")
+    try:
+        body = {"prompt": "Never done", "max_tokens": 1800, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            proc.process.send_signal(15)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][5:])["error"]
+        assert error["code"] == "server_shutdown" and error["type"] == "server_error"
+        assert proc.process.wait(timeout=60) == 0
+    finally:
+        proc.stop()
+
+
+def test_openapi_documents_400_not_422_and_metrics_as_text(server):
+    schema = httpx.get(f"{server.url}/openapi.json", headers=OPEN).json()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses and {"400", "401", "404", "413", "429", "503"} <= set(responses)
+    assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1024) == b""
+    except TimeoutError:
+        return False
+
+
+def test_idle_and_slowloris_connections_are_closed(server):
+    host, port = "127.0.0.1", server.port
+    with socket.create_connection((host, port)) as idle:
+        assert _closed_within(idle, HEADER_TIMEOUT_S + 5)
+    with socket.create_connection((host, port)) as slow:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        deadline = time.monotonic() + HEADER_TIMEOUT_S + 5
+        while not closed and time.monotonic() < deadline:
+            try:
+                slow.sendall(b"X-a: b\r\n")
+            except OSError:
+                closed = True
+                break
+            closed = _closed_within(slow, 0.3)
+        assert closed
+    # A well-behaved client on a fresh connection is served.
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
