@@ -9,6 +9,7 @@ from typing import Any, Literal
 from tokenloom.core.preemption import PREEMPTION_MODES
 
 Batching = Literal["continuous", "static"]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -45,8 +46,10 @@ class EngineConfig:
     """The size of the swap pool in blocks; overrides swap_space."""
     batching: Batching = "continuous"
     """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
-    dtype: str = "float32"
-    """Weights and activations: float32, bfloat16 or float16 (float32 is the fast one on CPUs without AMX)."""
+    dtype: str = "auto"
+    """Weights, activations and KV cache: 'auto' (bfloat16 on a CPU with native bf16 dot products, AVX-512 BF16
+    or AMX, and on CUDA devices that support it; float32 otherwise), float32 (exact against transformers),
+    bfloat16 or float16."""
     device: str = "cpu"
     """A torch device string, as torch.device takes it (cpu, a CUDA device and its index, mps)."""
     num_threads: int | None = None
@@ -79,7 +82,7 @@ class EngineConfig:
             self.scheduling_policy in ("fcfs", "priority", "fair"),
             "scheduling_policy must be 'fcfs', 'priority' or 'fair'",
         )
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype must be float32, bfloat16 or float16")
+        _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
         _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
 
     @classmethod

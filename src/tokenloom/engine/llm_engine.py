@@ -22,6 +22,7 @@ from tokenloom.core.scheduler import Scheduler
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.platform import dtype_name, resolve_dtype
 from tokenloom.model.runner import ModelRunner
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -48,7 +49,7 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         started = time.monotonic()
         self.loaded = loaded or load_model(config.model, config.max_model_len, self.dtype, self.device)
         self.max_model_len = self._max_model_len_from(self.loaded.config)
@@ -92,9 +93,12 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         logger.info(
-            "loaded %s in %.1fs: %d KV blocks of %d tokens (%d swap blocks), max_model_len %d",
+            "loaded %s in %.1fs on %s in %s (dtype=%s): %d KV blocks of %d tokens (%d swap blocks), max_model_len %d",
             self.loaded.name,
             time.monotonic() - started,
+            self.device,
+            dtype_name(self.dtype),
+            config.dtype,
             self.num_kv_blocks,
             config.block_size,
             self.num_swap_blocks,
