@@ -116,7 +116,7 @@ def main() -> None:
     statuses = Counter(status for status, _ in results)
     retry_after = sum(1 for status, has in results if status == 429 and has)
     quantiles = statistics.quantiles(health, n=20)
-    print(f"requests offered: {len(results)} over {args.duration:.0f}s; the last was answered {elapsed:.0f}s after the first")
+    print(f"requests offered: {len(results)} over {args.duration:.0f}s; all answered {elapsed:.0f}s after the first")
     print("answers: " + ", ".join(f"{status}: {n}" for status, n in sorted(statuses.items())))
     print(f"429s with Retry-After: {retry_after} of {statuses.get(429, 0)}")
     print(f"/health: {len(health)} polls, p50 {1000 * quantiles[9]:.1f} ms, p95 {1000 * quantiles[18]:.1f} ms")

@@ -8,9 +8,32 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenloom.model import platform
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TINY_VOCAB = 512
+
+
+_REAL_BF16_DETECTION = platform.cpu_has_native_bf16
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_for_auto():
+    """Tests compare against float32 oracles, so dtype "auto" means float32 here whatever the CPU has.
+
+    Session-wide, so module-scoped engines see it too. Tests of the auto choice itself are marked `native_dtype`
+    and see the real detection (or mock it).
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(platform, "cpu_has_native_bf16", lambda: False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def real_detection_when_asked(request, monkeypatch):
+    if "native_dtype" in request.keywords:
+        monkeypatch.setattr(platform, "cpu_has_native_bf16", _REAL_BF16_DETECTION)
 
 
 def _tiny_hf_config(arch: str):

@@ -15,6 +15,11 @@ TINY_KV_POOL_ARGS = ("--max-num-seqs", "4", "--num-kv-blocks", "24", "--block-si
 
 
 class ServerProcess(LocalServer):
+    """A test server: float32 unless the test gives --dtype, since the tests' oracles are float32."""
+
+    def __init__(self, *args: str, **kwargs) -> None:
+        super().__init__(*args, *(() if "--dtype" in args else ("--dtype", "float32")), **kwargs)
+
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
         """The value of one sample of /metrics (summed over labels)."""
         text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text

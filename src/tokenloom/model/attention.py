@@ -10,9 +10,10 @@ Attention runs per KV head as batched matmuls over strided views, so grouped-que
 
     queries of the heads sharing KV head i   [.., group, d]  @  K[:, i*d:(i+1)*d]^T   ->  scores [.., group, ctx]
 
-Decode queries (one new token each) are attended a group at a time, each group over its contexts padded to the
-longest; grouping by length keeps the padding, and so the memory traffic, small. A prefill chunk is
-attended in tiles of queries, each over the keys up to its last position, which skips most of the masked half.
+Decode queries (one new token each) go to the C++ operator in cpu_kernel.py where it can be had, which reads
+each context in place; otherwise they are attended a group at a time, each group over its contexts padded to the
+longest. A prefill chunk goes to torch's scaled_dot_product_attention (its fused CPU kernel): causal with no mask
+when the chunk is its whole context, else with a boolean mask of the chunk's rows over its context.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from tokenloom.model import cpu_kernel
-
-PREFILL_TILE = 128
 
 
 @dataclass
@@ -34,7 +34,7 @@ class PrefillSegment:
     q_len: int
     ctx_len: int
     block_table: torch.Tensor | None  # [num_blocks] long; None when the chunk is its whole context
-    bias: torch.Tensor  # [q_len, ctx_len]: 0 where a query may attend, -inf elsewhere
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, True where a query may attend; None: plain causal
 
 
 @dataclass
@@ -45,7 +45,7 @@ class DecodeGroup:
     num_rows: int
     block_tables: torch.Tensor  # [num_rows, max_blocks] long, padded with block 0
     context_lens: torch.Tensor  # [num_rows] long
-    bias: torch.Tensor  # [num_rows, 1, max_ctx]: 0 inside each context, -inf past it
+    bias: torch.Tensor | None  # [num_rows, 1, max_ctx]: 0 inside each context, -inf past it; for the plain path
 
 
 @dataclass
@@ -60,7 +60,9 @@ class AttentionMetadata:
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
     workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace())
-    use_cpu_kernel: bool = False  # decode attention through the compiled kernel in cpu_kernel.py
+    use_cpu_kernel: bool = False  # decode attention through the C++ operator in cpu_kernel.py
+    fused_ops: bool = False  # norms, rotary and SiLU through the fused C++ operators (csrc/fused.cpp)
+    positions: torch.Tensor | None = None  # [num_tokens] long: each token's position, for the fused rotary op
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -138,20 +140,18 @@ def _decode_attention(q, k, v, bias: torch.Tensor, scale: float) -> torch.Tensor
 
 def _prefill_attention(q, k, v, seg: PrefillSegment, scale: float) -> torch.Tensor:
     """q: [n, heads, d] at the end of a context; k, v: [ctx_len, kv_heads * d]."""
-    n, _, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-1] // head_dim
-    group = q.shape[1] // num_kv_heads
-    past = seg.ctx_len - n
-    out = torch.empty_like(q)
-    for start in range(0, n, PREFILL_TILE):
-        end = min(start + PREFILL_TILE, n)
-        keys = past + end  # queries of this tile see nothing past their last position
-        bias = seg.bias[start:end, :keys]
-        for heads, cols in _kv_heads(num_kv_heads, group, head_dim):
-            tile_q = q[start:end, heads].transpose(0, 1)  # [group, tile, d]
-            scores = torch.matmul(tile_q, k[:keys, cols].t()).mul_(scale).add_(bias)
-            out[start:end, heads] = torch.matmul(torch.softmax(scores, dim=-1), v[:keys, cols]).transpose(0, 1)
-    return out
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.view(-1, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0),
+        v.view(-1, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0),
+        attn_mask=seg.mask,
+        is_causal=seg.mask is None,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    return out[0].transpose(0, 1)
 
 
 def _kv_heads(num_kv_heads: int, group: int, head_dim: int):

@@ -1,22 +1,20 @@
-"""An optional compiled kernel for decode attention on CPU, reading K and V straight from the paged cache.
+"""The CPU attention operator ``torch.ops.tokenloom.paged_decode_attention``, built from ``csrc/`` on first use.
 
 Plain PyTorch must copy each context out of its scattered blocks before it can multiply (a gather), so decode
-attention reads the context three times: to copy it, to write the copy, to use it. This kernel reads it once.
-It is a few dozen lines of C, built with the system compiler on first use (about a second) and kept in the
-tokenloom cache; without a compiler, on any device but the CPU, for dtypes other than float32, or with
-TOKENLOOM_CPU_KERNEL=0, the engine
-uses the plain PyTorch path in attention.py, which computes the same thing.
+attention reads the context three times: to copy it, to write the copy, to use it. The C++ operator reads it once,
+in float32 or bfloat16. It is built with ``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
+half a minute) into the tokenloom cache, keyed by the source, the flags, torch's version and the CPU, and
+registered with ``torch.library``, so its inputs are checked (dtype, shape, contiguity, index types, block ids).
+Without a compiler, on any device but the CPU, for other dtypes, or with TOKENLOOM_CPU_KERNEL=0, the engine uses the
+plain PyTorch path in attention.py, which computes the same thing and is tested against it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,133 +23,63 @@ from tokenloom.model.gguf_convert import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused.cpp")]
+# -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key).
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+DTYPES = (torch.float32, torch.bfloat16)
 
-/* One request's query (all heads) over its context. Each cached row (all KV heads of one token, contiguous)
-   is read once and serves every query head, so a block's rows stream through in order. HD is the head size
-   when known at compile time (the dot products then unroll fully), else 0. */
-static inline void attend_seq(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *table, int64_t ctx,
-    int64_t num_heads, int64_t group, int64_t row, int64_t head_dim, int64_t block_size, float scale,
-    float *out, const int HD)
-{
-    const int64_t hd = HD ? HD : head_dim;
-    float *scores = (float *)malloc(sizeof(float) * num_heads * ctx);
-    float *acc = (float *)calloc(num_heads * hd, sizeof(float));
-    for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, ++b) {
-        const float *k_block = k_cache + table[b] * block_size * row;
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t j = 0; j < n; ++j) {
-            const float *k_row = k_block + j * row;
-            for (int64_t h = 0; h < num_heads; ++h) {
-                const float *qh = q + h * hd, *k = k_row + (h / group) * hd;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < hd; ++d) dot += qh[d] * k[d];
-                scores[h * ctx + t0 + j] = dot * scale;
-            }
-        }
-    }
-    for (int64_t h = 0; h < num_heads; ++h) {
-        float *s = scores + h * ctx;
-        float max = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < ctx; ++t) max = s[t] > max ? s[t] : max;
-        for (int64_t t = 0; t < ctx; ++t) { s[t] = expf(s[t] - max); sum += s[t]; }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
-    }
-    for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += block_size, ++b) {
-        const float *v_block = v_cache + table[b] * block_size * row;
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-        for (int64_t j = 0; j < n; ++j) {
-            const float *v_row = v_block + j * row;
-            for (int64_t h = 0; h < num_heads; ++h) {
-                const float w = scores[h * ctx + t0 + j];
-                const float *v = v_row + (h / group) * hd;
-                float *a = acc + h * hd;
-                for (int64_t d = 0; d < hd; ++d) a[d] += w * v[d];
-            }
-        }
-    }
-    for (int64_t i = 0; i < num_heads * hd; ++i) out[i] = acc[i];
-    free(scores);
-    free(acc);
-}
-
-/* One query row per request, at the end of its context of ctx_lens[i] tokens; requests are split over threads. */
-void paged_decode_attention_f32(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
-    int64_t max_blocks, const int64_t *ctx_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, float *out, int num_threads)
-{
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim;
-    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
-        const float *qs = q + seq * num_heads * head_dim;
-        float *o = out + seq * num_heads * head_dim;
-        const int64_t *table = block_tables + seq * max_blocks;
-        const int64_t ctx = ctx_lens[seq];
-        if (head_dim == 64)
-            attend_seq(qs, k_cache, v_cache, table, ctx, num_heads, group, row, 64, block_size, scale, o, 64);
-        else if (head_dim == 128)
-            attend_seq(qs, k_cache, v_cache, table, ctx, num_heads, group, row, 128, block_size, scale, o, 128);
-        else
-            attend_seq(qs, k_cache, v_cache, table, ctx, num_heads, group, row, head_dim, block_size, scale, o, 0);
-    }
-}
-"""
-
-# -march=native: the kernel is built on the machine that runs it. -lm last: vectorised expf lives in libmvec.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-lm"]
-
-_library: ctypes.CDLL | None = None
-_tried = False
+_loaded: bool | None = None
 
 
 def kernel_enabled() -> bool:
     return os.environ.get("TOKENLOOM_CPU_KERNEL", "1") != "0"
 
 
-def load_kernel() -> ctypes.CDLL | None:
-    """Builds (once per source version) and loads the kernel; None if it cannot be had here."""
-    global _library, _tried
-    if _tried:
-        return _library
-    _tried = True
+def load_kernel() -> bool:
+    """Builds (once per source, flags, torch and CPU) and registers the operator; False if it cannot be had."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    _loaded = False
     if not kernel_enabled():
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        logger.info("no C compiler found; decode attention uses the plain PyTorch path")
-        return None
-    # -march=native code must never run on another CPU, so the CPU is part of the key.
-    identity = SOURCE + compiler + " ".join(FLAGS) + _cpu_identity()
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_attention-{digest}.so"
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.info("no C++ compiler found; decode attention uses the plain PyTorch path")
+        return False
+    from torch.utils import cpp_extension
+
+    identity = "".join(p.read_text() for p in SOURCES) + " ".join(FLAGS) + torch.__version__ + _cpu_identity()
+    name = "tokenloom_attention_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
+    build_dir = cache_root() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        if not target.exists():
-            _build(compiler, target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("could not build the CPU attention kernel (%s); using the plain PyTorch path", error)
-        return None
-    function = library.paged_decode_attention_f32
-    function.restype = None
-    function.argtypes = (
-        [ctypes.c_void_p] * 4
-        + [ctypes.c_int64, ctypes.c_void_p]
-        + [ctypes.c_int64] * 5
-        + [
-            ctypes.c_float,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-    )
-    _library = library
-    return library
+        cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as error:
+        logger.warning("could not build the CPU attention operator (%s); using the plain PyTorch path", error)
+        return False
+    _register_fake()
+    _loaded = True
+    return True
+
+
+def _register_fake() -> None:
+    """Shapes for tracing (torch.compile): the output has the query's shape and dtype."""
+    if getattr(_register_fake, "done", False):
+        return
+
+    @torch.library.register_fake("tokenloom::paged_decode_attention")
+    def _(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
+        return torch.empty_like(q)
+
+    _register_fake.done = True  # type: ignore[attr-defined]
 
 
 def _cpu_identity() -> str:
@@ -162,20 +90,8 @@ def _cpu_identity() -> str:
     return "".join(line for line in lines if line.startswith(("model name", "flags")))[:4096]
 
 
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "kernel.c"
-        source.write_text(SOURCE)
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *FLAGS[:-1], str(source), FLAGS[-1], "-o", str(built)], check=True, capture_output=True
-        )
-        os.replace(built, target)
-
-
 def usable_for(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and load_kernel() is not None
+    return device.type == "cpu" and dtype in DTYPES and load_kernel()
 
 
 def paged_decode_attention(
@@ -187,26 +103,7 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
 ) -> torch.Tensor:
-    """q: [D, heads, d] contiguous float32; block_tables: [D, max_blocks]; context_lens: [D]. Returns [D, heads, d]."""
-    library = load_kernel()
-    assert library is not None
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    num_seqs, num_heads, head_dim = q.shape
-    library.paged_decode_attention_f32(
-        q.data_ptr(),
-        cache_k.data_ptr(),
-        cache_v.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.shape[1],
-        context_lens.data_ptr(),
-        num_seqs,
-        num_heads,
-        cache_k.shape[1] // head_dim,
-        head_dim,
-        block_size,
-        scale,
-        out.data_ptr(),
-        torch.get_num_threads(),
+    """q: [D, heads, d]; block_tables: [D, max_blocks] int64; context_lens: [D] int64. Returns [D, heads, d]."""
+    return torch.ops.tokenloom.paged_decode_attention(
+        q.contiguous(), cache_k, cache_v, block_tables, context_lens, block_size, scale
     )
-    return out

@@ -26,8 +26,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return torch.ops.tokenloom.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a sublayer's output joins the residual stream, normed for the next."""
+        if fused:
+            torch.ops.tokenloom.fused_add_rms_norm(x, residual, self.weight, self.eps)  # both in place
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class Attention(nn.Module):
@@ -50,9 +60,11 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        if meta.fused_ops:  # in place, on views into the qkv output: no copies
+            torch.ops.tokenloom.rotary_embedding(q, k, meta.positions, *rope)
+        else:
+            q, k = apply_rotary(q, k, *rope)
         k = k.reshape(num_tokens, self.kv_size)
-        v = v.contiguous()
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -64,7 +76,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            return self.down_proj(torch.ops.tokenloom.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -77,9 +91,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg)
 
-    def forward(self, rope: Rope, hidden, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, rope: Rope, hidden, residual: torch.Tensor | None, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in and out: the residual add is fused into the next norm, as vLLM does."""
+        fused = meta.fused_ops
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden, fused)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, fused)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, fused)
+        return self.mlp(hidden, fused), residual
 
 
 class CausalLM(nn.Module):
@@ -94,10 +117,12 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions, hidden.dtype)
+        # Fused: the whole float32 tables, indexed by position inside the op; else this step's rows, looked up once.
+        rope = self.rotary.float32_tables() if meta.fused_ops else self.rotary.tables(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        return self.norm.add_and_norm(hidden, residual, meta.fused_ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

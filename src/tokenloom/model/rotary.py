@@ -51,11 +51,23 @@ class RotaryEmbedding(torch.nn.Module):
         """(Re)computes the tables on the buffers' device; needed after building the model on the meta device."""
         if self.cos.is_meta:
             return
+        angles = self._angles()
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def _angles(self) -> torch.Tensor:
+        """[max_len, head_dim] float32: each position times each frequency, twice (the rotate-half layout)."""
         inv_freq = inverse_frequencies(self.head_dim, self.theta, self.scaling).to(self.cos.device)
         positions = torch.arange(self.max_len, dtype=torch.float32, device=self.cos.device)
-        emb = torch.cat((torch.outer(positions, inv_freq),) * 2, dim=-1)
-        self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
+        return torch.cat((torch.outer(positions, inv_freq),) * 2, dim=-1)
+
+    def float32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position in float32 (the buffers take the model's dtype), for the fused CPU op."""
+        cached = getattr(self, "_float32_tables", None)
+        if cached is None or cached[0].device != self.cos.device:
+            angles = self._angles()
+            cached = self._float32_tables = (angles.cos(), angles.sin())
+        return cached
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each position, shaped to broadcast over heads; looked up once per step, not per layer."""

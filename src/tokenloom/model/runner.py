@@ -131,11 +131,14 @@ class ModelRunner:
         slot_mapping = np.concatenate([self._slots(s.block_ids, s.start, s.start + s.num_tokens) for s in ordered])
         ends = np.cumsum([s.num_tokens for s in ordered])
         sample_rows = [int(end) - 1 for s, end in zip(ordered, ends, strict=True) if s.sample]
+        positions_tensor = self._tensor(positions)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping),
             block_size=self.block_size,
             workspace=self.workspace,
             use_cpu_kernel=self.use_cpu_kernel,
+            fused_ops=self.use_cpu_kernel,
+            positions=positions_tensor,
         )
         for first, last in group_by_context_length([s.start + 1 for s in decodes]):
             meta.decodes.append(self._decode_group(decodes[first:last], first))
@@ -143,7 +146,7 @@ class ModelRunner:
             meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
         return ModelInputs(
             input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
+            positions=positions_tensor,
             meta=meta,
             sample_rows=self._tensor(np.array(sample_rows, dtype=np.int64)),
             sampled_items=[s for s in ordered if s.sample],
@@ -162,18 +165,18 @@ class ModelRunner:
         for row, s in enumerate(decodes):
             used = s.block_ids[:num_blocks]
             tables[row, : len(used)] = used
-        visible = np.arange(max_ctx)[None, :] < context_lens[:, None]
-        return DecodeGroup(
-            row_start, len(decodes), self._tensor(tables), self._tensor(context_lens), self._bias(visible[:, None, :])
-        )
+        bias = None
+        if not self.use_cpu_kernel:  # the operator reads exactly each context; the plain path pads and masks
+            bias = self._bias(np.arange(max_ctx)[None, None, :] < context_lens[:, None, None])
+        return DecodeGroup(row_start, len(decodes), self._tensor(tables), self._tensor(context_lens), bias)
 
     def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
         ctx_len = s.start + s.num_tokens
+        if s.start == 0:  # the chunk is its whole context: plain causal attention, no mask at all
+            return PrefillSegment(q_start, s.num_tokens, ctx_len, None, None)
         visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
-        table = None
-        if s.start > 0:
-            table = self._tensor(np.asarray(s.block_ids[: -(-ctx_len // self.block_size)], dtype=np.int64))
-        return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self._bias(visible))
+        table = self._tensor(np.asarray(s.block_ids[: -(-ctx_len // self.block_size)], dtype=np.int64))
+        return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self._tensor(visible))
 
     def _bias(self, visible: np.ndarray) -> torch.Tensor:
         """An additive attention mask: 0 where visible, -inf elsewhere."""

