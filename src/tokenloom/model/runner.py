@@ -15,6 +15,7 @@ from tokenloom.core.scheduler import ScheduledRequest
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
 from tokenloom.model.llama import CausalLM
+from tokenloom.model.prepack import can_prepack
 from tokenloom.model.sampler import SampledToken, Sampler, SamplingBatch
 
 
@@ -70,6 +71,8 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()
         self.use_cpu_kernel = cpu_kernel.usable_for(device, dtype)
+        if can_prepack(device, dtype):
+            model.prepack_weights()
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()

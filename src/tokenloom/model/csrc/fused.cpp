@@ -80,33 +80,43 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// residual += x; x = rms_norm(residual) * weight. In place, as a decoder layer hands its output on.
+// residual += x; x = rms_norm(residual) * weight, in place, as a decoder layer hands its output on. The residual
+// stream may be float32 under bfloat16 activations: it then loses nothing to rounding across the layers.
+template <typename T, typename R>
+void add_norm_rows(T* xs, R* res, const T* w, int64_t rows, int64_t n, float eps) {
+  for_rows(rows, n, [&](int64_t r) {
+    T* xr = xs + r * n;
+    R* rr = res + r * n;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      store(rr + i, load(xr + i) + load(rr + i));
+      const float v = load(rr + i);  // as stored: the residual stream keeps its own dtype
+      sum += v * v;
+    }
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) store(xr + i, load(rr + i) * inv * load(w + i));
+  });
+}
+
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_rows(x, "fused_add_rms_norm");
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
-                  residual.scalar_type() == x.scalar_type(),
-              "fused_add_rms_norm: x and residual must be contiguous, of one shape and dtype");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes(),
+              "fused_add_rms_norm: x and residual must be contiguous and of one shape");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() || residual.scalar_type() == at::kFloat,
+              "fused_add_rms_norm: the residual must be float32 or of x's dtype");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
               "fused_add_rms_norm: weight must be [cols], contiguous, of x's dtype");
-  const int64_t n = x.size(1);
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float e = static_cast<float>(eps);
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* xs = x.mutable_data_ptr<scalar_t>();
-    scalar_t* res = residual.mutable_data_ptr<scalar_t>();
     const scalar_t* w = weight.const_data_ptr<scalar_t>();
-    for_rows(x.size(0), n, [&](int64_t r) {
-      scalar_t* xr = xs + r * n;
-      scalar_t* rr = res + r * n;
-      float sum = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = load(xr + i) + load(rr + i);
-        store(rr + i, v);
-        const float rounded = load(rr + i);  // the residual stream keeps its dtype, as in the unfused layer
-        sum += rounded * rounded;
-      }
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
-      for (int64_t i = 0; i < n; ++i) store(xr + i, load(rr + i) * inv * load(w + i));
-    });
+    if (residual.scalar_type() == at::kFloat) {
+      add_norm_rows(xs, residual.mutable_data_ptr<float>(), w, rows, n, e);
+    } else {
+      add_norm_rows(xs, residual.mutable_data_ptr<scalar_t>(), w, rows, n, e);
+    }
   });
 }
 
