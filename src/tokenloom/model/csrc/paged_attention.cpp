@@ -168,10 +168,14 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One work item per sequence, its KV heads one after the other: the second and third passes over its rows
+  // find them in L2. The runner sorts decodes by context length and parallel_for hands each thread a contiguous
+  // range, so items are dealt from both ends (short, long, short, ...) to give every thread a similar load.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+    for (int64_t item = begin * num_kv_heads; item < end * num_kv_heads; ++item) {
+      const int64_t dealt = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t seq = dealt % 2 == 0 ? dealt / 2 : num_seqs - 1 - dealt / 2;
       const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
       const T* k = k_ptr + kv_head * head_dim;
       const T* v = v_ptr + kv_head * head_dim;
