@@ -62,6 +62,7 @@ class AttentionMetadata:
     workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace())
     use_cpu_kernel: bool = False  # decode attention through the C++ operator in cpu_kernel.py
     fused_ops: bool = False  # norms, rotary and SiLU through the fused C++ operators (csrc/fused.cpp)
+    prefill_op: bool = False  # prefill attention through the bf16 C++ operator (csrc/prefill_attention.cpp)
     positions: torch.Tensor | None = None  # [num_tokens] long: each token's position, for the fused rotary op
 
 
@@ -123,7 +124,10 @@ def paged_attention(
         else:
             seg_k = ws.gather("k", cache_k, seg.block_table, block_size)[: seg.ctx_len]
             seg_v = ws.gather("v", cache_v, seg.block_table, block_size)[: seg.ctx_len]
-        out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)
+        if meta.prefill_op:
+            out[rows] = torch.ops.tokenloom.prefill_attention(q[rows], seg_k, seg_v, scale)
+        else:
+            out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)
     return out
 
 

@@ -23,7 +23,9 @@ from tokenloom.model.gguf_convert import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused.cpp")]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp")
+]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -88,6 +90,11 @@ def _cpu_identity() -> str:
     except OSError:
         return os.uname().machine
     return "".join(line for line in lines if line.startswith(("model name", "flags")))[:4096]
+
+
+def has_prefill_op() -> bool:
+    """The bf16 prefill operator is built only where the compiler targets AVX-512 BF16."""
+    return load_kernel() and torch._C._dispatch_has_kernel_for_dispatch_key("tokenloom::prefill_attention", "CPU")
 
 
 def usable_for(device: torch.device, dtype: torch.dtype) -> bool:

@@ -71,6 +71,12 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()
         self.use_cpu_kernel = cpu_kernel.usable_for(device, dtype)
+        self.use_prefill_op = (
+            self.use_cpu_kernel
+            and dtype == torch.bfloat16
+            and model.config.head_dim in (64, 128)
+            and cpu_kernel.has_prefill_op()
+        )
         if can_prepack(device, dtype):
             model.prepack_weights()
         self._generators: dict[str, torch.Generator] = {}
@@ -141,6 +147,7 @@ class ModelRunner:
             workspace=self.workspace,
             use_cpu_kernel=self.use_cpu_kernel,
             fused_ops=self.use_cpu_kernel,
+            prefill_op=self.use_prefill_op,
             positions=positions_tensor,
         )
         for first, last in group_by_context_length([s.start + 1 for s in decodes]):
