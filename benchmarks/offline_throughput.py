@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/offline_throughput.py [--max-num-seqs 16] [--write-results]
 
 Every method generates exactly the requested number of tokens for each request (ignore_eos), so output tokens/s
-differ only by wall time. The compute ceiling is the workload's FLOPs over the float32 matmul rate this machine
-reaches on the model's own GEMM shapes, measured in the same run.
+differ only by wall time. The compute ceiling is the workload's FLOPs over the matmul rate this machine reaches
+on the model's own GEMM shapes, in the dtype in use (dtype auto by default), measured in the same run.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import resolve_checkpoint_dir
+from tokenloom.model.platform import dtype_name, resolve_dtype
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
@@ -70,12 +71,12 @@ def workload_flops(cfg: ModelConfig, work: Workload) -> float:
     return total
 
 
-def matmul_rate(cfg: ModelConfig, tokens: int = 512, repeats: int = 20) -> float:
-    """FLOP/s of torch float32 GEMMs on one layer's shapes plus the LM head, best of several runs."""
+def matmul_rate(cfg: ModelConfig, dtype: torch.dtype, tokens: int = 512, repeats: int = 20) -> float:
+    """FLOP/s of torch GEMMs in `dtype` on one layer's shapes plus the LM head, best of several runs."""
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     shapes = [(h, h + 2 * kv), (h, h), (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]
-    weights = [torch.randn(n, k) for k, n in shapes]
-    inputs = {k: torch.randn(tokens, k) for k, _ in shapes}
+    weights = [torch.randn(n, k, dtype=dtype) for k, n in shapes]
+    inputs = {k: torch.randn(tokens, k, dtype=dtype) for k, _ in shapes}
     flops = sum(2 * tokens * k * n for k, n in shapes)
     best = float("inf")
     for _ in range(repeats):
@@ -92,6 +93,7 @@ def run_tokenloom(work: Workload, batching: str, args) -> float:
         batching=batching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
     )
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
@@ -144,7 +146,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="auto", help="as the engine takes it; the ceiling is measured in it")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip", default="", help="comma-separated: continuous,static,transformers")
     parser.add_argument("--write-results", action="store_true", help=f"append the result to {RESULTS.name}")
@@ -156,7 +159,8 @@ def main() -> None:
     cfg = ModelConfig.from_hf(json.loads((resolve_checkpoint_dir(None)[1] / "config.json").read_text()))
     work = mixed_workload(args.num_requests, args.seed, cfg.vocab_size)
     load_before = os.getloadavg()
-    rate = matmul_rate(cfg)
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    rate = matmul_rate(cfg, dtype)
     ceiling_s = workload_flops(cfg, work) / rate
     print(f"workload: {len(work.prompts)} requests, {work.prompt_tokens} prompt tokens, {work.output_tokens} output")
     print(f"matmul rate {rate / 1e9:.1f} GFLOP/s -> compute ceiling {work.output_tokens / ceiling_s:.1f} output tok/s")
@@ -171,7 +175,7 @@ def main() -> None:
         print(f"transformers: {times['transformers']:.1f} s, {work.output_tokens / times['transformers']:.1f} tok/s")
     load_after = os.getloadavg()
     # The rate is noisy on a shared machine; the best seen before or after the runs is the fairest ceiling.
-    rate = max(rate, matmul_rate(cfg))
+    rate = max(rate, matmul_rate(cfg, dtype))
     ceiling_s = workload_flops(cfg, work) / rate
 
     lines = [
@@ -207,9 +211,10 @@ def main() -> None:
             f"- command: `{command.strip()}`",
             f"- machine: {machine()}",
             f"- config: max_num_seqs={args.max_num_seqs}, max_num_batched_tokens={args.max_num_batched_tokens}, "
-            f"float32; workload seed {args.seed}: {work.prompt_tokens} prompt + {work.output_tokens} output tokens",
+            f"{dtype_name(dtype)}; workload seed {args.seed}: "
+            f"{work.prompt_tokens} prompt + {work.output_tokens} output tokens",
             f"- load average before / after: {load_before[0]:.2f} / {load_after[0]:.2f}",
-            f"- float32 matmul rate on the model's shapes (512 tokens): {rate / 1e9:.1f} GFLOP/s",
+            f"- {dtype_name(dtype)} matmul rate on the model's shapes (512 tokens): {rate / 1e9:.1f} GFLOP/s",
             "",
             table,
             "",

@@ -85,6 +85,7 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
     """
     oracle = hf_oracle(real_model_dir)
     engine = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=64, block_size=16))
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     tokenizer = engine.tokenizer
     agree = total = 0
     for prompt in PROMPTS:
@@ -96,7 +97,6 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
         middle = len(generated) // 2
         bounds = [0, *range(middle, middle + 9), len(generated)]
         ours = torch.cat([_logits(engine, request, start, end) for start, end in itertools.pairwise(bounds)])
-        assert ours.dtype == torch.bfloat16
         agree += int((ours.float().argmax(-1) == reference).sum())
         total += len(generated)
     assert agree / total >= 0.98, f"top-1 agreement {agree}/{total}"

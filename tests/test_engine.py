@@ -293,22 +293,28 @@ def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
     event(f"preempted by recompute: {stats['num_preemptions_recompute'] > 0}")
 
 
-def test_async_arrival_is_stamped_before_waiting_for_the_running_step(tiny_llama):
-    """Queue time includes the wait for the engine's lock, which a step holds while it runs."""
+def test_a_request_is_admitted_while_a_step_runs_and_joins_the_next(tiny_llama):
+    """Admission does not wait for the running step: a burst that arrives during a step fills the next one."""
     front = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama))))
     front.start()
 
-    async def submit_while_a_step_holds_the_lock() -> tuple[float, float]:
+    async def submit_while_a_step_holds_the_lock() -> tuple[list, float, float]:
         front._lock.acquire()  # as a long step would
-        stream = asyncio.ensure_future(front.submit([5, 6, 7], SamplingParams(max_tokens=2), "r"))
+        submitted = [
+            await front.submit([5, 6, 7 + i], SamplingParams(max_tokens=2), f"r{i}") for i in range(3)
+        ]  # returns at once: nothing here waits for the lock
+        admitted = time.monotonic()
         await asyncio.sleep(0.2)
         released = time.monotonic()
         front._lock.release()
-        outputs = [o async for o in await stream]
-        return outputs[-1].metrics.arrival_time, released
+        outputs = [[o async for o in stream] for stream in submitted]
+        return outputs, admitted, released
 
     try:
-        arrival, released = asyncio.run(submit_while_a_step_holds_the_lock())
+        outputs, admitted, released = asyncio.run(submit_while_a_step_holds_the_lock())
     finally:
         front.shutdown()
-    assert arrival < released
+    assert admitted < released
+    assert all(o[-1].metrics.arrival_time < released for o in outputs)  # queue time counts the wait
+    # All three ran together: one step for their prompts (and first tokens), one for their second tokens.
+    assert front.engine.stats()["num_steps"] == 2

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.engine.llm_engine import LLMEngine, PreparedRequest
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -53,7 +53,11 @@ class AsyncEngine:
         self.queue_timeout = queue_timeout
         self.on_step = on_step
         self.draining = False
-        self._lock = threading.Lock()  # one thread at a time touches the engine
+        self._lock = threading.Lock()  # one thread at a time touches the engine's scheduler
+        self._admission = threading.Lock()  # guards the requests waiting to join the next step, and the counts
+        self._pending: list[PreparedRequest] = []
+        self._waiting_requests = 0
+        self._backlog_tokens = 0
         self._wake = threading.Event()
         self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -92,7 +96,6 @@ class AsyncEngine:
         """
         if self.draining:
             raise RequestRejected(503, "server_draining", "the server is shutting down")
-        # Stamped now: admission waits for the running step to end, and that wait is part of the queue time.
         arrival_time = time.monotonic()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
@@ -129,30 +132,44 @@ class AsyncEngine:
     def _add(
         self, prompt, params: SamplingParams, request_id: str, priority: int, tenant: str, arrival_time: float
     ) -> None:
-        with self._lock:
-            waiting = self.engine.scheduler.waiting
-            if self.max_num_queued_requests is not None and len(waiting) >= self.max_num_queued_requests:
+        """Validates and queues a request for the engine thread, without waiting for the running step to end.
+
+        Requests that arrive while a step runs all join the next one: a burst fills the next step's token budget
+        instead of trickling in one admission per step.
+        """
+        prepared = self.engine.prepare_request(prompt, params, request_id, arrival_time, priority, tenant)
+        new_tokens = prepared.request.num_prompt_tokens
+        with self._admission:
+            waiting = self._waiting_requests + len(self._pending)
+            if self.max_num_queued_requests is not None and waiting >= self.max_num_queued_requests:
                 raise RequestRejected(
-                    429, "queue_full", f"the request queue is full ({len(waiting)} waiting)", retry_after=1.0
+                    429, "queue_full", f"the request queue is full ({waiting} waiting)", retry_after=1.0
                 )
-            if self.max_num_queued_tokens is not None:
-                # The prefill backlog: tokens that queued requests still have to compute before their first token.
-                backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
-                new = len(prompt) if isinstance(prompt, list) else 0
-                if backlog + new > self.max_num_queued_tokens:
-                    raise RequestRejected(
-                        429,
-                        "queued_tokens_full",
-                        f"the prefill backlog is full ({backlog} tokens queued)",
-                        retry_after=1.0,
-                    )
-            self.engine.add_request(
-                prompt, params, request_id=request_id, arrival_time=arrival_time, priority=priority, tenant=tenant
-            )
+            # The prefill backlog: tokens that queued requests still have to compute before their first token.
+            backlog = self._backlog_tokens + sum(p.request.num_prompt_tokens for p in self._pending)
+            if self.max_num_queued_tokens is not None and backlog + new_tokens > self.max_num_queued_tokens:
+                raise RequestRejected(
+                    429, "queued_tokens_full", f"the prefill backlog is full ({backlog} tokens queued)", retry_after=1.0
+                )
+            self._pending.append(prepared)
+
+    def _admit_pending(self) -> None:
+        with self._admission:
+            pending, self._pending = self._pending, []
+        for prepared in pending:
+            self.engine.add_prepared(prepared)
+
+    def _count_queued(self) -> None:
+        """What admission limits compare against, counted on the engine thread where the queue changes."""
+        waiting = self.engine.scheduler.waiting
+        backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        with self._admission:
+            self._waiting_requests, self._backlog_tokens = len(waiting), backlog
 
     def _run(self) -> None:
         while not self._stopping:
             with self._lock:
+                self._admit_pending()  # before aborts: a request's abort may already be queued behind it
                 aborted = self._apply_aborts() + self._expire_queued() + self._cut_after_drain()
                 busy = self.engine.has_unfinished_requests()
                 try:
@@ -161,6 +178,7 @@ class AsyncEngine:
                     logger.exception("engine step failed")
                     aborted += self._fail_all(RequestRejected(500, "engine_error", f"the engine failed: {error}"))
                     outputs = []
+                self._count_queued()
             for output in outputs:
                 if output.error is not None:  # this request alone failed; the step went on for the others
                     failure = RequestRejected(500, "request_failed", f"the request failed: {output.error}")

@@ -43,6 +43,14 @@ class _RequestState:
     stop_text: str | None = None  # the text up to a stop string, once one is found
 
 
+@dataclass
+class PreparedRequest:
+    """A request tokenized and validated, ready to be queued by the engine thread."""
+
+    request: Request
+    state: _RequestState
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -153,6 +161,20 @@ class LLMEngine:
         tenant: str = "default",
     ) -> Request:
         """Queues a prompt (text or token ids); raises ValueError if it can never be served."""
+        prepared = self.prepare_request(prompt, params, request_id, arrival_time, priority, tenant)
+        self.add_prepared(prepared)
+        return prepared.request
+
+    def prepare_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> PreparedRequest:
+        """Tokenizes and validates a request without touching the scheduler, so any thread may call it."""
         params = params or SamplingParams()
         prompt_text, token_ids = self.tokenize(prompt)
         request = Request(
@@ -164,10 +186,14 @@ class LLMEngine:
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        self.scheduler.add_request(request)
+        self.scheduler.check_admissible(request)  # reads only the configuration
         logprobs = [] if params.logprobs is not None else None
-        self._states[request.request_id] = _RequestState(prompt_text, logprobs, IncrementalDetokenizer(self.tokenizer))
-        return request
+        return PreparedRequest(request, _RequestState(prompt_text, logprobs, IncrementalDetokenizer(self.tokenizer)))
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queues a prepared request; on the thread that steps the engine."""
+        self.scheduler.add_request(prepared.request)
+        self._states[prepared.request.request_id] = prepared.state
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id)

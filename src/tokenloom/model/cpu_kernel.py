@@ -26,7 +26,9 @@ logger = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp")
 ]
-# -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key).
+# -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math
+# vectorises float sums and exp (glibc's SIMD expf is declared only under it); it also assumes no infinities, so
+# the sources use finite sentinels instead of -inf and clamp exponents that real activations can overflow.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)
 

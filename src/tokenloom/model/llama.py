@@ -18,6 +18,7 @@ from tokenloom.model.prepack import PackedLinear, prepack_linears
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+REFINED_TOP_K = 8  # bf16 logits recomputed in float32 per sampled row (see CausalLM.compute_logits)
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of this step's positions
 
 
@@ -127,18 +128,40 @@ class CausalLM(nn.Module):
         residual = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
-        return self.norm.add_and_norm(hidden, residual, meta.fused_ops)[0]
+        return residual + hidden  # the final stream, float32; compute_logits norms the rows that are sampled
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied to the embedding
-            return F.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+    def compute_logits(self, stream: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of rows of the final residual stream (what forward returns).
+
+        In float32 this is the final norm and the LM head. In bfloat16 the head's matmul rounds logits to a grid
+        of 0.125 near 25, coarser than the gap between a model's top two tokens at many positions; so the logits
+        of each row's best REFINED_TOP_K candidates are computed again in float32, from the float32 normed row.
+        """
+        normed = F.rms_norm(stream, (stream.shape[-1],), self.norm.weight.float(), self.norm.eps)
+        head_weight = self._head_weight()
+        if head_weight.dtype == torch.float32:
+            return F.linear(normed, head_weight)
+        rounded = normed.to(head_weight.dtype)
+        logits = (F.linear(rounded, head_weight) if self.lm_head is None else self.lm_head(rounded)).float()
+        top = logits.topk(REFINED_TOP_K, dim=-1).indices
+        exact = torch.einsum("rh,rkh->rk", normed, head_weight[top].float())
+        return logits.scatter(1, top, exact)
+
+    def _head_weight(self) -> torch.Tensor:
+        """The LM head's weight as a plain tensor, also once the head itself is prepacked."""
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        plain = getattr(self, "_plain_head_weight", None)
+        return self.lm_head.weight if plain is None else plain
 
     def prepack_weights(self) -> None:
         """Every linear's weight into oneDNN's layout, once (see prepack.py); a tied LM head gets its own copy."""
+        if self.lm_head is not None:
+            self._plain_head_weight = self.lm_head.weight.detach()  # for refining the top logits
         prepack_linears(self)
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)  # the embedding stays, for lookups
+            self._plain_head_weight = self.embed_tokens.weight.detach()
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""

@@ -121,7 +121,7 @@ def make_plan(
         raise ValueError(f"dtypes are one of {', '.join(ELEMENT_BYTES)}")
     if not 0 < utilization <= 1 or tensor_parallel < 1 or context < 1 or concurrency < 1:
         raise ValueError("utilization in (0, 1], tensor_parallel, context and concurrency >= 1")
-    budget = max_num_batched_tokens or (2048 if device.name != "cpu" else 1024)
+    budget = max_num_batched_tokens or 2048  # the engine's default step budget
     memory = device.memory_bytes * tensor_parallel
     margin = int(memory * (1 - utilization))
     usable = memory - margin - device.runtime_overhead_bytes * tensor_parallel

@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -183,7 +184,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       scalar_t* dst = o + r * inner;
       for (int64_t i = 0; i < inner; ++i) {
         const float g = load(gate + i);
-        store(dst + i, g / (1.0f + std::exp(-g)) * load(up + i));
+        // Clamped: real models have gate outliers far below -88, where e^-g overflows float32.
+        store(dst + i, g / (1.0f + std::exp(std::min(-g, 80.0f))) * load(up + i));
       }
     });
   });

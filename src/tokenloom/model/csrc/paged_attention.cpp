@@ -63,7 +63,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
   }
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * ctx;
-    float max = -std::numeric_limits<float>::infinity();
+    float max = std::numeric_limits<float>::lowest();
     for (int64_t t = 0; t < ctx; ++t) max = std::max(max, s[t]);
     float sum = 0.0f;
     for (int64_t t = 0; t < ctx; ++t) {
@@ -117,7 +117,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
   }
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * ctx;
-    float max = -std::numeric_limits<float>::infinity();
+    float max = std::numeric_limits<float>::lowest();
     for (int64_t t = 0; t < ctx; ++t) max = std::max(max, s[t]);
     float sum = 0.0f;
     for (int64_t t = 0; t < ctx; ++t) {

@@ -26,6 +26,9 @@ namespace {
 
 constexpr int kKeys = 16;         // keys per block: one float32 vector of scores
 constexpr int kQueryTokens = 32;  // query tokens per work item (times the heads sharing a KV head)
+// A row's running max before its first key: finite (the build assumes no infinities) and so low that e^(it - m)
+// is exactly 0 for any real score m.
+constexpr float kNoMax = -1e30f;
 
 // e^x for x <= 0, 16 at a time: x = n ln2 + r, e^r by a degree-6 polynomial (relative error ~2e-7).
 inline __m512 exp_nonpositive(__m512 x) {
@@ -64,7 +67,7 @@ void attend_block(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16*
   uint32_t* kt = reinterpret_cast<uint32_t*>(row_sum + rows);  // [kPairs, kKeys]: K^T, dims in pairs
   uint32_t* vt = kt + kPairs * kKeys;              // [kKeys / 2, HD]: V, keys in pairs
   std::fill(acc, acc + rows * HD, 0.0f);
-  std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(row_max, row_max + rows, kNoMax);
   std::fill(row_sum, row_sum + rows, 0.0f);
   const int64_t end_key = past + q1;  // the last query sees keys [0, past + q1)
   for (int64_t k0 = 0; k0 < end_key; k0 += kKeys) {
@@ -95,10 +98,9 @@ void attend_block(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16*
           }
         }
         __m512 s = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
-        s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), keep, s,
-                               _mm512_set1_ps(scale));
+        s = _mm512_mask_mul_ps(_mm512_set1_ps(kNoMax), keep, s, _mm512_set1_ps(scale));
         const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(s));
-        const float correction = std::exp(row_max[r] - new_max);
+        const float correction = std::exp(row_max[r] - new_max);  // 0 on a row's first block: see kNoMax
         const __m512 probs = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
         row_sum[r] = row_sum[r] * correction + _mm512_reduce_add_ps(probs);
         row_max[r] = new_max;

@@ -1,0 +1,97 @@
+"""The fused C++ operators (csrc/fused.cpp, csrc/prefill_attention.cpp) against plain PyTorch, float32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_attention import needs_operator
+
+from tokenloom.model import cpu_kernel
+from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def operators():
+    needs_operator()
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])  # below and above the size where the ops go parallel
+def test_norms_match_pytorch(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    close(torch.ops.tokenloom.rms_norm(x, weight, 1e-5), F.rms_norm(x.float(), (576,), weight.float(), 1e-5), dtype)
+    residual = torch.randn(rows, 576, generator=g)  # float32, as the model keeps its residual stream
+    expected_residual = residual + x.float()
+    expected = F.rms_norm(expected_residual, (576,), weight.float(), 1e-5)
+    out = x.clone()
+    torch.ops.tokenloom.fused_add_rms_norm(out, residual, weight, 1e-5)  # both in place
+    close(residual, expected_residual, torch.float32)
+    close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_survives_large_activations(dtype):
+    """Real models have gate outliers far below -88, where e^-g overflows: the result must stay finite."""
+    x = torch.randn(64, 2 * 1536, generator=torch.Generator().manual_seed(0)).mul(100).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    out = torch.ops.tokenloom.silu_and_mul(x)
+    assert torch.isfinite(out).all()
+    close(out / 100, F.silu(gate) * up / 100, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_qkv_views_matches_pytorch(dtype):
+    rotary = RotaryEmbedding(64, 512, 10000.0, None)
+    positions = torch.tensor([0, 5, 17, 300, 511])
+    qkv = torch.randn(5, 9 * 64 + 2 * 3 * 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q, k = qkv[:, : 9 * 64].view(5, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64)
+    expected_q, expected_k = apply_rotary(q.float(), k.float(), *rotary.tables(positions, torch.float32))
+    torch.ops.tokenloom.rotary_embedding(q, k, positions, *rotary.float32_tables())
+    close(q, expected_q, dtype)
+    close(k, expected_k, dtype)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.tokenloom.rotary_embedding(q, k, torch.tensor([0, 1, 2, 3, 512]), *rotary.float32_tables())
+
+
+def reference_prefill(q, k, v, past: int, scale: float) -> torch.Tensor:
+    d = q.shape[-1]
+    ctx, kv_heads = k.shape[0], k.shape[1] // d
+    mask = torch.arange(ctx)[None, :] <= torch.arange(past, ctx)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k.float().view(ctx, kv_heads, d).transpose(0, 1)[None],
+        v.float().view(ctx, kv_heads, d).transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("n", "past", "heads", "kv_heads", "head_dim"),
+    [(1, 0, 9, 3, 64), (37, 0, 9, 3, 64), (300, 0, 9, 3, 64), (40, 77, 9, 3, 64), (100, 250, 4, 2, 128)],
+)
+def test_bf16_prefill_operator_matches_causal_attention(n, past, heads, kv_heads, head_dim):
+    if not cpu_kernel.has_prefill_op():
+        pytest.skip("the bf16 prefill operator is built only for CPUs with AVX-512 BF16")
+    ctx = n + past
+    # Views into one fused qkv row, as the model hands them over: strided rows, contiguous heads.
+    qkv = torch.randn(ctx, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(n)).bfloat16()
+    q = qkv[past:, : heads * head_dim].view(n, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim]
+    v = qkv[:, (heads + kv_heads) * head_dim :]
+    out = torch.ops.tokenloom.prefill_attention(q, k, v, head_dim**-0.5)
+    close(out, reference_prefill(q, k, v, past, head_dim**-0.5), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.tokenloom.prefill_attention(q.float(), k.float(), v.float(), 0.1)
