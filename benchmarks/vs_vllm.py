@@ -218,7 +218,7 @@ def main() -> None:
     if args.write_results:
         stamp = datetime.date.today().isoformat()
         text = [f"\n### vs_vllm, mixed-64 — {stamp} (commit {git_commit()})\n", "`" + " ".join(sys.argv) + "`\n"]
-        text += [*header, *rows, footer, ""]
+        text += [header[0], "", *header[1:], *rows, "", footer, ""]
         with RESULTS.open("a") as out:
             out.write("\n".join(text) + "\n")
 
