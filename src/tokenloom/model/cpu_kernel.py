@@ -69,21 +69,8 @@ def load_kernel() -> bool:
     except (OSError, RuntimeError, ImportError) as error:
         logger.warning("could not build the CPU attention operator (%s); using the plain PyTorch path", error)
         return False
-    _register_fake()
     _loaded = True
     return True
-
-
-def _register_fake() -> None:
-    """Shapes for tracing (torch.compile): the output has the query's shape and dtype."""
-    if getattr(_register_fake, "done", False):
-        return
-
-    @torch.library.register_fake("tokenloom::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
-        return torch.empty_like(q)
-
-    _register_fake.done = True  # type: ignore[attr-defined]
 
 
 def _cpu_identity() -> str:

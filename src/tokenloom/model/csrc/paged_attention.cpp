@@ -38,6 +38,22 @@ inline void widen_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
+// Each of `rows` rows of `n` scores becomes its softmax, in place, in float32.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t h = 0; h < rows; ++h) {
+    float* s = scores + h * n;
+    float max = std::numeric_limits<float>::lowest();
+    for (int64_t t = 0; t < n; ++t) max = std::max(max, s[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - max);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+  }
+}
+
 // One sequence, one KV head: the `group` query heads that share it, over `ctx` tokens of context.
 template <typename T, int HD>
 void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t group,
@@ -61,18 +77,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
       scores[h * ctx + t] = dot;
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
-    float* s = scores + h * ctx;
-    float max = std::numeric_limits<float>::lowest();
-    for (int64_t t = 0; t < ctx; ++t) max = std::max(max, s[t]);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < ctx; ++t) {
-      s[t] = std::exp(s[t] - max);
-      sum += s[t];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
-  }
+  softmax_rows(scores, group, ctx);
   for (int64_t t = 0; t < ctx; ++t) {
     const T* v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
     widen_row(v, kv, hd);
@@ -115,18 +120,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
       }
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
-    float* s = scores + h * ctx;
-    float max = std::numeric_limits<float>::lowest();
-    for (int64_t t = 0; t < ctx; ++t) max = std::max(max, s[t]);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < ctx; ++t) {
-      s[t] = std::exp(s[t] - max);
-      sum += s[t];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
-  }
+  softmax_rows(scores, group, ctx);
   for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
     const int64_t heads = std::min<int64_t>(kMaxGroup, group - h0);
     __m512 acc[kMaxGroup][kLanes];
