@@ -78,6 +78,12 @@ def reference_prefill(q, k, v, past: int, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+def test_a_missing_operator_is_reported_not_raised():
+    """On a CPU without AVX-512 BF16 the prefill operator is not built; asking for it must not fail the engine."""
+    assert cpu_kernel.has_operator("paged_decode_attention")
+    assert not cpu_kernel.has_operator("no_such_operator")
+
+
 @pytest.mark.parametrize(
     ("n", "past", "heads", "kv_heads", "head_dim"),
     [(1, 0, 9, 3, 64), (37, 0, 9, 3, 64), (300, 0, 9, 3, 64), (40, 77, 9, 3, 64), (100, 250, 4, 2, 128)],

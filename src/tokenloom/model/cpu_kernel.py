@@ -83,7 +83,16 @@ def _cpu_identity() -> str:
 
 def has_prefill_op() -> bool:
     """The bf16 prefill operator is built only where the compiler targets AVX-512 BF16."""
-    return load_kernel() and torch._C._dispatch_has_kernel_for_dispatch_key("tokenloom::prefill_attention", "CPU")
+    return load_kernel() and has_operator("prefill_attention")
+
+
+def has_operator(name: str) -> bool:
+    """Whether tokenloom::name is registered (a build for another CPU may leave some out)."""
+    try:
+        getattr(torch.ops.tokenloom, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def usable_for(device: torch.device, dtype: torch.dtype) -> bool:
