@@ -162,7 +162,9 @@ class AsyncEngine:
     def _count_queued(self) -> None:
         """What admission limits compare against, counted on the engine thread where the queue changes."""
         waiting = self.engine.scheduler.waiting
-        backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        backlog = 0
+        if self.max_num_queued_tokens is not None:  # a walk over the queue: only when a limit needs it
+            backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         with self._admission:
             self._waiting_requests, self._backlog_tokens = len(waiting), backlog
 

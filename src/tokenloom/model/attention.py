@@ -60,10 +60,8 @@ class AttentionMetadata:
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
     workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace())
-    use_cpu_kernel: bool = False  # decode attention through the C++ operator in cpu_kernel.py
-    fused_ops: bool = False  # norms, rotary and SiLU through the fused C++ operators (csrc/fused.cpp)
+    use_cpu_kernel: bool = False  # the C++ operators (cpu_kernel.py): decode attention, norms, rotary, SiLU
     prefill_op: bool = False  # prefill attention through the bf16 C++ operator (csrc/prefill_attention.cpp)
-    positions: torch.Tensor | None = None  # [num_tokens] long: each token's position, for the fused rotary op
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):

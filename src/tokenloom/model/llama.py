@@ -19,7 +19,8 @@ from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 REFINED_TOP_K = 8  # bf16 logits recomputed in float32 per sampled row (see CausalLM.compute_logits)
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of this step's positions
+# The plain path: cos and sin of this step's positions. The C++ path: the positions and the whole float32 tables.
+Rope = tuple[torch.Tensor, ...]
 
 
 class RMSNorm(nn.Module):
@@ -29,8 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused:
-            return torch.ops.tokenloom.rms_norm(x, self.weight, self.eps)
+        if fused:  # over the last dimension, as F.rms_norm: the op takes rows
+            return torch.ops.tokenloom.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,9 +68,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if meta.fused_ops:  # in place, on views into the qkv output: no copies
-            torch.ops.tokenloom.rotary_embedding(q, k, meta.positions, *rope)
+            q, k = self.q_norm(q, meta.use_cpu_kernel), self.k_norm(k, meta.use_cpu_kernel)
+        if meta.use_cpu_kernel:  # in place, on views into the qkv output: no copies
+            torch.ops.tokenloom.rotary_embedding(q, k, *rope)
         else:
             q, k = apply_rotary(q, k, *rope)
         k = k.reshape(num_tokens, self.kv_size)
@@ -103,7 +104,7 @@ class DecoderLayer(nn.Module):
         self, rope: Rope, hidden, residual: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out: the residual add is fused into the next norm, as vLLM does."""
-        fused = meta.fused_ops
+        fused = meta.use_cpu_kernel
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, fused)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, fused)
@@ -122,8 +123,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # Fused: the whole float32 tables, indexed by position inside the op; else this step's rows, looked up once.
-        rope = self.rotary.float32_tables() if meta.fused_ops else self.rotary.tables(positions, hidden.dtype)
+        # The C++ op indexes the whole float32 tables by position itself; else this step's rows, looked up once.
+        if meta.use_cpu_kernel:
+            rope = (positions, *self.rotary.float32_tables())
+        else:
+            rope = self.rotary.tables(positions, hidden.dtype)
         # The residual stream is kept in float32: in bfloat16, 30 layers of rounded adds cost top-1 agreement.
         residual = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -149,19 +153,17 @@ class CausalLM(nn.Module):
 
     def _head_weight(self) -> torch.Tensor:
         """The LM head's weight as a plain tensor, also once the head itself is prepacked."""
-        if self.lm_head is None:
-            return self.embed_tokens.weight
         plain = getattr(self, "_plain_head_weight", None)
-        return self.lm_head.weight if plain is None else plain
+        if plain is not None:
+            return plain
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def prepack_weights(self) -> None:
         """Every linear's weight into oneDNN's layout, once (see prepack.py); a tied LM head gets its own copy."""
-        if self.lm_head is not None:
-            self._plain_head_weight = self.lm_head.weight.detach()  # for refining the top logits
+        self._plain_head_weight = self._head_weight().detach()  # kept plain: the top logits are refined from it
         prepack_linears(self)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None)  # the embedding stays, for lookups
-            self._plain_head_weight = self.embed_tokens.weight.detach()
+            self.lm_head = PackedLinear(self._plain_head_weight, None)  # the embedding stays, for lookups
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""

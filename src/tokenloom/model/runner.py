@@ -140,15 +140,12 @@ class ModelRunner:
         slot_mapping = np.concatenate([self._slots(s.block_ids, s.start, s.start + s.num_tokens) for s in ordered])
         ends = np.cumsum([s.num_tokens for s in ordered])
         sample_rows = [int(end) - 1 for s, end in zip(ordered, ends, strict=True) if s.sample]
-        positions_tensor = self._tensor(positions)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping),
             block_size=self.block_size,
             workspace=self.workspace,
             use_cpu_kernel=self.use_cpu_kernel,
-            fused_ops=self.use_cpu_kernel,
             prefill_op=self.use_prefill_op,
-            positions=positions_tensor,
         )
         for first, last in group_by_context_length([s.start + 1 for s in decodes]):
             meta.decodes.append(self._decode_group(decodes[first:last], first))
@@ -156,7 +153,7 @@ class ModelRunner:
             meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
         return ModelInputs(
             input_ids=self._tensor(input_ids),
-            positions=positions_tensor,
+            positions=self._tensor(positions),
             meta=meta,
             sample_rows=self._tensor(np.array(sample_rows, dtype=np.int64)),
             sampled_items=[s for s in ordered if s.sample],

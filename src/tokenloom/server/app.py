@@ -306,19 +306,15 @@ def _rejected(error: RequestRejected) -> APIError:
     return APIError(error.status, error.message, None, error.code, headers)
 
 
-class ClientGone(Exception):
-    """The client hung up while its request waited or ran; the request has been aborted."""
-
-
 async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
-    """Awaits `work`, or cancels it (aborting its request) as soon as the client hangs up."""
+    """Awaits `work`, or cancels it (aborting its request) and raises a 499 as soon as the client hangs up."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(until_disconnected(receive))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
-        raise ClientGone
+        raise APIError(499, "client disconnected", None, "client_disconnected")
     finally:
         for pending in (task, watch):
             pending.cancel()
@@ -337,8 +333,6 @@ async def _collect(stream: AsyncIterator[RequestOutput], receive: Receive) -> Re
 
     try:
         return await _unless_disconnected(last(), receive)
-    except ClientGone as gone:
-        raise APIError(499, "client disconnected", None, "client_disconnected") from gone
     except RequestRejected as error:
         raise _rejected(error) from error
 
@@ -367,17 +361,20 @@ def _usage(output: RequestOutput) -> dict[str, int]:
 async def _sse(chunks: AsyncIterator[dict[str, Any]], lease: _Lease, receive: Receive) -> StreamingResponse:
     """Commits to 200 only once the request has its first output: a queue timeout before it is a real 503."""
     try:
-        first = await _unless_disconnected(anext(chunks), receive)
-    except (ClientGone, RequestRejected, StopAsyncIteration) as error:
+        first = [await _unless_disconnected(anext(chunks), receive)]
+    except StopAsyncIteration:
+        first = []
+    except (APIError, RequestRejected) as error:
         lease.release()
         await chunks.aclose()
         if isinstance(error, RequestRejected):
             raise _rejected(error) from error
-        raise APIError(499, "client disconnected", None, "client_disconnected") from error
+        raise
 
     async def events() -> AsyncIterator[str]:
         try:
-            yield f"data: {json.dumps(first)}\n\n"
+            for chunk in first:
+                yield f"data: {json.dumps(chunk)}\n\n"
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RequestRejected as error:  # failed or cut after the stream began: the client still hears why
