@@ -318,3 +318,34 @@ def test_a_request_is_admitted_while_a_step_runs_and_joins_the_next(tiny_llama):
     assert all(o[-1].metrics.arrival_time < released for o in outputs)  # queue time counts the wait
     # All three ran together: one step for their prompts (and first tokens), one for their second tokens.
     assert front.engine.stats()["num_steps"] == 2
+
+
+def test_compiled_step_gives_the_eager_greedy_tokens(tiny_llama, solo_reference):
+    """The torch.compile'd step (chunked prompts, preemption, mixed steps) against the eager solo runs."""
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    llm = LLM(str(tiny_llama), enforce_eager=False, **UNDER_PRESSURE)
+    assert llm.engine.runner.compiled is not None
+    assert counters["stats"]["unique_graphs"] >= graphs_before + 2  # warmed up: one token, and more than one
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert token_ids(llm.generate(prompts(10), greedy, use_tqdm=False)) == solo_reference
+    assert counters["stats"]["unique_graphs"] == graphs_before + 2  # no batch size compiled again
+
+
+def test_the_step_compiles_by_default_on_cuda_only():
+    assert EngineConfig().compiles_step("cuda") and not EngineConfig().compiles_step("cpu")
+    assert EngineConfig(enforce_eager=False).compiles_step("cpu")
+    assert not EngineConfig(enforce_eager=True).compiles_step("cuda")
+
+
+def test_enforce_eager_flag_reads_as_vllms():
+    import argparse
+
+    from tokenloom.cli import add_engine_flags, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config_from_args(parser.parse_args([])).enforce_eager is None
+    assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
+    assert engine_config_from_args(parser.parse_args(["--no-enforce-eager"])).enforce_eager is False

@@ -31,7 +31,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + field.name.replace("_", "-")
         hint = hints[field.name]
         help_text = f"{docs.get(field.name, '')} (default: {field.default})"
-        if hint is bool:
+        if hint is bool or hint == bool | None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
         else:
             kind = next((t for t in (int, float) if hint is t or t in typing.get_args(hint)), str)

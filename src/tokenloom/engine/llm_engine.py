@@ -73,7 +73,10 @@ class LLMEngine:
             self.dtype,
             config.seed,
             self.num_swap_blocks,
+            compile_step=config.compiles_step(self.device.type),
         )
+        if self.runner.compiled is not None:
+            self.runner.warm_up()
         self.preemption_costs = PreemptionCosts()
         self._step_costs = LinearCostFit()
         self._copy_costs = LinearCostFit()
@@ -101,12 +104,14 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         logger.info(
-            "loaded %s in %.1fs on %s in %s (dtype=%s): %d KV blocks of %d tokens (%d swap blocks), max_model_len %d",
+            "loaded %s in %.1fs on %s in %s (dtype=%s, %s): %d KV blocks of %d tokens (%d swap blocks), "
+            "max_model_len %d",
             self.loaded.name,
             time.monotonic() - started,
             self.device,
             dtype_name(self.dtype),
             config.dtype,
+            "eager" if self.runner.compiled is None else "compiled",
             self.num_kv_blocks,
             config.block_size,
             self.num_swap_blocks,

@@ -14,7 +14,9 @@ from torch import nn
 
 from tokenloom.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.forward_context import layer_attention
 from tokenloom.model.prepack import PackedLinear, prepack_linears
+from tokenloom.model.reductions import row_topk_indices
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -50,8 +52,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -62,20 +65,25 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, rope: Rope, hidden, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden, kv_cache: KVCache | None, meta: AttentionMetadata | None) -> torch.Tensor:
+        """meta None: the compiled graph, which reaches the cache through the layer_attention operator."""
         num_tokens = hidden.shape[0]
+        fused = meta is not None and meta.use_cpu_kernel
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q, meta.use_cpu_kernel), self.k_norm(k, meta.use_cpu_kernel)
-        if meta.use_cpu_kernel:  # in place, on views into the qkv output: no copies
+            q, k = self.q_norm(q, fused), self.k_norm(k, fused)
+        if fused:  # in place, on views into the qkv output: no copies
             torch.ops.tokenloom.rotary_embedding(q, k, *rope)
         else:
             q, k = apply_rotary(q, k, *rope)
         k = k.reshape(num_tokens, self.kv_size)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        if meta is None:
+            out = layer_attention(q, k, v, self.layer_index, self.scale)
+        else:
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -93,18 +101,18 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg)
 
     def forward(
-        self, rope: Rope, hidden, residual: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, rope: Rope, hidden, residual: torch.Tensor, kv_cache: KVCache | None, meta: AttentionMetadata | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out: the residual add is fused into the next norm, as vLLM does."""
-        fused = meta.use_cpu_kernel
+        fused = meta is not None and meta.use_cpu_kernel
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, fused)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, fused)
@@ -117,21 +125,25 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, kv_caches: list[KVCache] | None = None, meta: AttentionMetadata | None = None
+    ) -> torch.Tensor:
+        """Eager with the cache and metadata given; without them, as traced for the compiled step (compiled.py),
+        where the attention operator finds both in the forward context and the compiler fuses the small ops."""
         hidden = self.embed_tokens(input_ids)
         # The C++ op indexes the whole float32 tables by position itself; else this step's rows, looked up once.
-        if meta.use_cpu_kernel:
+        if meta is not None and meta.use_cpu_kernel:
             rope = (positions, *self.rotary.float32_tables())
         else:
             rope = self.rotary.tables(positions, hidden.dtype)
         # The residual stream is kept in float32: in bfloat16, 30 layers of rounded adds cost top-1 agreement.
         residual = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(rope, hidden, residual, None if kv_caches is None else kv_caches[i], meta)
         return residual + hidden  # the final stream, float32; compute_logits norms the rows that are sampled
 
     def compute_logits(self, stream: torch.Tensor) -> torch.Tensor:
@@ -147,9 +159,9 @@ class CausalLM(nn.Module):
             return F.linear(normed, head_weight)
         rounded = normed.to(head_weight.dtype)
         logits = (F.linear(rounded, head_weight) if self.lm_head is None else self.lm_head(rounded)).float()
-        top = logits.topk(REFINED_TOP_K, dim=-1).indices
+        top = row_topk_indices(logits, REFINED_TOP_K)
         exact = torch.einsum("rh,rkh->rk", normed, head_weight[top].float())
-        return logits.scatter(1, top, exact)
+        return logits.scatter_(1, top, exact)
 
     def _head_weight(self) -> torch.Tensor:
         """The LM head's weight as a plain tensor, also once the head itself is prepacked."""
@@ -158,12 +170,13 @@ class CausalLM(nn.Module):
             return plain
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def prepack_weights(self) -> None:
-        """Every linear's weight into oneDNN's layout, once (see prepack.py); a tied LM head gets its own copy."""
+    def prepack_weights(self, layers: bool = True) -> None:
+        """Every linear's weight (or the LM head's alone) into oneDNN's layout, once (see prepack.py); a tied LM
+        head gets its own copy."""
         self._plain_head_weight = self._head_weight().detach()  # kept plain: the top logits are refined from it
-        prepack_linears(self)
-        if self.lm_head is None:
-            self.lm_head = PackedLinear(self._plain_head_weight, None)  # the embedding stays, for lookups
+        if layers:
+            prepack_linears(self.layers)
+        self.lm_head = PackedLinear(self._plain_head_weight, None)  # a tied embedding stays, for lookups
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""

@@ -6,6 +6,8 @@ it is the only place where requests meet tensors.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,9 +16,13 @@ import torch
 from tokenloom.core.scheduler import ScheduledRequest
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
+from tokenloom.model.compiled import CompiledForward, compile_model
+from tokenloom.model.forward_context import forward_context
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.sampler import SampledToken, Sampler, SamplingBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +50,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         num_swap_blocks: int = 0,
+        compile_step: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -77,6 +84,7 @@ class ModelRunner:
             and model.config.head_dim in (64, 128)
             and cpu_kernel.has_prefill_op()
         )
+        self.compiled: CompiledForward | None = compile_model(model, device) if compile_step else None
         if can_prepack(device, dtype):
             model.prepack_weights()
         self._generators: dict[str, torch.Generator] = {}
@@ -89,7 +97,7 @@ class ModelRunner:
         ``StepResult.failed``) and the others still get their tokens. A failing forward fails the whole step.
         """
         inputs = self.prepare_inputs(scheduled)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self._forward(inputs)
         result = StepResult()
         if not inputs.sampled_items:
             return result
@@ -106,6 +114,34 @@ class ModelRunner:
                 except Exception as error:
                     result.failed[request_id] = error
         return result
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compiles the step before the first request: one forward per size class (one token, more than one).
+
+        The scratch tokens are written into block 0's slots, which any request that gets block 0 overwrites
+        before it reads them.
+        """
+        started = time.monotonic()
+        for num_tokens in (1, 2):
+            assert num_tokens <= self.block_size
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(num_tokens, device=self.device),
+                block_size=self.block_size,
+                prefills=[PrefillSegment(0, num_tokens, num_tokens, None, None)],
+                workspace=self.workspace,
+                use_cpu_kernel=self.use_cpu_kernel,
+                prefill_op=self.use_prefill_op,
+            )
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            self._forward(ModelInputs(ids, torch.arange(num_tokens, device=self.device), meta, ids[:0], []))
+        logger.info("compiled the step in %.1fs", time.monotonic() - started)
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        if self.compiled is None:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        with forward_context(self.kv_caches, inputs.meta):
+            return self.compiled(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenloom.model.reductions import row_argmax
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -53,7 +54,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if any(p.uses_penalties for p in batch.params):
             logits = apply_penalties(logits, batch)
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
         if not batch.all_greedy:
             tokens = self._sample_random(logits, batch, tokens)
         return self._results(tokens, raw_logprobs, batch)
@@ -69,7 +70,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         for row, generator in enumerate(batch.generators):
             noise[row].exponential_(generator=generator or self.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = row_argmax(probs / noise)
         return torch.where(greedy, greedy_tokens, sampled)
 
     def _results(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch):
