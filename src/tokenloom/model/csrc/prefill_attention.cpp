@@ -150,7 +150,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(d == 64 || d == 128, "prefill_attention: head size 64 or 128");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(1) == 1 && v.stride(1) == 1,
               "prefill_attention: heads and dims must be contiguous");
-  TORCH_CHECK(k.stride(0) == v.stride(0), "prefill_attention: k and v rows must have one stride");
+  TORCH_CHECK(ctx == 1 || k.stride(0) == v.stride(0), "prefill_attention: k and v rows must have one stride");
   TORCH_CHECK(k.size(1) % d == 0 && heads % (k.size(1) / d) == 0, "prefill_attention: heads must group over KV heads");
   TORCH_CHECK(n >= 1 && ctx >= n, "prefill_attention: the chunk must lie within its context");
   const int64_t kv_heads = k.size(1) / d, group = heads / kv_heads, past = ctx - n;
