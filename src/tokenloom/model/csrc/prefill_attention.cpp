@@ -52,6 +52,68 @@ inline uint32_t pair_at(const c10::BFloat16* row, int64_t d) {
   return out;
 }
 
+// The state of a tile's rows (query token and head pairs) while keys stream past.
+struct RowState {
+  float* acc;        // [rows, HD]
+  float* row_max;    // [rows]
+  float* row_sum;    // [rows, kKeys]: per-lane sums, added up once at the end
+};
+
+// R rows at once against one block of keys: R independent chains of dot products keep the vector unit busy where
+// one row's chain would wait on each instruction's latency, and each block of K^T and V is loaded once for R rows.
+// A row that sees none of the block (causal) has an empty mask: its scores are kNoMax, its probabilities 0, and
+// its state is unchanged.
+template <int HD, int R>
+inline void attend_rows(const c10::BFloat16* const* qrows, const __mmask16* keep, const uint32_t* kt,
+                        const uint32_t* vt, float scale, int64_t r0, RowState st) {
+  constexpr int kPairs = HD / 2;
+  constexpr int kLanes = HD / 16;
+  __m512 s[R], s2[R];
+  for (int i = 0; i < R; ++i) s[i] = s2[i] = _mm512_setzero_ps();
+  for (int p = 0; p < kPairs; p += 2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * kKeys);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (p + 1) * kKeys);
+    for (int i = 0; i < R; ++i) {
+      s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(qrows[i], 2 * p))), k0);
+      s2[i] = _mm512_dpbf16_ps(s2[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(qrows[i], 2 * p + 2))), k1);
+    }
+  }
+  __m512 acc[R][kLanes];
+  alignas(64) uint32_t prob_pairs[R][kKeys / 2];
+  for (int i = 0; i < R; ++i) {
+    const int64_t r = r0 + i;
+    const __m512 scores = _mm512_mask_mul_ps(_mm512_set1_ps(kNoMax), keep[i], _mm512_add_ps(s[i], s2[i]),
+                                             _mm512_set1_ps(scale));
+    const float block_max = _mm512_reduce_max_ps(scores);
+    float* a = st.acc + r * HD;
+    float* sums = st.row_sum + r * kKeys;
+    for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_loadu_ps(a + l * 16);
+    __m512 lane_sums = _mm512_loadu_ps(sums);
+    if (block_max > st.row_max[r]) {  // rescale what was summed under the old maximum (0 on the row's first block)
+      const __m512 correction = _mm512_set1_ps(std::exp(st.row_max[r] - block_max));
+      for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_mul_ps(acc[i][l], correction);
+      lane_sums = _mm512_mul_ps(lane_sums, correction);
+      st.row_max[r] = block_max;
+    }
+    const __m512 probs =
+        _mm512_maskz_mov_ps(keep[i], exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(st.row_max[r]))));
+    _mm512_storeu_ps(sums, _mm512_add_ps(lane_sums, probs));
+    // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
+    _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(probs));
+  }
+  for (int64_t j = 0; j < kKeys / 2; ++j) {
+    for (int l = 0; l < kLanes; ++l) {
+      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vt + j * HD + l * 16);
+      for (int i = 0; i < R; ++i) {
+        acc[i][l] = _mm512_dpbf16_ps(acc[i][l], (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[i][j])), vv);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int l = 0; l < kLanes; ++l) _mm512_storeu_ps(st.acc + (r0 + i) * HD + l * 16, acc[i][l]);
+  }
+}
+
 // One KV head, query tokens [q0, q1) of the chunk, every query head of the group.
 template <int HD>
 void attend_block(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k, const c10::BFloat16* v,
@@ -59,16 +121,18 @@ void attend_block(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16*
                   c10::BFloat16* out, int64_t out_stride, std::vector<float>& scratch) {
   constexpr int kPairs = HD / 2;
   constexpr int kLanes = HD / 16;
+  constexpr int kTile = HD == 64 ? 4 : 2;  // rows at once: kTile * kLanes accumulators stay in registers
   const int64_t rows = (q1 - q0) * group;
-  scratch.resize(rows * (HD + 2) + kPairs * kKeys + (kKeys / 2) * HD);
+  scratch.resize(rows * (HD + 1 + kKeys) + kPairs * kKeys + (kKeys / 2) * HD + 16);
   float* acc = scratch.data();                     // [rows, HD]
   float* row_max = acc + rows * HD;                // [rows]
-  float* row_sum = row_max + rows;                 // [rows]
-  uint32_t* kt = reinterpret_cast<uint32_t*>(row_sum + rows);  // [kPairs, kKeys]: K^T, dims in pairs
+  float* row_sum = row_max + rows;                 // [rows, kKeys]
+  uint32_t* kt = reinterpret_cast<uint32_t*>(row_sum + rows * kKeys);  // [kPairs, kKeys]: K^T, dims in pairs
   uint32_t* vt = kt + kPairs * kKeys;              // [kKeys / 2, HD]: V, keys in pairs
   std::fill(acc, acc + rows * HD, 0.0f);
   std::fill(row_max, row_max + rows, kNoMax);
-  std::fill(row_sum, row_sum + rows, 0.0f);
+  std::fill(row_sum, row_sum + rows * kKeys, 0.0f);
+  const RowState state{acc, row_max, row_sum};
   const int64_t end_key = past + q1;  // the last query sees keys [0, past + q1)
   for (int64_t k0 = 0; k0 < end_key; k0 += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, end_key - k0);
@@ -82,54 +146,31 @@ void attend_block(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16*
       const uint16_t* vb = reinterpret_cast<const uint16_t*>(v + b * kv_stride);
       for (int d = 0; d < HD; ++d) vt[j * HD + d] = va[d] | (static_cast<uint32_t>(vb[d]) << 16);
     }
-    for (int64_t t = q0; t < q1; ++t) {
-      const int64_t visible = std::min<int64_t>(nk, past + t + 1 - k0);  // causal: keys up to this query's position
-      if (visible <= 0) continue;
-      const __mmask16 keep = visible >= kKeys ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << visible) - 1);
-      for (int64_t h = 0; h < group; ++h) {
-        const int64_t r = (t - q0) * group + h;
-        const c10::BFloat16* qr = q + t * q_stride + h * HD;
-        // Four independent sums: one chain of dependent dot products would wait on each one's latency.
-        __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int p = 0; p < kPairs; p += 4) {
-          for (int u = 0; u < 4; ++u) {
-            const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(qr, 2 * (p + u))));
-            part[u] = _mm512_dpbf16_ps(part[u], qp, (__m512bh)_mm512_loadu_si512(kt + (p + u) * kKeys));
-          }
-        }
-        __m512 s = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
-        s = _mm512_mask_mul_ps(_mm512_set1_ps(kNoMax), keep, s, _mm512_set1_ps(scale));
-        const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(s));
-        const float correction = std::exp(row_max[r] - new_max);  // 0 on a row's first block: see kNoMax
-        const __m512 probs = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-        row_sum[r] = row_sum[r] * correction + _mm512_reduce_add_ps(probs);
-        row_max[r] = new_max;
-        float* a = acc + r * HD;
-        // Two sets of sums (even and odd key pairs), for the same reason as above.
-        __m512 even[kLanes], odd[kLanes];
-        for (int l = 0; l < kLanes; ++l) {
-          even[l] = _mm512_mul_ps(_mm512_loadu_ps(a + l * 16), _mm512_set1_ps(correction));
-          odd[l] = _mm512_setzero_ps();
-        }
-        // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
-        alignas(64) uint32_t prob_pairs[kKeys / 2];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs), (__m256i)_mm512_cvtneps_pbh(probs));
-        for (int64_t j = 0; j < kKeys / 2; j += 2) {
-          const __m512bh p0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[j]));
-          const __m512bh p1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[j + 1]));
-          for (int l = 0; l < kLanes; ++l) {
-            even[l] = _mm512_dpbf16_ps(even[l], p0, (__m512bh)_mm512_loadu_si512(vt + j * HD + l * 16));
-            odd[l] = _mm512_dpbf16_ps(odd[l], p1, (__m512bh)_mm512_loadu_si512(vt + (j + 1) * HD + l * 16));
-          }
-        }
-        for (int l = 0; l < kLanes; ++l) _mm512_storeu_ps(a + l * 16, _mm512_add_ps(even[l], odd[l]));
-      }
+    // Rows whose token sees none of this block are skipped; the rest go kTile at a time.
+    const int64_t first_token = std::max<int64_t>(q0, k0 - past);
+    int64_t r = (first_token - q0) * group;
+    const c10::BFloat16* qrows[kTile];
+    __mmask16 keep[kTile];
+    auto load_row = [&](int64_t row, int i) {
+      const int64_t t = q0 + row / group, h = row % group;
+      const int64_t visible = std::min<int64_t>(nk, past + t + 1 - k0);  // causal: keys up to the token's position
+      keep[i] = visible <= 0 ? 0 : visible >= kKeys ? static_cast<__mmask16>(0xFFFF)
+                                                    : static_cast<__mmask16>((1u << visible) - 1);
+      qrows[i] = q + t * q_stride + h * HD;
+    };
+    for (; r + kTile <= rows; r += kTile) {
+      for (int i = 0; i < kTile; ++i) load_row(r + i, i);
+      attend_rows<HD, kTile>(qrows, keep, kt, vt, scale, r, state);
+    }
+    for (; r < rows; ++r) {
+      load_row(r, 0);
+      attend_rows<HD, 1>(qrows, keep, kt, vt, scale, r, state);
     }
   }
   for (int64_t t = q0; t < q1; ++t) {
     for (int64_t h = 0; h < group; ++h) {
       const int64_t r = (t - q0) * group + h;
-      const float inv = 1.0f / row_sum[r];
+      const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(row_sum + r * kKeys));
       c10::BFloat16* o = out + t * out_stride + h * HD;
       for (int l = 0; l < kLanes; ++l) {
         const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + l * 16), _mm512_set1_ps(inv));
