@@ -1,6 +1,6 @@
 """Where the time of a continuous-batching run goes: GEMMs, attention, sampler, scheduler, Python.
 
-    .venv/bin/python benchmarks/profile_breakdown.py [--num-requests 24] [--max-num-seqs 16]
+    .venv/bin/python benchmarks/profile_breakdown.py [--num-requests 64] [--max-num-seqs 64] [--dtype auto]
 
 Runs the first requests of the mixed-64 workload under cProfile and sums the time of the functions that make
 up each part of a step. cProfile adds some overhead to every Python call, so the "Python and the rest" line is
@@ -24,20 +24,31 @@ from offline_throughput import mixed_workload
 
 from tokenloom import LLM, SamplingParams
 
-# part of the step -> (function name, file fragment, use cumulative time?)
+# part of the step -> (function name, file fragment, use cumulative time?). Both paths are listed: the C++
+# operators and prepacked linears (bf16 on CPU) and plain PyTorch (float32 linears, other devices).
 PARTS = {
-    "GEMMs (q/k/v/o, MLP, LM head)": [("<built-in method torch._C._nn.linear>", "~", False)],
+    "GEMMs (q/k/v/o, MLP, LM head)": [
+        ("<built-in method torch._C._nn.linear>", "~", False),
+        ("<built-in method torch._ops.mkldnn._linear_pointwise>", "~", False),
+    ],
     "decode attention": [
         ("paged_decode_attention", "cpu_kernel.py", True),
         ("_decode_attention", "attention.py", True),
     ],
-    "prefill attention": [("_prefill_attention", "attention.py", True)],
+    "prefill attention": [
+        ("_prefill_attention", "attention.py", True),
+        ("<built-in method torch._ops.tokenloom.prefill_attention>", "~", False),
+    ],
     "KV gather for chunked prefill": [("gather", "attention.py", True)],
     "KV cache writes": [("write_kv", "attention.py", True)],
     "norms, rotary, SiLU, residuals": [
         ("<built-in method torch.rms_norm>", "~", False),
         ("apply_rotary", "rotary.py", True),
         ("<built-in method torch._C._nn.silu>", "~", False),
+        ("<built-in method torch._ops.tokenloom.rms_norm>", "~", False),
+        ("<built-in method torch._ops.tokenloom.fused_add_rms_norm>", "~", False),
+        ("<built-in method torch._ops.tokenloom.rotary_embedding>", "~", False),
+        ("<built-in method torch._ops.tokenloom.silu_and_mul>", "~", False),
     ],
     "sampler": [("__call__", "sampler.py", True)],
     "runner input preparation": [("prepare_inputs", "runner.py", True)],
@@ -47,11 +58,12 @@ PARTS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-requests", type=int, default=24)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     work = mixed_workload(64, 0, llm.engine.model_config.vocab_size)
     n = args.num_requests
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens[:n]]
@@ -72,7 +84,10 @@ def main() -> None:
         rows.append((part, seconds))
     rows.append(("Python and the rest", total - sum(s for _, s in rows)))
     steps = llm.stats()["num_steps"]
-    print(f"{n} requests, max_num_seqs={args.max_num_seqs}: {total:.1f} s under cProfile, {steps} steps")
+    print(
+        f"{n} requests, max_num_seqs={args.max_num_seqs}, budget {args.max_num_batched_tokens}, "
+        f"{llm.engine.dtype}: {total:.1f} s under cProfile, {steps} steps, load average {os.getloadavg()[0]:.2f}"
+    )
     print(f"| {'part of the step':<32} | {'seconds':>8} | {'share':>6} |")
     print(f"|{'-' * 34}|{'-' * 9}:|{'-' * 7}:|")
     for part, seconds in rows:
