@@ -57,7 +57,7 @@ def capture_steps(engine: LLMEngine) -> dict[str, list]:
 
 
 def time_forwards(engine: LLMEngine, steps: dict[str, list], repeats: int) -> dict[str, dict[str, float]]:
-    runner = engine.runner
+    runner = engine.core.runner
     compiled = runner.compiled
     times: dict[str, dict[str, list[float]]] = {"eager": {}, "compiled": {}}
     with torch.inference_mode():

@@ -27,27 +27,19 @@ def run(policy: str, flood: int, short: int) -> tuple[list[float], float]:
         prompt = [rng.randrange(100, 49000) for _ in range(1500)]
         engine.add_request(prompt, long_params, request_id=f"A{i}", tenant="A")
     short_params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    b_requests, steps, b_tokens, a_tokens = [], 0, 0, 0
+    b_requests, steps = [], 0
 
     def b_still_waiting() -> bool:
         return len(b_requests) < short or any(r.first_token_time is None for r in b_requests)
 
-    # The loop is the engine's step, spelled out to count the tokens each tenant is given.
-    while b_still_waiting():
+    while b_still_waiting() and engine.has_unfinished_requests():
         if steps % 8 == 0 and len(b_requests) < short:
             prompt = [rng.randrange(100, 49000) for _ in range(60)]
             b_requests.append(engine.add_request(prompt, short_params, request_id=f"B{steps}", tenant="B"))
-        output = engine.scheduler.schedule()
-        if output.is_empty:
-            break
-        for item in output.scheduled:
-            if item.request.tenant == "B":
-                b_tokens += item.num_tokens
-            else:
-                a_tokens += item.num_tokens
-        sampled = engine.runner.execute(output.scheduled).sampled
-        engine.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
+        engine.step()
         steps += 1
+    by_tenant = engine.stats().computed_tokens_by_tenant  # counted per scheduled token, as the scheduler gives them
+    a_tokens, b_tokens = by_tenant.get("A", 0), by_tenant.get("B", 0)
     ttfts = sorted(r.first_token_time - r.arrival_time for r in b_requests if r.first_token_time is not None)
     return ttfts, b_tokens / max(1, a_tokens + b_tokens)
 

@@ -83,7 +83,7 @@ def main() -> None:
                     seconds += cumtime if cumulative else tottime
         rows.append((part, seconds))
     rows.append(("Python and the rest", total - sum(s for _, s in rows)))
-    steps = llm.stats()["num_steps"]
+    steps = llm.stats().num_steps
     print(
         f"{n} requests, max_num_seqs={args.max_num_seqs}, budget {args.max_num_batched_tokens}, "
         f"{llm.engine.dtype}: {total:.1f} s under cProfile, {steps} steps, load average {os.getloadavg()[0]:.2f}"

@@ -53,8 +53,8 @@ def test_engine_reports_the_dtype_it_chose(tiny_llama, monkeypatch):
     monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: True)
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=16))
     assert engine.dtype == torch.bfloat16
-    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
-    assert next(engine.runner.model.parameters()).dtype == torch.bfloat16
+    assert engine.core.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert next(engine.core.runner.model.parameters()).dtype == torch.bfloat16
     monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: False)
     assert LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=16)).dtype == torch.float32
 
@@ -85,7 +85,7 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
     """
     oracle = hf_oracle(real_model_dir)
     engine = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=64, block_size=16))
-    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert engine.core.runner.kv_caches[0][0].dtype == torch.bfloat16
     tokenizer = engine.tokenizer
     agree = total = 0
     for prompt in PROMPTS:
@@ -107,7 +107,7 @@ def _logits(engine: LLMEngine, request: Request, start: int, end: int) -> torch.
 
     blocks = list(range(-(-end // engine.config.block_size)))
     item = ScheduledRequest(request, start, request.all_token_ids[start:end], blocks, sample=True)
-    inputs = engine.runner.prepare_inputs([item])
+    inputs = engine.core.runner.prepare_inputs([item])
     with torch.inference_mode():
-        hidden = engine.runner.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
-        return engine.runner.model.compute_logits(hidden)
+        hidden = engine.core.runner.model(inputs.input_ids, inputs.positions, engine.core.runner.kv_caches, inputs.meta)
+        return engine.core.runner.model.compute_logits(hidden)

@@ -59,14 +59,14 @@ def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert token_ids(llm.generate(prompts(10), greedy, use_tqdm=False)) == solo_reference
     stats = llm.stats()
-    assert stats["kv_blocks_in_use"] == 0 and stats["generated_tokens"] == 120
+    assert stats.kv_blocks_in_use == 0 and stats.generated_tokens == 120
     if "num_kv_blocks" in config:
-        assert stats["num_preemptions"] > 0
+        assert stats.num_preemptions > 0
     if config.get("preemption_mode") == "swap":
-        assert stats["num_preemptions_swap"] == stats["num_preemptions"], "a 64-block pool never falls back"
-        restored = stats["swapped_in_blocks"] + stats["swap_in_cached_blocks"]  # copied back or found cached
-        assert restored == stats["swapped_out_blocks"] > 0
-    assert stats["swap_blocks_in_use"] == 0 and stats["num_swapped"] == 0
+        assert stats.num_preemptions_swap == stats.num_preemptions, "a 64-block pool never falls back"
+        restored = stats.swapped_in_blocks + stats.swap_in_cached_blocks  # copied back or found cached
+        assert restored == stats.swapped_out_blocks > 0
+    assert stats.swap_blocks_in_use == 0 and stats.num_swapped == 0
 
 
 def test_priority_policy_keeps_outputs_and_serves_urgent_first(tiny_llama, solo_reference):
@@ -82,7 +82,7 @@ def test_priority_policy_keeps_outputs_and_serves_urgent_first(tiny_llama, solo_
 def test_preempted_requests_report_it(tiny_llama):
     llm = LLM(str(tiny_llama), **UNDER_PRESSURE)
     outputs = llm.generate(prompts(10), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert sum(o.num_preemptions for o in outputs) == llm.stats()["num_preemptions"] > 0
+    assert sum(o.num_preemptions for o in outputs) == llm.stats().num_preemptions > 0
     for output in outputs:
         m = output.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
@@ -96,7 +96,7 @@ def test_shared_prefixes_hit_the_prefix_cache(tiny_llama):
     second = llm.generate({"prompt_token_ids": [*shared, 2]}, params, use_tqdm=False)
     assert second[0].metrics.num_cached_tokens == 32 and first[0].metrics.num_cached_tokens == 0
     stats = llm.stats()
-    assert stats["prefix_cache_hits"] == 32 and stats["prefix_cache_queries"] == 66
+    assert stats.prefix_cache_hits == 32 and stats.prefix_cache_queries == 66
     cold = LLM(str(tiny_llama), block_size=4, enable_prefix_caching=False)
     assert token_ids(cold.generate({"prompt_token_ids": [*shared, 2]}, params, use_tqdm=False)) == token_ids(second)
 
@@ -172,13 +172,13 @@ def test_bad_token_ids_and_missing_tokenizer(tiny_llama):
         llm.generate({"prompt_token_ids": [VOCAB + 5]}, use_tqdm=False)
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello", use_tqdm=False)
-    assert llm.stats()["kv_blocks_in_use"] == 0 and not llm.engine.has_unfinished_requests()
+    assert llm.stats().kv_blocks_in_use == 0 and not llm.engine.has_unfinished_requests()
 
 
 def test_plain_pytorch_attention_path_gives_the_same_outputs(tiny_llama, solo_reference):
     """The compiled CPU decode kernel is optional; without it (other devices, no compiler) nothing changes."""
     llm = LLM(str(tiny_llama), max_num_seqs=4, max_num_batched_tokens=20)
-    llm.engine.runner.use_cpu_kernel = False
+    llm.engine.core.runner.use_cpu_kernel = False
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert token_ids(llm.generate(prompts(10), greedy, use_tqdm=False)) == solo_reference
 
@@ -187,7 +187,7 @@ def test_swap_copies_blocks_to_the_host_pool_and_back(tiny_llama):
     engine = LLMEngine(
         EngineConfig(model=str(tiny_llama), num_kv_blocks=8, block_size=4, preemption_mode="swap", num_swap_blocks=5)
     )
-    runner = engine.runner
+    runner = engine.core.runner
     assert len(runner.swap_caches) == len(runner.kv_caches)
     assert all(
         host.device.type == "cpu" and host.data_ptr() != dev.data_ptr()
@@ -211,10 +211,10 @@ def test_swap_copies_blocks_to_the_host_pool_and_back(tiny_llama):
 
 def test_recompute_mode_allocates_no_swap_pool(tiny_llama):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, swap_space=4.0))
-    assert engine.num_swap_blocks == 0 and engine.runner.swap_caches == []
+    assert engine.core.num_swap_blocks == 0 and engine.core.runner.swap_caches == []
     sized = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, preemption_mode="auto", swap_space=0.001))
-    assert sized.num_swap_blocks == int(0.001 * 1024**3) // sized.kv_bytes_per_block() > 0
-    costs = sized.preemption_costs
+    assert sized.core.num_swap_blocks == int(0.001 * 1024**3) // sized.core.kv_bytes_per_block() > 0
+    costs = sized.core.preemption_costs
     assert costs.seconds_per_block_copy > 0, "the engine measures block copies at start"
 
 
@@ -275,7 +275,7 @@ def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
                 engine.add_request(prompts[i], params, request_id=str(i), priority=i % 3, tenant=f"t{i % 2}")
         for i, when in aborts.items():
             if when == step and engine.abort_request(str(i)) is not None:
-                engine.scheduler.check_invariants()
+                engine.core.scheduler.check_invariants()
         finished.update({o.request_id: o for o in engine.step() if o.finished})
         step += 1
         assert step < 2000
@@ -286,11 +286,11 @@ def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
         else:
             assert i in aborts
     stats = engine.stats()
-    assert stats["kv_blocks_in_use"] == 0 and stats["swap_blocks_in_use"] == 0
+    assert stats.kv_blocks_in_use == 0 and stats.swap_blocks_in_use == 0
     if preemption_mode == "recompute":
-        assert stats["num_preemptions_swap"] == 0
-    event(f"preempted by swap: {stats['num_preemptions_swap'] > 0}")
-    event(f"preempted by recompute: {stats['num_preemptions_recompute'] > 0}")
+        assert stats.num_preemptions_swap == 0
+    event(f"preempted by swap: {stats.num_preemptions_swap > 0}")
+    event(f"preempted by recompute: {stats.num_preemptions_recompute > 0}")
 
 
 def test_a_request_is_admitted_while_a_step_runs_and_joins_the_next(tiny_llama):
@@ -317,7 +317,7 @@ def test_a_request_is_admitted_while_a_step_runs_and_joins_the_next(tiny_llama):
     assert admitted < released
     assert all(o[-1].metrics.arrival_time < released for o in outputs)  # queue time counts the wait
     # All three ran together: one step for their prompts (and first tokens), one for their second tokens.
-    assert front.engine.stats()["num_steps"] == 2
+    assert front.stats().num_steps == 2
 
 
 def test_compiled_step_gives_the_eager_greedy_tokens(tiny_llama, solo_reference):
@@ -326,7 +326,7 @@ def test_compiled_step_gives_the_eager_greedy_tokens(tiny_llama, solo_reference)
 
     graphs_before = counters["stats"]["unique_graphs"]
     llm = LLM(str(tiny_llama), enforce_eager=False, **UNDER_PRESSURE)
-    assert llm.engine.runner.compiled is not None
+    assert llm.engine.core.runner.compiled is not None
     assert counters["stats"]["unique_graphs"] >= graphs_before + 2  # warmed up: one token, and more than one
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert token_ids(llm.generate(prompts(10), greedy, use_tqdm=False)) == solo_reference

@@ -85,14 +85,14 @@ def test_a_failing_request_is_failed_alone(tiny_llama, preemption_mode, fault):
 
     engine = LLMEngine(config)
     poisoned = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
-    engine.runner.sampler = PoisonedSampler(engine.runner.sampler, poisoned, after_tokens=3)
+    engine.core.runner.sampler = PoisonedSampler(engine.core.runner.sampler, poisoned, after_tokens=3)
     extra = []
     if fault in ("sampling", "both"):
         extra.append(("bad-sampling", [7, 8, 9] * 5, poisoned, lambda e, rid: None))
     if fault in ("detokenizer", "both"):
 
         def break_detokenizer(engine: LLMEngine, request_id: str) -> None:
-            engine._states[request_id].detokenizer = FailingDetokenizer(after_tokens=5)
+            engine.processor._states[request_id].detokenizer = FailingDetokenizer(after_tokens=5)
 
         extra.append(("bad-detok", [11, 12, 13] * 6, SamplingParams(max_tokens=14, ignore_eos=True), break_detokenizer))
     results = run(engine, items, extra)
@@ -101,16 +101,16 @@ def test_a_failing_request_is_failed_alone(tiny_llama, preemption_mode, fault):
         assert str(results.pop(request_id)).startswith("error: "), request_id
     assert results == clean
     stats = engine.stats()
-    assert stats["kv_blocks_in_use"] == 0 and stats["swap_blocks_in_use"] == 0 and stats["num_swapped"] == 0
-    assert stats["num_preemptions"] > 0  # the faults happened under pressure, with preemptions going on
-    engine.scheduler.check_invariants()
-    assert engine.runner._generators == {}  # no per-request generator outlives its request
+    assert stats.kv_blocks_in_use == 0 and stats.swap_blocks_in_use == 0 and stats.num_swapped == 0
+    assert stats.num_preemptions > 0  # the faults happened under pressure, with preemptions going on
+    engine.core.scheduler.check_invariants()
+    assert engine.core.runner._generators == {}  # no per-request generator outlives its request
 
 
 def test_the_async_front_fails_only_that_stream(tiny_llama):
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=8))
     poisoned = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    engine.runner.sampler = PoisonedSampler(engine.runner.sampler, poisoned, after_tokens=2)
+    engine.core.runner.sampler = PoisonedSampler(engine.core.runner.sampler, poisoned, after_tokens=2)
     front = AsyncEngine(engine)
     front.start()
     good = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -135,4 +135,4 @@ def test_the_async_front_fails_only_that_stream(tiny_llama):
         front.shutdown()
     assert isinstance(bad, RequestRejected) and bad.status == 500 and "injected" in bad.message
     assert len(a) == len(b) == 10
-    assert engine.stats()["kv_blocks_in_use"] == 0
+    assert engine.stats().kv_blocks_in_use == 0

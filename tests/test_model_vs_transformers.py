@@ -25,10 +25,10 @@ def logits_of_chunk(engine: LLMEngine, request: Request, start: int, end: int) -
     """Runs tokens [start, end) of the request through the paged model; returns logits of every row."""
     blocks = list(range(-(-end // BLOCK)))
     item = ScheduledRequest(request, start, request.all_token_ids[start:end], blocks, sample=True)
-    inputs = engine.runner.prepare_inputs([item])
+    inputs = engine.core.runner.prepare_inputs([item])
     with torch.inference_mode():
-        hidden = engine.runner.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
-        return engine.runner.model.compute_logits(hidden)
+        hidden = engine.core.runner.model(inputs.input_ids, inputs.positions, engine.core.runner.kv_caches, inputs.meta)
+        return engine.core.runner.model.compute_logits(hidden)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)

@@ -59,11 +59,11 @@ def assert_greedy_matches_transformers(llm: LLM, expected: dict[str, list[int]])
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0, "the KV pool was meant to force preemptions"
+    assert stats.num_preemptions > 0, "the KV pool was meant to force preemptions"
     assert max(len(o.prompt_token_ids) for o in outputs) > 48, "some prompt was meant to be chunked"
     for output in outputs:
         assert output.outputs[0].token_ids == expected[output.prompt], f"diverged on {output.prompt!r}"
-    assert stats["kv_blocks_in_use"] == 0 and stats["swap_blocks_in_use"] == 0
+    assert stats.kv_blocks_in_use == 0 and stats.swap_blocks_in_use == 0
     return stats
 
 
@@ -75,7 +75,7 @@ def test_greedy_matches_transformers_with_swap_preemption(real_model_dir, transf
     # Six swap slots hold the KV of a short victim but not of a long one, which falls back to recompute.
     llm = LLM(str(real_model_dir), **PRESSURE, preemption_mode="swap", num_swap_blocks=6)
     stats = assert_greedy_matches_transformers(llm, transformers_outputs)
-    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
+    assert stats.num_preemptions_swap > 0 and stats.num_preemptions_recompute > 0
 
 
 def test_stop_strings_end_generation_and_are_left_out(llm_under_pressure):

@@ -69,7 +69,7 @@ def test_engine_sizes_its_kv_pool_with_the_plan(tiny_llama):
 
     llm = LLM(str(tiny_llama), kv_cache_memory=10 * 2**20, block_size=16)
     _, cfg = load_model_config(str(tiny_llama))
-    assert llm.stats()["kv_blocks_total"] == 10 * 2**20 // (16 * cfg.kv_bytes_per_token(4))
+    assert llm.stats().kv_blocks_total == 10 * 2**20 // (16 * cfg.kv_bytes_per_token(4))
 
 
 def test_catalogue_and_cli(real_model_dir):

@@ -125,7 +125,6 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenloom.bench.provenance import git_commit
-    from tokenloom.core.policy import FairPolicy
     from tokenloom.engine.async_engine import AsyncEngine
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.server.app import build_app
@@ -137,8 +136,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     metrics = ServerMetrics(engine)
     tenants = load_tenants(args.tenants) if args.tenants else None
-    if tenants and isinstance(engine.scheduler.policy, FairPolicy):
-        engine.scheduler.policy.weights.update({t.name: t.weight for t in tenants})
+    if tenants:
+        engine.set_tenant_weights({t.name: t.weight for t in tenants})
     front = AsyncEngine(
         engine,
         max_num_queued_requests=args.max_num_queued_requests,
@@ -149,7 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(
         front,
         metrics,
-        args.served_model_name or engine.loaded.name,
+        args.served_model_name or engine.model_name,
         api_keys=args.api_key,
         tenants=tenants,
         max_body_bytes=args.max_body_bytes,

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from tokenloom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from tokenloom.core.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from tokenloom.utils import cdiv
 
 
 class KVCacheManager:

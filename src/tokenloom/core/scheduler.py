@@ -18,10 +18,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenloom.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import FCFSPolicy
 from tokenloom.core.preemption import PREEMPTION_MODES, PreemptionCosts, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
+from tokenloom.utils import cdiv
 
 
 @dataclass
@@ -62,6 +63,7 @@ class SchedulerStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests, counted once each
     generated_tokens: int = 0
     computed_tokens: int = 0  # every token that went through the model, recomputation included
+    computed_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     swap_in_cached_blocks: int = 0  # blocks of swapped-in requests found in the prefix cache, so not copied back
@@ -182,6 +184,9 @@ class Scheduler:
         if not output.is_empty:
             self.stats.num_steps += 1
             self.stats.computed_tokens += output.num_batched_tokens
+            by_tenant = self.stats.computed_tokens_by_tenant
+            for item in output.scheduled:
+                by_tenant[item.request.tenant] = by_tenant.get(item.request.tenant, 0) + item.num_tokens
         return output
 
     def _displace_for_better_waiting(self, output: SchedulerOutput) -> int:

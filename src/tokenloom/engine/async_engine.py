@@ -16,7 +16,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from tokenloom.engine.core import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine, PreparedRequest
+from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -129,6 +131,25 @@ class AsyncEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)[1]
 
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def describe(self) -> dict[str, object]:
+        """What /version says of the engine: the resolved dtype, the device and the whole configuration."""
+        return {
+            "dtype": dtype_name(self.engine.dtype),  # what dtype "auto" resolved to on this machine
+            "device": str(self.engine.device),
+            "engine_config": self.engine.config.to_dict(),
+        }
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
     def _add(
         self, prompt, params: SamplingParams, request_id: str, priority: int, tenant: str, arrival_time: float
     ) -> None:
@@ -161,12 +182,10 @@ class AsyncEngine:
 
     def _count_queued(self) -> None:
         """What admission limits compare against, counted on the engine thread where the queue changes."""
-        waiting = self.engine.scheduler.waiting
-        backlog = 0
-        if self.max_num_queued_tokens is not None:  # a walk over the queue: only when a limit needs it
-            backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
+        # The backlog is a walk over the queue: only when a limit needs it.
+        state = self.engine.queue_state(count_backlog=self.max_num_queued_tokens is not None)
         with self._admission:
-            self._waiting_requests, self._backlog_tokens = len(waiting), backlog
+            self._waiting_requests, self._backlog_tokens = state.num_waiting, state.backlog_tokens
 
     def _run(self) -> None:
         while not self._stopping:
@@ -207,17 +226,13 @@ class AsyncEngine:
     def _expire_queued(self) -> list[RequestOutput]:
         if self.queue_timeout is None:
             return []
-        now = time.monotonic()
-        expired = [
-            r
-            for r in self.engine.scheduler.waiting
-            if r.first_scheduled_time is None and now - r.arrival_time > self.queue_timeout
-        ]
         outputs = []
-        for request in expired:
-            outputs.append(self.engine.abort_request(request.request_id))
+        for request_id in self.engine.never_scheduled_since(time.monotonic() - self.queue_timeout):
+            output = self.engine.abort_request(request_id)
+            if output is not None:
+                outputs.append(output)
             message = f"the request waited more than {self.queue_timeout:g}s in the queue"
-            self._deliver(request.request_id, RequestRejected(503, "queue_timeout", message))
+            self._deliver(request_id, RequestRejected(503, "queue_timeout", message))
         return outputs
 
     def _cut_after_drain(self) -> list[RequestOutput]:
@@ -228,7 +243,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: RequestRejected) -> list[RequestOutput]:
         outputs = []
-        for request_id in list(self.engine.scheduler.requests):
+        for request_id in self.engine.request_ids():
             output = self.engine.abort_request(request_id)
             if output is not None:
                 outputs.append(output)

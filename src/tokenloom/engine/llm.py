@@ -8,6 +8,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokenloom.config import EngineConfig
+from tokenloom.engine.core import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -66,7 +67,7 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Counters since start: steps, tokens, preemptions, prefix-cache queries and hits, KV blocks."""
         return self.engine.stats()
 
@@ -92,7 +93,7 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished:
                         done[output.request_id] = output
-                progress.update(task, completed=len(done), tokens=self.engine.scheduler.stats.generated_tokens)
+                progress.update(task, completed=len(done), tokens=self.engine.stats().generated_tokens)
         return [done[request_id] for request_id in request_ids]
 
 

@@ -21,6 +21,7 @@ from tokenloom.model.forward_context import forward_context
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.sampler import SampledToken, Sampler, SamplingBatch
+from tokenloom.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class ModelRunner:
     def _decode_group(self, decodes: list[ScheduledRequest], row_start: int) -> DecodeGroup:
         context_lens = np.array([s.start + 1 for s in decodes], dtype=np.int64)
         max_ctx = int(context_lens.max())
-        num_blocks = -(-max_ctx // self.block_size)
+        num_blocks = cdiv(max_ctx, self.block_size)
         tables = np.zeros((len(decodes), num_blocks), dtype=np.int64)
         for row, s in enumerate(decodes):
             used = s.block_ids[:num_blocks]
@@ -218,7 +219,7 @@ class ModelRunner:
         if s.start == 0:  # the chunk is its whole context: plain causal attention, no mask at all
             return PrefillSegment(q_start, s.num_tokens, ctx_len, None, None)
         visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
-        table = self._tensor(np.asarray(s.block_ids[: -(-ctx_len // self.block_size)], dtype=np.int64))
+        table = self._tensor(np.asarray(s.block_ids[: cdiv(ctx_len, self.block_size)], dtype=np.int64))
         return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self._tensor(visible))
 
     def _bias(self, visible: np.ndarray) -> torch.Tensor:

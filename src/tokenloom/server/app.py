@@ -22,7 +22,6 @@ from starlette.exceptions import HTTPException
 
 import tokenloom
 from tokenloom.engine.async_engine import AsyncEngine, RequestRejected
-from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.guard import Guard, Receive, until_disconnected
 from tokenloom.server.metrics import ServerMetrics
@@ -56,8 +55,7 @@ def build_app(
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)
-    llm = engine.engine
-    max_model_len = llm.max_model_len
+    max_model_len = engine.max_model_len
     default_tenant = Tenant(name="default", keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
     limiter = TenantLimiter()
@@ -98,9 +96,7 @@ def build_app(
         return {
             "version": tokenloom.__version__,
             **(version_info or {}),
-            "dtype": dtype_name(llm.dtype),  # what dtype "auto" resolved to on this machine
-            "device": str(llm.device),
-            "engine_config": llm.config.to_dict(),
+            **engine.describe(),
         }
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -138,17 +134,17 @@ def build_app(
             "finish_reason": final.outputs[0].finish_reason,
         }
         if body.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(final, llm.tokenizer)
+            choice["logprobs"] = _completion_logprobs(final, engine.tokenizer)
         return _envelope(request_id, "text_completion", created, model_name, [choice], _usage(final))
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, raw: Request):
         _check_model(body, model_name)
         body.refuse_unsupported()
-        if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = await _templated(llm.tokenizer, conversation)
+        prompt_ids = await _templated(engine.tokenizer, conversation)
         top = body.top_logprobs if body.top_logprobs is not None else 0
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -162,7 +158,7 @@ def build_app(
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": completion.text},
-            "logprobs": _chat_logprobs(final, llm.tokenizer) if body.logprobs else None,
+            "logprobs": _chat_logprobs(final, engine.tokenizer) if body.logprobs else None,
             "finish_reason": completion.finish_reason,
         }
         return _envelope(request_id, "chat.completion", created, model_name, [choice], _usage(final))

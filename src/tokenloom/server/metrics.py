@@ -8,6 +8,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from tokenloom.engine.core import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.outputs import RequestOutput
 
@@ -66,22 +67,19 @@ class ServerMetrics:
     def on_step(self, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after every step (also idle ones)."""
         with self._lock:
-            stats = self.engine.stats()
-            self.running.set(stats["num_running"])
-            self.waiting.set(stats["num_waiting"])
-            self.kv_usage.set(stats["kv_blocks_in_use"] / stats["kv_blocks_total"])
-            self.swapped.set(stats["num_swapped"])
-            self.swap_usage.set(stats["swap_blocks_in_use"] / max(stats["swap_blocks_total"], 1))
-            for name, metric in (
-                ("num_preemptions_recompute", self.preemptions["recompute"]),
-                ("num_preemptions_swap", self.preemptions["swap"]),
-                ("prompt_tokens", self.prompt_tokens),
-                ("generated_tokens", self.generation_tokens),
-                ("prefix_cache_queries", self.prefix_queries),
-                ("prefix_cache_hits", self.prefix_hits),
-            ):
-                metric.inc(stats[name] - self._last_stats[name])
-            step_tokens = stats["computed_tokens"] - self._last_stats["computed_tokens"]
+            stats, last = self.engine.stats(), self._last_stats
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.kv_usage.set(stats.kv_blocks_in_use / stats.kv_blocks_total)
+            self.swapped.set(stats.num_swapped)
+            self.swap_usage.set(stats.swap_blocks_in_use / max(stats.swap_blocks_total, 1))
+            self.preemptions["recompute"].inc(stats.num_preemptions_recompute - last.num_preemptions_recompute)
+            self.preemptions["swap"].inc(stats.num_preemptions_swap - last.num_preemptions_swap)
+            self.prompt_tokens.inc(stats.prompt_tokens - last.prompt_tokens)
+            self.generation_tokens.inc(stats.generated_tokens - last.generated_tokens)
+            self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+            self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+            step_tokens = stats.computed_tokens - last.computed_tokens
             if step_tokens > 0:
                 self.iteration_tokens.observe(step_tokens)
             self._last_stats = stats
@@ -91,27 +89,27 @@ class ServerMetrics:
             if now - self._last_log[0] >= self._log_every:
                 self._log_throughput(now, stats)
 
-    def _log_throughput(self, now: float, stats: dict) -> None:
+    def _log_throughput(self, now: float, stats: EngineStats) -> None:
         """The periodic line an operator reads, as vLLM prints it; quiet while nothing happens."""
         since, before = self._last_log
         self._last_log = (now, stats)
-        if stats["num_steps"] == before["num_steps"]:
+        if stats.num_steps == before.num_steps:
             return
         elapsed = now - since
-        queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
-        hits = stats["prefix_cache_hits"] - before["prefix_cache_hits"]
+        queries = stats.prefix_cache_queries - before.prefix_cache_queries
+        hits = stats.prefix_cache_hits - before.prefix_cache_hits
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
             "Preemptions: %d",
-            (stats["prompt_tokens"] - before["prompt_tokens"]) / elapsed,
-            (stats["generated_tokens"] - before["generated_tokens"]) / elapsed,
-            stats["num_running"],
-            stats["num_swapped"],
-            stats["num_waiting"],
-            100 * stats["kv_blocks_in_use"] / stats["kv_blocks_total"],
+            (stats.prompt_tokens - before.prompt_tokens) / elapsed,
+            (stats.generated_tokens - before.generated_tokens) / elapsed,
+            stats.num_running,
+            stats.num_swapped,
+            stats.num_waiting,
+            100 * stats.kv_blocks_in_use / stats.kv_blocks_total,
             100 * hits / queries if queries else 0.0,
-            stats["num_preemptions"],
+            stats.num_preemptions,
         )
 
     def _observe(self, output: RequestOutput, now: float) -> None:

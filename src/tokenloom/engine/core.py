@@ -1,0 +1,340 @@
+"""The engine core: schedules, runs the model and samples. It knows token ids, never text.
+
+Its face is small (vLLM V1's EngineCore): ``add_request``, ``abort``, ``finish``, ``fail``, ``step`` returning
+``EngineCoreOutputs`` (each request's new tokens, finished requests, a typed ``StepStats``), and ``stats`` returning
+a typed ``EngineStats`` snapshot. Detokenization, stop strings and ``RequestOutput`` are the output processor's
+(output_processor.py). Everything else here (the scheduler, the KV cache, the runner, the swap pool and the
+measured costs auto preemption compares) is private to the core.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.policy import FairPolicy, make_policy
+from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, SwapSpace
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.loader import LoadedModel
+from tokenloom.model.runner import ModelRunner
+from tokenloom.model.sampler import SampledToken
+from tokenloom.outputs import RequestMetrics
+from tokenloom.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request got from a step (or from being finished): new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_tokens: list[SampledToken]
+    finish_reason: str | None  # a RequestStatus value once finished: stop, length, abort, error
+    stop_reason: str | int | None
+    metrics: RequestMetrics
+    num_preemptions: int
+    error: str | None = None  # why the request failed, when finish_reason is "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step of the model: how many tokens of each kind it ran, and how long it took."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    seconds: float
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    step: StepStats | None = None  # None when nothing was scheduled
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (cumulative since start) and gauges (now)."""
+
+    num_steps: int
+    prompt_tokens: int
+    generated_tokens: int
+    computed_tokens: int  # every token that went through the model, recomputation included
+    computed_tokens_by_tenant: dict[str, int]
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    swap_in_cached_blocks: int
+    swap_copy_seconds: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    swap_blocks_total: int
+    swap_blocks_in_use: int
+    kv_blocks_total: int
+    kv_blocks_in_use: int
+    num_running: int
+    num_waiting: int  # swapped-out requests not counted
+    num_swapped: int
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """What admission limits compare against: requests waiting and the prompt tokens they still need."""
+
+    num_waiting: int
+    backlog_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.model_config: ModelConfig = loaded.config
+        self.dtype = dtype
+        self.max_model_len = max_model_len_for(config, loaded.config)
+        self.num_kv_blocks = self._num_kv_blocks()
+        self.num_swap_blocks = self._num_swap_blocks()
+        self.runner = ModelRunner(
+            loaded.model,
+            self.num_kv_blocks,
+            config.block_size,
+            device,
+            dtype,
+            config.seed,
+            self.num_swap_blocks,
+            compile_step=config.compiles_step(device.type),
+        )
+        if self.runner.compiled is not None:
+            self.runner.warm_up()
+        self.preemption_costs = PreemptionCosts()
+        self._step_costs = LinearCostFit()
+        self._copy_costs = LinearCostFit()
+        self._swap_copy_seconds = 0.0
+        self._measures_costs = config.preemption_mode == "auto" and self.num_swap_blocks > 0  # only auto uses them
+        if self._measures_costs:
+            self._measure_block_copies()
+            self._swap_copy_seconds = 0.0  # time spent swapping requests, not measuring
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=set(self.model_config.eos_token_ids),
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            static_batching=config.batching == "static",
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_num_partial_prefills=config.max_num_partial_prefills,
+            policy=make_policy(config.scheduling_policy),
+            preemption_mode=config.preemption_mode,
+            swap_space=SwapSpace(self.num_swap_blocks),
+            preemption_costs=self.preemption_costs,
+        )
+
+    # ---- sizing -------------------------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.config.block_size * self.model_config.kv_bytes_per_token(element)
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        memory = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        blocks_for_memory = memory // per_block
+        if blocks_for_memory < 1:
+            raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {per_block} bytes")
+        if self.config.kv_cache_memory is not None:
+            return blocks_for_memory
+        # By default, no more than max_num_seqs full-length requests could ever use.
+        blocks_for_batch = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
+        return min(blocks_for_memory, blocks_for_batch)
+
+    def _num_swap_blocks(self) -> int:
+        if self.config.preemption_mode == "recompute":
+            return 0
+        if self.config.num_swap_blocks is not None:
+            return self.config.num_swap_blocks
+        return int(self.config.swap_space * 1024**3) // self.kv_bytes_per_block()
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def check_admissible(self, request: Request) -> None:
+        """Raises ValueError if the request can never be served; reads only the configuration (any thread)."""
+        self.scheduler.check_admissible(request)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> EngineCoreOutput | None:
+        """Ends a request that is still here (None if it is not) and frees what it holds."""
+        request = self.scheduler.abort_request(request_id)
+        return None if request is None else self._ended(request)
+
+    def finish(self, request_id: str, status: RequestStatus, stop_reason: str | None = None) -> EngineCoreOutput:
+        """Ends a request for a reason found outside the core (a stop string in its text)."""
+        request = self.scheduler.requests[request_id]
+        request.stop_reason = stop_reason
+        self.scheduler.finish_request(request, status)
+        return self._ended(request)
+
+    def fail(self, request_id: str, error: BaseException) -> EngineCoreOutput:
+        """Ends one live request with finish_reason "error" and frees its blocks and slots; the others go on."""
+        logger.error("request %s failed: %r", request_id, error, exc_info=error)
+        request = self.scheduler.requests[request_id]
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+        output = self._ended(request)
+        output.error = f"{type(error).__name__}: {error}"
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def request_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def queue_state(self, count_backlog: bool) -> QueueState:
+        """Requests waiting, and (a walk over the queue, so only when asked) the prompt tokens they still need."""
+        waiting = self.scheduler.waiting
+        backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting) if count_backlog else 0
+        return QueueState(len(waiting), backlog)
+
+    def never_scheduled_since(self, arrived_before: float) -> list[str]:
+        """Waiting requests that arrived before the given monotonic time and were never scheduled."""
+        return [
+            r.request_id
+            for r in self.scheduler.waiting
+            if r.first_scheduled_time is None and r.arrival_time < arrived_before
+        ]
+
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        """The fair policy's share per tenant; other policies have none to set."""
+        policy = self.scheduler.policy
+        if isinstance(policy, FairPolicy):
+            policy.weights.update(weights)
+
+    # ---- the step -----------------------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Runs one scheduler step; returns an output for every request that received a token or failed in it."""
+        output = self.scheduler.schedule()
+        self._make_swap_copies(output.swap_out, output.swap_in)
+        if output.is_empty:
+            return EngineCoreOutputs()
+        started = time.perf_counter()
+        result = self.runner.execute(output.scheduled)
+        seconds = time.perf_counter() - started
+        if self._measures_costs:
+            self._step_costs.add(output.num_batched_tokens, seconds)
+            self.preemption_costs.seconds_per_token = self._step_costs.slope() or 0.0
+        outputs = [self.fail(request_id, error) for request_id, error in result.failed.items()]
+        sampled = result.sampled
+        advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
+        for request in advanced:
+            if request.finished:
+                self.runner.release(request.request_id)
+            outputs.append(self._output_of(request, [sampled[request.request_id]]))
+        decode_tokens = sum(1 for s in output.scheduled if s.num_tokens == 1)
+        stats = StepStats(output.num_batched_tokens - decode_tokens, decode_tokens, len(output.preempted), seconds)
+        return EngineCoreOutputs(outputs, stats)
+
+    def _ended(self, request: Request) -> EngineCoreOutput:
+        self.runner.release(request.request_id)
+        return self._output_of(request, [])
+
+    @staticmethod
+    def _output_of(request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_tokens=new_tokens,
+            finish_reason=request.status.value if request.finished else None,
+            stop_reason=request.stop_reason,
+            metrics=RequestMetrics(
+                arrival_time=request.arrival_time,
+                first_scheduled_time=request.first_scheduled_time,
+                first_token_time=request.first_token_time,
+                finished_time=request.finished_time,
+                num_preemptions=request.num_preemptions,
+                num_cached_tokens=request.num_cached_tokens,
+            ),
+            num_preemptions=request.num_preemptions,
+        )
+
+    def _make_swap_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Makes the step's swap copies (all out, then all in), timing each to keep the cost of a copy current."""
+        for pairs, copy in ((swap_out, self.runner.swap_out), (swap_in, self.runner.swap_in)):
+            if not pairs:
+                continue
+            started = time.perf_counter()
+            copy(pairs)
+            seconds = time.perf_counter() - started
+            self._copy_costs.add(len(pairs), seconds)
+            self._swap_copy_seconds += seconds
+        if self._measures_costs and (swap_out or swap_in):
+            costs = self.preemption_costs
+            costs.seconds_per_block_copy = self._copy_costs.slope() or 0.0
+            costs.seconds_per_copy = self._copy_costs.intercept() or 0.0
+
+    def _measure_block_copies(self) -> None:
+        """Times copies of a few sizes between free blocks and slots (no request holds any yet), for auto mode."""
+        for n in (1, 4, 1, 4):
+            n = min(n, self.num_kv_blocks, self.num_swap_blocks)
+            pairs = [(i, i) for i in range(n)]
+            self._make_swap_copies(pairs, pairs)
+
+    # ---- observability ------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        swap = self.scheduler.swap_space
+        return EngineStats(
+            num_steps=s.num_steps,
+            prompt_tokens=s.prompt_tokens,
+            generated_tokens=s.generated_tokens,
+            computed_tokens=s.computed_tokens,
+            computed_tokens_by_tenant=dict(s.computed_tokens_by_tenant),
+            num_preemptions_recompute=s.preemptions["recompute"],
+            num_preemptions_swap=s.preemptions["swap"],
+            swapped_out_blocks=s.swapped_out_blocks,
+            swapped_in_blocks=s.swapped_in_blocks,
+            swap_in_cached_blocks=s.swap_in_cached_blocks,
+            swap_copy_seconds=self._swap_copy_seconds,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            swap_blocks_total=swap.num_slots,
+            swap_blocks_in_use=swap.num_used_slots,
+            kv_blocks_total=self.kv_cache.num_blocks,
+            kv_blocks_in_use=self.kv_cache.num_used_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) - swap.num_swapped_requests,
+            num_swapped=swap.num_swapped_requests,
+        )
+
+
+def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if model_config.sliding_window:
+        limit = min(limit, model_config.sliding_window)  # beyond the window we would attend too far
+    wanted = config.max_model_len or limit
+    if wanted > limit:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's context length {limit}")
+    return wanted

@@ -1,0 +1,118 @@
+"""Turns the core's token ids into what callers read: text, stop strings, logprobs, ``RequestOutput``s.
+
+The core (core.py) never sees text; this side never sees the scheduler. A stop string is found here, in the
+detokenized text, and the engine then asks the core to finish that request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenloom.engine.core import EngineCoreOutput
+from tokenloom.engine.detokenizer import IncrementalDetokenizer
+from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """What the output side keeps of a request: its prompt, its tokens and text so far, its logprobs."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    output_token_ids: list[int]
+    stop_text: str | None = None  # the text up to a stop string, once one is found
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, RequestState] = {}
+
+    def new_state(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
+        """A request's state, made on any thread before the request is queued."""
+        logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        return RequestState(prompt, prompt_token_ids, params, IncrementalDetokenizer(self.tokenizer), logprobs, [])
+
+    def add(self, request_id: str, state: RequestState) -> None:
+        self._states[request_id] = state
+
+    def absorb(self, output: EngineCoreOutput) -> str | None:
+        """Takes a step's new tokens into the request's text and logprobs; returns a stop string if one completed."""
+        state = self._states[output.request_id]
+        for token in output.new_tokens:
+            state.output_token_ids.append(token.token_id)
+            state.detokenizer.add(token.token_id)
+            if state.logprobs is not None and token.logprob is not None:
+                entry = {tid: Logprob(lp, rank=rank + 1) for rank, (tid, lp) in enumerate(token.top_logprobs or [])}
+                if token.token_id not in entry:
+                    entry[token.token_id] = Logprob(token.logprob)
+                state.logprobs.append(entry)
+        if output.finished or not state.params.stop:
+            return None
+        return self._completed_stop(state)
+
+    def make_output(self, output: EngineCoreOutput) -> RequestOutput:
+        """The request's RequestOutput after this core output; a finished request's state is dropped."""
+        state = self._states[output.request_id]
+        if output.finished:
+            del self._states[output.request_id]
+        if output.error is not None:
+            completion = CompletionOutput(0, "", list(state.output_token_ids), finish_reason=output.finish_reason)
+            return RequestOutput(
+                output.request_id, None, state.prompt_token_ids, [completion], True, output.metrics,
+                output.num_preemptions, error=output.error,
+            )  # fmt: skip
+        cumulative = None
+        if state.logprobs is not None:
+            tokens = state.output_token_ids
+            cumulative = sum(e[t].logprob for e, t in zip(state.logprobs, tokens, strict=False))
+        completion = CompletionOutput(
+            index=0,
+            text=self._text(state, output.finished),
+            token_ids=list(state.output_token_ids),
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+            logprobs=state.logprobs,
+            cumulative_logprob=cumulative,
+        )
+        return RequestOutput(
+            request_id=output.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[completion],
+            finished=output.finished,
+            metrics=output.metrics,
+            num_preemptions=output.num_preemptions,
+        )
+
+    def _text(self, state: RequestState, finished: bool) -> str:
+        if state.stop_text is not None:
+            return state.stop_text
+        if finished:
+            return self.decode(state.output_token_ids)
+        text = state.detokenizer.text
+        # While a stop string may still complete, hold back the characters it could start with.
+        held = max((len(stop) - 1 for stop in state.params.stop), default=0)
+        return text[: len(text) - held] if held else text
+
+    @staticmethod
+    def _completed_stop(state: RequestState) -> str | None:
+        text = state.detokenizer.text
+        stops = state.params.stop
+        # Only the tail can hold a new match: the last token's text plus the longest stop string.
+        tail_start = max(0, len(text) - 2 * max(len(stop) for stop in stops) - 16)
+        hits = [(text.find(stop, tail_start), stop) for stop in stops if stop in text[tail_start:]]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        state.stop_text = text[:index]
+        return stop
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
