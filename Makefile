@@ -21,9 +21,11 @@ install: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 
 serve: $(STAMP)

@@ -11,6 +11,7 @@ import torch
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, paged_attention
 from tokenloom.model.runner import group_by_context_length
+from tokenloom.utils import cdiv
 
 BLOCK = 4
 
@@ -37,7 +38,7 @@ def random_case(num_heads, num_kv_heads, head_dim, context_lens, seed=0):
     row = num_kv_heads * head_dim
     cache_k = torch.randn(num_blocks * BLOCK, row, generator=g)
     cache_v = torch.randn(num_blocks * BLOCK, row, generator=g)
-    max_blocks = -(-max(context_lens) // BLOCK)
+    max_blocks = cdiv(max(context_lens), BLOCK)
     # Scattered, non-overlapping block tables, as a fragmented pool would hand out.
     order = torch.randperm(num_blocks, generator=g)
     tables = torch.stack([order[i * max_blocks : (i + 1) * max_blocks] for i in range(len(context_lens))])

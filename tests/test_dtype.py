@@ -13,6 +13,7 @@ from tokenloom import EngineConfig, LLMEngine
 from tokenloom.core.request import Request
 from tokenloom.model import platform
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.utils import cdiv
 
 pytestmark = pytest.mark.native_dtype
 
@@ -105,7 +106,7 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
 def _logits(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
     from tokenloom.core.scheduler import ScheduledRequest
 
-    blocks = list(range(-(-end // engine.config.block_size)))
+    blocks = list(range(cdiv(end, engine.config.block_size)))
     item = ScheduledRequest(request, start, request.all_token_ids[start:end], blocks, sample=True)
     inputs = engine.core.runner.prepare_inputs([item])
     with torch.inference_mode():

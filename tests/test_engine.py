@@ -82,7 +82,7 @@ def test_priority_policy_keeps_outputs_and_serves_urgent_first(tiny_llama, solo_
 def test_preempted_requests_report_it(tiny_llama):
     llm = LLM(str(tiny_llama), **UNDER_PRESSURE)
     outputs = llm.generate(prompts(10), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert sum(o.num_preemptions for o in outputs) == llm.stats().num_preemptions > 0
+    assert sum(o.metrics.num_preemptions for o in outputs) == llm.stats().num_preemptions > 0
     for output in outputs:
         m = output.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time

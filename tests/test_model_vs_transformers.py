@@ -13,6 +13,7 @@ from tokenloom.core.request import Request
 from tokenloom.core.scheduler import ScheduledRequest
 from tokenloom.model.config import UnsupportedModelError
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.utils import cdiv
 
 BLOCK = 4
 
@@ -23,7 +24,7 @@ def engine_for(path) -> LLMEngine:
 
 def logits_of_chunk(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
     """Runs tokens [start, end) of the request through the paged model; returns logits of every row."""
-    blocks = list(range(-(-end // BLOCK)))
+    blocks = list(range(cdiv(end, BLOCK)))
     item = ScheduledRequest(request, start, request.all_token_ids[start:end], blocks, sample=True)
     inputs = engine.core.runner.prepare_inputs([item])
     with torch.inference_mode():

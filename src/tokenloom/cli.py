@@ -48,10 +48,16 @@ def _field_docs() -> dict[str, str]:
     import inspect
 
     tree = ast.parse(inspect.getsource(EngineConfig))
-    body = tree.body[0].body
+    cls = tree.body[0]
+    assert isinstance(cls, ast.ClassDef)
     docs = {}
-    for node, following in itertools.pairwise(body):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
+    for node, following in itertools.pairwise(cls.body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+        ):
             docs[node.target.id] = str(following.value.value).strip()
     return docs
 

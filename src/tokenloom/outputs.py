@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
 class Logprob:
     logprob: float
     rank: int | None = None
-    decoded_token: str | None = None
 
 
 @dataclass
@@ -55,5 +54,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    num_preemptions: int = field(default=0)
     error: str | None = None  # why the request failed, when its finish_reason is "error"

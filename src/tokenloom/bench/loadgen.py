@@ -46,9 +46,7 @@ def burst_aligned(requests: list[TraceRequest], offsets: list[float]) -> list[fl
     return aligned
 
 
-async def send_one(
-    client: httpx.AsyncClient, model: str | None, request: TraceRequest, start: float, t0: float
-) -> RequestRecord:
+async def send_one(client: httpx.AsyncClient, model: str | None, request: TraceRequest, start: float) -> RequestRecord:
     record = RequestRecord(id=request.id, start=start)
     body = {
         "messages": request.messages,
@@ -115,10 +113,10 @@ async def run_load(
     async def scheduled(client: httpx.AsyncClient, request: TraceRequest, offset: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
         if gate is None:
-            record = await send_one(client, model, request, offset, t0)
+            record = await send_one(client, model, request, offset)
         else:
             async with gate:
-                record = await send_one(client, model, request, offset, t0)
+                record = await send_one(client, model, request, offset)
         if on_done is not None:
             on_done(record)
         return record

@@ -29,7 +29,8 @@ class LocalServer:
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.process.stdout.read().decode()[-2000:]}")
+                output = self.process.stdout.read().decode() if self.process.stdout else ""
+                raise RuntimeError(f"the server exited: {output[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return

@@ -71,7 +71,8 @@ class SLO:
             return False
         if self.ttft is not None and (record.ttft is None or record.ttft > self.ttft):
             return False
-        if self.itl is not None and record.token_gaps and percentile(record.token_gaps, 95) > self.itl:
+        gap_p95 = percentile(record.token_gaps, 95) if record.token_gaps else None
+        if self.itl is not None and gap_p95 is not None and gap_p95 > self.itl:
             return False
         return not (self.e2e is not None and (record.e2e is None or record.e2e > self.e2e))
 

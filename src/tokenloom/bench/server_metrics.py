@@ -43,8 +43,9 @@ def histogram_quantile(before: dict[str, float], after: dict[str, float], name: 
         buckets = []
         for sample, value in after.items():
             if sample.startswith(key + "{"):
-                bound = re.search(r'le="([^"]+)"', sample).group(1)
-                buckets.append((float(bound), value - before.get(sample, 0.0)))
+                match = re.search(r'le="([^"]+)"', sample)
+                if match is not None:
+                    buckets.append((float(match.group(1)), value - before.get(sample, 0.0)))
         if not buckets:
             continue
         buckets.sort()
@@ -70,8 +71,8 @@ def server_figures(before: dict | None, after: dict | None, samples: list[dict])
     if not before or not after:
         return {"queue_time_p95_s": None, "preemptions": None, "memory_high_water_bytes": None}
     preempt_before, preempt_after = _find(before, "num_preemptions_total"), _find(after, "num_preemptions_total")
-    memory = [s.get("process_resident_memory_bytes") for s in [before, *samples, after]]
-    memory = [m for m in memory if m is not None]
+    readings = [s.get("process_resident_memory_bytes") for s in [before, *samples, after]]
+    memory: list[float] = [m for m in readings if m is not None]
     return {
         "queue_time_p95_s": histogram_quantile(before, after, "request_queue_time_seconds", 0.95),
         "preemptions": None if preempt_after is None else preempt_after - (preempt_before or 0.0),

@@ -92,7 +92,8 @@ def agent_requests(rng: random.Random, n: int, start: int = 0, num_prefixes: int
         "You are an agent with these tools and passages.\n" + _text(rng, rng.randint(500, 2000))
         for _ in range(num_prefixes)
     ]
-    out, burst = [], 0
+    out: list[TraceRequest] = []
+    burst = 0
     while len(out) < n:
         burst += 1
         for _ in range(min(n - len(out), rng.randint(1, 6))):

@@ -8,7 +8,7 @@ are handed out from the head of the free queue, so the least recently freed cach
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 BlockHash = int
@@ -54,7 +54,7 @@ class FreeBlockQueue:
         self.remove(first)
         return first
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVBlock]:
         node = self._head.next
         while node is not None and node is not self._tail:
             yield node

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenloom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from tokenloom.core.request import Request
 from tokenloom.utils import cdiv
@@ -64,7 +66,7 @@ class KVCacheManager:
         """Whether a request of this many tokens could ever fit, with the whole pool to itself."""
         return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[KVBlock] = ()) -> bool:
         """Makes room for num_new_tokens more tokens after the computed (and cache-hit) ones; False if it can't."""
         num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         return self._allocate(request, num_tokens, cached_blocks)
@@ -80,7 +82,7 @@ class KVCacheManager:
             return None
         return len(hits)
 
-    def _allocate(self, request: Request, num_tokens: int, cached_blocks: list[KVBlock]) -> bool:
+    def _allocate(self, request: Request, num_tokens: int, cached_blocks: Sequence[KVBlock]) -> bool:
         blocks = self._blocks.setdefault(request.request_id, [])
         num_needed = cdiv(num_tokens, self.block_size) - len(blocks) - len(cached_blocks)
         # Cache hits that sit in the free queue stop being free once we take them.

@@ -24,10 +24,6 @@ class SwapSpace:
         self._held: dict[str, list[int]] = {}
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    @property
     def num_used_slots(self) -> int:
         return self.num_slots - len(self._free)
 
@@ -37,9 +33,6 @@ class SwapSpace:
 
     def can_hold(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self._held
 
     def take(self, request_id: str, num_blocks: int) -> list[int]:
         """Reserves num_blocks slots for a request's blocks, in block order."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tokenloom.engine.core import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine, PreparedRequest
+from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -37,7 +38,7 @@ class RequestRejected(Exception):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    queue: asyncio.Queue[RequestOutput | Exception]
 
 
 class AsyncEngine:
@@ -132,7 +133,7 @@ class AsyncEngine:
         return self.engine.tokenize(prompt)[1]
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     @property
@@ -151,7 +152,13 @@ class AsyncEngine:
         return self.engine.stats()
 
     def _add(
-        self, prompt, params: SamplingParams, request_id: str, priority: int, tenant: str, arrival_time: float
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        tenant: str,
+        arrival_time: float,
     ) -> None:
         """Validates and queues a request for the engine thread, without waiting for the running step to end.
 
@@ -213,7 +220,7 @@ class AsyncEngine:
                 self._wake.clear()
 
     def _apply_aborts(self) -> list[RequestOutput]:
-        aborted = []
+        aborted: list[RequestOutput] = []
         while True:
             try:
                 request_id = self._aborts.get_nowait()

@@ -42,7 +42,6 @@ class EngineCoreOutput:
     finish_reason: str | None  # a RequestStatus value once finished: stop, length, abort, error
     stop_reason: str | int | None
     metrics: RequestMetrics
-    num_preemptions: int
     error: str | None = None  # why the request failed, when finish_reason is "error"
 
     @property
@@ -276,7 +275,6 @@ class EngineCore:
                 num_preemptions=request.num_preemptions,
                 num_cached_tokens=request.num_cached_tokens,
             ),
-            num_preemptions=request.num_preemptions,
         )
 
     def _make_swap_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -24,7 +25,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
     def generate(
@@ -55,7 +56,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        one = bool(messages) and isinstance(messages[0], dict)
+        conversations = [cast(Conversation, messages)] if one else list(cast(Sequence[Conversation], messages))
         prompts = [self.apply_chat_template(c) for c in conversations]
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
 
@@ -100,10 +102,10 @@ class LLM:
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, str | dict):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) for p in prompts):
-        return [prompts]  # a single prompt of token ids
-    return prompts
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(p, int) for p in items):
+        return [[int(p) for p in items]]  # a single prompt of token ids
+    return items
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

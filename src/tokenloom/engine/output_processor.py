@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tokenloom.engine.core import EngineCoreOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
+from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -28,7 +29,7 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, RequestState] = {}
 
@@ -63,9 +64,8 @@ class OutputProcessor:
         if output.error is not None:
             completion = CompletionOutput(0, "", list(state.output_token_ids), finish_reason=output.finish_reason)
             return RequestOutput(
-                output.request_id, None, state.prompt_token_ids, [completion], True, output.metrics,
-                output.num_preemptions, error=output.error,
-            )  # fmt: skip
+                output.request_id, None, state.prompt_token_ids, [completion], True, output.metrics, error=output.error
+            )
         cumulative = None
         if state.logprobs is not None:
             tokens = state.output_token_ids
@@ -86,7 +86,6 @@ class OutputProcessor:
             outputs=[completion],
             finished=output.finished,
             metrics=output.metrics,
-            num_preemptions=output.num_preemptions,
         )
 
     def _text(self, state: RequestState, finished: bool) -> str:
@@ -115,4 +114,4 @@ class OutputProcessor:
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))

@@ -111,6 +111,7 @@ def paged_attention(
                 q[rows], cache_k, cache_v, group.block_tables, group.context_lens, block_size, scale
             )
             continue
+        assert group.bias is not None, "the plain path masks each decode group's padding"
         max_ctx = group.bias.shape[-1]
         group_k = ws.gather("k", cache_k, group.block_tables, block_size)[:, :max_ctx]
         group_v = ws.gather("v", cache_v, group.block_tables, block_size)[:, :max_ctx]

@@ -72,7 +72,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, fused), self.k_norm(k, fused)
         if fused:  # in place, on views into the qkv output: no copies
             torch.ops.tokenloom.rotary_embedding(q, k, *rope)
@@ -82,6 +82,7 @@ class Attention(nn.Module):
         if meta is None:
             out = layer_attention(q, k, v, self.layer_index, self.scale)
         else:
+            assert kv_cache is not None, "the eager step passes each layer its cache"
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -127,7 +128,9 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module | None = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
 
     def forward(
         self, input_ids, positions, kv_caches: list[KVCache] | None = None, meta: AttentionMetadata | None = None
@@ -136,6 +139,7 @@ class CausalLM(nn.Module):
         where the attention operator finds both in the forward context and the compiler fuses the small ops."""
         hidden = self.embed_tokens(input_ids)
         # The C++ op indexes the whole float32 tables by position itself; else this step's rows, looked up once.
+        rope: Rope
         if meta is not None and meta.use_cpu_kernel:
             rope = (positions, *self.rotary.float32_tables())
         else:
@@ -168,7 +172,7 @@ class CausalLM(nn.Module):
         plain = getattr(self, "_plain_head_weight", None)
         if plain is not None:
             return plain
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self.embed_tokens.weight
 
     def prepack_weights(self, layers: bool = True) -> None:
         """Every linear's weight (or the LM head's alone) into oneDNN's layout, once (see prepack.py); a tied LM

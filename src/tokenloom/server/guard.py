@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from tokenloom.server.protocol import APIError
@@ -18,8 +18,9 @@ from tokenloom.server.tenants import Tenant
 
 logger = logging.getLogger(__name__)
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
+# Starlette's own ASGI types, so the server's receive and send pass as they are.
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]

@@ -6,7 +6,7 @@ numbers stay within OpenAI's documented bounds (finite, so no Infinity).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -138,7 +138,7 @@ class CompletionRequest(_Common):
             prompt = prompt[0]
         if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
             raise APIError(400, "batched prompts are not supported; send one prompt per request", "prompt")
-        return prompt
+        return cast(str | list[int], prompt)
 
 
 class ContentPart(_Strict):

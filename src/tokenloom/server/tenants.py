@@ -44,7 +44,8 @@ def load_tenants(path: str | Path) -> list[Tenant]:
     """Reads the TOML file; any unknown field, missing key or duplicate key is a clear error."""
     data = tomllib.loads(Path(path).read_text())
     known = {f.name for f in fields(Tenant)}
-    tenants, seen_keys = [], set()
+    tenants: list[Tenant] = []
+    seen_keys: set[str] = set()
     for i, entry in enumerate(data.get("tenant", [])):
         unknown = set(entry) - known
         if unknown:

@@ -230,7 +230,7 @@ def run_diagnose(args) -> int:
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=2))
     else:
-        for f in findings:
-            print(f"[{f.severity}] {f.rule}: {f.action}")
-            print("    evidence: " + ", ".join(f"{k}={v}" for k, v in f.evidence.items()))
+        for finding in findings:
+            print(f"[{finding.severity}] {finding.rule}: {finding.action}")
+            print("    evidence: " + ", ".join(f"{k}={v}" for k, v in finding.evidence.items()))
     return 0
