@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--header-timeout", type=float, default=10.0, help="seconds a connection has to send a request's headers"
     )
     serve.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle keep-alive stays open")
+    serve.add_argument(
+        "--core-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization",
+    )
     serve.add_argument("--log-level", default="info")
     add_engine_flags(serve)
 
@@ -132,6 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from tokenloom.bench.provenance import git_commit
     from tokenloom.engine.async_engine import AsyncEngine
+    from tokenloom.engine.core_process import CoreProcessEngine
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.server.app import build_app
     from tokenloom.server.connections import with_header_timeout
@@ -139,7 +146,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenloom.server.tenants import load_tenants
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config_from_args(args))
+    engine_config = engine_config_from_args(args)
+    engine: LLMEngine | CoreProcessEngine
+    engine = CoreProcessEngine(engine_config) if args.core_process else LLMEngine(engine_config)
     metrics = ServerMetrics(engine)
     tenants = load_tenants(args.tenants) if args.tenants else None
     if tenants:

@@ -62,10 +62,6 @@ class KVCacheManager:
         self.prefix_cache_queries += num_query_tokens
         self.prefix_cache_hits += num_hit_tokens
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether a request of this many tokens could ever fit, with the whole pool to itself."""
-        return cdiv(num_tokens, self.block_size) <= self.pool.num_blocks
-
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: Sequence[KVBlock] = ()) -> bool:
         """Makes room for num_new_tokens more tokens after the computed (and cache-hit) ones; False if it can't."""
         num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens

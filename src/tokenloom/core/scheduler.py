@@ -56,6 +56,39 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """What decides whether a request can ever be served; plain values, so any thread or process can check."""
+
+    max_model_len: int
+    enable_chunked_prefill: bool
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    block_size: int
+
+    def check(self, request: Request) -> None:
+        """Raises ValueError, saying why, if the request can never be served."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the model's context length is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            raise ValueError(
+                f"the prompt has {n} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens}; "
+                "enable chunked prefill or raise the budget"
+            )
+        longest = min(request.max_total_tokens, self.max_model_len)
+        if cdiv(longest, self.block_size) > self.num_kv_blocks:
+            raise ValueError(
+                f"the request may grow to {longest} tokens, more than the whole KV cache holds "
+                f"({self.num_kv_blocks} blocks of {self.block_size})"
+            )
+
+
 @dataclass
 class SchedulerStats:
     num_steps: int = 0
@@ -120,26 +153,14 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.policy.enqueue(self.waiting, request)
 
+    def admission_limits(self) -> AdmissionLimits:
+        return AdmissionLimits(
+            self.max_model_len, self.enable_chunked_prefill, self.max_num_batched_tokens, self.kv.num_blocks,
+            self.kv.block_size,
+        )  # fmt: skip
+
     def check_admissible(self, request: Request) -> None:
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but the model's context length is {self.max_model_len} "
-                "and at least one token must be generated"
-            )
-        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            raise ValueError(
-                f"the prompt has {n} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens}; "
-                "enable chunked prefill or raise the budget"
-            )
-        longest = min(request.max_total_tokens, self.max_model_len)
-        if not self.kv.can_fit(longest):
-            raise ValueError(
-                f"the request may grow to {longest} tokens, more than the whole KV cache holds "
-                f"({self.kv.num_blocks} blocks of {self.kv.block_size})"
-            )
+        self.admission_limits().check(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

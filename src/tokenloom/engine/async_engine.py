@@ -15,9 +15,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from tokenloom.engine.core import EngineStats
-from tokenloom.engine.llm_engine import LLMEngine, PreparedRequest
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.engine.core import EngineStats, QueueState
+from tokenloom.engine.llm_engine import PreparedRequest
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
@@ -35,6 +39,38 @@ class RequestRejected(Exception):
         self.retry_after = retry_after  # seconds a client should wait before sending it again, when that may work
 
 
+class Engine(Protocol):
+    """What the front needs of an engine: LLMEngine in this process, or CoreProcessEngine with its core apart."""
+
+    config: EngineConfig
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def healthy(self) -> bool: ...
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]: ...
+    def prepare_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> PreparedRequest: ...
+    def add_prepared(self, prepared: PreparedRequest) -> None: ...
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def stats(self) -> EngineStats: ...
+    def queue_state(self, count_backlog: bool = True) -> QueueState: ...
+    def never_scheduled_since(self, arrived_before: float) -> list[str]: ...
+    def request_ids(self) -> list[str]: ...
+    def shutdown(self) -> None: ...
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -44,7 +80,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: Engine,
         max_num_queued_requests: int | None = None,
         queue_timeout: float | None = None,
         max_num_queued_tokens: int | None = None,
@@ -82,6 +118,12 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine can serve nothing more (its core process died)."""
+        return self.engine.healthy
 
     async def submit(
         self,
@@ -99,6 +141,8 @@ class AsyncEngine:
         """
         if self.draining:
             raise RequestRejected(503, "server_draining", "the server is shutting down")
+        if not self.engine.healthy:
+            raise RequestRejected(503, "engine_unavailable", "the engine core is not running")
         arrival_time = time.monotonic()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import FairPolicy, make_policy
 from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
-from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.scheduler import AdmissionLimits, Scheduler
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.runner import ModelRunner
@@ -93,6 +94,13 @@ class EngineStats:
     @property
     def num_preemptions(self) -> int:
         return self.num_preemptions_recompute + self.num_preemptions_swap
+
+    @classmethod
+    def empty(cls, kv_blocks_total: int) -> EngineStats:
+        """Before the first step: every counter and gauge 0."""
+        values: dict[str, Any] = {f.name: 0 for f in fields(cls)}
+        values.update(computed_tokens_by_tenant={}, swap_copy_seconds=0.0, kv_blocks_total=kv_blocks_total)
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -177,9 +185,9 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def check_admissible(self, request: Request) -> None:
-        """Raises ValueError if the request can never be served; reads only the configuration (any thread)."""
-        self.scheduler.check_admissible(request)
+    def admission_limits(self) -> AdmissionLimits:
+        """What decides whether a request can ever be served: plain values, any thread (or process) may check."""
+        return self.scheduler.admission_limits()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -217,13 +225,13 @@ class EngineCore:
         backlog = sum(r.num_tokens - r.num_computed_tokens for r in waiting) if count_backlog else 0
         return QueueState(len(waiting), backlog)
 
+    def never_scheduled_waiting(self) -> list[tuple[str, float]]:
+        """(request id, arrival time) of each waiting request that was never scheduled."""
+        return [(r.request_id, r.arrival_time) for r in self.scheduler.waiting if r.first_scheduled_time is None]
+
     def never_scheduled_since(self, arrived_before: float) -> list[str]:
         """Waiting requests that arrived before the given monotonic time and were never scheduled."""
-        return [
-            r.request_id
-            for r in self.scheduler.waiting
-            if r.first_scheduled_time is None and r.arrival_time < arrived_before
-        ]
+        return [rid for rid, arrival in self.never_scheduled_waiting() if arrival < arrived_before]
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
         """The fair policy's share per tenant; other policies have none to set."""

@@ -105,7 +105,7 @@ class LLMEngine:
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        self.core.check_admissible(request)
+        self.core.admission_limits().check(request)
         return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
@@ -178,3 +178,11 @@ class LLMEngine:
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
         self.core.set_tenant_weights(weights)
+
+    @property
+    def healthy(self) -> bool:
+        """In one process the engine is as healthy as the process that asks."""
+        return True
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the core lives in this process."""

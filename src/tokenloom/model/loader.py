@@ -59,11 +59,30 @@ def resolve_checkpoint_dir(model: str | None) -> tuple[str, Path]:
     )
 
 
+@dataclass
+class ModelInfo:
+    """Everything of a checkpoint but its weights: what the API side of a split engine needs."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+
+
+def load_model_info(model: str | None) -> ModelInfo:
+    """The checkpoint's name, directory, architecture config and tokenizer (whose EOS fills in a missing one)."""
+    name, path = resolve_checkpoint_dir(model)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    tokenizer = _load_tokenizer(path)
+    if not config.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        config = _with_eos(config, (tokenizer.eos_token_id,))
+    return ModelInfo(name, path, config, tokenizer)
+
+
 def load_model(model: str | None, max_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Loads weights and tokenizer; max_len sizes the rotary tables (None: the model's own context length)."""
-    name, path = resolve_checkpoint_dir(model)
-    hf_config = json.loads((path / "config.json").read_text())
-    config = ModelConfig.from_hf(hf_config)
+    info = load_model_info(model)
+    name, path, config, tokenizer = info.name, info.path, info.config, info.tokenizer
     max_len = max_len or config.max_position_embeddings
     with torch.device("meta"):
         net = CausalLM(config, max_len)
@@ -71,9 +90,6 @@ def load_model(model: str | None, max_len: int | None, dtype: torch.dtype, devic
     net.rotary.reset_tables()
     net.load_hf_weights(_read_safetensors(path))
     net = net.to(dtype=dtype).eval()
-    tokenizer = _load_tokenizer(path)
-    if not config.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-        config = _with_eos(config, (tokenizer.eos_token_id,))
     return LoadedModel(name=name, path=path, config=config, model=net, tokenizer=tokenizer)
 
 

@@ -89,6 +89,8 @@ def build_app(
     async def ready() -> JSONResponse:
         if engine.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.healthy:
+            return JSONResponse({"status": "engine_unavailable"}, status_code=503)
         return JSONResponse({"status": "ready", "model": model_name})
 
     @app.get("/version")

@@ -8,8 +8,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
+from tokenloom.engine.async_engine import Engine
 from tokenloom.engine.core import EngineStats
-from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.outputs import RequestOutput
 
 logger = logging.getLogger("tokenloom.stats")
@@ -20,7 +20,7 @@ _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, log_interval: float = 10.0) -> None:
+    def __init__(self, engine: Engine, log_interval: float = 10.0) -> None:
         self.engine = engine
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends

@@ -1,0 +1,338 @@
+"""The engine core in a process of its own (vLLM V1's EngineCoreProc pattern), behind LLMEngine's face.
+
+The API process tokenizes, runs the output processor (text, stop strings, logprobs) and serves HTTP; the core
+process loads the weights, schedules and runs the model, in a loop of its own that never waits on the API
+process. They talk over two ZeroMQ PUSH/PULL sockets on ipc:// paths, with pickled messages:
+
+    API -> core   ("add", Request) ("abort", id) ("finish", id, stop) ("fail", id, why) ("weights", {...}) ("shutdown",)
+    core -> API   ("ready", CoreInfo) | ("step", CoreReport) | ("died", traceback text)
+
+A request that ends on the API side (an abort, a stop string, a failure to detokenize) ends there at once; the
+core is told, and what it still sends for that request is dropped. If the core process dies, ``step`` raises
+``CoreDied``: the async front fails every request in flight, and ``healthy`` turns False (``/ready`` says 503).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.scheduler import AdmissionLimits
+from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState
+from tokenloom.engine.llm_engine import PreparedRequest
+from tokenloom.engine.output_processor import OutputProcessor
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.loader import Tokenizer, load_model, load_model_info
+from tokenloom.model.platform import resolve_dtype
+from tokenloom.outputs import RequestMetrics, RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT = 600.0  # seconds for the core to load the weights (and build or compile what it needs)
+IDLE_POLL_MS = 100  # how long an idle core waits for a message before looking again
+
+
+class CoreDied(RuntimeError):
+    """The core process is gone; nothing in flight can finish."""
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the core tells the API process once it is ready."""
+
+    max_model_len: int
+    admission_limits: AdmissionLimits
+    compiled: bool
+
+
+@dataclass
+class CoreReport:
+    """One message from the core: what a step (or the requests ended since the last one) produced, and gauges."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+    queue: QueueState
+    never_scheduled: list[tuple[str, float]] = field(default_factory=list)  # (request id, arrival time)
+
+
+def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> None:
+    """The core process: load, say ready, then loop: take messages, step, report."""
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(inputs_path)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(outputs_path)
+    try:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        device = torch.device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        core = EngineCore(config, load_model(config.model, config.max_model_len, dtype, device), dtype, device)
+        info = CoreInfo(core.max_model_len, core.admission_limits(), core.runner.compiled is not None)
+        outputs.send(pickle.dumps(("ready", info), protocol=5))
+        _serve(core, inputs, outputs)
+    except Exception:
+        outputs.send(pickle.dumps(("died", traceback.format_exc()), protocol=5))
+        raise
+    finally:
+        inputs.close(linger=0)
+        outputs.close(linger=1000)
+        context.term()
+
+
+def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> None:
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    parent = os.getppid()
+    while os.getppid() == parent:  # an API process killed outright leaves no one to serve: end with it
+        ended: list[EngineCoreOutput] = []
+        timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+        if poller.poll(timeout):
+            while True:
+                try:
+                    message = pickle.loads(inputs.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if message[0] == "shutdown":
+                    return
+                ended.extend(_apply(core, message))
+        stepped = core.step().outputs if core.has_unfinished_requests() else []
+        if ended or stepped:
+            report = CoreReport(
+                ended + stepped, core.stats(), core.queue_state(count_backlog=True), core.never_scheduled_waiting()
+            )
+            outputs.send(pickle.dumps(("step", report), protocol=5))
+
+
+def _apply(core: EngineCore, message: tuple[Any, ...]) -> list[EngineCoreOutput]:
+    kind = message[0]
+    if kind == "add":
+        core.add_request(message[1])
+    elif kind == "abort":
+        output = core.abort(message[1])
+        return [] if output is None else [output]
+    elif kind == "finish" and message[1] in core.request_ids():
+        return [core.finish(message[1], RequestStatus.FINISHED_STOPPED, message[2])]
+    elif kind == "fail" and message[1] in core.request_ids():
+        return [core.fail(message[1], RuntimeError(message[2]))]
+    elif kind == "weights":
+        core.set_tenant_weights(message[1])
+    return []
+
+
+class CoreProcessEngine:
+    """LLMEngine's face (what the async front and the server use), with the core in its own process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        info = load_model_info(config.model)
+        self.model_name = info.name
+        self.model_config: ModelConfig = info.config
+        self.tokenizer: Tokenizer | None = info.tokenizer
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self._in_flight: dict[str, float] = {}  # request id -> arrival time, until its end reaches the API side
+        self._stats: EngineStats | None = None
+        self._queue = QueueState(0, 0)
+        self._never_scheduled: list[tuple[str, float]] = []
+        self._dead = False
+        self._context = zmq.Context()
+        directory = Path(tempfile.mkdtemp(prefix="tokenloom-core-"))
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._inputs.bind(f"ipc://{directory / 'inputs'}")
+        self._outputs = self._context.socket(zmq.PULL)
+        self._outputs.bind(f"ipc://{directory / 'outputs'}")
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads or locks
+        self._process = spawn.Process(
+            target=_core_main,
+            args=(config, f"ipc://{directory / 'inputs'}", f"ipc://{directory / 'outputs'}"),
+            name="tokenloom-core",
+            daemon=True,
+        )
+        started = time.monotonic()
+        self._process.start()
+        core_info = self._wait_until_ready()
+        self.max_model_len = core_info.max_model_len
+        self._limits = core_info.admission_limits
+        logger.info(
+            "engine core process %d ready in %.1fs (%s step)",
+            self._process.pid,
+            time.monotonic() - started,
+            "compiled" if core_info.compiled else "eager",
+        )
+
+    def _wait_until_ready(self) -> CoreInfo:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self._outputs.poll(200):
+                kind, payload = pickle.loads(self._outputs.recv())
+                if kind == "ready":
+                    assert isinstance(payload, CoreInfo)
+                    return payload
+                raise RuntimeError(f"the engine core failed to start:\n{payload}")
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine core process exited with code {self._process.exitcode}")
+        self._process.kill()
+        raise RuntimeError(f"the engine core was not ready within {STARTUP_TIMEOUT:g}s")
+
+    # ---- requests (as LLMEngine) --------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer; pass prompt token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        token_ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return None, token_ids
+
+    def prepare_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> PreparedRequest:
+        params = params or SamplingParams()
+        prompt_text, token_ids = self.tokenize(prompt)
+        request = Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            priority=priority,
+            tenant=tenant,
+        )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self._limits.check(request)
+        return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        request = prepared.request
+        self.processor.add(request.request_id, prepared.state)
+        self._in_flight[request.request_id] = request.arrival_time
+        self._send("add", request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        if request_id not in self._in_flight:
+            return None
+        self._send("abort", request_id)
+        return self._end_here(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._in_flight)
+
+    def request_ids(self) -> list[str]:
+        return list(self._in_flight)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.processor.decode(token_ids)
+
+    # ---- the step: what the core reported since the last call ---------------------------------------------
+
+    def step(self, timeout_ms: int = 50) -> list[RequestOutput]:
+        """The outputs of every report that arrived (waiting up to timeout_ms for the first); CoreDied if gone."""
+        results: list[RequestOutput] = []
+        waited = False
+        while True:
+            if not self._outputs.poll(0 if waited else timeout_ms):
+                if not self._process.is_alive():
+                    self._dead = True
+                    raise CoreDied(f"the engine core process exited with code {self._process.exitcode}")
+                return results
+            waited = True
+            kind, payload = pickle.loads(self._outputs.recv())
+            if kind == "died":
+                self._dead = True
+                raise CoreDied(f"the engine core failed:\n{payload}")
+            report: CoreReport = payload
+            self._stats, self._queue, self._never_scheduled = report.stats, report.queue, report.never_scheduled
+            for output in report.outputs:
+                if output.request_id in self._in_flight:
+                    results.append(self._processed(output))
+
+    def _processed(self, output: EngineCoreOutput) -> RequestOutput:
+        try:
+            stop = None if output.error is not None else self.processor.absorb(output)
+        except Exception as error:  # detokenizing this request alone
+            logger.error("request %s failed: %r", output.request_id, error, exc_info=error)
+            self._send("fail", output.request_id, f"{type(error).__name__}: {error}")
+            return self._end_here(output.request_id, RequestStatus.FINISHED_ERROR, error=error)
+        if stop is not None:
+            self._send("finish", output.request_id, stop)
+            return self._end_here(output.request_id, RequestStatus.FINISHED_STOPPED, stop, output.metrics)
+        if output.finished:
+            del self._in_flight[output.request_id]
+        return self.processor.make_output(output)
+
+    def _end_here(
+        self,
+        request_id: str,
+        status: RequestStatus,
+        stop: str | None = None,
+        metrics: RequestMetrics | None = None,
+        error: Exception | None = None,
+    ) -> RequestOutput:
+        """Ends a request on this side at once; the core, told by message, ends its own copy on its next loop."""
+        arrival = self._in_flight.pop(request_id)
+        metrics = metrics or RequestMetrics(arrival, None, None, None)
+        metrics.finished_time = time.monotonic()
+        ended = EngineCoreOutput(request_id, [], status.value, stop, metrics)
+        if error is not None:
+            ended.error = f"{type(error).__name__}: {error}"
+        return self.processor.make_output(ended)
+
+    # ---- observability and control ------------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return not self._dead and self._process.is_alive()
+
+    def stats(self) -> EngineStats:
+        if self._stats is None:
+            return EngineStats.empty(self._limits.num_kv_blocks)
+        return self._stats
+
+    def queue_state(self, count_backlog: bool = True) -> QueueState:
+        return self._queue
+
+    def never_scheduled_since(self, arrived_before: float) -> list[str]:
+        return [rid for rid, arrival in self._never_scheduled if arrival < arrived_before and rid in self._in_flight]
+
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        self._send("weights", dict(weights))
+
+    def shutdown(self) -> None:
+        if self._process.is_alive():
+            self._send("shutdown")
+            self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+
+    def _send(self, *message: Any) -> None:
+        if not self._dead:
+            self._inputs.send(pickle.dumps(message, protocol=5))

@@ -1,0 +1,114 @@
+"""The engine core in its own process (float32 given: the spawned core does not see conftest's dtype patch):
+the same tokens through both processes, and a dead core fails requests
+in flight with errors (never a hang) and makes /ready say 503."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.config import EngineConfig
+from tokenloom.engine.async_engine import AsyncEngine, RequestRejected
+from tokenloom.engine.core_process import CoreProcessEngine
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 60)), [3] * 17]
+
+
+def core_pid(parent: int) -> int:
+    """The core process among the parent's children (multiprocessing's resource tracker is the other)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return int(pid)
+    raise AssertionError(f"no core process among {children}")
+
+
+async def collect(front: AsyncEngine, prompt: list[int], request_id: str, max_tokens: int = 8) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    final = None
+    async for output in await front.submit(prompt, params, request_id):
+        final = output
+    assert final is not None and final.finished
+    return final.outputs[0].token_ids
+
+
+def test_tokens_through_the_core_process_equal_the_in_process_engine(tiny_llama):
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(str(tiny_llama)).generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+    ]
+    front = AsyncEngine(CoreProcessEngine(EngineConfig(model=str(tiny_llama), dtype="float32")))
+    front.start()
+    try:
+
+        async def all_at_once() -> list[list[int]]:
+            return await asyncio.gather(*(collect(front, p, f"r{i}") for i, p in enumerate(PROMPTS)))
+
+        assert asyncio.run(all_at_once()) == expected
+        stats = front.stats()
+        assert stats.generated_tokens == 24 and stats.kv_blocks_in_use == 0
+    finally:
+        front.shutdown()
+    assert not front.engine.healthy
+
+
+def test_a_killed_core_fails_the_requests_in_flight_and_refuses_new_ones(tiny_llama):
+    front = AsyncEngine(CoreProcessEngine(EngineConfig(model=str(tiny_llama), dtype="float32", max_num_seqs=2)))
+    front.start()
+    try:
+
+        async def killed_mid_stream() -> None:
+            params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+            stream = await front.submit(PROMPTS[0], params, "doomed")
+            first = await anext(stream)
+            assert first.outputs[0].token_ids
+            os.kill(core_pid(os.getpid()), signal.SIGKILL)
+            with pytest.raises(RequestRejected) as failure:
+                async with asyncio.timeout(30):
+                    async for _ in stream:
+                        pass
+            assert failure.value.status == 500 and failure.value.code == "engine_error"
+
+        asyncio.run(killed_mid_stream())
+        assert not front.healthy
+        with pytest.raises(RequestRejected) as refused:
+            asyncio.run(collect(front, PROMPTS[1], "late"))
+        assert refused.value.status == 503
+    finally:
+        front.shutdown()
+
+
+def test_a_server_streams_through_the_core_process_and_is_not_ready_once_it_dies(tiny_chat_model):
+    with ServerProcess("--model", str(tiny_chat_model), "--served-model-name", "tiny-chat", "--core-process") as server:
+        assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(
+            model="tiny-chat", prompt="Hello there", max_tokens=5, temperature=0, stream=True
+        )
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        whole = client.completions.create(model="tiny-chat", prompt="Hello there", max_tokens=5, temperature=0)
+        assert text == whole.choices[0].text and whole.usage.completion_tokens == 5
+        os.kill(core_pid(server.process.pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/ready", timeout=10).status_code == 200:
+            assert time.monotonic() < deadline, "/ready still says ready after the core died"
+            time.sleep(0.1)
+        assert httpx.get(f"{server.url}/ready", timeout=10).json()["status"] == "engine_unavailable"
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=5)
+        assert refused.value.status_code == 503
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # the server itself stays up
