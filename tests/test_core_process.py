@@ -17,7 +17,7 @@ from server_process import ServerProcess
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import EngineConfig
-from tokenloom.engine.async_engine import AsyncEngine, RequestRejected
+from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
 from tokenloom.engine.core_process import CoreProcessEngine
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 60)), [3] * 17]
@@ -81,13 +81,13 @@ def test_a_killed_core_fails_the_requests_in_flight_and_refuses_new_ones(tiny_ll
                 async with asyncio.timeout(30):
                     async for _ in stream:
                         pass
-            assert failure.value.status == 500 and failure.value.code == "engine_error"
+            assert failure.value.reason is Rejection.ENGINE_ERROR
 
         asyncio.run(killed_mid_stream())
         assert not front.healthy
         with pytest.raises(RequestRejected) as refused:
             asyncio.run(collect(front, PROMPTS[1], "late"))
-        assert refused.value.status == 503
+        assert refused.value.reason is Rejection.ENGINE_UNAVAILABLE
     finally:
         front.shutdown()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import queue
 import threading
@@ -30,12 +31,25 @@ from tokenloom.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class RequestRejected(Exception):
-    """The engine will not take or keep this request: the queue is full, it waited too long, or we are draining."""
+class Rejection(enum.Enum):
+    """Why the engine will not take or keep a request; the server maps each to an HTTP status."""
 
-    def __init__(self, status: int, code: str, message: str, retry_after: float | None = None) -> None:
+    QUEUE_FULL = "queue_full"  # too many requests waiting
+    QUEUED_TOKENS_FULL = "queued_tokens_full"  # too many prompt tokens waiting
+    SERVER_DRAINING = "server_draining"  # shutting down: no new requests
+    ENGINE_UNAVAILABLE = "engine_unavailable"  # the engine core is gone
+    QUEUE_TIMEOUT = "queue_timeout"  # waited longer than the queue timeout
+    SERVER_SHUTDOWN = "server_shutdown"  # still running at the drain deadline
+    ENGINE_ERROR = "engine_error"  # the step failed for the whole batch
+    REQUEST_FAILED = "request_failed"  # this request alone failed
+
+
+class RequestRejected(Exception):
+    """The engine will not take or keep this request, and why."""
+
+    def __init__(self, reason: Rejection, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.reason, self.message = reason, message
         self.retry_after = retry_after  # seconds a client should wait before sending it again, when that may work
 
 
@@ -140,9 +154,9 @@ class AsyncEngine:
         blocks freed within a step.
         """
         if self.draining:
-            raise RequestRejected(503, "server_draining", "the server is shutting down")
+            raise RequestRejected(Rejection.SERVER_DRAINING, "the server is shutting down")
         if not self.engine.healthy:
-            raise RequestRejected(503, "engine_unavailable", "the engine core is not running")
+            raise RequestRejected(Rejection.ENGINE_UNAVAILABLE, "the engine core is not running")
         arrival_time = time.monotonic()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
@@ -214,15 +228,13 @@ class AsyncEngine:
         with self._admission:
             waiting = self._waiting_requests + len(self._pending)
             if self.max_num_queued_requests is not None and waiting >= self.max_num_queued_requests:
-                raise RequestRejected(
-                    429, "queue_full", f"the request queue is full ({waiting} waiting)", retry_after=1.0
-                )
+                message = f"the request queue is full ({waiting} waiting)"
+                raise RequestRejected(Rejection.QUEUE_FULL, message, retry_after=1.0)
             # The prefill backlog: tokens that queued requests still have to compute before their first token.
             backlog = self._backlog_tokens + sum(p.request.num_prompt_tokens for p in self._pending)
             if self.max_num_queued_tokens is not None and backlog + new_tokens > self.max_num_queued_tokens:
-                raise RequestRejected(
-                    429, "queued_tokens_full", f"the prefill backlog is full ({backlog} tokens queued)", retry_after=1.0
-                )
+                message = f"the prefill backlog is full ({backlog} tokens queued)"
+                raise RequestRejected(Rejection.QUEUED_TOKENS_FULL, message, retry_after=1.0)
             self._pending.append(prepared)
 
     def _admit_pending(self) -> None:
@@ -248,12 +260,12 @@ class AsyncEngine:
                     outputs = self.engine.step() if busy else []
                 except Exception as error:  # the forward itself failed: no request can be told apart
                     logger.exception("engine step failed")
-                    aborted += self._fail_all(RequestRejected(500, "engine_error", f"the engine failed: {error}"))
+                    aborted += self._fail_all(RequestRejected(Rejection.ENGINE_ERROR, f"the engine failed: {error}"))
                     outputs = []
                 self._count_queued()
             for output in outputs:
                 if output.error is not None:  # this request alone failed; the step went on for the others
-                    failure = RequestRejected(500, "request_failed", f"the request failed: {output.error}")
+                    failure = RequestRejected(Rejection.REQUEST_FAILED, f"the request failed: {output.error}")
                     self._deliver(output.request_id, failure)
                 else:
                     self._deliver(output.request_id, output)
@@ -283,14 +295,14 @@ class AsyncEngine:
             if output is not None:
                 outputs.append(output)
             message = f"the request waited more than {self.queue_timeout:g}s in the queue"
-            self._deliver(request_id, RequestRejected(503, "queue_timeout", message))
+            self._deliver(request_id, RequestRejected(Rejection.QUEUE_TIMEOUT, message))
         return outputs
 
     def _cut_after_drain(self) -> list[RequestOutput]:
         if self._drain_deadline is None or time.monotonic() < self._drain_deadline:
             return []
         message = "the server shut down before this request finished (drain timeout)"
-        return self._fail_all(RequestRejected(503, "server_shutdown", message))
+        return self._fail_all(RequestRejected(Rejection.SERVER_SHUTDOWN, message))
 
     def _fail_all(self, error: RequestRejected) -> list[RequestOutput]:
         outputs = []

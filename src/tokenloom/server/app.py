@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 import tokenloom
-from tokenloom.engine.async_engine import AsyncEngine, RequestRejected
+from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.guard import Guard, Receive, until_disconnected
 from tokenloom.server.metrics import ServerMetrics
@@ -292,16 +292,29 @@ async def _submit(
     try:
         return await engine.submit(prompt_ids, params, request_id, priority, tenant.name)
     except RequestRejected as error:
-        metrics.rejected.labels(reason=error.code, tenant=tenant.name).inc()
+        metrics.rejected.labels(reason=error.reason.value, tenant=tenant.name).inc()
         raise _rejected(error) from error
     except ValueError as error:
         metrics.rejected.labels(reason="invalid", tenant=tenant.name).inc()
         raise APIError(400, str(error), "prompt", "invalid_value") from error
 
 
+_REJECTION_STATUS = {
+    Rejection.QUEUE_FULL: 429,
+    Rejection.QUEUED_TOKENS_FULL: 429,
+    Rejection.SERVER_DRAINING: 503,
+    Rejection.ENGINE_UNAVAILABLE: 503,
+    Rejection.QUEUE_TIMEOUT: 503,
+    Rejection.SERVER_SHUTDOWN: 503,
+    Rejection.ENGINE_ERROR: 500,
+    Rejection.REQUEST_FAILED: 500,
+}
+
+
 def _rejected(error: RequestRejected) -> APIError:
+    """The engine's reason as HTTP: 429 for full queues (with Retry-After), 503 while unavailable, 500 on failure."""
     headers = {"Retry-After": str(max(1, round(error.retry_after)))} if error.retry_after is not None else None
-    return APIError(error.status, error.message, None, error.code, headers)
+    return APIError(_REJECTION_STATUS[error.reason], error.message, None, error.reason.value, headers)
 
 
 async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
