@@ -131,77 +131,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import logging
-    from contextlib import asynccontextmanager
+    from tokenloom.server.launch import serve
 
-    import uvicorn
-
-    from tokenloom.bench.provenance import git_commit
-    from tokenloom.engine.async_engine import AsyncEngine
-    from tokenloom.engine.core_process import CoreProcessEngine
-    from tokenloom.engine.llm_engine import LLMEngine
-    from tokenloom.server.app import build_app
-    from tokenloom.server.connections import with_header_timeout
-    from tokenloom.server.metrics import ServerMetrics
-    from tokenloom.server.tenants import load_tenants
-
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_config = engine_config_from_args(args)
-    engine: LLMEngine | CoreProcessEngine
-    engine = CoreProcessEngine(engine_config) if args.core_process else LLMEngine(engine_config)
-    metrics = ServerMetrics(engine)
-    tenants = load_tenants(args.tenants) if args.tenants else None
-    if tenants:
-        engine.set_tenant_weights({t.name: t.weight for t in tenants})
-    front = AsyncEngine(
-        engine,
-        max_num_queued_requests=args.max_num_queued_requests,
-        queue_timeout=args.queue_timeout,
-        max_num_queued_tokens=args.max_num_queued_tokens,
-        on_step=metrics.on_step,
-    )
-    app = build_app(
-        front,
-        metrics,
-        args.served_model_name or engine.model_name,
-        api_keys=args.api_key,
-        tenants=tenants,
-        max_body_bytes=args.max_body_bytes,
-        version_info={"git_commit": git_commit()},
-    )
-
-    @asynccontextmanager
-    async def lifespan(_app):
-        front.start()
-        yield
-        front.draining = True
-        front.shutdown()
-
-    app.router.lifespan_context = lifespan
-
-    class DrainingServer(uvicorn.Server):
-        """SIGTERM/SIGINT: stop admitting, let in-flight requests finish (up to the drain timeout), exit 0."""
-
-        def handle_exit(self, sig, frame) -> None:
-            front.begin_drain(args.drain_timeout)
-            if self.should_exit:
-                self.force_exit = True  # a second signal stops at once
-            self.should_exit = True
-
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        http=with_header_timeout(args.header_timeout),
-        timeout_keep_alive=args.keep_alive_timeout,
-        h11_max_incomplete_event_size=16 * 1024,  # request line plus headers
-        # The engine cuts what is still running at the drain timeout, with a final error event; this leaves
-        # time for those events to reach the clients before uvicorn closes the connections.
-        timeout_graceful_shutdown=args.drain_timeout + 5.0,
-    )
-    DrainingServer(config).run()
-    return 0
+    return serve(args, engine_config_from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:
