@@ -41,7 +41,7 @@ def capture_steps(engine: LLMEngine) -> dict[str, list]:
     execute = ModelRunner.execute
 
     def capturing(runner: ModelRunner, scheduled):
-        if sum(s.num_tokens for s in scheduled) >= engine.config.max_num_batched_tokens - 64:
+        if sum(s.num_tokens for s in scheduled) >= engine.config.scheduler.max_num_batched_tokens - 64:
             captured.setdefault("prefill", scheduled)
         elif len(scheduled) == 64 and all(s.num_tokens == 1 for s in scheduled):
             captured.setdefault("decode", scheduled)
@@ -84,7 +84,7 @@ def start_up_seconds(dtype: str, cache: Path) -> float:
             (cache / part).symlink_to(cache_root() / part)
     code = (
         "import time; from tokenloom.config import EngineConfig; from tokenloom.engine.llm_engine import LLMEngine;"
-        f"t = time.monotonic(); LLMEngine(EngineConfig(dtype={dtype!r}, enforce_eager=False));"
+        f"t = time.monotonic(); LLMEngine(EngineConfig.from_kwargs(dtype={dtype!r}, enforce_eager=False));"
         "print(time.monotonic() - t)"
     )
     env = dict(os.environ, TOKENLOOM_CACHE=str(cache))
@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=12)
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, enforce_eager=False))
+    engine = LLMEngine(EngineConfig.from_kwargs(dtype=args.dtype, enforce_eager=False))
     medians = time_forwards(engine, capture_steps(engine), args.repeats)
     print("| step | eager forward ms | compiled forward ms | compiled / eager |")
     print("|---|---:|---:|---:|")

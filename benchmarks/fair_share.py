@@ -20,7 +20,7 @@ from tokenloom import EngineConfig, LLMEngine, SamplingParams
 
 
 def run(policy: str, flood: int, short: int) -> tuple[list[float], float]:
-    engine = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=1024, scheduling_policy=policy))
+    engine = LLMEngine(EngineConfig.from_kwargs(max_num_seqs=8, max_num_batched_tokens=1024, scheduling_policy=policy))
     rng = random.Random(0)
     long_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     for i in range(flood):

@@ -38,7 +38,7 @@ def workload(
 
 
 def run(mode: str, requests: list[tuple[float, list[int], int]], kv_blocks: int, prefix_caching: bool) -> dict:
-    config = EngineConfig(
+    config = EngineConfig.from_kwargs(
         max_num_seqs=16,
         max_num_batched_tokens=512,
         num_kv_blocks=kv_blocks,

@@ -21,7 +21,7 @@ from tokenloom import EngineConfig, LLMEngine, SamplingParams
 
 
 def itl_during_long_prefill(long_prompt: int, **config) -> tuple[list[float], float]:
-    engine = LLMEngine(EngineConfig(max_num_seqs=16, max_num_batched_tokens=1024, **config))
+    engine = LLMEngine(EngineConfig.from_kwargs(max_num_seqs=16, max_num_batched_tokens=1024, **config))
     rng = random.Random(0)
     decode = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     for i in range(8):

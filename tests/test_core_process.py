@@ -51,7 +51,7 @@ def test_tokens_through_the_core_process_equal_the_in_process_engine(tiny_llama)
             use_tqdm=False,
         )
     ]
-    front = AsyncEngine(CoreProcessEngine(EngineConfig(model=str(tiny_llama), dtype="float32")))
+    front = AsyncEngine(CoreProcessEngine(EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32")))
     front.start()
     try:
 
@@ -67,7 +67,9 @@ def test_tokens_through_the_core_process_equal_the_in_process_engine(tiny_llama)
 
 
 def test_a_killed_core_fails_the_requests_in_flight_and_refuses_new_ones(tiny_llama):
-    front = AsyncEngine(CoreProcessEngine(EngineConfig(model=str(tiny_llama), dtype="float32", max_num_seqs=2)))
+    front = AsyncEngine(
+        CoreProcessEngine(EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32", max_num_seqs=2))
+    )
     front.start()
     try:
 

@@ -52,12 +52,12 @@ def test_auto_on_this_machine_matches_its_cpu_flags():
 
 def test_engine_reports_the_dtype_it_chose(tiny_llama, monkeypatch):
     monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: True)
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=16))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), num_kv_blocks=16))
     assert engine.dtype == torch.bfloat16
     assert engine.core.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert next(engine.core.runner.model.parameters()).dtype == torch.bfloat16
     monkeypatch.setattr(platform, "cpu_has_native_bf16", lambda: False)
-    assert LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=16)).dtype == torch.float32
+    assert LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), num_kv_blocks=16)).dtype == torch.float32
 
 
 PROMPTS = [
@@ -85,7 +85,7 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
     reading the bfloat16 KV of the ones before from the paged cache.
     """
     oracle = hf_oracle(real_model_dir)
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=64, block_size=16))
+    engine = LLMEngine(EngineConfig.from_kwargs(dtype="bfloat16", num_kv_blocks=64, block_size=16))
     assert engine.core.runner.kv_caches[0][0].dtype == torch.bfloat16
     tokenizer = engine.tokenizer
     agree = total = 0
@@ -106,7 +106,7 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
 def _logits(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
     from tokenloom.core.scheduler import ScheduledRequest
 
-    blocks = list(range(cdiv(end, engine.config.block_size)))
+    blocks = list(range(cdiv(end, engine.config.cache.block_size)))
     item = ScheduledRequest(request, start, request.all_token_ids[start:end], blocks, sample=True)
     inputs = engine.core.runner.prepare_inputs([item])
     with torch.inference_mode():

@@ -185,7 +185,9 @@ def test_plain_pytorch_attention_path_gives_the_same_outputs(tiny_llama, solo_re
 
 def test_swap_copies_blocks_to_the_host_pool_and_back(tiny_llama):
     engine = LLMEngine(
-        EngineConfig(model=str(tiny_llama), num_kv_blocks=8, block_size=4, preemption_mode="swap", num_swap_blocks=5)
+        EngineConfig.from_kwargs(
+            model=str(tiny_llama), num_kv_blocks=8, block_size=4, preemption_mode="swap", num_swap_blocks=5
+        )
     )
     runner = engine.core.runner
     assert len(runner.swap_caches) == len(runner.kv_caches)
@@ -210,9 +212,11 @@ def test_swap_copies_blocks_to_the_host_pool_and_back(tiny_llama):
 
 
 def test_recompute_mode_allocates_no_swap_pool(tiny_llama):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, swap_space=4.0))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), num_kv_blocks=8, swap_space=4.0))
     assert engine.core.num_swap_blocks == 0 and engine.core.runner.swap_caches == []
-    sized = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=8, preemption_mode="auto", swap_space=0.001))
+    sized = LLMEngine(
+        EngineConfig.from_kwargs(model=str(tiny_llama), num_kv_blocks=8, preemption_mode="auto", swap_space=0.001)
+    )
     assert sized.core.num_swap_blocks == int(0.001 * 1024**3) // sized.core.kv_bytes_per_block() > 0
     costs = sized.core.preemption_costs
     assert costs.seconds_per_block_copy > 0, "the engine measures block copies at start"
@@ -226,7 +230,7 @@ def tiny_loaded(tiny_llama):
 @pytest.fixture(scope="module")
 def solo_outputs(tiny_loaded):
     """Greedy output of a prompt run alone, 16 tokens, memoised: a shorter run's output is a prefix of it."""
-    engine = LLMEngine(EngineConfig(max_num_seqs=1), loaded=tiny_loaded)
+    engine = LLMEngine(EngineConfig.from_kwargs(max_num_seqs=1), loaded=tiny_loaded)
     cache: dict[tuple[int, ...], list[int]] = {}
 
     def solo(prompt: list[int]) -> list[int]:
@@ -254,7 +258,7 @@ def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
     tiny_loaded, solo_outputs, preemption_mode, workload, aborts, num_swap_blocks, policy, seed
 ):
     """Real tensors this time: a wrong swap copy or block table changes the tokens."""
-    config = EngineConfig(
+    config = EngineConfig.from_kwargs(
         max_num_seqs=4,
         max_num_batched_tokens=32,
         num_kv_blocks=10,
@@ -295,7 +299,7 @@ def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
 
 def test_a_request_is_admitted_while_a_step_runs_and_joins_the_next(tiny_llama):
     """Admission does not wait for the running step: a burst that arrives during a step fills the next one."""
-    front = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_llama))))
+    front = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama))))
     front.start()
 
     async def submit_while_a_step_holds_the_lock() -> tuple[list, float, float]:
@@ -335,8 +339,8 @@ def test_compiled_step_gives_the_eager_greedy_tokens(tiny_llama, solo_reference)
 
 def test_the_step_compiles_by_default_on_cuda_only():
     assert EngineConfig().compiles_step("cuda") and not EngineConfig().compiles_step("cpu")
-    assert EngineConfig(enforce_eager=False).compiles_step("cpu")
-    assert not EngineConfig(enforce_eager=True).compiles_step("cuda")
+    assert EngineConfig.from_kwargs(enforce_eager=False).compiles_step("cpu")
+    assert not EngineConfig.from_kwargs(enforce_eager=True).compiles_step("cuda")
 
 
 def test_enforce_eager_flag_reads_as_vllms():
@@ -346,6 +350,6 @@ def test_enforce_eager_flag_reads_as_vllms():
 
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config_from_args(parser.parse_args([])).enforce_eager is None
-    assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).enforce_eager is True
-    assert engine_config_from_args(parser.parse_args(["--no-enforce-eager"])).enforce_eager is False
+    assert engine_config_from_args(parser.parse_args([])).model.enforce_eager is None
+    assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).model.enforce_eager is True
+    assert engine_config_from_args(parser.parse_args(["--no-enforce-eager"])).model.enforce_eager is False

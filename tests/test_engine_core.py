@@ -15,7 +15,7 @@ from tokenloom.sampling_params import SamplingParams
 @pytest.fixture
 def core(tiny_llama) -> EngineCore:
     loaded = load_model(str(tiny_llama), None, torch.float32, torch.device("cpu"))
-    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=32, block_size=8, max_num_batched_tokens=64)
+    config = EngineConfig.from_kwargs(model=str(tiny_llama), num_kv_blocks=32, block_size=8, max_num_batched_tokens=64)
     return EngineCore(config, loaded, torch.float32, torch.device("cpu"))
 
 

@@ -79,7 +79,9 @@ def run(engine: LLMEngine, items, extra=()) -> dict[str, list[int] | str]:
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 @pytest.mark.parametrize("fault", ["sampling", "detokenizer", "both"])
 def test_a_failing_request_is_failed_alone(tiny_llama, preemption_mode, fault):
-    config = EngineConfig(model=str(tiny_llama), preemption_mode=preemption_mode, num_swap_blocks=64, **UNDER_PRESSURE)
+    config = EngineConfig.from_kwargs(
+        model=str(tiny_llama), preemption_mode=preemption_mode, num_swap_blocks=64, **UNDER_PRESSURE
+    )
     items = workload()
     clean = run(LLMEngine(config), items)
 
@@ -108,7 +110,7 @@ def test_a_failing_request_is_failed_alone(tiny_llama, preemption_mode, fault):
 
 
 def test_the_async_front_fails_only_that_stream(tiny_llama):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_seqs=8))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), max_num_seqs=8))
     poisoned = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     engine.core.runner.sampler = PoisonedSampler(engine.core.runner.sampler, poisoned, after_tokens=2)
     front = AsyncEngine(engine)

@@ -19,7 +19,7 @@ BLOCK = 4
 
 
 def engine_for(path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=128, block_size=BLOCK))
+    return LLMEngine(EngineConfig.from_kwargs(model=str(path), num_kv_blocks=128, block_size=BLOCK))
 
 
 def logits_of_chunk(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
@@ -68,9 +68,9 @@ def test_chunked_prefill_and_decode_logits_match_transformers(tiny_checkpoints, 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
-        LLMEngine(EngineConfig(model=str(tmp_path)))
+        LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path)))
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="never downloads"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
+        LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path / "nope")))

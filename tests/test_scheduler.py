@@ -14,8 +14,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from tokenloom.config import SchedulerConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
-from tokenloom.core.policy import make_policy
 from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
@@ -46,20 +46,18 @@ def make_scheduler(
     prefix_caching=True,
 ):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    scheduler = Scheduler(
-        kv,
+    config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
-        max_model_len=512,
-        eos_token_ids={EOS},
         enable_chunked_prefill=chunked,
-        static_batching=static,
         long_prefill_token_threshold=long_prefill,
         max_num_partial_prefills=partial,
-        policy=make_policy(policy),
+        scheduling_policy=policy,
         preemption_mode=preemption,
-        swap_space=SwapSpace(swap_slots),
-        preemption_costs=costs,
+        batching="static" if static else "continuous",
+    )
+    scheduler = Scheduler(
+        config, kv, max_model_len=512, eos_token_ids={EOS}, swap_space=SwapSpace(swap_slots), preemption_costs=costs
     )
     scheduler.fake_kv = FakePagedKV(num_blocks, swap_slots, block_size)
     return scheduler

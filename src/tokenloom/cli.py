@@ -8,7 +8,7 @@ import itertools
 import sys
 import typing
 
-from tokenloom.config import EngineConfig
+from tokenloom.config import PARTS, EngineConfig
 
 SAMPLING_FLAGS = {
     "max_tokens": int,
@@ -23,31 +23,34 @@ SAMPLING_FLAGS = {
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, with its default and its docstring as help."""
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineConfig)
-    docs = _field_docs()
-    for field in dataclasses.fields(EngineConfig):
-        flag = "--" + field.name.replace("_", "-")
-        hint = hints[field.name]
-        help_text = f"{docs.get(field.name, '')} (default: {field.default})"
-        if hint is bool or hint == bool | None:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
-        else:
-            kind = next((t for t in (int, float) if hint is t or t in typing.get_args(hint)), str)
-            group.add_argument(flag, type=kind, default=field.default, help=help_text)
+    """One flag per field of each part of EngineConfig, with its default and its docstring as help."""
+    for part_name, part in PARTS.items():
+        group = parser.add_argument_group(f"engine: {part_name}")
+        hints = typing.get_type_hints(part)
+        docs = _field_docs(part)
+        for field in dataclasses.fields(part):
+            flag = "--" + field.name.replace("_", "-")
+            hint = hints[field.name]
+            help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+            if hint is bool or hint == bool | None:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            elif typing.get_origin(hint) is typing.Literal:
+                group.add_argument(flag, choices=typing.get_args(hint), default=field.default, help=help_text)
+            else:
+                kind = next((t for t in (int, float) if hint is t or t in typing.get_args(hint)), str)
+                group.add_argument(flag, type=kind, default=field.default, help=help_text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    return EngineConfig.from_kwargs(**{name: getattr(args, name) for name in EngineConfig.field_names()})
 
 
-def _field_docs() -> dict[str, str]:
-    """Reads the attribute docstrings under each EngineConfig field, so the help text lives in one place."""
+def _field_docs(part: type) -> dict[str, str]:
+    """Reads the attribute docstrings under each field, so the help text lives in one place."""
     import ast
     import inspect
 
-    tree = ast.parse(inspect.getsource(EngineConfig))
+    tree = ast.parse(inspect.getsource(part))
     cls = tree.body[0]
     assert isinstance(cls, ast.ClassDef)
     docs = {}

@@ -1,54 +1,36 @@
-"""Every engine knob in one place, with its meaning and default. Validated on construction."""
+"""Every engine knob, with its meaning and default, one frozen dataclass per concern. Validated on construction.
+
+    EngineConfig
+      model: ModelLoadConfig     which checkpoint, in which dtype, on which device, compiled or eager
+      cache: CacheConfig         the paged KV cache and its host swap pool
+      scheduler: SchedulerConfig the step's budget and cap, chunking, the policy and the preemption mode
+
+Each part is built from its own config (the scheduler from SchedulerConfig, the KV cache from CacheConfig), so a
+new knob is one field in one class: the CLI flags (one per field, help from the docstring under it),
+``EngineConfig.from_kwargs`` (the flat keywords of ``LLM(...)``) and ``to_dict`` (``/version``) follow by themselves.
+Field names are unique across the parts, as flat options need.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from tokenloom.core.preemption import PREEMPTION_MODES
+from typing import Any, Literal, get_args
 
 Batching = Literal["continuous", "static"]
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+SchedulingPolicy = Literal["fcfs", "priority", "fair"]
+PreemptionMode = Literal["recompute", "swap", "auto"]
+DTYPES: tuple[str, ...] = get_args(DType)
+POLICY_NAMES: tuple[str, ...] = get_args(SchedulingPolicy)
+PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 
 
-@dataclass
-class EngineConfig:
+@dataclass(frozen=True)
+class ModelLoadConfig:
     model: str | None = None
     """A GGUF file, a Hugging Face checkpoint directory, or None for the embedded SmolLM2-135M-Instruct."""
-    max_num_seqs: int = 64
-    """The most requests in the running batch at once."""
-    max_num_batched_tokens: int = 2048
-    """The token budget of one step: prompt chunks and decode tokens of all running requests together. 2048 (as
-    vLLM's CPU backend chunks prefill): large enough that a burst's prefill takes few steps, so few decode
-    intervals wait behind one (ITL p95 within 1.5x p50 on mixed-64), small enough to keep TTFT low."""
-    block_size: int = 16
-    """Tokens per KV cache block."""
-    num_kv_blocks: int | None = None
-    """The size of the KV cache in blocks; overrides kv_cache_memory."""
-    kv_cache_memory: int | None = None
-    """The size of the KV cache in bytes; by default 2 GiB, or less when max_num_seqs full-length requests need less."""
-    enable_chunked_prefill: bool = True
-    """Split long prompts across steps so they share each step with other requests' decode tokens."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV blocks of identical prompt prefixes."""
-    long_prefill_token_threshold: int = 0
-    """Stall-free prefill: one prompt gets at most this many tokens of a step, so decodes keep moving; 0: no cap."""
-    max_num_partial_prefills: int = 0
-    """Stall-free prefill: at most this many prompts are prefilled in one step; 0: no limit."""
-    scheduling_policy: str = "fcfs"
-    """'fcfs' (arrival order), 'priority' (a request's priority, then arrival; may displace at the cap) or 'fair'
-    (weighted fair share of tokens between tenants)."""
-    preemption_mode: str = "recompute"
-    """When KV blocks run out: 'recompute' drops a victim's KV and computes it again on resuming; 'swap' copies its
-    blocks to a host-memory pool and back (recompute when the pool is full); 'auto' picks the cheaper per victim."""
-    swap_space: float = 4.0
-    """GiB of host memory for swapped-out KV blocks; allocated only when preemption_mode is 'swap' or 'auto'."""
-    num_swap_blocks: int | None = None
-    """The size of the swap pool in blocks; overrides swap_space."""
-    batching: Batching = "continuous"
-    """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
-    dtype: str = "auto"
+    dtype: DType = "auto"
     """Weights, activations and KV cache: 'auto' (bfloat16 on a CPU with native bf16 dot products, AVX-512 BF16
     or AMX, and on CUDA devices that support it; float32 otherwise), float32 (exact against transformers),
     bfloat16 or float16."""
@@ -66,28 +48,8 @@ class EngineConfig:
     """Seeds the sampler of requests that give no seed of their own."""
 
     def __post_init__(self) -> None:
-        positive = ["max_num_seqs", "max_num_batched_tokens", "block_size"]
-        for name in positive:
-            _require(
-                isinstance(getattr(self, name), int) and getattr(self, name) > 0, f"{name} must be a positive integer"
-            )
-        for name in ("num_kv_blocks", "kv_cache_memory", "num_threads", "max_model_len", "num_swap_blocks"):
-            value = getattr(self, name)
-            _require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")
-        for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0")
-        _require(
-            self.enable_chunked_prefill or not self.long_prefill_token_threshold,
-            "long_prefill_token_threshold needs chunked prefill",
-        )
-        _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
-        _require(isinstance(self.swap_space, int | float) and self.swap_space >= 0, "swap_space must be >= 0 GiB")
-        _require(self.batching in ("continuous", "static"), "batching must be 'continuous' or 'static'")
-        _require(
-            self.scheduling_policy in ("fcfs", "priority", "fair"),
-            "scheduling_policy must be 'fcfs', 'priority' or 'fair'",
-        )
+        for name in ("num_threads", "max_model_len"):
+            _require_positive_or_none(self, name)
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
         _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
 
@@ -96,19 +58,108 @@ class EngineConfig:
             return device_type == "cuda"
         return not self.enforce_eager
 
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    num_kv_blocks: int | None = None
+    """The size of the KV cache in blocks; overrides kv_cache_memory."""
+    kv_cache_memory: int | None = None
+    """The size of the KV cache in bytes; by default 2 GiB, or less when max_num_seqs full-length requests need less."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of identical prompt prefixes."""
+    swap_space: float = 4.0
+    """GiB of host memory for swapped-out KV blocks; allocated only when preemption_mode is 'swap' or 'auto'."""
+    num_swap_blocks: int | None = None
+    """The size of the swap pool in blocks; overrides swap_space."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.block_size, int) and self.block_size > 0, "block_size must be a positive integer")
+        for name in ("num_kv_blocks", "kv_cache_memory", "num_swap_blocks"):
+            _require_positive_or_none(self, name)
+        _require(isinstance(self.swap_space, int | float) and self.swap_space >= 0, "swap_space must be >= 0 GiB")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """The most requests in the running batch at once."""
+    max_num_batched_tokens: int = 2048
+    """The token budget of one step: prompt chunks and decode tokens of all running requests together. 2048 (as
+    vLLM's CPU backend chunks prefill): large enough that a burst's prefill takes few steps, so few decode
+    intervals wait behind one (ITL p95 within 1.5x p50 on mixed-64), small enough to keep TTFT low."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so they share each step with other requests' decode tokens."""
+    long_prefill_token_threshold: int = 0
+    """Stall-free prefill: one prompt gets at most this many tokens of a step, so decodes keep moving; 0: no cap."""
+    max_num_partial_prefills: int = 0
+    """Stall-free prefill: at most this many prompts are prefilled in one step; 0: no limit."""
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    """'fcfs' (arrival order), 'priority' (a request's priority, then arrival; may displace at the cap) or 'fair'
+    (weighted fair share of tokens between tenants)."""
+    preemption_mode: PreemptionMode = "recompute"
+    """When KV blocks run out: 'recompute' drops a victim's KV and computes it again on resuming; 'swap' copies its
+    blocks to a host-memory pool and back (recompute when the pool is full); 'auto' picks the cheaper per victim."""
+    batching: Batching = "continuous"
+    """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"{name} must be a positive integer")
+        for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0")
+        _require(
+            self.enable_chunked_prefill or not self.long_prefill_token_threshold,
+            "long_prefill_token_threshold needs chunked prefill",
+        )
+        _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
+        _require(self.batching in get_args(Batching), "batching must be 'continuous' or 'static'")
+        _require(self.scheduling_policy in POLICY_NAMES, f"scheduling_policy must be one of {', '.join(POLICY_NAMES)}")
+
+
+PARTS: dict[str, type] = {"model": ModelLoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelLoadConfig = dataclasses.field(default_factory=ModelLoadConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
+        """Every option's flat name, across the parts."""
+        return [f.name for part in PARTS.values() for f in dataclasses.fields(part)]
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """From flat options (``max_num_seqs=8, dtype="float32"``), each routed to the part that holds it."""
         unknown = sorted(set(kwargs) - set(cls.field_names()))
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; the options are: {', '.join(cls.field_names())}")
-        return cls(**kwargs)
+        parts = {}
+        for name, part in PARTS.items():
+            own = {f.name for f in dataclasses.fields(part)}
+            parts[name] = part(**{k: v for k, v in kwargs.items() if k in own})
+        return cls(**parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every option by its flat name, as from_kwargs takes them."""
+        flat: dict[str, Any] = {}
+        for name in PARTS:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        return flat
+
+    def compiles_step(self, device_type: str) -> bool:
+        return self.model.compiles_step(device_type)
+
+
+def _require_positive_or_none(config: object, name: str) -> None:
+    value = getattr(config, name)
+    _require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")
 
 
 def _require(ok: bool, message: str) -> None:

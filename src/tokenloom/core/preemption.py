@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-
 
 class SwapSpace:
     """The slots of the host-memory pool, each holding one KV block of a swapped-out request."""

@@ -18,9 +18,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokenloom.config import SchedulerConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
-from tokenloom.core.policy import FCFSPolicy
-from tokenloom.core.preemption import PREEMPTION_MODES, PreemptionCosts, SwapSpace
+from tokenloom.core.policy import make_policy
+from tokenloom.core.preemption import PreemptionCosts, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.utils import cdiv
 
@@ -109,33 +110,28 @@ class SchedulerStats:
 class Scheduler:
     def __init__(
         self,
+        config: SchedulerConfig,
         kv_cache: KVCacheManager,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: set[int],
-        enable_chunked_prefill: bool = True,
-        static_batching: bool = False,
-        long_prefill_token_threshold: int = 0,
-        max_num_partial_prefills: int = 0,
-        policy: FCFSPolicy | None = None,
-        preemption_mode: str = "recompute",
         swap_space: SwapSpace | None = None,
         preemption_costs: PreemptionCosts | None = None,
     ) -> None:
-        assert preemption_mode in PREEMPTION_MODES, f"unknown preemption mode {preemption_mode!r}"
+        """Built from its own config; what the engine works out at start-up (the context length, the EOS tokens,
+        the swap pool's size, the measured copy costs) comes beside it."""
+        self.config = config
         self.kv = kv_cache
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.static_batching = static_batching
-        self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.max_num_partial_prefills = max_num_partial_prefills
-        self.policy = policy or FCFSPolicy()
-        self.preemption_mode = preemption_mode
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.static_batching = config.batching == "static"
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.max_num_partial_prefills = config.max_num_partial_prefills
+        self.policy = make_policy(config.scheduling_policy)
+        self.preemption_mode = config.preemption_mode
         self.swap_space = swap_space or SwapSpace(0)
         self.preemption_costs = preemption_costs or PreemptionCosts()
         self.waiting: deque[Request] = deque()

@@ -18,7 +18,7 @@ import torch
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
-from tokenloom.core.policy import FairPolicy, make_policy
+from tokenloom.core.policy import FairPolicy
 from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import AdmissionLimits, Scheduler
@@ -122,10 +122,10 @@ class EngineCore:
         self.runner = ModelRunner(
             loaded.model,
             self.num_kv_blocks,
-            config.block_size,
+            config.cache.block_size,
             device,
             dtype,
-            config.seed,
+            config.model.seed,
             self.num_swap_blocks,
             compile_step=config.compiles_step(device.type),
         )
@@ -135,23 +135,18 @@ class EngineCore:
         self._step_costs = LinearCostFit()
         self._copy_costs = LinearCostFit()
         self._swap_copy_seconds = 0.0
-        self._measures_costs = config.preemption_mode == "auto" and self.num_swap_blocks > 0  # only auto uses them
+        self._measures_costs = (
+            config.scheduler.preemption_mode == "auto" and self.num_swap_blocks > 0
+        )  # only auto uses them
         if self._measures_costs:
             self._measure_block_copies()
             self._swap_copy_seconds = 0.0  # time spent swapping requests, not measuring
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
+            config.scheduler,
             self.kv_cache,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=set(self.model_config.eos_token_ids),
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            static_batching=config.batching == "static",
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            max_num_partial_prefills=config.max_num_partial_prefills,
-            policy=make_policy(config.scheduling_policy),
-            preemption_mode=config.preemption_mode,
             swap_space=SwapSpace(self.num_swap_blocks),
             preemption_costs=self.preemption_costs,
         )
@@ -160,28 +155,28 @@ class EngineCore:
 
     def kv_bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.config.block_size * self.model_config.kv_bytes_per_token(element)
+        return self.config.cache.block_size * self.model_config.kv_bytes_per_token(element)
 
     def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
         per_block = self.kv_bytes_per_block()
-        memory = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        memory = self.config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         blocks_for_memory = memory // per_block
         if blocks_for_memory < 1:
             raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {per_block} bytes")
-        if self.config.kv_cache_memory is not None:
+        if self.config.cache.kv_cache_memory is not None:
             return blocks_for_memory
         # By default, no more than max_num_seqs full-length requests could ever use.
-        blocks_for_batch = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
+        blocks_for_batch = self.config.scheduler.max_num_seqs * cdiv(self.max_model_len, self.config.cache.block_size)
         return min(blocks_for_memory, blocks_for_batch)
 
     def _num_swap_blocks(self) -> int:
-        if self.config.preemption_mode == "recompute":
+        if self.config.scheduler.preemption_mode == "recompute":
             return 0
-        if self.config.num_swap_blocks is not None:
-            return self.config.num_swap_blocks
-        return int(self.config.swap_space * 1024**3) // self.kv_bytes_per_block()
+        if self.config.cache.num_swap_blocks is not None:
+            return self.config.cache.num_swap_blocks
+        return int(self.config.cache.swap_space * 1024**3) // self.kv_bytes_per_block()
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -340,7 +335,7 @@ def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
     limit = model_config.max_position_embeddings
     if model_config.sliding_window:
         limit = min(limit, model_config.sliding_window)  # beyond the window we would attend too far
-    wanted = config.max_model_len or limit
+    wanted = config.model.max_model_len or limit
     if wanted > limit:
         raise ValueError(f"max_model_len={wanted} exceeds the model's context length {limit}")
     return wanted

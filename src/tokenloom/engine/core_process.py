@@ -78,11 +78,13 @@ def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> Non
     outputs = context.socket(zmq.PUSH)
     outputs.connect(outputs_path)
     try:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        device = torch.device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        core = EngineCore(config, load_model(config.model, config.max_model_len, dtype, device), dtype, device)
+        if config.model.num_threads is not None:
+            torch.set_num_threads(config.model.num_threads)
+        device = torch.device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        core = EngineCore(
+            config, load_model(config.model.model, config.model.max_model_len, dtype, device), dtype, device
+        )
         info = CoreInfo(core.max_model_len, core.admission_limits(), core.runner.compiled is not None)
         outputs.send(pickle.dumps(("ready", info), protocol=5))
         _serve(core, inputs, outputs)
@@ -140,9 +142,9 @@ class CoreProcessEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        info = load_model_info(config.model)
+        self.device = torch.device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        info = load_model_info(config.model.model)
         self.model_name = info.name
         self.model_config: ModelConfig = info.config
         self.tokenizer: Tokenizer | None = info.tokenizer

@@ -39,12 +39,12 @@ class PreparedRequest:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, device)
+        if config.model.num_threads is not None:
+            torch.set_num_threads(config.model.num_threads)
+        device = torch.device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, device)
         started = time.monotonic()
-        loaded = loaded or load_model(config.model, config.max_model_len, self.dtype, device)
+        loaded = loaded or load_model(config.model.model, config.model.max_model_len, self.dtype, device)
         self.model_name = loaded.name
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -60,10 +60,10 @@ class LLMEngine:
             time.monotonic() - started,
             device,
             dtype_name(self.dtype),
-            config.dtype,
+            config.model.dtype,
             "eager" if self.core.runner.compiled is None else "compiled",
             self.core.num_kv_blocks,
-            config.block_size,
+            config.cache.block_size,
             self.core.num_swap_blocks,
             self.max_model_len,
         )
