@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tokenloom.config import SchedulerConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
-from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, SwapSpace
+from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import Scheduler, SchedulerOutput
 from tokenloom.sampling_params import SamplingParams
@@ -57,7 +57,11 @@ def make_scheduler(
         batching="static" if static else "continuous",
     )
     scheduler = Scheduler(
-        config, kv, max_model_len=512, eos_token_ids={EOS}, swap_space=SwapSpace(swap_slots), preemption_costs=costs
+        config,
+        kv,
+        max_model_len=512,
+        eos_token_ids={EOS},
+        preemptor=Preemptor(preemption, kv, SwapSpace(swap_slots), costs),
     )
     scheduler.fake_kv = FakePagedKV(num_blocks, swap_slots, block_size)
     return scheduler
@@ -402,7 +406,7 @@ def check_workload(scheduler: Scheduler, lengths, priorities, arrivals, aborts) 
             assert expected[: request.num_output_tokens] == request.output_token_ids
         else:
             assert request.output_token_ids == expected
-    if scheduler.preemption_mode == "recompute":
+    if scheduler.preemptor.mode == "recompute":
         assert scheduler.stats.preemptions["swap"] == 0
     assert scheduler.kv.num_used_blocks == 0 and scheduler.swap_space.num_used_slots == 0
     event(f"preempted by swap: {scheduler.stats.preemptions['swap'] > 0}")

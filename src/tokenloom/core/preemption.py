@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from tokenloom.core.kv_cache_manager import KVCacheManager
+from tokenloom.core.request import Request, RequestStatus
+from tokenloom.utils import cdiv
+
 
 class SwapSpace:
     """The slots of the host-memory pool, each holding one KV block of a swapped-out request."""
@@ -112,3 +116,82 @@ class LinearCostFit:
         if slope is None:
             return None
         return max(0.0, (self._y - slope * self._x) / self._n)
+
+
+class Preemptor:
+    """How a victim gives back its device blocks, and how it gets them again.
+
+    recompute drops the victim's KV; swap copies its computed blocks to the host pool (or drops them when the pool
+    is full); auto does whichever costs less for that victim, by costs fitted to what the engine measures and
+    reports here (``observe_step``, ``observe_copies``). The copies themselves are the runner's: this returns the
+    (device block, host slot) pairs to copy.
+    """
+
+    def __init__(
+        self, mode: str, kv: KVCacheManager, swap_space: SwapSpace, costs: PreemptionCosts | None = None
+    ) -> None:
+        self.mode = mode
+        self.kv = kv
+        self.swap_space = swap_space
+        self.costs = costs or PreemptionCosts()
+        self.measures_costs = mode == "auto" and swap_space.num_slots > 0  # only auto compares costs
+        self._step_fit = LinearCostFit()
+        self._copy_fit = LinearCostFit()
+
+    def choose(self, request: Request) -> str:
+        """Swap when configured to and the host pool has room (else recompute); auto: the cheaper of the two."""
+        if self.mode == "recompute":
+            return "recompute"
+        num_blocks = self.num_computed_blocks(request)
+        if num_blocks == 0 or not self.swap_space.can_hold(num_blocks):
+            return "recompute"
+        if self.mode == "swap":
+            return "swap"
+        # Blocks other running requests share stay in the cache, so recomputing them would be a cache hit.
+        to_recompute = request.num_computed_tokens - self.kv.num_shared_prefix_tokens(request)
+        return "swap" if self.costs.prefers_swap(to_recompute, num_blocks) else "recompute"
+
+    def drop(self, request: Request) -> None:
+        """Recompute: the KV is gone; the request starts over from its first token when it resumes."""
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Reserves host slots for the computed blocks and frees the device blocks; returns the copies to make.
+
+        The blocks may be handed out again in the same step: the runner copies them out before the forward.
+        """
+        num_blocks = self.num_computed_blocks(request)
+        device_blocks = self.kv.block_ids(request.request_id)[:num_blocks]
+        slots = self.swap_space.take(request.request_id, num_blocks)
+        self.kv.free(request)
+        request.status = RequestStatus.SWAPPED
+        return list(zip(device_blocks, slots, strict=True))
+
+    def swap_in(self, request: Request, num_still_cached: int) -> list[tuple[int, int]]:
+        """Frees the request's host slots into the device blocks it was just given; returns the copies to make.
+
+        Its first num_still_cached blocks came from the prefix cache; only the others are copied back.
+        """
+        slots = self.swap_space.release(request.request_id)
+        device_blocks = self.kv.block_ids(request.request_id)[: len(slots)]
+        request.status = RequestStatus.RUNNING
+        return list(zip(slots, device_blocks, strict=True))[num_still_cached:]
+
+    def num_computed_blocks(self, request: Request) -> int:
+        """The blocks holding the request's computed KV: what a swap must copy out."""
+        return cdiv(request.num_computed_tokens, self.kv.block_size)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of the model: its marginal cost per token is what recomputing costs."""
+        if self.measures_costs:
+            self._step_fit.add(num_tokens, seconds)
+            self.costs.seconds_per_token = self._step_fit.slope() or 0.0
+
+    def observe_copies(self, num_blocks: int, seconds: float) -> None:
+        """One copy of blocks between the device and the host pool: a fixed cost and a cost per block."""
+        if self.measures_costs:
+            self._copy_fit.add(num_blocks, seconds)
+            self.costs.seconds_per_block_copy = self._copy_fit.slope() or 0.0
+            self.costs.seconds_per_copy = self._copy_fit.intercept() or 0.0

@@ -19,9 +19,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenloom.config import SchedulerConfig
+from tokenloom.core.admission import make_admission
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import make_policy
-from tokenloom.core.preemption import PreemptionCosts, SwapSpace
+from tokenloom.core.preemption import Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.utils import cdiv
 
@@ -115,11 +116,10 @@ class Scheduler:
         *,
         max_model_len: int,
         eos_token_ids: set[int],
-        swap_space: SwapSpace | None = None,
-        preemption_costs: PreemptionCosts | None = None,
+        preemptor: Preemptor | None = None,
     ) -> None:
         """Built from its own config; what the engine works out at start-up (the context length, the EOS tokens,
-        the swap pool's size, the measured copy costs) comes beside it."""
+        the preemptor with its swap pool and measured costs) comes beside it."""
         self.config = config
         self.kv = kv_cache
         self.max_num_seqs = config.max_num_seqs
@@ -127,18 +127,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.static_batching = config.batching == "static"
+        self.admission = make_admission(config.batching)
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.max_num_partial_prefills = config.max_num_partial_prefills
         self.policy = make_policy(config.scheduling_policy)
-        self.preemption_mode = config.preemption_mode
-        self.swap_space = swap_space or SwapSpace(0)
-        self.preemption_costs = preemption_costs or PreemptionCosts()
+        self.preemptor = preemptor or Preemptor(config.preemption_mode, kv_cache, SwapSpace(0))
+        self.swap_space = self.preemptor.swap_space
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self._static_batch_forming = False
 
     # ---- requests in and out -------------------------------------------------------------------------
 
@@ -192,10 +190,9 @@ class Scheduler:
         budget = self._schedule_running(output, budget)
         # A step that had to preempt for KV admits no one; seats freed by displacement are meant to be filled.
         preempted_for_kv = len(output.preempted) > displaced
-        if not preempted_for_kv and self._may_admit():
+        if not preempted_for_kv and self.admission.open_for_step(len(self.running)):
             self._schedule_waiting(output, budget)
-        if self.static_batching and (len(self.running) >= self.max_num_seqs or not self.waiting):
-            self._static_batch_forming = False
+        self.admission.end_step(len(self.running), len(self.waiting), self.max_num_seqs)
         assert output.num_batched_tokens <= self.max_num_batched_tokens, "step exceeds its token budget"
         assert len(self.running) <= self.max_num_seqs, "running batch exceeds max_num_seqs"
         if not output.is_empty:
@@ -208,7 +205,7 @@ class Scheduler:
 
     def _displace_for_better_waiting(self, output: SchedulerOutput) -> int:
         """At the sequence cap, a waiting request the policy ranks strictly higher takes the worst one's seat."""
-        if self.static_batching:
+        if not self.admission.allows_displacement:
             return 0
         while (
             self.waiting
@@ -261,8 +258,7 @@ class Scheduler:
             if num_new == 0:
                 break
             if not self.kv.allocate_slots(request, num_new, cached_blocks):
-                if self.static_batching:
-                    self._static_batch_forming = False  # the batch is as large as the KV cache allows
+                self.admission.kv_exhausted()
                 break
             self.waiting.popleft()
             self._admit(request, num_cached)
@@ -286,13 +282,6 @@ class Scheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
 
-    def _may_admit(self) -> bool:
-        if not self.static_batching:
-            return True
-        if not self.running:
-            self._static_batch_forming = True
-        return self._static_batch_forming
-
     def _admit(self, request: Request, num_cached: int) -> None:
         self.kv.record_prefix_query(request.num_tokens, num_cached)
         request.status = RequestStatus.RUNNING
@@ -305,58 +294,29 @@ class Scheduler:
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """The request gives back its device blocks and returns to the queue, its KV swapped out or dropped."""
-        mode = self._preemption_mode_for(request)
+        mode = self.preemptor.choose(request)
         if mode == "swap":
-            self._swap_out(request, output)
+            copies = self.preemptor.swap_out(request)
+            output.swap_out.extend(copies)
+            self.stats.swapped_out_blocks += len(copies)
         else:
-            self.kv.free(request)
-            request.status = RequestStatus.WAITING
-            request.num_computed_tokens = 0
+            self.preemptor.drop(request)
         request.num_preemptions += 1
         self.stats.preemptions[mode] += 1
         output.preempted.append(request)
         self.policy.requeue(self.waiting, request)
-
-    def _preemption_mode_for(self, request: Request) -> str:
-        """Swap when configured to and the host pool has room (else fall back to recompute); auto: the cheaper."""
-        if self.preemption_mode == "recompute":
-            return "recompute"
-        num_blocks = self._num_computed_blocks(request)
-        if num_blocks == 0 or not self.swap_space.can_hold(num_blocks):
-            return "recompute"
-        if self.preemption_mode == "swap":
-            return "swap"
-        # Blocks other running requests share stay in the cache, so recomputing them would be a cache hit.
-        to_recompute = request.num_computed_tokens - self.kv.num_shared_prefix_tokens(request)
-        return "swap" if self.preemption_costs.prefers_swap(to_recompute, num_blocks) else "recompute"
-
-    def _num_computed_blocks(self, request: Request) -> int:
-        """The blocks holding the request's computed KV: what a swap must copy out."""
-        return cdiv(request.num_computed_tokens, self.kv.block_size)
-
-    def _swap_out(self, request: Request, output: SchedulerOutput) -> None:
-        num_blocks = self._num_computed_blocks(request)
-        device_blocks = self.kv.block_ids(request.request_id)[:num_blocks]
-        slots = self.swap_space.take(request.request_id, num_blocks)
-        output.swap_out.extend(zip(device_blocks, slots, strict=True))
-        self.stats.swapped_out_blocks += num_blocks
-        self.kv.free(request)  # the blocks may be handed out again this step: the runner copies them out first
-        request.status = RequestStatus.SWAPPED
 
     def _swap_in(self, request: Request, num_still_cached: int, output: SchedulerOutput) -> None:
         """Resumes a swapped-out request in the blocks it was just given, its computed tokens intact.
 
         Its first num_still_cached blocks came from the prefix cache; only the others are copied back.
         """
-        slots = self.swap_space.release(request.request_id)
-        device_blocks = self.kv.block_ids(request.request_id)[: len(slots)]
+        copies = self.preemptor.swap_in(request, num_still_cached)
         # Swap-outs all precede swap-ins in a step, so a slot freed here is never refilled before it is read.
-        assert not {slot for _, slot in output.swap_out} & set(slots), "swap slot reused within a step"
-        copies = list(zip(slots, device_blocks, strict=True))[num_still_cached:]
+        assert not {slot for _, slot in output.swap_out} & {slot for slot, _ in copies}, "swap slot reused in a step"
         output.swap_in.extend(copies)
         self.stats.swapped_in_blocks += len(copies)
         self.stats.swap_in_cached_blocks += num_still_cached
-        request.status = RequestStatus.RUNNING
         self.running.append(request)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:

@@ -19,7 +19,7 @@ import torch
 from tokenloom.config import EngineConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import FairPolicy
-from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, SwapSpace
+from tokenloom.core.preemption import PreemptionCosts, Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import AdmissionLimits, Scheduler
 from tokenloom.model.config import ModelConfig
@@ -131,27 +131,26 @@ class EngineCore:
         )
         if self.runner.compiled is not None:
             self.runner.warm_up()
-        self.preemption_costs = PreemptionCosts()
-        self._step_costs = LinearCostFit()
-        self._copy_costs = LinearCostFit()
+        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.preemptor = Preemptor(config.scheduler.preemption_mode, self.kv_cache, SwapSpace(self.num_swap_blocks))
         self._swap_copy_seconds = 0.0
-        self._measures_costs = (
-            config.scheduler.preemption_mode == "auto" and self.num_swap_blocks > 0
-        )  # only auto uses them
-        if self._measures_costs:
+        if self.preemptor.measures_costs:
             self._measure_block_copies()
             self._swap_copy_seconds = 0.0  # time spent swapping requests, not measuring
-        self.kv_cache = KVCacheManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv_cache,
             max_model_len=self.max_model_len,
             eos_token_ids=set(self.model_config.eos_token_ids),
-            swap_space=SwapSpace(self.num_swap_blocks),
-            preemption_costs=self.preemption_costs,
+            preemptor=self.preemptor,
         )
 
     # ---- sizing -------------------------------------------------------------------------------------------
+
+    @property
+    def preemption_costs(self) -> PreemptionCosts:
+        """What auto preemption believes recompute and swap cost, as measured so far."""
+        return self.preemptor.costs
 
     def kv_bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
@@ -245,9 +244,7 @@ class EngineCore:
         started = time.perf_counter()
         result = self.runner.execute(output.scheduled)
         seconds = time.perf_counter() - started
-        if self._measures_costs:
-            self._step_costs.add(output.num_batched_tokens, seconds)
-            self.preemption_costs.seconds_per_token = self._step_costs.slope() or 0.0
+        self.preemptor.observe_step(output.num_batched_tokens, seconds)
         outputs = [self.fail(request_id, error) for request_id, error in result.failed.items()]
         sampled = result.sampled
         advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
@@ -288,12 +285,8 @@ class EngineCore:
             started = time.perf_counter()
             copy(pairs)
             seconds = time.perf_counter() - started
-            self._copy_costs.add(len(pairs), seconds)
+            self.preemptor.observe_copies(len(pairs), seconds)
             self._swap_copy_seconds += seconds
-        if self._measures_costs and (swap_out or swap_in):
-            costs = self.preemption_costs
-            costs.seconds_per_block_copy = self._copy_costs.slope() or 0.0
-            costs.seconds_per_copy = self._copy_costs.intercept() or 0.0
 
     def _measure_block_copies(self) -> None:
         """Times copies of a few sizes between free blocks and slots (no request holds any yet), for auto mode."""
