@@ -81,9 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(generate)
 
     serve = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="the model to serve, as `vllm serve MODEL`"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", action="append", default=[], help="a bearer key clients must send (repeatable)")
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="a bearer key clients must send (repeatable); without it, the TOKENLOOM_API_KEY environment variable",
+    )
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: its name)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     serve.add_argument("--tenants", default=None, help="a TOML file of tenants: keys, caps, priorities, rates")
@@ -135,6 +143,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from tokenloom.server.launch import serve
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
 
     return serve(args, engine_config_from_args(args))
 

@@ -23,6 +23,7 @@ import torch
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core import EngineStats, QueueState
 from tokenloom.engine.llm_engine import PreparedRequest
+from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
@@ -57,6 +58,7 @@ class Engine(Protocol):
     """What the front needs of an engine: LLMEngine in this process, or CoreProcessEngine with its core apart."""
 
     config: EngineConfig
+    model_config: ModelConfig
     tokenizer: Tokenizer | None
     max_model_len: int
     dtype: torch.dtype
@@ -197,6 +199,10 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
 
     def describe(self) -> dict[str, object]:
         """What /version says of the engine: the resolved dtype, the device and the whole configuration."""

@@ -22,10 +22,21 @@ from starlette.exceptions import HTTPException
 
 import tokenloom
 from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
+from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.guard import Guard, Receive, until_disconnected
 from tokenloom.server.metrics import ServerMetrics
-from tokenloom.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
+from tokenloom.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    _Common,
+)
 from tokenloom.server.tenants import Tenant, TenantLimiter
 
 T = TypeVar("T")
@@ -56,6 +67,7 @@ def build_app(
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)
     max_model_len = engine.max_model_len
+    created_at = int(time.time())  # /v1/models: when this server started
     default_tenant = Tenant(name="default", keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
     limiter = TenantLimiter()
@@ -110,7 +122,7 @@ def build_app(
         card = {
             "id": model_name,
             "object": "model",
-            "created": 0,
+            "created": created_at,
             "owned_by": "tokenloom",
             "max_model_len": max_model_len,
         }
@@ -164,6 +176,30 @@ def build_app(
             "finish_reason": completion.finish_reason,
         }
         return _envelope(request_id, "chat.completion", created, model_name, [choice], _usage(final))
+
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        """As vLLM's: a prompt's tokens (or a conversation's, through the chat template), counted."""
+        _check_model(body, model_name)
+        tokenizer = _require_tokenizer(engine)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", "prompt", "invalid_value")
+        if body.messages is not None:
+            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+            ids = await _templated(tokenizer, conversation, body.add_generation_prompt)
+        else:
+            encoded = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = list(encoded)
+        strs = [tokenizer.convert_ids_to_tokens(i) for i in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        _check_model(body, model_name)
+        tokenizer = _require_tokenizer(engine)
+        if any(t >= engine.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {engine.vocab_size})", "tokens", "invalid_value")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     @asynccontextmanager
     async def _admitted(raw: Request, body: _Common, prompt_ids: list[int], logprobs: int | None, request_id: str):
@@ -225,7 +261,7 @@ def _openapi_with_our_errors(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def _check_model(body: _Common, model_name: str) -> None:
+def _check_model(body: _Common | TokenizeRequest | DetokenizeRequest, model_name: str) -> None:
     if body.model is not None and body.model != model_name:
         raise APIError(
             404,
@@ -251,9 +287,17 @@ async def _tokenized(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
     return prompt_ids
 
 
-async def _templated(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+def _require_tokenizer(engine: AsyncEngine) -> Tokenizer:
+    if engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer; send token ids", None, "unsupported")
+    return engine.tokenizer
+
+
+async def _templated(
+    tokenizer: Tokenizer, conversation: list[dict[str, str]], generation_prompt: bool = True
+) -> list[int]:
     try:
-        prompt_ids = list(await asyncio.to_thread(_template_ids, tokenizer, conversation))
+        prompt_ids = list(await asyncio.to_thread(_template_ids, tokenizer, conversation, generation_prompt))
     except Exception as error:  # the template itself refuses a conversation (roles out of order, ...)
         raise APIError(400, f"the chat template could not render these messages: {error}", "messages") from error
     if not prompt_ids:
@@ -261,8 +305,10 @@ async def _templated(tokenizer, conversation: list[dict[str, str]]) -> list[int]
     return prompt_ids
 
 
-def _template_ids(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+def _template_ids(
+    tokenizer: Tokenizer, conversation: list[dict[str, str]], generation_prompt: bool = True
+) -> list[int]:
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=True)
     return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
 
 

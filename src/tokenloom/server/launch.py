@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
@@ -20,6 +21,8 @@ from tokenloom.server.app import build_app
 from tokenloom.server.connections import with_header_timeout
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.tenants import load_tenants
+
+API_KEY_ENV = "TOKENLOOM_API_KEY"  # as vLLM reads VLLM_API_KEY: a key kept out of `ps`
 
 
 def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
@@ -42,7 +45,7 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         front,
         metrics,
         args.served_model_name or engine.model_name,
-        api_keys=args.api_key,
+        api_keys=args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []),
         tenants=tenants,
         max_body_bytes=args.max_body_bytes,
         version_info={"git_commit": git_commit()},

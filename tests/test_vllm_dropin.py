@@ -1,0 +1,84 @@
+"""What a vLLM user types works here too: `serve MODEL`, the API key from the environment, /tokenize and
+/detokenize in vLLM's shapes, /v1/models with the server's start time."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+from server_process import ServerProcess
+
+KEY = "sk-from-the-environment"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model):
+    os.environ["TOKENLOOM_API_KEY"] = KEY
+    try:
+        started = int(time.time())
+        with ServerProcess(str(tiny_chat_model), "--served-model-name", "tiny") as proc:  # the model positional
+            proc.started = started
+            yield proc
+    finally:
+        del os.environ["TOKENLOOM_API_KEY"]
+
+
+def post(server, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
+
+
+def test_the_api_key_comes_from_the_environment(server):
+    assert post(server, "/tokenize", {"prompt": "hi"}, key=None).status_code == 401
+    assert post(server, "/tokenize", {"prompt": "hi"}, key="sk-wrong").status_code == 401
+    assert post(server, "/tokenize", {"prompt": "hi"}).status_code == 200
+
+
+def test_tokenize_and_detokenize_round_trip_in_vllms_shapes(server, tiny_chat_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    text = "The quick brown fox jumps over the lazy dog."
+    body = post(server, "/tokenize", {"model": "tiny", "prompt": text, "return_token_strs": True}).json()
+    assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 2048 and body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    back = post(server, "/detokenize", {"model": "tiny", "tokens": body["tokens"]}).json()
+    assert back == {"prompt": text}
+
+    messages = [{"role": "user", "content": "Hello!"}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert chat["tokens"] == list(expected) and chat["token_strs"] is None
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400),  # both forms
+        ("/tokenize", {}, 400),  # neither
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404),
+        ("/detokenize", {"tokens": [49152]}, 400),  # past the vocabulary
+        ("/detokenize", {"tokens": [-1]}, 400),
+        ("/detokenize", {"tokens": "1 2"}, 400),
+    ],
+)
+def test_bad_tokenize_requests_get_clear_errors(server, path, body, status):
+    response = post(server, path, body)
+    assert response.status_code == status
+    assert response.json()["error"]["message"]
+
+
+def test_models_says_when_the_server_started(server):
+    card = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    created = card["data"][0]["created"]
+    assert card["data"][0]["id"] == "tiny" and server.started - 5 <= created <= time.time()
+
+
+def test_two_different_models_are_refused_at_the_cli(capsys):
+    from tokenloom.cli import main
+
+    assert main(["serve", "one-model", "--model", "another-model"]) == 2
+    assert "two models given" in capsys.readouterr().err
