@@ -12,12 +12,14 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 import tokenloom
@@ -28,13 +30,21 @@ from tokenloom.server.guard import Guard, Receive, until_disconnected
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import (
     APIError,
+    AssistantMessage,
+    ChatChoice,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    ModelCard,
+    ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    Usage,
     _Common,
 )
 from tokenloom.server.tenants import Tenant, TenantLimiter
@@ -55,6 +65,21 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_body"}
 
 
+@dataclass
+class ServerState:
+    """What the routes share, on ``app.state.tokenloom``."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    limiter: TenantLimiter
+    version_info: dict[str, Any]
+    created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
+
+
+router = APIRouter()
+
+
 def build_app(
     engine: AsyncEngine,
     metrics: ServerMetrics,
@@ -66,25 +91,12 @@ def build_app(
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)
-    max_model_len = engine.max_model_len
-    created_at = int(time.time())  # /v1/models: when this server started
+    app.state.tokenloom = ServerState(engine, metrics, model_name, TenantLimiter(), version_info or {})
     default_tenant = Tenant(name="default", keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
-    limiter = TenantLimiter()
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return _error_response(error)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return _error_response(_validation_api_error(error))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-        code = _HTTP_CODES.get(error.status_code, "http_error")
-        return _error_response(APIError(error.status_code, str(error.detail), None, code, dict(error.headers or {})))
-
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_middleware(
         Guard,
         max_body_bytes=max_body_bytes,
@@ -92,144 +104,226 @@ def build_app(
         default_tenant=default_tenant,
         on_reject=lambda reason: metrics.rejected.labels(reason=reason, tenant="").inc(),
     )
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        if engine.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        if not engine.healthy:
-            return JSONResponse({"status": "engine_unavailable"}, status_code=503)
-        return JSONResponse({"status": "ready", "model": model_name})
-
-    @app.get("/version")
-    async def version() -> dict[str, Any]:
-        return {
-            "version": tokenloom.__version__,
-            **(version_info or {}),
-            **engine.describe(),
-        }
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
-            "id": model_name,
-            "object": "model",
-            "created": created_at,
-            "owned_by": "tokenloom",
-            "max_model_len": max_model_len,
-        }
-        return {"object": "list", "data": [card]}
-
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest, raw: Request):
-        _check_model(body, model_name)
-        body.refuse_unsupported()
-        prompt_ids = await _tokenized(engine, body.single_prompt())
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        async with _admitted(raw, body, prompt_ids, body.logprobs, request_id) as (stream, lease):
-            if body.stream:
-                usage = body.stream_options.include_usage if body.stream_options else False
-                chunks = _completion_chunks(stream, request_id, created, model_name, usage)
-                return await _sse(chunks, lease.transfer(), raw.receive)
-            final = await _collect(stream, raw.receive)
-        choice = {
-            "index": 0,
-            "text": final.outputs[0].text,
-            "logprobs": None,
-            "finish_reason": final.outputs[0].finish_reason,
-        }
-        if body.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(final, engine.tokenizer)
-        return _envelope(request_id, "text_completion", created, model_name, [choice], _usage(final))
-
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    async def chat(body: ChatCompletionRequest, raw: Request):
-        _check_model(body, model_name)
-        body.refuse_unsupported()
-        if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = await _templated(engine.tokenizer, conversation)
-        top = body.top_logprobs if body.top_logprobs is not None else 0
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        async with _admitted(raw, body, prompt_ids, top if body.logprobs else None, request_id) as (stream, lease):
-            if body.stream:
-                usage = body.stream_options.include_usage if body.stream_options else False
-                chunks = _chat_chunks(stream, request_id, created, model_name, usage)
-                return await _sse(chunks, lease.transfer(), raw.receive)
-            final = await _collect(stream, raw.receive)
-        completion = final.outputs[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": completion.text},
-            "logprobs": _chat_logprobs(final, engine.tokenizer) if body.logprobs else None,
-            "finish_reason": completion.finish_reason,
-        }
-        return _envelope(request_id, "chat.completion", created, model_name, [choice], _usage(final))
-
-    @app.post("/tokenize", responses=ERROR_RESPONSES)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        """As vLLM's: a prompt's tokens (or a conversation's, through the chat template), counted."""
-        _check_model(body, model_name)
-        tokenizer = _require_tokenizer(engine)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "send exactly one of prompt and messages", "prompt", "invalid_value")
-        if body.messages is not None:
-            conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = await _templated(tokenizer, conversation, body.add_generation_prompt)
-        else:
-            encoded = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-            ids = list(encoded)
-        strs = [tokenizer.convert_ids_to_tokens(i) for i in ids] if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs)
-
-    @app.post("/detokenize", responses=ERROR_RESPONSES)
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        _check_model(body, model_name)
-        tokenizer = _require_tokenizer(engine)
-        if any(t >= engine.vocab_size for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {engine.vocab_size})", "tokens", "invalid_value")
-        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
-
-    @asynccontextmanager
-    async def _admitted(raw: Request, body: _Common, prompt_ids: list[int], logprobs: int | None, request_id: str):
-        """Applies the tenant's caps and limits, then admits the request to the engine; yields its stream.
-
-        Caps apply to what the request will really do, after defaults are filled in: a request that leaves out
-        max_tokens gets the tenant's cap, not the rest of the context. The tenant's concurrency slot is held until
-        the request ends: here for a plain response, or by the streaming response once the lease is transferred.
-        """
-        tenant: Tenant = raw.state.tenant
-        requested = body.requested_max_tokens()
-        _check_context(len(prompt_ids), requested, max_model_len)
-        try:
-            limiter.check_caps(tenant, len(prompt_ids), requested)
-            max_tokens = _default_max_tokens(requested, tenant, len(prompt_ids), max_model_len)
-            params = body.sampling_params(max_tokens, logprobs)
-            limiter.acquire(tenant, len(prompt_ids) + params.max_tokens)
-        except APIError as error:
-            metrics.rejected.labels(reason=error.code or "invalid", tenant=tenant.name).inc()
-            raise
-        lease = _Lease(lambda: limiter.release(tenant))
-        try:
-            priority = _priority(body.priority, tenant)
-            stream = await _submit(engine, metrics, tenant, prompt_ids, params, request_id, priority)
-            yield stream, lease
-        finally:
-            lease.release()
-
+    app.include_router(router)
     app.openapi = lambda: _openapi_with_our_errors(app)  # type: ignore[method-assign]
     return app
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.tokenloom
+    return state
+
+
+async def _api_error(_: Request, error: APIError) -> JSONResponse:
+    return _error_response(error)
+
+
+async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    return _error_response(_validation_api_error(error))
+
+
+async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+    code = _HTTP_CODES.get(error.status_code, "http_error")
+    return _error_response(APIError(error.status_code, str(error.detail), None, code, dict(error.headers or {})))
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(raw: Request) -> JSONResponse:
+    state = _state(raw)
+    if state.engine.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if not state.engine.healthy:
+        return JSONResponse({"status": "engine_unavailable"}, status_code=503)
+    return JSONResponse({"status": "ready", "model": state.model_name})
+
+
+@router.get("/version")
+async def version(raw: Request) -> dict[str, Any]:
+    state = _state(raw)
+    return {"version": tokenloom.__version__, **state.version_info, **state.engine.describe()}
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def prometheus_metrics(raw: Request) -> Response:
+    return Response(_state(raw).metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/models")
+async def models(raw: Request) -> ModelList:
+    state = _state(raw)
+    card = ModelCard(id=state.model_name, created=state.created_at, max_model_len=state.engine.max_model_len)
+    return ModelList(data=[card])
+
+
+@router.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
+async def completions(body: CompletionRequest, raw: Request) -> Response:
+    state = _state(raw)
+    _check_model(body, state.model_name)
+    body.refuse_unsupported()
+    prompt_ids = await _tokenized(state.engine, body.single_prompt())
+    return await _generate(state, raw, body, prompt_ids, body.logprobs, _CompletionShape(state.engine.tokenizer))
+
+
+@router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
+async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+    state = _state(raw)
+    _check_model(body, state.model_name)
+    body.refuse_unsupported()
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt_ids = await _templated(tokenizer, conversation)
+    top = body.top_logprobs if body.top_logprobs is not None else 0
+    return await _generate(state, raw, body, prompt_ids, top if body.logprobs else None, _ChatShape(tokenizer))
+
+
+@router.post("/tokenize", responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
+    """As vLLM's: a prompt's tokens (or a conversation's, through the chat template), counted."""
+    state = _state(raw)
+    _check_model(body, state.model_name)
+    tokenizer = _require_tokenizer(state.engine)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send exactly one of prompt and messages", "prompt", "invalid_value")
+    if body.messages is not None:
+        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        ids = await _templated(tokenizer, conversation, body.add_generation_prompt)
+    else:
+        ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens))
+    strs = [tokenizer.convert_ids_to_tokens(i) for i in ids] if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids, token_strs=strs)
+
+
+@router.post("/detokenize", responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
+    state = _state(raw)
+    _check_model(body, state.model_name)
+    tokenizer = _require_tokenizer(state.engine)
+    vocab = state.engine.vocab_size
+    if any(t >= vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", "tokens", "invalid_value")
+    return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
+
+
+class _CompletionShape:
+    """How /v1/completions words a request's outputs: whole, and as stream chunks."""
+
+    chunk_object, id_prefix = "text_completion", "cmpl"
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+
+    def response(self, request_id: str, created: int, model: str, final: RequestOutput, logprobs: bool) -> BaseModel:
+        completion = final.outputs[0]
+        lp = _completion_logprobs(final, self.tokenizer) if logprobs else None
+        choice = CompletionChoice(index=0, text=completion.text, logprobs=lp, finish_reason=completion.finish_reason)
+        return CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=_usage(final))
+
+    async def chunks(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+        async for delta, finish_reason, output in _text_deltas(stream):
+            if delta or finish_reason:
+                yield {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}, output
+
+
+class _ChatShape:
+    """How /v1/chat/completions words a request's outputs: whole, and as stream chunks (role with the first)."""
+
+    chunk_object, id_prefix = "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+
+    def response(self, request_id: str, created: int, model: str, final: RequestOutput, logprobs: bool) -> BaseModel:
+        completion = final.outputs[0]
+        choice = ChatChoice(
+            index=0,
+            message=AssistantMessage(content=completion.text),
+            logprobs=_chat_logprobs(final, self.tokenizer) if logprobs else None,
+            finish_reason=completion.finish_reason,
+        )
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=model, choices=[choice], usage=_usage(final)
+        )
+
+    async def chunks(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+        def choice(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+        first = True
+        async for delta, finish_reason, output in _text_deltas(stream):
+            if first:  # the role goes with the first token, as vLLM sends it, so TTFT is timed right
+                yield choice({"role": "assistant", "content": delta}, None), output
+                first = False
+            elif delta:
+                yield choice({"content": delta}, None), output
+            if finish_reason:
+                yield choice({}, finish_reason), output
+
+
+_Shape = _CompletionShape | _ChatShape
+
+
+async def _generate(
+    state: ServerState, raw: Request, body: _Common, prompt_ids: list[int], logprobs: int | None, shape: _Shape
+) -> Response:
+    """The one generate path of both endpoints: admit, then stream the chunks or answer with the whole output."""
+    request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    async with _admitted(state, raw, body, prompt_ids, logprobs, request_id) as (stream, lease):
+        if body.stream:
+            usage = body.stream_options.include_usage if body.stream_options else False
+            chunks = _envelopes(shape, stream, request_id, created, state.model_name, usage)
+            return await _sse(chunks, lease.transfer(), raw.receive)
+        final = await _collect(stream, raw.receive)
+    return JSONResponse(shape.response(request_id, created, state.model_name, final, logprobs is not None).model_dump())
+
+
+async def _envelopes(
+    shape: _Shape, stream: AsyncIterator[RequestOutput], request_id: str, created: int, model: str, usage: bool
+) -> AsyncGenerator[dict[str, Any]]:
+    final = None
+    async for choice, output in shape.chunks(stream):
+        final = output
+        yield _envelope(request_id, shape.chunk_object, created, model, [choice])
+    if usage and final is not None:
+        yield _envelope(request_id, shape.chunk_object, created, model, [], _usage(final).model_dump())
+
+
+@asynccontextmanager
+async def _admitted(
+    state: ServerState, raw: Request, body: _Common, prompt_ids: list[int], logprobs: int | None, request_id: str
+) -> AsyncIterator[tuple[AsyncIterator[RequestOutput], _Lease]]:
+    """Applies the tenant's caps and limits, then admits the request to the engine; yields its stream.
+
+    Caps apply to what the request will really do, after defaults are filled in: a request that leaves out
+    max_tokens gets the tenant's cap, not the rest of the context. The tenant's concurrency slot is held until
+    the request ends: here for a plain response, or by the streaming response once the lease is transferred.
+    """
+    tenant: Tenant = raw.state.tenant
+    max_model_len, limiter, metrics = state.engine.max_model_len, state.limiter, state.metrics
+    requested = body.requested_max_tokens()
+    _check_context(len(prompt_ids), requested, max_model_len)
+    try:
+        limiter.check_caps(tenant, len(prompt_ids), requested)
+        max_tokens = _default_max_tokens(requested, tenant, len(prompt_ids), max_model_len)
+        params = body.sampling_params(max_tokens, logprobs)
+        limiter.acquire(tenant, len(prompt_ids) + params.max_tokens)
+    except APIError as error:
+        metrics.rejected.labels(reason=error.code or "invalid", tenant=tenant.name).inc()
+        raise
+    lease = _Lease(lambda: limiter.release(tenant))
+    try:
+        priority = _priority(body.priority, tenant)
+        stream = await _submit(state.engine, metrics, tenant, prompt_ids, params, request_id, priority)
+        yield stream, lease
+    finally:
+        lease.release()
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -410,9 +504,9 @@ class _Lease:
             self._release = None
 
 
-def _usage(output: RequestOutput) -> dict[str, int]:
+def _usage(output: RequestOutput) -> Usage:
     prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 async def _sse(chunks: AsyncGenerator[dict[str, Any]], lease: _Lease, receive: Receive) -> StreamingResponse:
@@ -457,35 +551,6 @@ def _envelope(request_id: str, kind: str, created: int, model: str, choices: lis
     if usage is not None:
         body["usage"] = usage
     return body
-
-
-async def _completion_chunks(stream, request_id: str, created: int, model: str, include_usage: bool):
-    final = None
-    async for delta, finish_reason, output in _text_deltas(stream):
-        final = output
-        if delta or finish_reason:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
-            yield _envelope(request_id, "text_completion", created, model, [choice])
-    if include_usage and final is not None:
-        yield _envelope(request_id, "text_completion", created, model, [], _usage(final))
-
-
-async def _chat_chunks(stream, request_id: str, created: int, model: str, include_usage: bool):
-    def chunk(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return _envelope(request_id, "chat.completion.chunk", created, model, [choice])
-
-    final = None
-    async for delta, finish_reason, output in _text_deltas(stream):
-        if final is None:  # the role goes with the first token, as vLLM sends it, so TTFT is timed right
-            yield chunk({"role": "assistant", "content": delta}, None)
-        elif delta:
-            yield chunk({"content": delta}, None)
-        final = output
-        if finish_reason:
-            yield chunk({}, finish_reason)
-    if include_usage and final is not None:
-        yield _envelope(request_id, "chat.completion.chunk", created, model, [], _usage(final))
 
 
 def _token_text(tokenizer, token_id: int) -> str:
