@@ -8,7 +8,9 @@ import itertools
 import sys
 import typing
 
-from tokenloom.config import PARTS, EngineConfig
+from tokenloom.config import PARTS, EngineConfig, ServerConfig
+
+T = typing.TypeVar("T")
 
 SAMPLING_FLAGS = {
     "max_tokens": int,
@@ -25,20 +27,31 @@ SAMPLING_FLAGS = {
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per field of each part of EngineConfig, with its default and its docstring as help."""
     for part_name, part in PARTS.items():
-        group = parser.add_argument_group(f"engine: {part_name}")
-        hints = typing.get_type_hints(part)
-        docs = _field_docs(part)
-        for field in dataclasses.fields(part):
-            flag = "--" + field.name.replace("_", "-")
-            hint = hints[field.name]
-            help_text = f"{docs.get(field.name, '')} (default: {field.default})"
-            if hint is bool or hint == bool | None:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
-            elif typing.get_origin(hint) is typing.Literal:
-                group.add_argument(flag, choices=typing.get_args(hint), default=field.default, help=help_text)
-            else:
-                kind = next((t for t in (int, float) if hint is t or t in typing.get_args(hint)), str)
-                group.add_argument(flag, type=kind, default=field.default, help=help_text)
+        add_config_flags(parser.add_argument_group(f"engine: {part_name}"), part)
+
+
+def add_config_flags(group: argparse._ArgumentGroup, config: type) -> None:
+    """One flag per field of a config dataclass: its type, its default, and the docstring under it as help."""
+    hints = typing.get_type_hints(config)
+    docs = _field_docs(config)
+    for field in dataclasses.fields(config):
+        flag = "--" + field.name.replace("_", "-")
+        hint = hints[field.name]
+        help_text = f"{docs.get(field.name, '')} (default: {field.default})"
+        if hint is bool or hint == bool | None:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        elif typing.get_origin(hint) is typing.Literal:
+            group.add_argument(flag, choices=typing.get_args(hint), default=field.default, help=help_text)
+        elif typing.get_origin(hint) is tuple:
+            group.add_argument(flag, action="append", default=[], help=help_text)
+        else:
+            kind = next((t for t in (int, float) if hint is t or t in typing.get_args(hint)), str)
+            group.add_argument(flag, type=kind, default=field.default, help=help_text)
+
+
+def config_from_args(config: type[T], args: argparse.Namespace) -> T:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config)}  # type: ignore[arg-type]
+    return config(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -84,32 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="the model to serve, as `vllm serve MODEL`"
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        help="a bearer key clients must send (repeatable); without it, the TOKENLOOM_API_KEY environment variable",
-    )
-    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: its name)")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    serve.add_argument("--tenants", default=None, help="a TOML file of tenants: keys, caps, priorities, rates")
-    serve.add_argument("--max-num-queued-requests", type=int, default=None, help="more waiting requests get 429")
-    serve.add_argument("--max-num-queued-tokens", type=int, default=None, help="a larger prefill backlog gets 429")
-    serve.add_argument("--queue-timeout", type=float, default=None, help="seconds a request may wait before 503")
-    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
-    serve.add_argument(
-        "--header-timeout", type=float, default=10.0, help="seconds a connection has to send a request's headers"
-    )
-    serve.add_argument("--keep-alive-timeout", type=float, default=5.0, help="seconds an idle keep-alive stays open")
-    serve.add_argument(
-        "--core-process",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization",
-    )
-    serve.add_argument("--log-level", default="info")
+    add_config_flags(serve.add_argument_group("server"), ServerConfig)
     add_engine_flags(serve)
 
     from tokenloom.bench.commands import add_bench_commands
@@ -149,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
 
-    return serve(args, engine_config_from_args(args))
+    return serve(config_from_args(ServerConfig, args), engine_config_from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:

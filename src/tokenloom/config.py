@@ -157,6 +157,46 @@ class EngineConfig:
         return self.model.compiles_step(device_type)
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `tokenloom serve` adds around the engine: HTTP, keys, limits, timeouts, and where the core runs."""
+
+    host: str = "127.0.0.1"
+    """The address to listen on (loopback by default; put a proxy in front before exposing it)."""
+    port: int = 8000
+    """The TCP port to listen on."""
+    api_key: tuple[str, ...] = ()
+    """A bearer key clients must send (repeatable); without one, the TOKENLOOM_API_KEY environment variable."""
+    served_model_name: str | None = None
+    """The model id clients use; None: the checkpoint's name."""
+    max_body_bytes: int = 1 << 20
+    """Request bodies over this many bytes get 413, counted on the byte stream (chunked bodies too)."""
+    tenants: str | None = None
+    """A TOML file of tenants: keys, caps, priorities, rates."""
+    max_num_queued_requests: int | None = None
+    """More requests waiting than this get 429 (with Retry-After); None: no limit."""
+    max_num_queued_tokens: int | None = None
+    """A prefill backlog (prompt tokens waiting) larger than this gets 429; None: no limit."""
+    queue_timeout: float | None = None
+    """Seconds a request may wait for its first scheduling before a 503; None: forever."""
+    drain_timeout: float = 30.0
+    """Seconds in-flight requests get to finish after SIGTERM; then they end with an error event."""
+    header_timeout: float = 10.0
+    """Seconds a connection has to send a request's headers (idle and slowloris connections are closed)."""
+    keep_alive_timeout: float = 5.0
+    """Seconds an idle keep-alive connection stays open."""
+    core_process: bool = False
+    """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization; off by
+    default, where it measured no faster on two cores (benchmarks/RESULTS.md)."""
+    log_level: str = "info"
+    """uvicorn's and tokenloom's log level."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_body_bytes > 0, "max_body_bytes must be positive")
+        for name in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
+            _require(getattr(self, name) > 0, f"{name} must be positive")
+
+
 def _require_positive_or_none(config: object, name: str) -> None:
     value = getattr(config, name)
     _require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")

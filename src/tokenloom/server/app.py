@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 import tokenloom
+from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
@@ -86,7 +87,7 @@ def build_app(
     model_name: str,
     api_keys: list[str] | None = None,
     tenants: list[Tenant] | None = None,
-    max_body_bytes: int = 1 << 20,
+    max_body_bytes: int = ServerConfig.max_body_bytes,
     version_info: dict[str, Any] | None = None,
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""

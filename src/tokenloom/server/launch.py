@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from tokenloom.bench.provenance import git_commit
-from tokenloom.config import EngineConfig
+from tokenloom.config import EngineConfig, ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.core_process import CoreProcessEngine
 from tokenloom.engine.llm_engine import LLMEngine
@@ -25,29 +25,29 @@ from tokenloom.server.tenants import load_tenants
 API_KEY_ENV = "TOKENLOOM_API_KEY"  # as vLLM reads VLLM_API_KEY: a key kept out of `ps`
 
 
-def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
     """Builds the engine (in this process or with its core apart), the metrics, the front and the app; serves."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine: LLMEngine | CoreProcessEngine
-    engine = CoreProcessEngine(engine_config) if args.core_process else LLMEngine(engine_config)
+    engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
     metrics = ServerMetrics(engine)
-    tenants = load_tenants(args.tenants) if args.tenants else None
+    tenants = load_tenants(server.tenants) if server.tenants else None
     if tenants:
         engine.set_tenant_weights({t.name: t.weight for t in tenants})
     front = AsyncEngine(
         engine,
-        max_num_queued_requests=args.max_num_queued_requests,
-        queue_timeout=args.queue_timeout,
-        max_num_queued_tokens=args.max_num_queued_tokens,
+        max_num_queued_requests=server.max_num_queued_requests,
+        queue_timeout=server.queue_timeout,
+        max_num_queued_tokens=server.max_num_queued_tokens,
         on_step=metrics.on_step,
     )
     app = build_app(
         front,
         metrics,
-        args.served_model_name or engine.model_name,
-        api_keys=args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []),
+        server.served_model_name or engine.model_name,
+        api_keys=list(server.api_key) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []),
         tenants=tenants,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=server.max_body_bytes,
         version_info={"git_commit": git_commit()},
     )
 
@@ -64,22 +64,22 @@ def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         """SIGTERM/SIGINT: stop admitting, let in-flight requests finish (up to the drain timeout), exit 0."""
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            front.begin_drain(args.drain_timeout)
+            front.begin_drain(server.drain_timeout)
             if self.should_exit:
                 self.force_exit = True  # a second signal stops at once
             self.should_exit = True
 
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        http=with_header_timeout(args.header_timeout),
-        timeout_keep_alive=args.keep_alive_timeout,
+        host=server.host,
+        port=server.port,
+        log_level=server.log_level,
+        http=with_header_timeout(server.header_timeout),
+        timeout_keep_alive=math.ceil(server.keep_alive_timeout),
         h11_max_incomplete_event_size=16 * 1024,  # request line plus headers
         # The engine cuts what is still running at the drain timeout, with a final error event; this leaves
         # time for those events to reach the clients before uvicorn closes the connections.
-        timeout_graceful_shutdown=args.drain_timeout + 5.0,
+        timeout_graceful_shutdown=math.ceil(server.drain_timeout + 5.0),
     )
     DrainingServer(config).run()
     return 0
