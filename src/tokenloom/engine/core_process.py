@@ -14,7 +14,6 @@ core is told, and what it still sends for that request is dropped. If the core p
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 import os
@@ -30,10 +29,10 @@ import torch
 import zmq
 
 from tokenloom.config import EngineConfig
-from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import AdmissionLimits
 from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState
-from tokenloom.engine.llm_engine import PreparedRequest
+from tokenloom.engine.llm_engine import InputProcessor, PreparedRequest
 from tokenloom.engine.output_processor import OutputProcessor
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import Tokenizer, load_model, load_model_info
@@ -149,7 +148,6 @@ class CoreProcessEngine:
         self.model_config: ModelConfig = info.config
         self.tokenizer: Tokenizer | None = info.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
         self._in_flight: dict[str, float] = {}  # request id -> arrival time, until its end reaches the API side
         self._stats: EngineStats | None = None
         self._queue = QueueState(0, 0)
@@ -173,6 +171,7 @@ class CoreProcessEngine:
         core_info = self._wait_until_ready()
         self.max_model_len = core_info.max_model_len
         self._limits = core_info.admission_limits
+        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self._limits, self.processor)
         logger.info(
             "engine core process %d ready in %.1fs (%s step)",
             self._process.pid,
@@ -197,15 +196,7 @@ class CoreProcessEngine:
     # ---- requests (as LLMEngine) --------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer; pass prompt token ids")
-            return prompt, list(self.tokenizer.encode(prompt))
-        token_ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return None, token_ids
+        return self.inputs.tokenize(prompt)
 
     def prepare_request(
         self,
@@ -216,19 +207,7 @@ class CoreProcessEngine:
         priority: int = 0,
         tenant: str = "default",
     ) -> PreparedRequest:
-        params = params or SamplingParams()
-        prompt_text, token_ids = self.tokenize(prompt)
-        request = Request(
-            request_id=request_id if request_id is not None else str(next(self._ids)),
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            priority=priority,
-            tenant=tenant,
-        )
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
-        self._limits.check(request)
-        return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
+        return self.inputs.prepare(prompt, params, request_id, arrival_time, priority, tenant)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         request = prepared.request

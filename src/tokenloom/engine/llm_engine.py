@@ -17,10 +17,11 @@ import torch
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request, RequestStatus
+from tokenloom.core.scheduler import AdmissionLimits
 from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState
 from tokenloom.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.loader import LoadedModel, Tokenizer, load_model
 from tokenloom.model.platform import dtype_name, resolve_dtype
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
@@ -34,6 +35,54 @@ class PreparedRequest:
 
     request: Request
     state: RequestState
+
+
+class InputProcessor:
+    """Text or token ids in, a validated Request with its output state out; any thread may call it."""
+
+    def __init__(
+        self, tokenizer: Tokenizer | None, vocab_size: int, limits: AdmissionLimits, processor: OutputProcessor
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self.processor = processor
+        self._ids = itertools.count()
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(the text, if any, and the token ids) of a prompt given as text or as token ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer; pass prompt token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        token_ids = [int(t) for t in prompt]
+        if any(t < 0 or t >= self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        return None, token_ids
+
+    def prepare(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        arrival_time: float | None,
+        priority: int,
+        tenant: str,
+    ) -> PreparedRequest:
+        """Tokenizes and checks a request (ValueError if it can never be served); nothing is queued yet."""
+        params = params or SamplingParams()
+        prompt_text, token_ids = self.tokenize(prompt)
+        request = Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            priority=priority,
+            tenant=tenant,
+        )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.limits.check(request)
+        return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
 
 
 class LLMEngine:
@@ -52,7 +101,9 @@ class LLMEngine:
         self.core = EngineCore(config, loaded, self.dtype, device)
         self.max_model_len = self.core.max_model_len
         self.processor = OutputProcessor(self.tokenizer)
-        self._ids = itertools.count()
+        self.inputs = InputProcessor(
+            self.tokenizer, self.model_config.vocab_size, self.core.admission_limits(), self.processor
+        )
         logger.info(
             "loaded %s in %.1fs on %s in %s (dtype=%s, %s): %d KV blocks of %d tokens (%d swap blocks), "
             "max_model_len %d",
@@ -94,19 +145,7 @@ class LLMEngine:
         tenant: str = "default",
     ) -> PreparedRequest:
         """Tokenizes and validates a request without touching the scheduler, so any thread may call it."""
-        params = params or SamplingParams()
-        prompt_text, token_ids = self.tokenize(prompt)
-        request = Request(
-            request_id=request_id if request_id is not None else str(next(self._ids)),
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            priority=priority,
-            tenant=tenant,
-        )
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
-        self.core.admission_limits().check(request)
-        return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
+        return self.inputs.prepare(prompt, params, request_id, arrival_time, priority, tenant)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queues a prepared request; on the thread that steps the engine."""
@@ -121,15 +160,7 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer; pass prompt token ids")
-            return prompt, list(self.tokenizer.encode(prompt))
-        token_ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return None, token_ids
+        return self.inputs.tokenize(prompt)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.processor.decode(token_ids)
