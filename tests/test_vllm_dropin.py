@@ -82,3 +82,31 @@ def test_two_different_models_are_refused_at_the_cli(capsys):
 
     assert main(["serve", "one-model", "--model", "another-model"]) == 2
     assert "two models given" in capsys.readouterr().err
+
+
+def test_streams_carry_the_same_logprobs_as_whole_responses(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    args = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=2)
+    whole = client.completions.create(**args).choices[0].logprobs
+    tokens, token_logprobs, offsets = [], [], []
+    for chunk in client.completions.create(**args, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            token_logprobs += chunk.choices[0].logprobs.token_logprobs
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert len(whole.tokens) == 12
+    assert (tokens, token_logprobs, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset)
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat_args = dict(model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    chat_whole = client.chat.completions.create(**chat_args).choices[0].logprobs.content
+    streamed = []
+    for chunk in client.chat.completions.create(**chat_args, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert len(chat_whole) == 10
+    assert [(c.token, c.logprob, len(c.top_logprobs)) for c in streamed] == [
+        (c.token, c.logprob, len(c.top_logprobs)) for c in chat_whole
+    ]

@@ -222,14 +222,22 @@ class _CompletionShape:
 
     def response(self, request_id: str, created: int, model: str, final: RequestOutput, logprobs: bool) -> BaseModel:
         completion = final.outputs[0]
-        lp = _completion_logprobs(final, self.tokenizer) if logprobs else None
+        lp = _completion_logprobs(final, self.tokenizer)[0] if logprobs else None
         choice = CompletionChoice(index=0, text=completion.text, logprobs=lp, finish_reason=completion.finish_reason)
         return CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=_usage(final))
 
-    async def chunks(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+    async def chunks(
+        self, stream: AsyncIterator[RequestOutput], logprobs: bool
+    ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+        """Each chunk carries the logprobs of the tokens that arrived since the last chunk, when asked for."""
+        sent_tokens, text_offset = 0, 0
         async for delta, finish_reason, output in _text_deltas(stream):
             if delta or finish_reason:
-                yield {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}, output
+                lp = None
+                if logprobs:
+                    lp, text_offset = _completion_logprobs(output, self.tokenizer, sent_tokens, text_offset)
+                    sent_tokens = len(output.outputs[0].token_ids)
+                yield {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish_reason}, output
 
 
 class _ChatShape:
@@ -252,19 +260,29 @@ class _ChatShape:
             id=request_id, created=created, model=model, choices=[choice], usage=_usage(final)
         )
 
-    async def chunks(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
-        def choice(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    async def chunks(
+        self, stream: AsyncIterator[RequestOutput], logprobs: bool
+    ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+        """Each content chunk carries the logprobs of the tokens that arrived since the last one, when asked for."""
+        sent_tokens = 0
+
+        def choice(delta: dict[str, Any], finish_reason: str | None, output: RequestOutput) -> dict[str, Any]:
+            nonlocal sent_tokens
+            lp = None
+            if logprobs and len(output.outputs[0].token_ids) > sent_tokens:
+                lp = _chat_logprobs(output, self.tokenizer, sent_tokens)
+                sent_tokens = len(output.outputs[0].token_ids)
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
         first = True
         async for delta, finish_reason, output in _text_deltas(stream):
             if first:  # the role goes with the first token, as vLLM sends it, so TTFT is timed right
-                yield choice({"role": "assistant", "content": delta}, None), output
+                yield choice({"role": "assistant", "content": delta}, None, output), output
                 first = False
             elif delta:
-                yield choice({"content": delta}, None), output
+                yield choice({"content": delta}, None, output), output
             if finish_reason:
-                yield choice({}, finish_reason), output
+                yield choice({}, finish_reason, output), output
 
 
 _Shape = _CompletionShape | _ChatShape
@@ -279,17 +297,23 @@ async def _generate(
     async with _admitted(state, raw, body, prompt_ids, logprobs, request_id) as (stream, lease):
         if body.stream:
             usage = body.stream_options.include_usage if body.stream_options else False
-            chunks = _envelopes(shape, stream, request_id, created, state.model_name, usage)
+            chunks = _envelopes(shape, stream, logprobs is not None, request_id, created, state.model_name, usage)
             return await _sse(chunks, lease.transfer(), raw.receive)
         final = await _collect(stream, raw.receive)
     return JSONResponse(shape.response(request_id, created, state.model_name, final, logprobs is not None).model_dump())
 
 
 async def _envelopes(
-    shape: _Shape, stream: AsyncIterator[RequestOutput], request_id: str, created: int, model: str, usage: bool
+    shape: _Shape,
+    stream: AsyncIterator[RequestOutput],
+    logprobs: bool,
+    request_id: str,
+    created: int,
+    model: str,
+    usage: bool,
 ) -> AsyncGenerator[dict[str, Any]]:
     final = None
-    async for choice, output in shape.chunks(stream):
+    async for choice, output in shape.chunks(stream, logprobs):
         final = output
         yield _envelope(request_id, shape.chunk_object, created, model, [choice])
     if usage and final is not None:
@@ -558,10 +582,11 @@ def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
 
-def _chat_logprobs(output: RequestOutput, tokenizer) -> dict[str, Any]:
+def _chat_logprobs(output: RequestOutput, tokenizer: Tokenizer | None, start: int = 0) -> dict[str, Any]:
+    """OpenAI's chat logprobs of the output's tokens from `start` on."""
     completion = output.outputs[0]
     content = []
-    for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
+    for token_id, entry in zip(completion.token_ids[start:], (completion.logprobs or [])[start:], strict=False):
         text = _token_text(tokenizer, token_id)
         top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank or 0)
         content.append(
@@ -582,14 +607,19 @@ def _chat_logprobs(output: RequestOutput, tokenizer) -> dict[str, Any]:
     return {"content": content}
 
 
-def _completion_logprobs(output: RequestOutput, tokenizer) -> dict[str, Any]:
+def _completion_logprobs(
+    output: RequestOutput, tokenizer: Tokenizer | None, start: int = 0, offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """OpenAI's completion logprobs of the output's tokens from `start` on, whose text begins at `offset`; and the
+    offset after them (for the next stream chunk)."""
     completion = output.outputs[0]
-    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
-    for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, entry in zip(completion.token_ids[start:], (completion.logprobs or [])[start:], strict=False):
         text = _token_text(tokenizer, token_id)
         tokens.append(text)
         token_logprobs.append(entry[token_id].logprob)
         top_logprobs.append({_token_text(tokenizer, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return body, offset
