@@ -21,11 +21,16 @@ class ServerProcess(LocalServer):
         super().__init__(*args, *(() if "--dtype" in args else ("--dtype", "float32")), **kwargs)
 
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
-        """The value of one sample of /metrics (summed over labels)."""
+        """The value of a sample of /metrics, summed over the labels not given: `name` or `name{label="value",...}`."""
         text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
+        base, _, wanted = name.partition("{")
+        pairs = [p for p in wanted.rstrip("}").split(",") if p]
         total, found = 0.0, False
         for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
+            if not (line.startswith(base + " ") or line.startswith(base + "{")):
+                continue
+            labels = line[len(base) :].rsplit(" ", 1)[0]
+            if all(pair in labels for pair in pairs):
                 total += float(line.rsplit(" ", 1)[1])
                 found = True
         assert found, f"no metric {name}"

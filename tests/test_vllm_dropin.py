@@ -110,3 +110,53 @@ def test_streams_carry_the_same_logprobs_as_whole_responses(server):
     assert [(c.token, c.logprob, len(c.top_logprobs)) for c in streamed] == [
         (c.token, c.logprob, len(c.top_logprobs)) for c in chat_whole
     ]
+
+
+def test_metrics_carry_vllms_labels_and_the_dashboard_reads_only_real_metrics(server):
+    import json
+    import re
+    from pathlib import Path
+
+    client = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})  # so the histograms have samples
+    httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi"}, timeout=30)  # and a rejection (no key)
+    text = client.get("/metrics").text
+    samples = [line for line in text.splitlines() if line.startswith("tokenloom:")]
+    assert samples and all('model_name="tiny"' in line and 'engine="0"' in line for line in samples)
+    assert not any("_created" in line for line in text.splitlines())
+    exposed = {re.split(r"[{ ]", line)[0] for line in samples}
+    for family in (
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_params_max_tokens",
+        "request_inference_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    ):
+        assert f"tokenloom:{family}_count" in exposed, family  # fmt: skip
+    dashboard = json.loads(Path(__file__).parents[1].joinpath("deploy/grafana/tokenloom.json").read_text())
+    queried = set()
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"tokenloom:[a-z0-9_]+", target["expr"]))
+    assert len(dashboard["panels"]) >= 12 and queried
+    assert queried <= exposed, sorted(queried - exposed)
+
+
+def test_the_container_and_the_manifest_start_serve_with_flags_it_takes():
+    import json
+    import re
+    from pathlib import Path
+
+    from tokenloom.cli import build_parser
+
+    root = Path(__file__).parents[1]
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (.+)$", (root / "Dockerfile").read_text(), re.M).group(1))
+    manifest = (root / "deploy/kubernetes/tokenloom.yaml").read_text()
+    args = json.loads(re.search(r"^\s+args: (\[.+\])$", manifest, re.M).group(1))
+    assert entrypoint[0] == "tokenloom"
+    parsed = build_parser().parse_args([*entrypoint[1:], *args])
+    assert (parsed.command, parsed.host, parsed.port, parsed.drain_timeout) == ("serve", "0.0.0.0", 8000, 30.0)
+    probes = set(re.findall(r"path: (/\w+)", manifest))
+    assert probes == {"/health", "/ready", "/metrics"}

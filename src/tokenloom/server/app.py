@@ -103,7 +103,7 @@ def build_app(
         max_body_bytes=max_body_bytes,
         key_owners=key_owners,
         default_tenant=default_tenant,
-        on_reject=lambda reason: metrics.rejected.labels(reason=reason, tenant="").inc(),
+        on_reject=lambda reason: metrics.rejected_request(reason, ""),
     )
     app.include_router(router)
     app.openapi = lambda: _openapi_with_our_errors(app)  # type: ignore[method-assign]
@@ -340,8 +340,9 @@ async def _admitted(
         params = body.sampling_params(max_tokens, logprobs)
         limiter.acquire(tenant, len(prompt_ids) + params.max_tokens)
     except APIError as error:
-        metrics.rejected.labels(reason=error.code or "invalid", tenant=tenant.name).inc()
+        metrics.rejected_request(error.code or "invalid", tenant.name)
         raise
+    metrics.request_max_tokens.observe(params.max_tokens)
     lease = _Lease(lambda: limiter.release(tenant))
     try:
         priority = _priority(body.priority, tenant)
@@ -457,10 +458,10 @@ async def _submit(
     try:
         return await engine.submit(prompt_ids, params, request_id, priority, tenant.name)
     except RequestRejected as error:
-        metrics.rejected.labels(reason=error.reason.value, tenant=tenant.name).inc()
+        metrics.rejected_request(error.reason.value, tenant.name)
         raise _rejected(error) from error
     except ValueError as error:
-        metrics.rejected.labels(reason="invalid", tenant=tenant.name).inc()
+        metrics.rejected_request("invalid", tenant.name)
         raise APIError(400, str(error), "prompt", "invalid_value") from error
 
 

@@ -30,7 +30,8 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine: LLMEngine | CoreProcessEngine
     engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
-    metrics = ServerMetrics(engine)
+    model_name = server.served_model_name or engine.model_name
+    metrics = ServerMetrics(engine, model_name)
     tenants = load_tenants(server.tenants) if server.tenants else None
     if tenants:
         engine.set_tenant_weights({t.name: t.weight for t in tenants})
@@ -44,7 +45,7 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
     app = build_app(
         front,
         metrics,
-        server.served_model_name or engine.model_name,
+        model_name,
         api_keys=list(server.api_key) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []),
         tenants=tenants,
         max_body_bytes=server.max_body_bytes,

@@ -6,7 +6,15 @@ import logging
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from tokenloom.engine.async_engine import Engine
 from tokenloom.engine.core import EngineStats
@@ -17,29 +25,41 @@ logger = logging.getLogger("tokenloom.stats")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+ENGINE_INDEX = "0"  # vLLM labels each engine (data-parallel rank); one engine here
+
+# No *_created samples: vLLM's exposition has none, and dashboards built for it do not expect them.
+disable_created_metrics()
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine, log_interval: float = 10.0) -> None:
+    """Every family carries vLLM's model_name and engine labels, so vLLM's dashboards read it after the prefix."""
+
+    def __init__(self, engine: Engine, model_name: str, log_interval: float = 10.0) -> None:
         self.engine = engine
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
         r = self.registry
+        common = {"model_name": model_name, "engine": ENGINE_INDEX}
+        names = tuple(common)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tokenloom:{name}", doc, registry=r)
+            return Gauge(f"tokenloom:{name}", doc, names, registry=r).labels(**common)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"tokenloom:{name}", doc, labels, registry=r)
+            family = Counter(f"tokenloom:{name}", doc, (*labels, *names), registry=r)
+            return family if labels else family.labels(**common)
 
-        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
-            return Histogram(f"tokenloom:{name}", doc, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"tokenloom:{name}", doc, names, buckets=buckets, registry=r).labels(**common)
+
+        self._common = common
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (swapped ones not counted).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         preemptions = counter("num_preemptions", "Preemptions since start, by mode (recompute, swap).", ("mode",))
-        self.preemptions = {mode: preemptions.labels(mode=mode) for mode in ("recompute", "swap")}
+        self.preemptions = {mode: preemptions.labels(mode=mode, **common) for mode in ("recompute", "swap")}
         self.swapped = gauge("num_requests_swapped", "Preempted requests whose KV is in the host swap pool.")
         self.swap_usage = gauge("swap_space_usage_perc", "Fraction of host swap pool blocks in use (0-1).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
@@ -58,6 +78,18 @@ class ServerMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
         self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.")
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "Time from first scheduling to the last token (prefill and decode)."
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each finished request.", _REQUEST_TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of each finished request.", _REQUEST_TOKEN_BUCKETS
+        )
+        self.request_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens each admitted request runs with.", _REQUEST_TOKEN_BUCKETS
+        )
         self._last_token_time: dict[str, float] = {}
         self._last_stats = engine.stats()
         self._lock = threading.Lock()
@@ -121,7 +153,9 @@ class ServerMetrics:
             return
         self._last_token_time.pop(output.request_id, None)
         m = output.metrics
-        self.success.labels(finished_reason=output.outputs[0].finish_reason).inc()
+        self.success.labels(finished_reason=output.outputs[0].finish_reason, **self._common).inc()
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(len(output.outputs[0].token_ids))
         if m.first_token_time is None or m.first_scheduled_time is None or m.finished_time is None:
             return
         self.ttft.observe(m.first_token_time - m.arrival_time)
@@ -129,6 +163,10 @@ class ServerMetrics:
         self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
         self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         self.decode_time.observe(m.finished_time - m.first_token_time)
+        self.inference_time.observe(m.finished_time - m.first_scheduled_time)
+
+    def rejected_request(self, reason: str, tenant: str) -> None:
+        self.rejected.labels(reason=reason, tenant=tenant, **self._common).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
