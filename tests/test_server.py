@@ -113,7 +113,8 @@ def test_authentication(server):
     ("body", "param", "code"),
     [
         ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "invalid_value"),
-        ({"prompt": "hi", "n": 2}, "n", "unsupported"),
+        ({"prompt": "hi", "n": 129}, "n", "invalid_value"),  # OpenAI's cap on choices
+        ({"prompt": ["hi"] * 65, "n": 2}, "n", "invalid_value"),  # prompts times n over 128
         ({"prompt": "hi", "best_of": 3}, "best_of", "unsupported"),
         ({"prompt": "word " * 600, "max_tokens": 4}, "max_tokens", "context_length_exceeded"),
         ({"prompt": "hi", "max_tokens": 600}, "max_tokens", "context_length_exceeded"),

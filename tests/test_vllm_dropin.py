@@ -160,3 +160,51 @@ def test_the_container_and_the_manifest_start_serve_with_flags_it_takes():
     assert (parsed.command, parsed.host, parsed.port, parsed.drain_timeout) == ("serve", "0.0.0.0", 8000, 30.0)
     probes = set(re.findall(r"path: (/\w+)", manifest))
     assert probes == {"/health", "/ready", "/metrics"}
+
+
+def test_n_choices_share_one_prefill_and_count_usage_as_openai(server):
+    """n > 1: n choices, usage counting the prompt once; the choices after the first take the prompt's full
+    blocks from the prefix cache instead of computing them again (one prefill)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompt = " ".join(f"word{i}" for i in range(120))  # several full KV blocks
+    hits_before = server.metric("tokenloom:prefix_cache_hits_total", {"Authorization": f"Bearer {KEY}"})
+    sampled = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, n=4, temperature=1.0, seed=7)
+    prompt_len = sampled.usage.prompt_tokens
+    assert [c.index for c in sampled.choices] == [0, 1, 2, 3]
+    assert sampled.usage.completion_tokens == 4 * 6 and sampled.usage.total_tokens == prompt_len + 24
+    shared = server.metric("tokenloom:prefix_cache_hits_total", {"Authorization": f"Bearer {KEY}"}) - hits_before
+    assert shared >= 3 * (prompt_len // 16) * 16  # three choices took every full block of the prompt
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, n=4, temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]  # seeded: reproducible
+    assert len({c.text for c in sampled.choices}) > 1  # and the choices are not copies of one another
+
+    greedy = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, n=3, temperature=0
+    )
+    assert len({c.message.content for c in greedy.choices}) == 1 and len(greedy.choices) == 3
+
+
+def test_a_list_of_prompts_and_n_stream_every_choice(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompts = ["The sky is", "Once upon a time"]
+    whole = client.completions.create(model="tiny", prompt=prompts, max_tokens=5, n=2, temperature=0)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert whole.choices[0].text == whole.choices[1].text != whole.choices[2].text == whole.choices[3].text
+    single = client.completions.create(model="tiny", prompt=prompts[1], max_tokens=5, temperature=0)
+    assert whole.choices[2].text == single.choices[0].text
+    texts: dict[int, str] = {}
+    usage = None
+    stream = client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=5, n=2, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(4)] == [c.text for c in whole.choices]
+    assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == 20

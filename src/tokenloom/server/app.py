@@ -7,6 +7,7 @@ request's failure is its own: the engine fails it alone, the others go on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -27,6 +28,7 @@ from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.guard import Guard, Receive, until_disconnected
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import (
@@ -166,8 +168,8 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     state = _state(raw)
     _check_model(body, state.model_name)
     body.refuse_unsupported()
-    prompt_ids = await _tokenized(state.engine, body.single_prompt())
-    return await _generate(state, raw, body, prompt_ids, body.logprobs, _CompletionShape(state.engine.tokenizer))
+    prompts = [await _tokenized(state.engine, prompt) for prompt in body.prompts()]
+    return await _generate(state, raw, body, prompts, body.logprobs, _CompletionShape(state.engine.tokenizer))
 
 
 @router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
@@ -181,7 +183,7 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt_ids = await _templated(tokenizer, conversation)
     top = body.top_logprobs if body.top_logprobs is not None else 0
-    return await _generate(state, raw, body, prompt_ids, top if body.logprobs else None, _ChatShape(tokenizer))
+    return await _generate(state, raw, body, [prompt_ids], top if body.logprobs else None, _ChatShape(tokenizer))
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES)
@@ -220,11 +222,17 @@ class _CompletionShape:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
 
-    def response(self, request_id: str, created: int, model: str, final: RequestOutput, logprobs: bool) -> BaseModel:
-        completion = final.outputs[0]
-        lp = _completion_logprobs(final, self.tokenizer)[0] if logprobs else None
-        choice = CompletionChoice(index=0, text=completion.text, logprobs=lp, finish_reason=completion.finish_reason)
-        return CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=_usage(final))
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> BaseModel:
+        choices = []
+        for index, final in enumerate(finals):
+            completion = final.outputs[0]
+            lp = _completion_logprobs(final, self.tokenizer)[0] if logprobs else None
+            choices.append(
+                CompletionChoice(index=index, text=completion.text, logprobs=lp, finish_reason=completion.finish_reason)
+            )
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
     async def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
@@ -248,17 +256,19 @@ class _ChatShape:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
 
-    def response(self, request_id: str, created: int, model: str, final: RequestOutput, logprobs: bool) -> BaseModel:
-        completion = final.outputs[0]
-        choice = ChatChoice(
-            index=0,
-            message=AssistantMessage(content=completion.text),
-            logprobs=_chat_logprobs(final, self.tokenizer) if logprobs else None,
-            finish_reason=completion.finish_reason,
-        )
-        return ChatCompletionResponse(
-            id=request_id, created=created, model=model, choices=[choice], usage=_usage(final)
-        )
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> BaseModel:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=final.outputs[0].text),
+                logprobs=_chat_logprobs(final, self.tokenizer) if logprobs else None,
+                finish_reason=final.outputs[0].finish_reason,
+            )
+            for index, final in enumerate(finals)
+        ]
+        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
     async def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
@@ -289,67 +299,199 @@ _Shape = _CompletionShape | _ChatShape
 
 
 async def _generate(
-    state: ServerState, raw: Request, body: _Common, prompt_ids: list[int], logprobs: int | None, shape: _Shape
+    state: ServerState, raw: Request, body: _Common, prompts: list[list[int]], logprobs: int | None, shape: _Shape
 ) -> Response:
-    """The one generate path of both endpoints: admit, then stream the chunks or answer with the whole output."""
+    """The one generate path of both endpoints: admit, then stream the chunks or answer with the whole output.
+
+    Each prompt gets body.n choices, numbered prompt by prompt; usage counts each prompt once, as OpenAI does.
+    """
     request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
-    async with _admitted(state, raw, body, prompt_ids, logprobs, request_id) as (stream, lease):
+    prompt_tokens = sum(len(p) for p in prompts)
+    async with _admitted(state, raw, body, prompts, logprobs, request_id) as (streams, lease):
         if body.stream:
             usage = body.stream_options.include_usage if body.stream_options else False
-            chunks = _envelopes(shape, stream, logprobs is not None, request_id, created, state.model_name, usage)
-            return await _sse(chunks, lease.transfer(), raw.receive)
-        final = await _collect(stream, raw.receive)
-    return JSONResponse(shape.response(request_id, created, state.model_name, final, logprobs is not None).model_dump())
+            chunks = _envelopes(shape, streams, logprobs is not None, request_id, created, state.model_name)
+            return await _sse(_with_usage(chunks, prompt_tokens, usage), lease.transfer(), raw.receive)
+        finals = await _collect(streams, raw.receive)
+    usage_body = _usage(prompt_tokens, finals)
+    response = shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage_body)
+    return JSONResponse(response.model_dump())
 
 
 async def _envelopes(
     shape: _Shape,
-    stream: AsyncIterator[RequestOutput],
+    streams: list[AsyncIterator[RequestOutput]],
     logprobs: bool,
     request_id: str,
     created: int,
     model: str,
-    usage: bool,
+) -> AsyncGenerator[tuple[dict[str, Any], dict[int, RequestOutput]]]:
+    """Each chunk of every choice as it comes, with the latest output of each choice so far (for usage)."""
+    latest: dict[int, RequestOutput] = {}
+    merged = shape.chunks(streams[0], logprobs) if len(streams) == 1 else _merged(shape, streams, logprobs)
+    async for index, choice, output in _indexed(merged):
+        latest[index] = output
+        yield _envelope(request_id, shape.chunk_object, created, model, [{**choice, "index": index}]), latest
+
+
+async def _indexed(chunks: AsyncIterator[Any]) -> AsyncIterator[tuple[int, dict[str, Any], RequestOutput]]:
+    """(choice index, chunk, output): a single stream's chunks are choice 0; merged ones carry their index."""
+    async for item in chunks:
+        yield item if len(item) == 3 else (0, *item)
+
+
+async def _with_usage(
+    envelopes: AsyncIterator[tuple[dict[str, Any], dict[int, RequestOutput]]], prompt_tokens: int, include_usage: bool
 ) -> AsyncGenerator[dict[str, Any]]:
-    final = None
-    async for choice, output in shape.chunks(stream, logprobs):
-        final = output
-        yield _envelope(request_id, shape.chunk_object, created, model, [choice])
-    if usage and final is not None:
-        yield _envelope(request_id, shape.chunk_object, created, model, [], _usage(final).model_dump())
+    latest: dict[int, RequestOutput] = {}
+    envelope: dict[str, Any] | None = None
+    async for envelope, seen in envelopes:
+        latest = seen
+        yield envelope
+    if include_usage and envelope is not None:
+        usage = _usage(prompt_tokens, list(latest.values())).model_dump()
+        yield {**envelope, "choices": [], "usage": usage}
+
+
+async def _merged(
+    shape: _Shape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool
+) -> AsyncIterator[tuple[int, dict[str, Any], RequestOutput]]:
+    """The chunks of several choices, interleaved as they come; the first failure ends them all."""
+    queue: asyncio.Queue[tuple[int, dict[str, Any], RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for choice, output in shape.chunks(stream, logprobs):
+                await queue.put((index, choice, output))
+            await queue.put(None)
+        except Exception as error:  # RequestRejected, APIError: handed to the reader, which stops the others
+            await queue.put(error)
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # a hang-up or a failure: the other choices' requests are aborted with their streams
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @asynccontextmanager
 async def _admitted(
-    state: ServerState, raw: Request, body: _Common, prompt_ids: list[int], logprobs: int | None, request_id: str
-) -> AsyncIterator[tuple[AsyncIterator[RequestOutput], _Lease]]:
-    """Applies the tenant's caps and limits, then admits the request to the engine; yields its stream.
+    state: ServerState, raw: Request, body: _Common, prompts: list[list[int]], logprobs: int | None, request_id: str
+) -> AsyncIterator[tuple[list[AsyncIterator[RequestOutput]], _Lease]]:
+    """Applies the tenant's caps and limits, then admits the request's choices to the engine; yields their streams.
 
     Caps apply to what the request will really do, after defaults are filled in: a request that leaves out
     max_tokens gets the tenant's cap, not the rest of the context. The tenant's concurrency slot is held until
     the request ends: here for a plain response, or by the streaming response once the lease is transferred.
     """
     tenant: Tenant = raw.state.tenant
-    max_model_len, limiter, metrics = state.engine.max_model_len, state.limiter, state.metrics
+    max_model_len, limiter, metrics, n = state.engine.max_model_len, state.limiter, state.metrics, body.n
     requested = body.requested_max_tokens()
-    _check_context(len(prompt_ids), requested, max_model_len)
+    for prompt in prompts:
+        _check_context(len(prompt), requested, max_model_len)
     try:
-        limiter.check_caps(tenant, len(prompt_ids), requested)
-        max_tokens = _default_max_tokens(requested, tenant, len(prompt_ids), max_model_len)
-        params = body.sampling_params(max_tokens, logprobs)
-        limiter.acquire(tenant, len(prompt_ids) + params.max_tokens)
+        params = []
+        for prompt in prompts:
+            limiter.check_caps(tenant, len(prompt), requested)
+            max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
+            params.append(body.sampling_params(max_tokens, logprobs))
+        limiter.acquire(tenant, sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True)))
     except APIError as error:
         metrics.rejected_request(error.code or "invalid", tenant.name)
         raise
-    metrics.request_max_tokens.observe(params.max_tokens)
+    for q in params:
+        metrics.request_max_tokens.observe(q.max_tokens)
     lease = _Lease(lambda: limiter.release(tenant))
+    priority = _priority(body.priority, tenant)
+    submitted: list[AsyncGenerator[RequestOutput]] = []
+
+    async def submit(prompt: list[int], q: SamplingParams, rid: str) -> AsyncGenerator[RequestOutput]:
+        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority)
+        assert isinstance(stream, AsyncGenerator)  # the front's stream: closing it aborts the request
+        submitted.append(stream)
+        return stream
+
     try:
-        priority = _priority(body.priority, tenant)
-        stream = await _submit(state.engine, metrics, tenant, prompt_ids, params, request_id, priority)
-        yield stream, lease
+        streams: list[AsyncIterator[RequestOutput]] = []
+        single = len(prompts) == 1 and n == 1
+        for i, (prompt, q) in enumerate(zip(prompts, params, strict=True)):
+            first = await submit(prompt, q, request_id if single else f"{request_id}-{i}-0")
+            if n == 1:
+                streams.append(first)
+                continue
+
+            async def the_rest(prompt: list[int] = prompt, q: SamplingParams = q, i: int = i) -> list[AsyncGenerator]:
+                return [await submit(prompt, _choice_params(q, j), f"{request_id}-{i}-{j}") for j in range(1, n)]
+
+            streams.extend(_Fork(first, the_rest, n).streams)
+        yield streams, lease
+    except BaseException:
+        for stream in submitted:  # what was admitted before the failure is aborted, not left running
+            await stream.aclose()
+        raise
     finally:
         lease.release()
+
+
+def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of n: its own random stream (a seeded request stays reproducible, its choices differ)."""
+    return dataclasses.replace(params, seed=None if params.seed is None else params.seed ^ j)
+
+
+class _Fork:
+    """One prompt's n choices, sharing the prompt's KV blocks: one prefill, n decodes.
+
+    The first choice is admitted at once; the others when it has its first token, by which time the prompt's full
+    blocks are in the prefix cache, so they take those blocks by reference (the block pool's ref counts) and compute
+    only the prompt's last, partial block again. Without prefix caching each choice computes its prompt.
+    """
+
+    def __init__(
+        self,
+        first: AsyncIterator[RequestOutput],
+        admit_rest: Callable[[], Awaitable[list[AsyncGenerator[RequestOutput]]]],
+        n: int,
+    ) -> None:
+        self._first, self._admit_rest = first, admit_rest
+        self._rest: list[AsyncGenerator[RequestOutput]] = []
+        self._failure: BaseException | None = None
+        self._admitted = asyncio.Event()
+        self.streams: list[AsyncIterator[RequestOutput]] = [self._leader(), *(self._follower(j) for j in range(n - 1))]
+
+    async def _leader(self) -> AsyncIterator[RequestOutput]:
+        try:
+            async for output in self._first:
+                if not self._admitted.is_set():
+                    try:
+                        self._rest = await self._admit_rest()
+                    except Exception as error:
+                        self._failure = error
+                        raise
+                    finally:
+                        self._admitted.set()
+                yield output
+        finally:
+            if not self._admitted.is_set():  # ended before its first token: the others cannot start
+                self._failure = RequestRejected(Rejection.REQUEST_FAILED, "the request's first choice did not start")
+                self._admitted.set()
+
+    async def _follower(self, j: int) -> AsyncIterator[RequestOutput]:
+        await self._admitted.wait()
+        if self._failure is not None:
+            raise self._failure
+        async for output in self._rest[j]:
+            yield output
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -498,18 +640,28 @@ async def _unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
         await asyncio.gather(task, watch, return_exceptions=True)
 
 
-async def _collect(stream: AsyncIterator[RequestOutput], receive: Receive) -> RequestOutput:
-    """The request's final output; a hang-up aborts it at once (its KV blocks and tenant slot are freed)."""
+async def _collect(streams: list[AsyncIterator[RequestOutput]], receive: Receive) -> list[RequestOutput]:
+    """Each choice's final output; a hang-up aborts them at once (their KV blocks and the tenant slot are freed)."""
 
-    async def last() -> RequestOutput:
+    async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         final = None
         async for output in stream:
             final = output
         assert final is not None
         return final
 
+    async def every_last() -> list[RequestOutput]:
+        if len(streams) == 1:
+            return [await last(streams[0])]
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing choice cancels the others (and aborts them)
+                tasks = [group.create_task(last(stream)) for stream in streams]
+        except BaseExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None
+        return [task.result() for task in tasks]
+
     try:
-        return await _unless_disconnected(last(), receive)
+        return await _unless_disconnected(every_last(), receive)
     except RequestRejected as error:
         raise _rejected(error) from error
 
@@ -530,9 +682,10 @@ class _Lease:
             self._release = None
 
 
-def _usage(output: RequestOutput) -> Usage:
-    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def _usage(prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
+    """OpenAI's count: each prompt once, every choice's completion."""
+    completion = sum(len(final.outputs[0].token_ids) for final in finals)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
 async def _sse(chunks: AsyncGenerator[dict[str, Any]], lease: _Lease, receive: Receive) -> StreamingResponse:

@@ -46,6 +46,7 @@ def _valid_utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_utf8)]
 TokenId = Annotated[int, Field(ge=0)]
+MAX_CHOICES = 128  # prompts times n in one request, as OpenAI caps n
 
 
 class _Strict(BaseModel):
@@ -80,15 +81,13 @@ class _Common(_Strict):
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     best_of: Annotated[int, Field(ge=1)] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     user: Text | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, "n > 1 is not supported; send several requests instead", "n", "unsupported")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", "best_of", "unsupported")
         if self.logit_bias:
@@ -132,13 +131,16 @@ class CompletionRequest(_Common):
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt, or the list of prompts (text, or token ids), each answered with n choices."""
         prompt = self.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
-            raise APIError(400, "batched prompts are not supported; send one prompt per request", "prompt")
-        return cast(str | list[int], prompt)
+        if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
+            prompts = [cast(str | list[int], prompt)]
+        else:
+            prompts = list(cast(list[str | list[int]], prompt))
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise APIError(400, f"at most {MAX_CHOICES} choices (prompts times n) per request", "n", "invalid_value")
+        return prompts
 
 
 class ContentPart(_Strict):
