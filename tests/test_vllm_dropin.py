@@ -208,3 +208,30 @@ def test_a_list_of_prompts_and_n_stream_every_choice(server):
         usage = chunk.usage or usage
     assert [texts[i] for i in range(4)] == [c.text for c in whole.choices]
     assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == 20
+
+
+def test_chat_template_and_generation_config_flags(tiny_chat_model, tmp_path):
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "with-defaults"
+    shutil.copytree(tiny_chat_model, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "do_sample": False}))
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    with ServerProcess(str(model), "--served-model-name", "tiny", "--chat-template", str(template)) as proc:
+        messages = [{"role": "user", "content": "Hello there"}]
+        tokens = httpx.post(f"{proc.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        assert tokens == tokenizer.encode("[user] Hello there\n", add_special_tokens=False)
+
+        def texts(**extra) -> list[str]:
+            body = {"prompt": "Once upon a time", "max_tokens": 8, "n": 3, **extra}
+            response = httpx.post(f"{proc.url}/v1/completions", json=body, timeout=60)
+            return [choice["text"] for choice in response.json()["choices"]]
+
+        left_out = texts()  # the checkpoint's temperature 0: greedy, so the three choices agree
+        assert len(set(left_out)) == 1 and left_out == texts(temperature=0)
+        assert len(set(texts(temperature=1.0, seed=3))) > 1  # what a request sets wins over the default

@@ -185,6 +185,12 @@ class ServerConfig:
     """Seconds a connection has to send a request's headers (idle and slowloris connections are closed)."""
     keep_alive_timeout: float = 5.0
     """Seconds an idle keep-alive connection stays open."""
+    chat_template: str | None = None
+    """A Jinja chat template, or a file holding one, used instead of the checkpoint's (as vLLM's flag)."""
+    generation_config: str = "auto"
+    """Sampling defaults for what a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty), as
+    vLLM's flag: 'auto' reads the checkpoint's generation_config.json if it has one, 'vllm' uses none (OpenAI's
+    defaults), a directory reads its generation_config.json."""
     core_process: bool = False
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization; off by
     default, where it measured no faster on two cores (benchmarks/RESULTS.md)."""

@@ -145,6 +145,7 @@ class CoreProcessEngine:
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         info = load_model_info(config.model.model)
         self.model_name = info.name
+        self.model_path = info.path
         self.model_config: ModelConfig = info.config
         self.tokenizer: Tokenizer | None = info.tokenizer
         self.processor = OutputProcessor(self.tokenizer)

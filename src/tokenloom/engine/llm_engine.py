@@ -95,6 +95,7 @@ class LLMEngine:
         started = time.monotonic()
         loaded = loaded or load_model(config.model.model, config.model.max_model_len, self.dtype, device)
         self.model_name = loaded.name
+        self.model_path = loaded.path
         self.model_config: ModelConfig = loaded.config
         self.tokenizer = loaded.tokenizer
         self.device = device

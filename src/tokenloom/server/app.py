@@ -77,6 +77,7 @@ class ServerState:
     model_name: str
     limiter: TenantLimiter
     version_info: dict[str, Any]
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # from a generation_config.json
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
 
@@ -91,10 +92,13 @@ def build_app(
     tenants: list[Tenant] | None = None,
     max_body_bytes: int = ServerConfig.max_body_bytes,
     version_info: dict[str, Any] | None = None,
+    sampling_defaults: dict[str, float] | None = None,
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__)
-    app.state.tokenloom = ServerState(engine, metrics, model_name, TenantLimiter(), version_info or {})
+    app.state.tokenloom = ServerState(
+        engine, metrics, model_name, TenantLimiter(), version_info or {}, dict(sampling_defaults or {})
+    )
     default_tenant = Tenant(name="default", keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
@@ -405,7 +409,7 @@ async def _admitted(
         for prompt in prompts:
             limiter.check_caps(tenant, len(prompt), requested)
             max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
-            params.append(body.sampling_params(max_tokens, logprobs))
+            params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults))
         limiter.acquire(tenant, sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True)))
     except APIError as error:
         metrics.rejected_request(error.code or "invalid", tenant.name)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -25,12 +27,40 @@ from tokenloom.server.tenants import load_tenants
 API_KEY_ENV = "TOKENLOOM_API_KEY"  # as vLLM reads VLLM_API_KEY: a key kept out of `ps`
 
 
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_chat_template(template: str) -> str:
+    """A template given inline, or the contents of the file it names."""
+    path = Path(template)
+    return path.read_text() if "{" not in template and path.is_file() else template
+
+
+def generation_defaults(choice: str, checkpoint: Path) -> dict[str, float]:
+    """The sampling defaults of a generation_config.json: the checkpoint's ('auto'), none ('vllm'), or a dir's."""
+    if choice == "vllm":
+        return {}
+    directory = checkpoint if choice == "auto" else Path(choice)
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        if choice != "auto":
+            raise FileNotFoundError(f"--generation-config {choice}: no generation_config.json there")
+        return {}
+    config = json.loads(path.read_text())
+    defaults = {name: float(config[name]) for name in GENERATION_FIELDS if config.get(name) is not None}
+    if defaults:
+        logging.getLogger(__name__).info("sampling defaults from %s: %s", path, defaults)
+    return defaults
+
+
 def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
     """Builds the engine (in this process or with its core apart), the metrics, the front and the app; serves."""
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine: LLMEngine | CoreProcessEngine
     engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
     model_name = server.served_model_name or engine.model_name
+    if server.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = read_chat_template(server.chat_template)
     metrics = ServerMetrics(engine, model_name)
     tenants = load_tenants(server.tenants) if server.tenants else None
     if tenants:
@@ -50,6 +80,7 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         tenants=tenants,
         max_body_bytes=server.max_body_bytes,
         version_info={"git_commit": git_commit()},
+        sampling_defaults=generation_defaults(server.generation_config, engine.model_path),
     )
 
     @asynccontextmanager

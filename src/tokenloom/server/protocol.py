@@ -103,21 +103,25 @@ class _Common(_Strict):
         """The output length the client asked for, if it asked."""
         return self.max_tokens
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, defaults: dict[str, float] | None = None
+    ) -> SamplingParams:
+        """The request's sampling settings; a setting it leaves out takes the server's default, if there is one."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        defaults = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                min_p=self.min_p,
+                temperature=defaults.get("temperature", self.temperature),
+                top_p=defaults.get("top_p", self.top_p),
+                top_k=int(defaults.get("top_k", self.top_k)),
+                min_p=defaults.get("min_p", self.min_p),
                 seed=self.seed,
                 stop=stop,
                 stop_token_ids=list(self.stop_token_ids or []),
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
-                repetition_penalty=self.repetition_penalty,
+                repetition_penalty=defaults.get("repetition_penalty", self.repetition_penalty),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
