@@ -210,11 +210,13 @@ def test_a_list_of_prompts_and_n_stream_every_choice(server):
     assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == 20
 
 
-def test_chat_template_and_generation_config_flags(tiny_chat_model, tmp_path):
+def test_chat_template_and_generation_config_flags(tiny_chat_model, tmp_path, monkeypatch):
     import json
     import shutil
 
     from transformers import AutoTokenizer
+
+    monkeypatch.delenv("TOKENLOOM_API_KEY", raising=False)  # this server takes no key (the module's server does)
 
     model = tmp_path / "with-defaults"
     shutil.copytree(tiny_chat_model, model)
