@@ -104,6 +104,9 @@ def test_a_server_streams_through_the_core_process_and_is_not_ready_once_it_dies
         text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
         whole = client.completions.create(model="tiny-chat", prompt="Hello there", max_tokens=5, temperature=0)
         assert text == whole.choices[0].text and whole.usage.completion_tokens == 5
+        # The memory the bench reports is the whole tree's: the core process holds the weights.
+        tree = server.metric("tokenloom:process_tree_resident_memory_bytes")
+        assert tree > server.metric("process_resident_memory_bytes") + 10 * 2**20
         os.kill(core_pid(server.process.pid), signal.SIGKILL)
         deadline = time.monotonic() + 30
         while httpx.get(f"{server.url}/ready", timeout=10).status_code == 200:

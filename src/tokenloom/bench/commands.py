@@ -33,6 +33,7 @@ COLUMNS = [
     ("error_rate", "errors", "{:.1%}"),
     ("preemptions", "preempt", "{:.0f}"),
     ("memory_high_water_bytes", "mem MiB", "{}"),
+    ("prefix_cache_hit_rate", "prefix hit", "{:.1%}"),
     ("goodput_req_s", "goodput", "{:.2f}"),
     ("cost_per_1k_accepted", "$/1k ok", "{:.3f}"),
 ]

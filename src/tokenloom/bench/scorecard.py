@@ -17,6 +17,7 @@ SCORECARD_KEYS = (
     "error_rate",
     "preemptions",
     "memory_high_water_bytes",
+    "prefix_cache_hit_rate",
     "goodput_req_s",
     "cost_per_1k_accepted",
 )
@@ -106,6 +107,7 @@ def scorecard(
         "error_rate": len(errors) / len(records) if records else 0.0,
         "preemptions": server.get("preemptions"),
         "memory_high_water_bytes": server.get("memory_high_water_bytes"),
+        "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate"),
         "goodput_req_s": len(accepted) / duration if duration > 0 else 0.0,
         "cost_per_1k_accepted": cost,
     }

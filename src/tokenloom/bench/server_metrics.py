@@ -69,12 +69,31 @@ def math_isinf(x: float) -> bool:
 
 def server_figures(before: dict | None, after: dict | None, samples: list[dict]) -> dict[str, float | None]:
     if not before or not after:
-        return {"queue_time_p95_s": None, "preemptions": None, "memory_high_water_bytes": None}
+        return {
+            "queue_time_p95_s": None, "preemptions": None, "memory_high_water_bytes": None,
+            "prefix_cache_hit_rate": None,
+        }  # fmt: skip
     preempt_before, preempt_after = _find(before, "num_preemptions_total"), _find(after, "num_preemptions_total")
-    readings = [s.get("process_resident_memory_bytes") for s in [before, *samples, after]]
-    memory: list[float] = [m for m in readings if m is not None]
     return {
         "queue_time_p95_s": histogram_quantile(before, after, "request_queue_time_seconds", 0.95),
         "preemptions": None if preempt_after is None else preempt_after - (preempt_before or 0.0),
-        "memory_high_water_bytes": max(memory) if memory else None,
+        "memory_high_water_bytes": _memory_high_water([before, *samples, after]),
+        "prefix_cache_hit_rate": _prefix_cache_hit_rate(before, after),
     }
+
+
+def _memory_high_water(scrapes: list[dict[str, float]]) -> float | None:
+    """The largest resident memory seen: of the whole process tree where the server reports it (tokenloom, its core
+    process included), else of the process that answers /metrics (for vLLM: the API server alone)."""
+    readings = [_find(s, "process_tree_resident_memory_bytes") for s in scrapes]
+    if all(r is None for r in readings):
+        readings = [s.get("process_resident_memory_bytes") for s in scrapes]
+    memory = [r for r in readings if r is not None]
+    return max(memory) if memory else None
+
+
+def _prefix_cache_hit_rate(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """The share of prompt tokens looked up in the prefix cache during the run that were found there."""
+    queries = (_find(after, "prefix_cache_queries_total") or 0.0) - (_find(before, "prefix_cache_queries_total") or 0.0)
+    hits = (_find(after, "prefix_cache_hits_total") or 0.0) - (_find(before, "prefix_cache_hits_total") or 0.0)
+    return hits / queries if queries > 0 else None

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -54,6 +56,9 @@ class ServerMetrics:
             return Histogram(f"tokenloom:{name}", doc, names, buckets=buckets, registry=r).labels(**common)
 
         self._common = common
+        self.tree_memory = gauge(
+            "process_tree_resident_memory_bytes", "Resident memory of the server and its child processes (the core)."
+        )
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (swapped ones not counted).")
@@ -169,4 +174,19 @@ class ServerMetrics:
         self.rejected.labels(reason=reason, tenant=tenant, **self._common).inc()
 
     def render(self) -> bytes:
+        self.tree_memory.set(process_tree_rss(os.getpid()))
         return generate_latest(self.registry)
+
+
+def process_tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants, from /proc (0 where /proc is not there)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            total += int(Path(f"/proc/{current}/statm").read_text().split()[1]) * page
+            pending += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or no /proc
+    return total
