@@ -4,12 +4,13 @@ There are no prefill and decode phases. Each request has ``num_computed_tokens``
 between that and its token count. A long prompt is chunked over several steps by the budget alone, and shares
 each of them with other requests' decode tokens. When KV blocks run out, the policy's worst running request
 (under FCFS the most recently admitted) is preempted: its blocks go back to the pool and it returns to the
-queue. Under recompute preemption its tokens are computed again when there is room (its prefix blocks often
-still cached); under swap preemption its blocks are first copied to a host pool and copied back when it resumes
-(the step's output lists the copies, which the runner makes before the forward: all swap-outs, then swap-ins).
+queue. How it gives its blocks back, and gets them again, is the preemptor's (preemption.py): under recompute its
+tokens are computed again when there is room (its prefix blocks often still cached); under swap its blocks are
+first copied to a host pool and copied back when it resumes (the step's output lists the copies, which the runner
+makes before the forward: all swap-outs, then swap-ins).
 
-In static batching (the baseline the seeds compare against) the same step admits a new batch only when the
-previous one has completely finished.
+When waiting requests may join is the admission gate's (admission.py): every step (continuous batching), or, in
+static batching (the baseline the seeds compare against), only once the previous batch has completely finished.
 """
 
 from __future__ import annotations
