@@ -37,9 +37,14 @@ class ServerProcess(LocalServer):
         return total
 
     def wait_for_metric(self, name: str, predicate, timeout: float = 30.0, headers=None) -> float:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = self.metric(name, headers)
-            if predicate(value) or time.monotonic() > deadline:
-                return value
-            time.sleep(POLL_INTERVAL_S)
+        return poll_until(lambda: self.metric(name, headers), predicate, timeout)
+
+
+def poll_until(read, predicate, timeout: float = 30.0):
+    """Reads until predicate(value) holds or the deadline passes; returns the last value read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = read()
+        if predicate(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(POLL_INTERVAL_S)

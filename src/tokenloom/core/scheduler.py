@@ -133,13 +133,16 @@ class Scheduler:
         self.max_num_partial_prefills = config.max_num_partial_prefills
         self.policy = make_policy(config.scheduling_policy)
         self.preemptor = preemptor or Preemptor(config.preemption_mode, kv_cache, SwapSpace(0))
-        self.swap_space = self.preemptor.swap_space
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
 
     # ---- requests in and out -------------------------------------------------------------------------
+
+    @property
+    def swap_space(self) -> SwapSpace:
+        return self.preemptor.swap_space
 
     def add_request(self, request: Request) -> None:
         """Queues a request; raises ValueError if it could never be served under this configuration."""

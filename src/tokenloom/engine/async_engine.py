@@ -16,14 +16,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-import torch
-
-from tokenloom.config import EngineConfig
-from tokenloom.engine.core import EngineStats, QueueState
-from tokenloom.engine.llm_engine import PreparedRequest
-from tokenloom.model.config import ModelConfig
+from tokenloom.engine.core import EngineStats
+from tokenloom.engine.front import EngineFront, PreparedRequest
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
@@ -54,39 +49,6 @@ class RequestRejected(Exception):
         self.retry_after = retry_after  # seconds a client should wait before sending it again, when that may work
 
 
-class Engine(Protocol):
-    """What the front needs of an engine: LLMEngine in this process, or CoreProcessEngine with its core apart."""
-
-    config: EngineConfig
-    model_config: ModelConfig
-    tokenizer: Tokenizer | None
-    max_model_len: int
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def healthy(self) -> bool: ...
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]: ...
-    def prepare_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-    ) -> PreparedRequest: ...
-    def add_prepared(self, prepared: PreparedRequest) -> None: ...
-    def abort_request(self, request_id: str) -> RequestOutput | None: ...
-    def has_unfinished_requests(self) -> bool: ...
-    def step(self) -> list[RequestOutput]: ...
-    def stats(self) -> EngineStats: ...
-    def queue_state(self, count_backlog: bool = True) -> QueueState: ...
-    def never_scheduled_since(self, arrived_before: float) -> list[str]: ...
-    def request_ids(self) -> list[str]: ...
-    def shutdown(self) -> None: ...
-
-
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -96,7 +58,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineFront,
         max_num_queued_requests: int | None = None,
         queue_timeout: float | None = None,
         max_num_queued_tokens: int | None = None,

@@ -23,7 +23,8 @@ from tokenloom.core.preemption import PreemptionCosts, Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import AdmissionLimits, Scheduler
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.loader import LoadedModel
+from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.platform import resolve_dtype
 from tokenloom.model.runner import ModelRunner
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import RequestMetrics
@@ -322,6 +323,18 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting) - swap.num_swapped_requests,
             num_swapped=swap.num_swapped_requests,
         )
+
+
+def load_for_core(
+    config: EngineConfig, loaded: LoadedModel | None = None
+) -> tuple[LoadedModel, torch.dtype, torch.device]:
+    """What an EngineCore is built from: the weights, the dtype "auto" resolves to here, and the device (with
+    torch's thread count set first, when the config gives one)."""
+    if config.model.num_threads is not None:
+        torch.set_num_threads(config.model.num_threads)
+    device = torch.device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    return loaded or load_model(config.model.model, config.model.max_model_len, dtype, device), dtype, device
 
 
 def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -4,7 +4,8 @@ The API process tokenizes, runs the output processor (text, stop strings, logpro
 process loads the weights, schedules and runs the model, in a loop of its own that never waits on the API
 process. They talk over two ZeroMQ PUSH/PULL sockets on ipc:// paths, with pickled messages:
 
-    API -> core   ("add", Request) ("abort", id) ("finish", id, stop) ("fail", id, why) ("weights", {...}) ("shutdown",)
+    API -> core   ("add", Request) ("abort", id) ("finish", id, stop) ("fail", id, why) ("weights", {...})
+                  ("watch", "backlog" | "never_scheduled") ("shutdown",)
     core -> API   ("ready", CoreInfo) | ("step", CoreReport) | ("died", traceback text)
 
 A request that ends on the API side (an abort, a stop string, a failure to detokenize) ends there at once; the
@@ -31,14 +32,11 @@ import zmq
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import AdmissionLimits
-from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState
-from tokenloom.engine.llm_engine import InputProcessor, PreparedRequest
-from tokenloom.engine.output_processor import OutputProcessor
-from tokenloom.model.config import ModelConfig
-from tokenloom.model.loader import Tokenizer, load_model, load_model_info
+from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState, load_for_core
+from tokenloom.engine.front import EngineFront, PreparedRequest
+from tokenloom.model.loader import load_model_info
 from tokenloom.model.platform import resolve_dtype
 from tokenloom.outputs import RequestMetrics, RequestOutput
-from tokenloom.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +75,7 @@ def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> Non
     outputs = context.socket(zmq.PUSH)
     outputs.connect(outputs_path)
     try:
-        if config.model.num_threads is not None:
-            torch.set_num_threads(config.model.num_threads)
-        device = torch.device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        core = EngineCore(
-            config, load_model(config.model.model, config.model.max_model_len, dtype, device), dtype, device
-        )
+        core = EngineCore(config, *load_for_core(config))
         info = CoreInfo(core.max_model_len, core.admission_limits(), core.runner.compiled is not None)
         outputs.send(pickle.dumps(("ready", info), protocol=5))
         _serve(core, inputs, outputs)
@@ -99,6 +91,7 @@ def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> Non
 def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    watched: set[str] = set()  # the walks over the queue the API side asked for ("backlog", "never_scheduled")
     parent = os.getppid()
     while os.getppid() == parent:  # an API process killed outright leaves no one to serve: end with it
         ended: list[EngineCoreOutput] = []
@@ -111,12 +104,15 @@ def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[byte
                     break
                 if message[0] == "shutdown":
                     return
+                if message[0] == "watch":
+                    watched.add(message[1])
+                    continue
                 ended.extend(_apply(core, message))
         stepped = core.step().outputs if core.has_unfinished_requests() else []
         if ended or stepped:
-            report = CoreReport(
-                ended + stepped, core.stats(), core.queue_state(count_backlog=True), core.never_scheduled_waiting()
-            )
+            queue = core.queue_state(count_backlog="backlog" in watched)
+            never_scheduled = core.never_scheduled_waiting() if "never_scheduled" in watched else []
+            report = CoreReport(ended + stepped, core.stats(), queue, never_scheduled)
             outputs.send(pickle.dumps(("step", report), protocol=5))
 
 
@@ -136,7 +132,7 @@ def _apply(core: EngineCore, message: tuple[Any, ...]) -> list[EngineCoreOutput]
     return []
 
 
-class CoreProcessEngine:
+class CoreProcessEngine(EngineFront):
     """LLMEngine's face (what the async front and the server use), with the core in its own process."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -144,15 +140,12 @@ class CoreProcessEngine:
         self.device = torch.device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         info = load_model_info(config.model.model)
-        self.model_name = info.name
-        self.model_path = info.path
-        self.model_config: ModelConfig = info.config
-        self.tokenizer: Tokenizer | None = info.tokenizer
-        self.processor = OutputProcessor(self.tokenizer)
+        self.model_name, self.model_path, self.model_config = info.name, info.path, info.config
         self._in_flight: dict[str, float] = {}  # request id -> arrival time, until its end reaches the API side
         self._stats: EngineStats | None = None
         self._queue = QueueState(0, 0)
         self._never_scheduled: list[tuple[str, float]] = []
+        self._watched: set[str] = set()
         self._dead = False
         self._context = zmq.Context()
         directory = Path(tempfile.mkdtemp(prefix="tokenloom-core-"))
@@ -171,8 +164,7 @@ class CoreProcessEngine:
         self._process.start()
         core_info = self._wait_until_ready()
         self.max_model_len = core_info.max_model_len
-        self._limits = core_info.admission_limits
-        self.inputs = InputProcessor(self.tokenizer, self.model_config.vocab_size, self._limits, self.processor)
+        self._init_front(info.tokenizer, core_info.admission_limits)
         logger.info(
             "engine core process %d ready in %.1fs (%s step)",
             self._process.pid,
@@ -196,20 +188,6 @@ class CoreProcessEngine:
 
     # ---- requests (as LLMEngine) --------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        return self.inputs.tokenize(prompt)
-
-    def prepare_request(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        tenant: str = "default",
-    ) -> PreparedRequest:
-        return self.inputs.prepare(prompt, params, request_id, arrival_time, priority, tenant)
-
     def add_prepared(self, prepared: PreparedRequest) -> None:
         request = prepared.request
         self.processor.add(request.request_id, prepared.state)
@@ -227,9 +205,6 @@ class CoreProcessEngine:
 
     def request_ids(self) -> list[str]:
         return list(self._in_flight)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.processor.decode(token_ids)
 
     # ---- the step: what the core reported since the last call ---------------------------------------------
 
@@ -297,9 +272,13 @@ class CoreProcessEngine:
         return self._stats
 
     def queue_state(self, count_backlog: bool = True) -> QueueState:
+        """As of the core's last report; the backlog is counted there from the first time it is asked for."""
+        if count_backlog:
+            self._watch("backlog")
         return self._queue
 
     def never_scheduled_since(self, arrived_before: float) -> list[str]:
+        self._watch("never_scheduled")
         return [rid for rid, arrival in self._never_scheduled if arrival < arrived_before and rid in self._in_flight]
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
@@ -314,6 +293,12 @@ class CoreProcessEngine:
         self._inputs.close(linger=0)
         self._outputs.close(linger=0)
         self._context.term()
+
+    def _watch(self, walk: str) -> None:
+        """Asks the core to report a walk over its queue from now on (it costs a step nothing unless asked)."""
+        if walk not in self._watched:
+            self._watched.add(walk)
+            self._send("watch", walk)
 
     def _send(self, *message: Any) -> None:
         if not self._dead:

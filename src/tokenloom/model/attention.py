@@ -124,8 +124,6 @@ def paged_attention(
             seg_k = ws.gather("k", cache_k, seg.block_table, block_size)[: seg.ctx_len]
             seg_v = ws.gather("v", cache_v, seg.block_table, block_size)[: seg.ctx_len]
         if meta.prefill_op:
-            if seg.q_len > 1 and seg_k.stride(0) != seg_v.stride(0):  # one stride for both; compiled k has its own
-                seg_k, seg_v = seg_k.contiguous(), seg_v.contiguous()
             out[rows] = torch.ops.tokenloom.prefill_attention(q[rows], seg_k, seg_v, scale)
         else:
             out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)

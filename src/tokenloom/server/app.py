@@ -315,8 +315,10 @@ async def _generate(
     async with _admitted(state, raw, body, prompts, logprobs, request_id) as (streams, lease):
         if body.stream:
             usage = body.stream_options.include_usage if body.stream_options else False
-            chunks = _envelopes(shape, streams, logprobs is not None, request_id, created, state.model_name)
-            return await _sse(_with_usage(chunks, prompt_tokens, usage), lease.transfer(), raw.receive)
+            chunks = _envelopes(
+                shape, streams, logprobs is not None, request_id, created, state.model_name, prompt_tokens, usage
+            )
+            return await _sse(chunks, lease.transfer(), raw.receive)
         finals = await _collect(streams, raw.receive)
     usage_body = _usage(prompt_tokens, finals)
     response = shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage_body)
@@ -330,38 +332,27 @@ async def _envelopes(
     request_id: str,
     created: int,
     model: str,
-) -> AsyncGenerator[tuple[dict[str, Any], dict[int, RequestOutput]]]:
-    """Each chunk of every choice as it comes, with the latest output of each choice so far (for usage)."""
-    latest: dict[int, RequestOutput] = {}
-    merged = shape.chunks(streams[0], logprobs) if len(streams) == 1 else _merged(shape, streams, logprobs)
-    async for index, choice, output in _indexed(merged):
-        latest[index] = output
-        yield _envelope(request_id, shape.chunk_object, created, model, [{**choice, "index": index}]), latest
-
-
-async def _indexed(chunks: AsyncIterator[Any]) -> AsyncIterator[tuple[int, dict[str, Any], RequestOutput]]:
-    """(choice index, chunk, output): a single stream's chunks are choice 0; merged ones carry their index."""
-    async for item in chunks:
-        yield item if len(item) == 3 else (0, *item)
-
-
-async def _with_usage(
-    envelopes: AsyncIterator[tuple[dict[str, Any], dict[int, RequestOutput]]], prompt_tokens: int, include_usage: bool
+    prompt_tokens: int,
+    include_usage: bool,
 ) -> AsyncGenerator[dict[str, Any]]:
+    """Each chunk of every choice as it comes; then, if asked, the usage of all of them."""
     latest: dict[int, RequestOutput] = {}
-    envelope: dict[str, Any] | None = None
-    async for envelope, seen in envelopes:
-        latest = seen
-        yield envelope
-    if include_usage and envelope is not None:
+    async for index, choice, output in _merged(shape, streams, logprobs):
+        latest[index] = output
+        yield _envelope(request_id, shape.chunk_object, created, model, [{**choice, "index": index}])
+    if include_usage and latest:
         usage = _usage(prompt_tokens, list(latest.values())).model_dump()
-        yield {**envelope, "choices": [], "usage": usage}
+        yield _envelope(request_id, shape.chunk_object, created, model, [], usage)
 
 
 async def _merged(
     shape: _Shape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool
 ) -> AsyncIterator[tuple[int, dict[str, Any], RequestOutput]]:
-    """The chunks of several choices, interleaved as they come; the first failure ends them all."""
+    """(choice index, chunk, output) of every choice, interleaved as they come; the first failure ends them all."""
+    if len(streams) == 1:  # the common case needs no tasks
+        async for choice, output in shape.chunks(streams[0], logprobs):
+            yield 0, choice, output
+        return
     queue: asyncio.Queue[tuple[int, dict[str, Any], RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:

@@ -18,8 +18,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tokenloom.engine.async_engine import Engine
 from tokenloom.engine.core import EngineStats
+from tokenloom.engine.front import EngineFront
 from tokenloom.outputs import RequestOutput
 
 logger = logging.getLogger("tokenloom.stats")
@@ -37,7 +37,7 @@ disable_created_metrics()
 class ServerMetrics:
     """Every family carries vLLM's model_name and engine labels, so vLLM's dashboards read it after the prefix."""
 
-    def __init__(self, engine: Engine, model_name: str, log_interval: float = 10.0) -> None:
+    def __init__(self, engine: EngineFront, model_name: str, log_interval: float = 10.0) -> None:
         self.engine = engine
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends

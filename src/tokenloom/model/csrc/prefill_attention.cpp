@@ -117,7 +117,7 @@ inline void attend_rows(const c10::BFloat16* const* qrows, const __mmask16* keep
 // One KV head, query tokens [q0, q1) of the chunk, every query head of the group.
 template <int HD>
 void attend_block(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k, const c10::BFloat16* v,
-                  int64_t kv_stride, int64_t past, int64_t q0, int64_t q1, int64_t group, float scale,
+                  int64_t k_stride, int64_t v_stride, int64_t past, int64_t q0, int64_t q1, int64_t group, float scale,
                   c10::BFloat16* out, int64_t out_stride, std::vector<float>& scratch) {
   constexpr int kPairs = HD / 2;
   constexpr int kLanes = HD / 16;
@@ -137,13 +137,13 @@ void attend_block(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16*
   for (int64_t k0 = 0; k0 < end_key; k0 += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, end_key - k0);
     for (int64_t j = 0; j < kKeys; ++j) {
-      const c10::BFloat16* krow = k + (k0 + std::min(j, nk - 1)) * kv_stride;  // past the end: repeat, masked
+      const c10::BFloat16* krow = k + (k0 + std::min(j, nk - 1)) * k_stride;  // past the end: repeat, masked
       for (int p = 0; p < kPairs; ++p) kt[p * kKeys + j] = pair_at(krow, 2 * p);
     }
     for (int64_t j = 0; j < kKeys / 2; ++j) {
       const int64_t a = k0 + std::min(2 * j, nk - 1), b = k0 + std::min(2 * j + 1, nk - 1);
-      const uint16_t* va = reinterpret_cast<const uint16_t*>(v + a * kv_stride);
-      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v + b * kv_stride);
+      const uint16_t* va = reinterpret_cast<const uint16_t*>(v + a * v_stride);
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v + b * v_stride);
       for (int d = 0; d < HD; ++d) vt[j * HD + d] = va[d] | (static_cast<uint32_t>(vb[d]) << 16);
     }
     // Rows whose token sees none of this block are skipped; the rest go kTile at a time.
@@ -191,7 +191,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(d == 64 || d == 128, "prefill_attention: head size 64 or 128");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(1) == 1 && v.stride(1) == 1,
               "prefill_attention: heads and dims must be contiguous");
-  TORCH_CHECK(ctx == 1 || k.stride(0) == v.stride(0), "prefill_attention: k and v rows must have one stride");
   TORCH_CHECK(k.size(1) % d == 0 && heads % (k.size(1) / d) == 0, "prefill_attention: heads must group over KV heads");
   TORCH_CHECK(n >= 1 && ctx >= n, "prefill_attention: the chunk must lie within its context");
   const int64_t kv_heads = k.size(1) / d, group = heads / kv_heads, past = ctx - n;
@@ -214,9 +213,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
       const c10::BFloat16* vg = v_ptr + g * d;
       c10::BFloat16* og = out_ptr + g * group * d;
       if (d == 64) {
-        attend_block<64>(qg, q.stride(0), kg, vg, k.stride(0), past, q0, q1, group, s, og, heads * d, scratch);
+        attend_block<64>(qg, q.stride(0), kg, vg, k.stride(0), v.stride(0), past, q0, q1, group, s, og, heads * d, scratch);
       } else {
-        attend_block<128>(qg, q.stride(0), kg, vg, k.stride(0), past, q0, q1, group, s, og, heads * d, scratch);
+        attend_block<128>(qg, q.stride(0), kg, vg, k.stride(0), v.stride(0), past, q0, q1, group, s, og, heads * d, scratch);
       }
     }
   });

@@ -1,0 +1,142 @@
+"""What callers (the offline LLM, the async front, the server) hold of an engine, wherever its core runs.
+
+``EngineFront`` does the API-side work once for both engines: tokenization and the admission check of a new
+request (on any thread), and the output processor's state. ``LLMEngine`` runs the core in this process;
+``CoreProcessEngine`` talks to it in another.
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.core.request import Request
+from tokenloom.core.scheduler import AdmissionLimits
+from tokenloom.engine.core import EngineStats, QueueState
+from tokenloom.engine.output_processor import OutputProcessor, RequestState
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.loader import Tokenizer
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams
+
+
+@dataclass
+class PreparedRequest:
+    """A request tokenized and validated, ready to be queued by the engine thread."""
+
+    request: Request
+    state: RequestState
+
+
+class EngineFront(ABC):
+    config: EngineConfig
+    model_name: str
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def _init_front(self, tokenizer: Tokenizer | None, limits: AdmissionLimits) -> None:
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
+        self._limits = limits
+        self._ids = itertools.count()
+
+    # ---- on any thread ------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(the text, if any, and the token ids) of a prompt given as text or as token ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer; pass prompt token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        token_ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return None, token_ids
+
+    def prepare_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> PreparedRequest:
+        """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
+        params = params or SamplingParams()
+        prompt_text, token_ids = self.tokenize(prompt)
+        request = Request(
+            request_id=request_id if request_id is not None else str(next(self._ids)),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            priority=priority,
+            tenant=tenant,
+        )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self._limits.check(request)
+        return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.processor.decode(token_ids)
+
+    # ---- on the thread that steps the engine --------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str = "default",
+    ) -> Request:
+        """Queues a prompt (text or token ids); raises ValueError if it can never be served."""
+        prepared = self.prepare_request(prompt, params, request_id, arrival_time, priority, tenant)
+        self.add_prepared(prepared)
+        return prepared.request
+
+    @abstractmethod
+    def add_prepared(self, prepared: PreparedRequest) -> None: ...
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """An output for every request that received a token (or failed, or ended) since the last call."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def queue_state(self, count_backlog: bool = True) -> QueueState:
+        """Requests waiting, and (a walk over the queue, so only when asked) the prompt tokens they still need."""
+
+    @abstractmethod
+    def never_scheduled_since(self, arrived_before: float) -> list[str]: ...
+
+    @abstractmethod
+    def request_ids(self) -> list[str]: ...
+
+    @abstractmethod
+    def set_tenant_weights(self, weights: dict[str, float]) -> None: ...
+
+    @property
+    @abstractmethod
+    def healthy(self) -> bool:
+        """False once the engine can serve nothing more (its core process died)."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
