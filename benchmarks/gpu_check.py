@@ -42,6 +42,17 @@ ENGINE_CASES = {
 }  # fmt: skip
 
 
+OUT: Path | None = None
+
+
+def emit(lines: list[str], line: str) -> None:
+    """Print a result row and rewrite the report, so a run stopped at its time limit still leaves what it measured."""
+    lines.append(line)
+    print(line, flush=True)
+    if OUT is not None:
+        OUT.write_text("\n".join(lines) + "\n")
+
+
 def save_random_checkpoint(arch: str, config: dict, directory: Path, dtype: torch.dtype) -> Path:
     import transformers
 
@@ -83,8 +94,7 @@ def check_correctness(root: Path, device: str, lines: list[str]) -> bool:
                 same = sum(g == e for g, e in zip(got, expected, strict=True))
                 all_ok &= same == len(prompts)
                 step = "eager" if eager else "compiled"
-                lines.append(f"| {arch} | {case} | {step} | {same}/{len(prompts)} |")
-                print(lines[-1], flush=True)
+                emit(lines, f"| {arch} | {case} | {step} | {same}/{len(prompts)} |")
     return all_ok
 
 
@@ -116,11 +126,11 @@ def measure_speed(root: Path, device: str, quick: bool, lines: list[str]) -> Non
             llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
             seconds = time.perf_counter() - started
             step = "eager" if eager else "compiled"
-            lines.append(
+            emit(
+                lines,
                 f"| mixed-{num_requests} | max_num_seqs {seqs}, budget {budget} | {step} | {startup:.1f} | "
-                f"{seconds:.2f} | {work.output_tokens / seconds:.0f} | {work.prompt_tokens} |"
+                f"{seconds:.2f} | {work.output_tokens / seconds:.0f} | {work.prompt_tokens} |",
             )
-            print(lines[-1], flush=True)
             del llm
 
 
@@ -130,15 +140,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true", help="a smoke run: a 4-layer model, 8 short requests")
     args = parser.parse_args()
+    global OUT
+    OUT = args.out
     name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
     lines = [f"device: {name}; torch {torch.__version__}", ""]
     with tempfile.TemporaryDirectory() as tmp:
         ok = check_correctness(Path(tmp), args.device, lines)
         measure_speed(Path(tmp), args.device, args.quick, lines)
-    lines.append(f"\ncorrectness: {'all equal' if ok else 'MISMATCH'}")
-    print(lines[-1])
-    if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
+    emit(lines, f"\ncorrectness: {'all equal' if ok else 'MISMATCH'}")
     sys.exit(0 if ok else 1)
 
 
