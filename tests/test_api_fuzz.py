@@ -55,6 +55,25 @@ FIELDS = {
     "top_logprobs": st.integers(min_value=-1, max_value=22),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])}),
     "echo": st.booleans(),
+    "structured_outputs": st.one_of(
+        st.fixed_dictionaries({"regex": st.text(max_size=8)}),
+        st.fixed_dictionaries({"choice": st.lists(st.text(max_size=4), max_size=3)}),
+        st.fixed_dictionaries({"json": json_values}),
+        st.fixed_dictionaries({"grammar": st.text(max_size=12)}),
+    ),
+    "guided_json": json_values,
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"])})}
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required"]),
+        st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "h"])})}
+        ),
+    ),
 }
 texts = st.text(max_size=40)  # any code point, lone surrogates included
 prompts = st.one_of(

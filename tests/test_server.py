@@ -130,16 +130,6 @@ def test_bad_requests_get_openai_style_400(server, body, param, code):
     assert error["param"] == param and error["code"] == code and error["message"]
 
 
-def test_tools_are_refused(server):
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "hi"}],
-        "tools": [{"type": "function", "function": {"name": "f"}}],
-    }
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
-
-
 def test_oversized_body_gets_413(server):
     response = httpx.post(
         f"{server.url}/v1/completions", headers=AUTH, json={"model": "tiny", "prompt": "x" * 30000, "max_tokens": 2}

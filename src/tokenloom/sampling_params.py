@@ -9,6 +9,27 @@ from dataclasses import dataclass, field
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's names): exactly one of a JSON schema, any JSON object, a regular
+    expression, a choice of strings, or an EBNF grammar (GBNF, as llama.cpp writes them)."""
+
+    json: str | dict | None = None  # a JSON schema, as text or parsed
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None]
+        if sum(given) + (self.grammar is not None) != 1:
+            raise ValueError("StructuredOutputsParams: give exactly one of json, json_object, regex, choice, grammar")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("StructuredOutputsParams: choice must be a non-empty list of non-empty strings")
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops; names and defaults follow vLLM and the OpenAI API."""
@@ -27,6 +48,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per generated token
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,6 +22,7 @@ from tokenloom.core.policy import FairPolicy
 from tokenloom.core.preemption import PreemptionCosts, Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
 from tokenloom.core.scheduler import AdmissionLimits, Scheduler
+from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.platform import resolve_dtype
@@ -145,6 +146,9 @@ class EngineCore:
             eos_token_ids=set(self.model_config.eos_token_ids),
             preemptor=self.preemptor,
         )
+        eos = self.model_config.eos_token_ids
+        self.structured = StructuredOutputManager(GrammarCompiler(loaded.tokenizer, self.model_config.vocab_size, eos))
+        self._failed_on_arrival: dict[str, Exception] = {}
 
     # ---- sizing -------------------------------------------------------------------------------------------
 
@@ -185,7 +189,15 @@ class EngineCore:
         return self.scheduler.admission_limits()
 
     def add_request(self, request: Request) -> None:
+        """Queues a request. One whose grammar does not compile here fails in the next step, alone (the front
+        compiles every grammar before a request gets here, so this is the last resort, not the check)."""
         self.scheduler.add_request(request)
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:
+            try:
+                self.structured.add(request.request_id, spec)
+            except Exception as error:
+                self._failed_on_arrival[request.request_id] = error
 
     def abort(self, request_id: str) -> EngineCoreOutput | None:
         """Ends a request that is still here (None if it is not) and frees what it holds."""
@@ -238,28 +250,48 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Runs one scheduler step; returns an output for every request that received a token or failed in it."""
+        arrived_failed = [
+            self.fail(rid, error) for rid, error in self._failed_on_arrival.items() if rid in self.scheduler.requests
+        ]
+        self._failed_on_arrival.clear()
+        if arrived_failed:
+            return EngineCoreOutputs(arrived_failed)
         output = self.scheduler.schedule()
         self._make_swap_copies(output.swap_out, output.swap_in)
         if output.is_empty:
             return EngineCoreOutputs()
         started = time.perf_counter()
-        result = self.runner.execute(output.scheduled)
+        grammar = self.structured.grammar_mask([s.request.request_id for s in output.scheduled if s.sample])
+        result = self.runner.execute(output.scheduled, grammar)
         seconds = time.perf_counter() - started
         self.preemptor.observe_step(output.num_batched_tokens, seconds)
         outputs = [self.fail(request_id, error) for request_id, error in result.failed.items()]
         sampled = result.sampled
         advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
         for request in advanced:
+            new_token = sampled[request.request_id]
+            if request.request_id in self.structured and not request.finished:
+                try:
+                    if self.structured.accept(request.request_id, new_token.token_id):
+                        self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                except Exception as error:
+                    outputs.append(self.fail(request.request_id, error))
+                    continue
             if request.finished:
-                self.runner.release(request.request_id)
-            outputs.append(self._output_of(request, [sampled[request.request_id]]))
+                self._release(request.request_id)
+            outputs.append(self._output_of(request, [new_token]))
         decode_tokens = sum(1 for s in output.scheduled if s.num_tokens == 1)
         stats = StepStats(output.num_batched_tokens - decode_tokens, decode_tokens, len(output.preempted), seconds)
         return EngineCoreOutputs(outputs, stats)
 
     def _ended(self, request: Request) -> EngineCoreOutput:
-        self.runner.release(request.request_id)
+        self._release(request.request_id)
         return self._output_of(request, [])
+
+    def _release(self, request_id: str) -> None:
+        """Drops what the runner and the grammar matcher keep of a finished request."""
+        self.runner.release(request_id)
+        self.structured.remove(request_id)
 
     @staticmethod
     def _output_of(request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:

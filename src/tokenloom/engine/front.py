@@ -18,6 +18,7 @@ from tokenloom.core.request import Request
 from tokenloom.core.scheduler import AdmissionLimits
 from tokenloom.engine.core import EngineStats, QueueState
 from tokenloom.engine.output_processor import OutputProcessor, RequestState
+from tokenloom.engine.structured_output import GrammarCompiler
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
@@ -41,8 +42,12 @@ class EngineFront(ABC):
     dtype: torch.dtype
     device: torch.device
 
-    def _init_front(self, tokenizer: Tokenizer | None, limits: AdmissionLimits) -> None:
+    def _init_front(
+        self, tokenizer: Tokenizer | None, limits: AdmissionLimits, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        eos = self.model_config.eos_token_ids
+        self._grammars = grammars or GrammarCompiler(tokenizer, self.model_config.vocab_size, eos)
         self.processor = OutputProcessor(tokenizer)
         self._limits = limits
         self._ids = itertools.count()
@@ -83,6 +88,8 @@ class EngineFront(ABC):
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self._limits.check(request)
+        if params.structured_outputs is not None:
+            self._grammars.compile(params.structured_outputs)  # a bad schema is the caller's error, found here
         return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
 
     def decode(self, token_ids: list[int]) -> str:

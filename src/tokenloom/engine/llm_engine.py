@@ -30,7 +30,7 @@ class LLMEngine(EngineFront):
         self.model_name, self.model_path, self.model_config = loaded.name, loaded.path, loaded.config
         self.core = EngineCore(config, loaded, self.dtype, self.device)
         self.max_model_len = self.core.max_model_len
-        self._init_front(loaded.tokenizer, self.core.admission_limits())
+        self._init_front(loaded.tokenizer, self.core.admission_limits(), self.core.structured.compiler)
         logger.info(
             "loaded %s in %.1fs on %s in %s (dtype=%s, %s): %d KV blocks of %d tokens (%d swap blocks), "
             "max_model_len %d",

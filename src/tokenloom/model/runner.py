@@ -20,7 +20,7 @@ from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.forward_context import forward_context
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.prepack import can_prepack
-from tokenloom.model.sampler import SampledToken, Sampler, SamplingBatch
+from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
 from tokenloom.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -91,8 +91,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
-        """Runs one step; samples a token for each request whose chunk reached its last token.
+    def execute(self, scheduled: list[ScheduledRequest], grammar: GrammarMask | None = None) -> StepResult:
+        """Runs one step; samples a token for each request whose chunk reached its last token, from the tokens its
+        grammar allows if it has one.
 
         Sampling is where one request's settings can raise; such a request is failed alone (in
         ``StepResult.failed``) and the others still get their tokens. A failing forward fails the whole step.
@@ -103,6 +104,10 @@ class ModelRunner:
         if not inputs.sampled_items:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if grammar is not None:
+            row_of = {item.request.request_id: row for row, item in enumerate(inputs.sampled_items)}
+            rows = torch.tensor([row_of[rid] for rid in grammar.request_ids], dtype=torch.long)
+            mask_disallowed(logits, rows, grammar.bitmask)
         try:
             tokens = self.sampler(logits, self._sampling_batch(inputs.sampled_items))
             result.sampled = {item.request.request_id: t for item, t in zip(inputs.sampled_items, tokens, strict=True)}

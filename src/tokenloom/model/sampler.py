@@ -36,6 +36,22 @@ class SamplingBatch:
 
 
 @dataclass
+class GrammarMask:
+    """The tokens each structured request may sample next: bit t of a row's 32-bit words allows token t."""
+
+    request_ids: list[str]
+    bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32
+
+
+def mask_disallowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Sets to -inf, in place, the logits of the given rows whose bit in the row's mask is clear."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    rows = rows.to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+@dataclass
 class SampledToken:
     token_id: int
     logprob: float | None = None

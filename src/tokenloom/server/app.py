@@ -26,9 +26,10 @@ from starlette.exceptions import HTTPException
 import tokenloom
 from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
+from tokenloom.engine.structured_output import InvalidGrammar
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.guard import Guard, Receive, until_disconnected
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import (
@@ -51,6 +52,7 @@ from tokenloom.server.protocol import (
     _Common,
 )
 from tokenloom.server.tenants import Tenant, TenantLimiter
+from tokenloom.server.tool_calls import ForcedTool, forced_tool, new_call_id
 
 T = TypeVar("T")
 
@@ -172,8 +174,10 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     state = _state(raw)
     _check_model(body, state.model_name)
     body.refuse_unsupported()
+    structured = body.structured_output()
     prompts = [await _tokenized(state.engine, prompt) for prompt in body.prompts()]
-    return await _generate(state, raw, body, prompts, body.logprobs, _CompletionShape(state.engine.tokenizer))
+    shape = _CompletionShape(state.engine.tokenizer)
+    return await _generate(state, raw, body, prompts, body.logprobs, shape, structured)
 
 
 @router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
@@ -184,10 +188,14 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     tokenizer = state.engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt_ids = await _templated(tokenizer, conversation)
+    forced = forced_tool(body)
+    structured = forced.spec if forced is not None else body.structured_output()
+    conversation = [m.for_template() for m in body.messages]
+    tools = [tool.model_dump() for tool in body.tools] if body.tools and body.tool_choice != "none" else None
+    prompt_ids = await _templated(tokenizer, conversation, tools=tools)
     top = body.top_logprobs if body.top_logprobs is not None else 0
-    return await _generate(state, raw, body, [prompt_ids], top if body.logprobs else None, _ChatShape(tokenizer))
+    logprobs = top if body.logprobs else None
+    return await _generate(state, raw, body, [prompt_ids], logprobs, _ChatShape(tokenizer, forced), structured)
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES)
@@ -199,7 +207,7 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", "prompt", "invalid_value")
     if body.messages is not None:
-        conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+        conversation = [m.for_template() for m in body.messages]
         ids = await _templated(tokenizer, conversation, body.add_generation_prompt)
     else:
         ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens))
@@ -253,32 +261,38 @@ class _CompletionShape:
 
 
 class _ChatShape:
-    """How /v1/chat/completions words a request's outputs: whole, and as stream chunks (role with the first)."""
+    """How /v1/chat/completions words a request's outputs: whole, and as stream chunks (role with the first).
+
+    Under a forced tool choice the output is the call: a named function's arguments stream as tool-call deltas;
+    "required" calls (a JSON array until it closes) are sent whole when the output ends.
+    """
 
     chunk_object, id_prefix = "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, tool: ForcedTool | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tool = tool
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
     ) -> BaseModel:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=AssistantMessage(content=final.outputs[0].text),
-                logprobs=_chat_logprobs(final, self.tokenizer) if logprobs else None,
-                finish_reason=final.outputs[0].finish_reason,
-            )
-            for index, final in enumerate(finals)
-        ]
+        choices = []
+        for index, final in enumerate(finals):
+            completion = final.outputs[0]
+            message, finish_reason = AssistantMessage(content=completion.text), completion.finish_reason
+            calls = self.tool.calls(completion.text) if self.tool is not None else None
+            if calls is not None:
+                message = AssistantMessage(content=None, tool_calls=calls)
+                finish_reason = self.tool.finish_reason if self.tool and finish_reason == "stop" else finish_reason
+            lp = _chat_logprobs(final, self.tokenizer) if logprobs else None
+            choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
     async def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
     ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
         """Each content chunk carries the logprobs of the tokens that arrived since the last one, when asked for."""
-        sent_tokens = 0
+        sent_tokens, tool = 0, self.tool
 
         def choice(delta: dict[str, Any], finish_reason: str | None, output: RequestOutput) -> dict[str, Any]:
             nonlocal sent_tokens
@@ -290,20 +304,55 @@ class _ChatShape:
 
         first = True
         async for delta, finish_reason, output in _text_deltas(stream):
+            if tool is not None and tool.mode == "required":
+                if finish_reason:  # the array is only whole at the end
+                    yield choice(_required_delta(tool, output.outputs[0].text), None, output), output
+                    calls_made = tool.calls(output.outputs[0].text) is not None and finish_reason == "stop"
+                    yield choice({}, tool.finish_reason if calls_made else finish_reason, output), output
+                continue
             if first:  # the role goes with the first token, as vLLM sends it, so TTFT is timed right
-                yield choice({"role": "assistant", "content": delta}, None, output), output
+                yield choice({"role": "assistant", **_content_delta(tool, delta, first=True)}, None, output), output
                 first = False
             elif delta:
-                yield choice({"content": delta}, None, output), output
+                yield choice(_content_delta(tool, delta, first=False), None, output), output
             if finish_reason:
                 yield choice({}, finish_reason, output), output
+
+
+def _content_delta(tool: ForcedTool | None, delta: str, first: bool) -> dict[str, Any]:
+    """A stream chunk's delta: text, or a named function's arguments as they grow (its id and name first)."""
+    if tool is None:
+        return {"content": delta}
+    function: dict[str, Any] = {"arguments": delta}
+    call: dict[str, Any] = {"index": 0, "function": function}
+    if first:
+        call.update(id=new_call_id(), type="function")
+        function["name"] = tool.name
+    return {"content": None, "tool_calls": [call]} if first else {"tool_calls": [call]}
+
+
+def _required_delta(tool: ForcedTool, text: str) -> dict[str, Any]:
+    calls = tool.calls(text)
+    if calls is None:  # cut short: what was decoded, as text
+        return {"role": "assistant", "content": text}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"index": i, **call.model_dump()} for i, call in enumerate(calls)],
+    }
 
 
 _Shape = _CompletionShape | _ChatShape
 
 
 async def _generate(
-    state: ServerState, raw: Request, body: _Common, prompts: list[list[int]], logprobs: int | None, shape: _Shape
+    state: ServerState,
+    raw: Request,
+    body: _Common,
+    prompts: list[list[int]],
+    logprobs: int | None,
+    shape: _Shape,
+    structured: StructuredOutputsParams | None = None,
 ) -> Response:
     """The one generate path of both endpoints: admit, then stream the chunks or answer with the whole output.
 
@@ -312,7 +361,7 @@ async def _generate(
     request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
     prompt_tokens = sum(len(p) for p in prompts)
-    async with _admitted(state, raw, body, prompts, logprobs, request_id) as (streams, lease):
+    async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, lease):
         if body.stream:
             usage = body.stream_options.include_usage if body.stream_options else False
             chunks = _envelopes(
@@ -382,7 +431,13 @@ async def _merged(
 
 @asynccontextmanager
 async def _admitted(
-    state: ServerState, raw: Request, body: _Common, prompts: list[list[int]], logprobs: int | None, request_id: str
+    state: ServerState,
+    raw: Request,
+    body: _Common,
+    prompts: list[list[int]],
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None,
+    request_id: str,
 ) -> AsyncIterator[tuple[list[AsyncIterator[RequestOutput]], _Lease]]:
     """Applies the tenant's caps and limits, then admits the request's choices to the engine; yields their streams.
 
@@ -400,7 +455,7 @@ async def _admitted(
         for prompt in prompts:
             limiter.check_caps(tenant, len(prompt), requested)
             max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
-            params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults))
+            params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
         limiter.acquire(tenant, sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True)))
     except APIError as error:
         metrics.rejected_request(error.code or "invalid", tenant.name)
@@ -551,21 +606,30 @@ def _require_tokenizer(engine: AsyncEngine) -> Tokenizer:
 
 
 async def _templated(
-    tokenizer: Tokenizer, conversation: list[dict[str, str]], generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, Any]],
+    generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     try:
-        prompt_ids = list(await asyncio.to_thread(_template_ids, tokenizer, conversation, generation_prompt))
+        ids = await asyncio.to_thread(_template_ids, tokenizer, conversation, generation_prompt, tools)
     except Exception as error:  # the template itself refuses a conversation (roles out of order, ...)
         raise APIError(400, f"the chat template could not render these messages: {error}", "messages") from error
+    prompt_ids = list(ids)
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", "messages", "invalid_value")
     return prompt_ids
 
 
 def _template_ids(
-    tokenizer: Tokenizer, conversation: list[dict[str, str]], generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, Any]],
+    generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=generation_prompt, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        conversation, tools=tools, add_generation_prompt=generation_prompt, tokenize=True
+    )
     return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
 
 
@@ -597,6 +661,9 @@ async def _submit(
     except RequestRejected as error:
         metrics.rejected_request(error.reason.value, tenant.name)
         raise _rejected(error) from error
+    except InvalidGrammar as error:
+        metrics.rejected_request("invalid", tenant.name)
+        raise APIError(400, str(error), "response_format", "invalid_value") from error
     except ValueError as error:
         metrics.rejected_request("invalid", tenant.name)
         raise APIError(400, str(error), "prompt", "invalid_value") from error

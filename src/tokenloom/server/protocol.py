@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tokenloom.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from tokenloom.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -57,8 +57,32 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's extra `structured_outputs`: exactly one of these."""
+
+    json_schema: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_schema, json_object=bool(self.json_object), regex=self.regex,
+            choice=tuple(self.choice) if self.choice is not None else None, grammar=self.grammar,
+        )  # fmt: skip
 
 
 class _Common(_Strict):
@@ -85,6 +109,12 @@ class _Common(_Strict):
     best_of: Annotated[int, Field(ge=1)] | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older spellings of structured_outputs, still sent by many clients.
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
     user: Text | None = None
 
     def refuse_unsupported(self) -> None:
@@ -96,15 +126,45 @@ class _Common(_Strict):
             value = (self.model_extra or {}).get(name)
             if value not in (None, False, "", [], "none"):
                 raise APIError(400, f"{name} is not supported by tokenloom", name, "unsupported")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(400, "only the text response_format is supported", "response_format", "unsupported")
+
+    def structured_output(self) -> StructuredOutputsParams | None:
+        """The grammar the output must follow, from whichever one of the ways to ask for it the request used."""
+        asked: list[tuple[str, StructuredOutputsParams]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format json_schema needs a json_schema", "response_format")
+            asked.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.json_schema)))
+        if self.structured_outputs is not None:
+            try:
+                asked.append(("structured_outputs", self.structured_outputs.params()))
+            except ValueError as error:
+                raise APIError(400, str(error).split(": ", 1)[-1], "structured_outputs", "invalid_value") from None
+        guided = {
+            "guided_json": StructuredOutputsParams(json=self.guided_json) if self.guided_json is not None else None,
+            "guided_regex": StructuredOutputsParams(regex=self.guided_regex) if self.guided_regex else None,
+            "guided_choice": StructuredOutputsParams(choice=tuple(self.guided_choice or ())) if self.guided_choice
+            else None,
+            "guided_grammar": StructuredOutputsParams(grammar=self.guided_grammar) if self.guided_grammar else None,
+        }  # fmt: skip
+        asked += [(name, spec) for name, spec in guided.items() if spec is not None]
+        if len(asked) > 1:
+            names = ", ".join(name for name, _ in asked)
+            raise APIError(400, f"ask for one structured output, not several ({names})", asked[1][0], "invalid_value")
+        return asked[0][1] if asked else None
 
     def requested_max_tokens(self) -> int | None:
         """The output length the client asked for, if it asked."""
         return self.max_tokens
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, defaults: dict[str, float] | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: dict[str, float] | None = None,
+        structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """The request's sampling settings; a setting it leaves out takes the server's default, if there is one."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -125,6 +185,7 @@ class _Common(_Strict):
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                structured_outputs=structured,
             )
         except ValueError as error:
             raise APIError(400, str(error).removeprefix("SamplingParams: "), None, "invalid_value") from error
@@ -152,10 +213,34 @@ class ContentPart(_Strict):
     text: Text | None = None
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # the call a tool message answers
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it; tool fields only where present (templates test for them)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -165,8 +250,32 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -240,7 +349,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
