@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from tokenloom.model.sampler import Sampler, SamplingBatch, apply_penalties, filter_top_k_top_p_min_p
+from tokenloom.model.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    filter_top_k_top_p_min_p,
+    mask_disallowed,
+)
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -78,3 +84,20 @@ def test_logprobs_are_of_the_raw_distribution():
     assert result.token_id == 2
     assert result.logprob == pytest.approx(expected[2].item(), abs=1e-6)
     assert [t for t, _ in result.top_logprobs] == [2, 1]
+
+
+def test_a_grammar_mask_leaves_only_the_allowed_tokens_of_its_rows():
+    vocab = 100  # not a multiple of 32: the last word is partly past the vocabulary
+    allowed = {1: {0, 31, 32, 63, 99}, 3: {5}}
+    bitmask = torch.zeros(2, 4, dtype=torch.int32)
+    for i, tokens in enumerate(allowed.values()):
+        for t in tokens:
+            bitmask[i, t // 32] |= torch.tensor(1 << (t % 32)).to(torch.int32)  # bit 31 wraps to the sign bit
+    logits = torch.randn(4, vocab)
+    masked = logits.clone()
+    mask_disallowed(masked, list(allowed), bitmask)
+    for row in range(4):
+        keep = allowed.get(row, set(range(vocab)))
+        expected = torch.full((vocab,), float("-inf"))
+        expected[list(keep)] = logits[row, list(keep)]
+        assert torch.equal(masked[row], expected)

