@@ -55,3 +55,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why the request failed, when its finish_reason is "error"
+    # Per prompt token (None for the first, which nothing predicts) when asked for: the token and the top ones.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

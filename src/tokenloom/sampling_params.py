@@ -47,6 +47,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per generated token
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (computes the whole prompt)
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
 
@@ -74,6 +75,7 @@ class SamplingParams:
                 "repetition_penalty must be finite and > 0",
             ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
         ]

@@ -44,9 +44,10 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks that starts the request's tokens.
 
-        The last token is always left to compute, because the step must produce its logits.
+        The last token is always left to compute, because the step must produce its logits. A request that asks
+        for prompt logprobs needs every prompt token's logits, so it computes its whole prompt (as in vLLM).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         tokens = request.all_token_ids
         hashes = self._full_block_hashes(request, tokens)

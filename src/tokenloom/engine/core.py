@@ -46,6 +46,8 @@ class EngineCoreOutput:
     stop_reason: str | int | None
     metrics: RequestMetrics
     error: str | None = None  # why the request failed, when finish_reason is "error"
+    # With its first token, if it asked: prompt tokens 1.. (the first has none), each with its top alternatives.
+    prompt_logprobs: list[SampledToken] | None = None
 
     @property
     def finished(self) -> bool:
@@ -149,6 +151,8 @@ class EngineCore:
         eos = self.model_config.eos_token_ids
         self.structured = StructuredOutputManager(GrammarCompiler(loaded.tokenizer, self.model_config.vocab_size, eos))
         self._failed_on_arrival: dict[str, Exception] = {}
+        # Prompt logprobs by prompt token index, gathered chunk by chunk until the request's first token.
+        self._prompt_logprobs: dict[str, dict[int, SampledToken]] = {}
 
     # ---- sizing -------------------------------------------------------------------------------------------
 
@@ -266,32 +270,45 @@ class EngineCore:
         seconds = time.perf_counter() - started
         self.preemptor.observe_step(output.num_batched_tokens, seconds)
         outputs = [self.fail(request_id, error) for request_id, error in result.failed.items()]
+        for request_id, entries in result.prompt_logprobs.items():
+            self._prompt_logprobs.setdefault(request_id, {}).update(entries)  # a recomputed chunk overwrites
         sampled = result.sampled
         advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
-        for request in advanced:
-            new_token = sampled[request.request_id]
-            if request.request_id in self.structured and not request.finished:
-                try:
-                    if self.structured.accept(request.request_id, new_token.token_id):
-                        self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-                except Exception as error:
-                    outputs.append(self.fail(request.request_id, error))
-                    continue
-            if request.finished:
-                self._release(request.request_id)
-            outputs.append(self._output_of(request, [new_token]))
+        outputs += [self._advanced(request, sampled[request.request_id]) for request in advanced]
         decode_tokens = sum(1 for s in output.scheduled if s.num_tokens == 1)
         stats = StepStats(output.num_batched_tokens - decode_tokens, decode_tokens, len(output.preempted), seconds)
         return EngineCoreOutputs(outputs, stats)
+
+    def _advanced(self, request: Request, new_token: SampledToken) -> EngineCoreOutput:
+        """The output of a request that got a token: its grammar advanced (and finished, if done), its prompt
+        logprobs attached with its first token, and what it held released if it finished."""
+        if request.request_id in self.structured and not request.finished:
+            try:
+                if self.structured.accept(request.request_id, new_token.token_id):
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            except Exception as error:
+                return self.fail(request.request_id, error)
+        output = self._output_of(request, [new_token])
+        if request.request_id in self._prompt_logprobs:
+            output.prompt_logprobs = self._gathered_prompt_logprobs(request)
+        if request.finished:
+            self._release(request.request_id)
+        return output
 
     def _ended(self, request: Request) -> EngineCoreOutput:
         self._release(request.request_id)
         return self._output_of(request, [])
 
     def _release(self, request_id: str) -> None:
-        """Drops what the runner and the grammar matcher keep of a finished request."""
+        """Drops what the runner, the grammar matcher and the prompt logprobs keep of a finished request."""
         self.runner.release(request_id)
         self.structured.remove(request_id)
+        self._prompt_logprobs.pop(request_id, None)
+
+    def _gathered_prompt_logprobs(self, request: Request) -> list[SampledToken]:
+        entries = self._prompt_logprobs.pop(request.request_id)
+        assert len(entries) == request.num_prompt_tokens - 1, "every prompt token after the first has its logprob"
+        return [entries[i] for i in range(1, request.num_prompt_tokens)]
 
     @staticmethod
     def _output_of(request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from tokenloom.engine.core import EngineCoreOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.model.loader import Tokenizer
+from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] | None
     output_token_ids: list[int]
     stop_text: str | None = None  # the text up to a stop string, once one is found
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once the core sends them
 
 
 class OutputProcessor:
@@ -44,14 +46,13 @@ class OutputProcessor:
     def absorb(self, output: EngineCoreOutput) -> str | None:
         """Takes a step's new tokens into the request's text and logprobs; returns a stop string if one completed."""
         state = self._states[output.request_id]
+        if output.prompt_logprobs is not None:
+            state.prompt_logprobs = [None, *(_logprob_entry(token) for token in output.prompt_logprobs)]
         for token in output.new_tokens:
             state.output_token_ids.append(token.token_id)
             state.detokenizer.add(token.token_id)
             if state.logprobs is not None and token.logprob is not None:
-                entry = {tid: Logprob(lp, rank=rank + 1) for rank, (tid, lp) in enumerate(token.top_logprobs or [])}
-                if token.token_id not in entry:
-                    entry[token.token_id] = Logprob(token.logprob)
-                state.logprobs.append(entry)
+                state.logprobs.append(_logprob_entry(token))
         if output.finished or not state.params.stop:
             return None
         return self._completed_stop(state)
@@ -86,6 +87,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=output.finished,
             metrics=output.metrics,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
     def _text(self, state: RequestState, finished: bool) -> str:
@@ -115,3 +117,11 @@ class OutputProcessor:
         if self.tokenizer is None:
             return ""
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def _logprob_entry(token: SampledToken) -> dict[int, Logprob]:
+    """A token's logprob and its top alternatives (ranked from 1), keyed by token id."""
+    entry = {tid: Logprob(lp, rank=rank + 1) for rank, (tid, lp) in enumerate(token.top_logprobs or [])}
+    if token.token_id not in entry:
+        entry[token.token_id] = Logprob(token.logprob if token.logprob is not None else float("nan"))
+    return entry

@@ -25,6 +25,8 @@ from tokenloom.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
+PROMPT_LOGPROB_ROWS = 256  # rows of prompt logits computed at once: 256 x a 49k vocabulary is 50 MB in float32
+
 
 @dataclass
 class ModelInputs:
@@ -33,12 +35,15 @@ class ModelInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # the row of each sampled request's last token
     sampled_items: list[ScheduledRequest]
+    prompt_chunks: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # (chunk, its first row)
 
 
 @dataclass
 class StepResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     failed: dict[str, Exception] = field(default_factory=dict)  # requests whose sampling raised
+    # Per request asking for prompt logprobs: prompt token index -> that token's logprob and the top alternatives.
+    prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -101,6 +106,12 @@ class ModelRunner:
         inputs = self.prepare_inputs(scheduled)
         hidden = self._forward(inputs)
         result = StepResult()
+        for chunk, first_row in inputs.prompt_chunks:
+            request_id = chunk.request.request_id
+            try:
+                result.prompt_logprobs[request_id] = self._prompt_logprobs(hidden, chunk, first_row)
+            except Exception as error:
+                result.failed[request_id] = error
         if not inputs.sampled_items:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -169,6 +180,25 @@ class ModelRunner:
                     0, dst_index, blocks.to(destination.device)
                 )
 
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunk: ScheduledRequest, first: int) -> dict[int, SampledToken]:
+        """The logprob of each prompt token this chunk's rows predict (the row at position p predicts token p + 1),
+        with the top alternatives; logits a slice of rows at a time, so a long chunk never holds [n, vocab] at once."""
+        prompt = chunk.request.prompt_token_ids
+        top_k = chunk.request.sampling_params.prompt_logprobs or 0
+        num_rows = min(chunk.num_tokens, len(prompt) - 1 - chunk.start)
+        entries: dict[int, SampledToken] = {}
+        for lo in range(0, num_rows, PROMPT_LOGPROB_ROWS):
+            hi = min(num_rows, lo + PROMPT_LOGPROB_ROWS)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo : first + hi]), dim=-1)
+            targets = prompt[chunk.start + 1 + lo : chunk.start + 1 + hi]
+            index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+            chosen = logprobs.gather(1, index).squeeze(1).tolist()
+            top = logprobs.topk(top_k, dim=-1)
+            for row, (ids, values) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True)):
+                pairs = list(zip(ids, values, strict=True))
+                entries[chunk.start + 1 + lo + row] = SampledToken(targets[row], chosen[row], pairs)
+        return entries
+
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
@@ -181,6 +211,11 @@ class ModelRunner:
         slot_mapping = np.concatenate([self._slots(s.block_ids, s.start, s.start + s.num_tokens) for s in ordered])
         ends = np.cumsum([s.num_tokens for s in ordered])
         sample_rows = [int(end) - 1 for s, end in zip(ordered, ends, strict=True) if s.sample]
+        prompt_chunks = [
+            (s, int(end) - s.num_tokens)
+            for s, end in zip(ordered, ends, strict=True)
+            if s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
+        ]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping),
             block_size=self.block_size,
@@ -198,6 +233,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=self._tensor(np.array(sample_rows, dtype=np.int64)),
             sampled_items=[s for s in ordered if s.sample],
+            prompt_chunks=prompt_chunks,
         )
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:

@@ -176,7 +176,7 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     body.refuse_unsupported()
     structured = body.structured_output()
     prompts = [await _tokenized(state.engine, prompt) for prompt in body.prompts()]
-    shape = _CompletionShape(state.engine.tokenizer)
+    shape = _CompletionShape(state.engine.tokenizer, body.echo)
     return await _generate(state, raw, body, prompts, body.logprobs, shape, structured)
 
 
@@ -227,12 +227,14 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeRespons
 
 
 class _CompletionShape:
-    """How /v1/completions words a request's outputs: whole, and as stream chunks."""
+    """How /v1/completions words a request's outputs: whole, and as stream chunks. With ``echo`` the prompt comes
+    first (in the first chunk of a stream), with its tokens' logprobs when logprobs are asked for."""
 
     chunk_object, id_prefix = "text_completion", "cmpl"
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, echo: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.echo = echo
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
@@ -240,9 +242,13 @@ class _CompletionShape:
         choices = []
         for index, final in enumerate(finals):
             completion = final.outputs[0]
-            lp = _completion_logprobs(final, self.tokenizer)[0] if logprobs else None
+            prefix, lp, offset = self._echoed(final, logprobs)
+            if logprobs:
+                lp = _joined(lp, _completion_logprobs(final, self.tokenizer, 0, offset)[0])
             choices.append(
-                CompletionChoice(index=index, text=completion.text, logprobs=lp, finish_reason=completion.finish_reason)
+                CompletionChoice(
+                    index=index, text=prefix + completion.text, logprobs=lp, finish_reason=completion.finish_reason
+                )
             )
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
@@ -250,14 +256,37 @@ class _CompletionShape:
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
     ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
         """Each chunk carries the logprobs of the tokens that arrived since the last chunk, when asked for."""
-        sent_tokens, text_offset = 0, 0
+        sent_tokens, text_offset, first = 0, 0, True
         async for delta, finish_reason, output in _text_deltas(stream):
-            if delta or finish_reason:
-                lp = None
+            prefix, lp = "", None
+            if first:
+                prefix, lp, text_offset = self._echoed(output, logprobs)
+                first = False
+            if delta or finish_reason or prefix:
                 if logprobs:
-                    lp, text_offset = _completion_logprobs(output, self.tokenizer, sent_tokens, text_offset)
+                    new, text_offset = _completion_logprobs(output, self.tokenizer, sent_tokens, text_offset)
+                    lp = _joined(lp, new)
                     sent_tokens = len(output.outputs[0].token_ids)
-                yield {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish_reason}, output
+                yield {"index": 0, "text": prefix + delta, "logprobs": lp, "finish_reason": finish_reason}, output
+
+    def _echoed(self, output: RequestOutput, logprobs: bool) -> tuple[str, dict[str, Any] | None, int]:
+        """(the prompt's text, its logprobs, the text offset after it) under echo; else nothing."""
+        if not self.echo:
+            return "", None, 0
+        prompt = output.prompt if output.prompt is not None else _decoded(self.tokenizer, output.prompt_token_ids)
+        if not logprobs:
+            return prompt, None, len(prompt)
+        body, offset = _prompt_logprobs(output, self.tokenizer)
+        return prompt, body, offset
+
+
+def _joined(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    """Two runs of completion logprobs as one (prompt, then completion)."""
+    return second if first is None else {key: first[key] + second[key] for key in second}
+
+
+def _decoded(tokenizer: Tokenizer | None, token_ids: list[int]) -> str:
+    return "" if tokenizer is None else str(tokenizer.decode(token_ids))
 
 
 class _ChatShape:
@@ -835,6 +864,23 @@ def _completion_logprobs(
         tokens.append(text)
         token_logprobs.append(entry[token_id].logprob)
         top_logprobs.append({_token_text(tokenizer, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
+        offsets.append(offset)
+        offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return body, offset
+
+
+def _prompt_logprobs(output: RequestOutput, tokenizer: Tokenizer | None) -> tuple[dict[str, Any], int]:
+    """Completion logprobs of the prompt's tokens (the first has none: nothing predicts it), and the offset after."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
+        text = _token_text(tokenizer, token_id)
+        tokens.append(text)
+        token_logprobs.append(None if entry is None else entry[token_id].logprob)
+        top = None if entry is None else {_token_text(tokenizer, t): lp.logprob for t, lp in entry.items() if lp.rank}
+        top_logprobs.append(top)
         offsets.append(offset)
         offset += len(text)
     body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

@@ -122,7 +122,7 @@ class _Common(_Strict):
             raise APIError(400, "best_of is not supported", "best_of", "unsupported")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported")
-        for name in ("tools", "tool_choice", "functions", "function_call", "suffix", "echo"):
+        for name in ("tools", "tool_choice", "functions", "function_call", "suffix", "echo"):  # where not fields
             value = (self.model_extra or {}).get(name)
             if value not in (None, False, "", [], "none"):
                 raise APIError(400, f"{name} is not supported by tokenloom", name, "unsupported")
@@ -159,6 +159,10 @@ class _Common(_Strict):
         """The output length the client asked for, if it asked."""
         return self.max_tokens
 
+    def prompt_logprobs(self, logprobs: int | None) -> int | None:
+        """How many alternatives to return per prompt token, if the prompt's logprobs are wanted."""
+        return None
+
     def sampling_params(
         self,
         max_tokens: int,
@@ -185,6 +189,7 @@ class _Common(_Strict):
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs(logprobs),
                 structured_outputs=structured,
             )
         except ValueError as error:
@@ -195,6 +200,10 @@ class CompletionRequest(_Common):
     prompt: Text | list[TokenId] | Annotated[list[Text], Field(min_length=1)] | list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False  # the prompt before the completion, with its tokens' logprobs when logprobs are asked for
+
+    def prompt_logprobs(self, logprobs: int | None) -> int | None:
+        return logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt, or the list of prompts (text, or token ids), each answered with n choices."""
