@@ -288,15 +288,35 @@ class Person(BaseModel):
     age: int
 
 
-@pytest.mark.real_model
-def test_the_real_model_answers_json_object_and_a_schema(real_model_dir):
+@pytest.fixture(scope="module")
+def real_server(real_model_dir):
     with ServerProcess(str(real_model_dir), "--served-model-name", "smol", "--max-model-len", "1024") as proc:
-        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=120)
-        ask = [{"role": "user", "content": "Describe a person with a name and an age, as JSON."}]
-        reply = client.chat.completions.create(
-            model="smol", messages=ask, response_format={"type": "json_object"}, max_tokens=100, temperature=0
-        )
-        assert reply.choices[0].finish_reason == "stop"
-        assert isinstance(json.loads(reply.choices[0].message.content), dict)
-        parsed = client.chat.completions.parse(model="smol", messages=ask, response_format=Person, max_tokens=100)
-        assert isinstance(parsed.choices[0].message.parsed, Person)
+        yield proc
+
+
+@pytest.mark.real_model
+def test_the_real_model_answers_json_object_and_a_schema(real_server):
+    client = openai.OpenAI(base_url=f"{real_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    ask = [{"role": "user", "content": "Describe a person with a name and an age, as JSON."}]
+    reply = client.chat.completions.create(
+        model="smol", messages=ask, response_format={"type": "json_object"}, max_tokens=100, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    parsed = client.chat.completions.parse(model="smol", messages=ask, response_format=Person, max_tokens=100)
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+
+
+@pytest.mark.real_model
+def test_langchains_with_structured_output_works_in_all_three_modes(real_server):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model="smol", base_url=f"{real_server.url}/v1", api_key="none", temperature=0, max_tokens=100, max_retries=0
+    )
+    ask = "Describe a person with a name and an age, as JSON."
+    for method in ("json_schema", "function_calling"):
+        person = chat.with_structured_output(Person, method=method).invoke(ask)
+        assert isinstance(person, Person), method
+    anything = chat.with_structured_output(None, method="json_mode").invoke(ask)
+    assert isinstance(anything, dict)
