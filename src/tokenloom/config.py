@@ -4,6 +4,7 @@
       model: ModelLoadConfig     which checkpoint, in which dtype, on which device, compiled or eager
       cache: CacheConfig         the paged KV cache and its host swap pool
       scheduler: SchedulerConfig the step's budget and cap, chunking, the policy and the preemption mode
+      parallel: ParallelConfig   tensor parallelism: how many processes share each layer
 
 Each part is built from its own config (the scheduler from SchedulerConfig, the KV cache from CacheConfig), so a
 new knob is one field in one class: the CLI flags (one per field, help from the docstring under it),
@@ -120,7 +121,26 @@ class SchedulerConfig:
         _require(self.scheduling_policy in POLICY_NAMES, f"scheduling_policy must be one of {', '.join(POLICY_NAMES)}")
 
 
-PARTS: dict[str, type] = {"model": ModelLoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Processes that share every layer (Megatron-style: heads and MLP width split, one all-reduce after the
+    attention output and one after the MLP), over torch.distributed (gloo on CPU, NCCL on CUDA). The attention and
+    KV heads and the MLP width must divide by it. Runs the step eagerly."""
+    distributed_init_method: str | None = None
+    """Where the ranks meet, as torch.distributed takes it (tcp://host:port); None: a free port on 127.0.0.1."""
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        _require(isinstance(size, int) and size > 0, "tensor_parallel_size must be a positive integer")
+
+
+PARTS: dict[str, type] = {
+    "model": ModelLoadConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -128,6 +148,7 @@ class EngineConfig:
     model: ModelLoadConfig = dataclasses.field(default_factory=ModelLoadConfig)
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -154,7 +175,7 @@ class EngineConfig:
         return flat
 
     def compiles_step(self, device_type: str) -> bool:
-        return self.model.compiles_step(device_type)
+        return self.model.compiles_step(device_type) and self.parallel.tensor_parallel_size == 1
 
 
 @dataclass(frozen=True)

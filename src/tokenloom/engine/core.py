@@ -10,6 +10,7 @@ measured costs auto preemption compares) is private to the core.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -25,6 +26,15 @@ from tokenloom.core.scheduler import AdmissionLimits, Scheduler
 from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.parallel import TensorParallelGroup
+from tokenloom.model.parallel_runner import (
+    TensorParallelRunner,
+    TensorParallelWorkers,
+    WorkerSpec,
+    backend_for,
+    free_local_init_method,
+    rank_device,
+)
 from tokenloom.model.platform import resolve_dtype
 from tokenloom.model.runner import ModelRunner
 from tokenloom.model.sampler import SampledToken
@@ -123,16 +133,7 @@ class EngineCore:
         self.max_model_len = max_model_len_for(config, loaded.config)
         self.num_kv_blocks = self._num_kv_blocks()
         self.num_swap_blocks = self._num_swap_blocks()
-        self.runner = ModelRunner(
-            loaded.model,
-            self.num_kv_blocks,
-            config.cache.block_size,
-            device,
-            dtype,
-            config.model.seed,
-            self.num_swap_blocks,
-            compile_step=config.compiles_step(device.type),
-        )
+        self.runner = self._make_runner(loaded, device)
         if self.runner.compiled is not None:
             self.runner.warm_up()
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -153,6 +154,43 @@ class EngineCore:
         self._failed_on_arrival: dict[str, Exception] = {}
         # Prompt logprobs by prompt token index, gathered chunk by chunk until the request's first token.
         self._prompt_logprobs: dict[str, dict[int, SampledToken]] = {}
+
+    def _make_runner(self, loaded: LoadedModel, device: torch.device) -> ModelRunner:
+        """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
+        size = self.config.parallel.tensor_parallel_size
+        if size == 1:
+            return ModelRunner(
+                loaded.model,
+                self.num_kv_blocks,
+                self.config.cache.block_size,
+                device,
+                self.dtype,
+                self.config.model.seed,
+                self.num_swap_blocks,
+                compile_step=self.config.compiles_step(device.type),
+            )
+        spec = WorkerSpec(
+            model=self.config.model.model,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.config.model.device,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.cache.block_size,
+            num_swap_blocks=self.num_swap_blocks,
+            seed=self.config.model.seed,
+            world_size=size,
+            init_method=self.config.parallel.distributed_init_method or free_local_init_method(),
+            backend=backend_for(self.config.model.device, size),
+            num_threads=torch.get_num_threads(),
+        )
+        return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device)
+
+    @property
+    def healthy(self) -> bool:
+        return self.runner.healthy
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
 
     # ---- sizing -------------------------------------------------------------------------------------------
 
@@ -377,13 +415,19 @@ class EngineCore:
 def load_for_core(
     config: EngineConfig, loaded: LoadedModel | None = None
 ) -> tuple[LoadedModel, torch.dtype, torch.device]:
-    """What an EngineCore is built from: the weights, the dtype "auto" resolves to here, and the device (with
-    torch's thread count set first, when the config gives one)."""
-    if config.model.num_threads is not None:
-        torch.set_num_threads(config.model.num_threads)
-    device = torch.device(config.model.device)
+    """What an EngineCore is built from: the weights (rank 0's shard under tensor parallelism), the dtype "auto"
+    resolves to here, and the device (with torch's thread count set first: the config's, or under tensor
+    parallelism the cores shared out between the ranks)."""
+    size = config.parallel.tensor_parallel_size
+    threads = config.model.num_threads or (max(1, (os.cpu_count() or 1) // size) if size > 1 else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = rank_device(config.model.device, 0) if size > 1 else torch.device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
-    return loaded or load_model(config.model.model, config.model.max_model_len, dtype, device), dtype, device
+    if loaded is None:
+        group = TensorParallelGroup(rank=0, world_size=size)
+        loaded = load_model(config.model.model, config.model.max_model_len, dtype, device, group)
+    return loaded, dtype, device
 
 
 def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -24,6 +24,10 @@ class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
 
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); the LLM serves nothing afterwards."""
+        self.engine.shutdown()
+
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

@@ -107,8 +107,9 @@ class LLMEngine(EngineFront):
 
     @property
     def healthy(self) -> bool:
-        """In one process the engine is as healthy as the process that asks."""
-        return True
+        """In one process the engine is as healthy as the process that asks, and its tensor-parallel ranks."""
+        return self.core.healthy
 
     def shutdown(self) -> None:
-        """Nothing to stop: the core lives in this process."""
+        """Stops the tensor-parallel workers, if any; the core itself lives in this process."""
+        self.core.shutdown()

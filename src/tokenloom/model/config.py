@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -40,6 +40,28 @@ class ModelConfig:
         The engine sizes its KV pool with this, and so does `tokenloom plan`.
         """
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_bytes
+
+    def shard(self, world_size: int) -> ModelConfig:
+        """What one rank of a tensor-parallel group holds: 1/world_size of the heads, KV heads and MLP width.
+
+        ValueError when a count does not divide (vLLM refuses the same; KV heads could be replicated instead,
+        which tokenloom does not do yet).
+        """
+        if world_size == 1:
+            return self
+        for name, count in (
+            ("attention heads", self.num_heads),
+            ("KV heads", self.num_kv_heads),
+            ("intermediate size", self.intermediate_size),
+        ):
+            if count % world_size:
+                raise ValueError(f"the model's {name} ({count}) are not divisible by tensor_parallel_size={world_size}")
+        return replace(
+            self,
+            num_heads=self.num_heads // world_size,
+            num_kv_heads=self.num_kv_heads // world_size,
+            intermediate_size=self.intermediate_size // world_size,
+        )
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

@@ -15,6 +15,7 @@ from torch import nn
 from tokenloom.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.forward_context import layer_attention
+from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.prepack import PackedLinear, prepack_linears
 from tokenloom.model.reductions import row_topk_indices
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
@@ -51,10 +52,15 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(residual, (residual.shape[-1],), eps=self.eps).to(x.dtype), residual
 
 
+SINGLE = TensorParallelGroup(rank=0, world_size=1)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    """cfg is this rank's shard under tensor parallelism: its heads and KV heads only (parallel.py)."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
-        self.layer_index = layer_index
+        self.layer_index, self.tp = layer_index, tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -85,29 +91,30 @@ class Attention(nn.Module):
             assert kv_cache is not None, "the eager step passes each layer its cache"
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         if fused:
-            return self.down_proj(torch.ops.tokenloom.silu_and_mul(self.gate_up_proj(x)))
+            return self.tp.all_reduce(self.down_proj(torch.ops.tokenloom.silu_and_mul(self.gate_up_proj(x))))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_index: int, tp: TensorParallelGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_index)
+        self.self_attn = Attention(cfg, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg)
+        self.mlp = GatedMLP(cfg, tp)
 
     def forward(
         self, rope: Rope, hidden, residual: torch.Tensor, kv_cache: KVCache | None, meta: AttentionMetadata | None
@@ -121,12 +128,13 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_len: int, tp: TensorParallelGroup = SINGLE) -> None:
+        """cfg is the whole model's; under tensor parallelism each layer holds tp's shard of it."""
         super().__init__()
-        self.config = cfg
+        self.config = cfg.shard(tp.world_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(self.config, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: nn.Module | None = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

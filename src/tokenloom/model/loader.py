@@ -12,7 +12,8 @@ import torch
 
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_convert import ensure_converted
-from tokenloom.model.llama import CausalLM
+from tokenloom.model.llama import SINGLE, CausalLM
+from tokenloom.model.parallel import TensorParallelGroup, shard_hf_weights
 
 # A transformers tokenizer (PreTrainedTokenizerBase); Any, so that typing it does not import transformers.
 Tokenizer = Any
@@ -79,16 +80,23 @@ def load_model_info(model: str | None) -> ModelInfo:
     return ModelInfo(name, path, config, tokenizer)
 
 
-def load_model(model: str | None, max_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Loads weights and tokenizer; max_len sizes the rotary tables (None: the model's own context length)."""
+def load_model(
+    model: str | None,
+    max_len: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallelGroup = SINGLE,
+) -> LoadedModel:
+    """Loads weights (this rank's shard of them under tensor parallelism) and tokenizer; max_len sizes the rotary
+    tables (None: the model's own context length). The LoadedModel's config is the whole model's."""
     info = load_model_info(model)
     name, path, config, tokenizer = info.name, info.path, info.config, info.tokenizer
     max_len = max_len or config.max_position_embeddings
     with torch.device("meta"):
-        net = CausalLM(config, max_len)
+        net = CausalLM(config, max_len, tp)
     net = net.to_empty(device=device)
     net.rotary.reset_tables()
-    net.load_hf_weights(_read_safetensors(path))
+    net.load_hf_weights(shard_hf_weights(_read_safetensors(path), tp))
     net = net.to(dtype=dtype).eval()
     return LoadedModel(name=name, path=path, config=config, model=net, tokenizer=tokenizer)
 

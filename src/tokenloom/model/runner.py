@@ -132,6 +132,19 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
+    def forward_only(self, scheduled: list[ScheduledRequest]) -> None:
+        """A tensor-parallel worker's share of a step: the forward (and its all-reduces), no logits, no sampling."""
+        self._forward(self.prepare_inputs(scheduled))
+
+    @property
+    def healthy(self) -> bool:
+        """False once the runner can run no further step (a tensor-parallel rank is gone)."""
+        return True
+
+    def shutdown(self) -> None:
+        """Stops what the runner started (tensor-parallel workers); nothing for a single rank."""
+
+    @torch.inference_mode()
     def warm_up(self) -> None:
         """Compiles the step before the first request: one forward per size class (one token, more than one).
 
