@@ -1,6 +1,6 @@
 """The engine on a CUDA device: greedy tokens against transformers in float32, and offline speed, eager vs compiled.
 
-    python benchmarks/gpu_check.py --device cuda [--out gpu.md] [--quick]
+    python benchmarks/gpu_check.py --device cuda [--out gpu.md] [--quick] [--tensor-parallel 2] [--skip-speed]
 
 Needs only torch, transformers, safetensors, numpy and rich (what a GPU image has), with ``src`` on PYTHONPATH;
 no weights: the correctness cases use tiny random checkpoints of two architectures, and the speed runs a random
@@ -68,13 +68,43 @@ def oracle_tokens(path: Path, prompts: list[list[int]], new_tokens: int, device:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(device)
+    # No EOS at all, as ignore_eos: min_new_tokens would instead mask EOS's logit, changing the argmax.
+    model.generation_config.eos_token_id = None
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt], device=device)
-            out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def check_tensor_parallel(root: Path, device: str, size: int, lines: list[str]) -> bool:
+    """Greedy tokens of `size` ranks against transformers'; NCCL when each rank has a GPU, else gloo on one."""
+    from tokenloom.model.parallel_runner import backend_for
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(511) for _ in range(rng.randint(3, 60))] for _ in range(10)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    all_ok = True
+    backend = backend_for(device, size)
+    header = f"| architecture | engine case | ranks ({backend}) | tokens equal transformers' |"
+    lines += ["", header, "|---|---|---|---|"]
+    for arch in ("llama", "qwen3"):
+        path = root / arch
+        if not path.exists():
+            save_random_checkpoint(arch, TINY, path, torch.float32)
+        expected = oracle_tokens(path, prompts, 12, device)
+        for case, knobs in ENGINE_CASES.items():
+            llm = LLM(str(path), device=device, dtype="float32", tensor_parallel_size=size, **knobs)
+            try:
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+            finally:
+                llm.shutdown()
+            same = sum(o.outputs[0].token_ids == e for o, e in zip(outputs, expected, strict=True))
+            all_ok &= same == len(prompts)
+            emit(lines, f"| {arch} | {case} | {size} | {same}/{len(prompts)} |")
+    return all_ok
 
 
 def check_correctness(root: Path, device: str, lines: list[str]) -> bool:
@@ -139,6 +169,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--quick", action="store_true", help="a smoke run: a 4-layer model, 8 short requests")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="also check this many ranks' tokens")
+    parser.add_argument("--skip-speed", action="store_true", help="correctness only")
     args = parser.parse_args()
     global OUT
     OUT = args.out
@@ -146,7 +178,10 @@ def main() -> None:
     lines = [f"device: {name}; torch {torch.__version__}", ""]
     with tempfile.TemporaryDirectory() as tmp:
         ok = check_correctness(Path(tmp), args.device, lines)
-        measure_speed(Path(tmp), args.device, args.quick, lines)
+        if args.tensor_parallel > 1:
+            ok &= check_tensor_parallel(Path(tmp), args.device, args.tensor_parallel, lines)
+        if not args.skip_speed:
+            measure_speed(Path(tmp), args.device, args.quick, lines)
     emit(lines, f"\ncorrectness: {'all equal' if ok else 'MISMATCH'}")
     sys.exit(0 if ok else 1)
 
