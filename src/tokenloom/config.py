@@ -217,11 +217,25 @@ class ServerConfig:
     default, where it measured no faster on two cores (benchmarks/RESULTS.md)."""
     log_level: str = "info"
     """uvicorn's and tokenloom's log level."""
+    ray: bool = False
+    """Serve num_replicas engine replicas behind Ray Serve's HTTP proxy (on host:port), each a whole tokenloom
+    server; requests are routed by their prompt's leading text (replicas/routing.py)."""
+    num_replicas: int = 1
+    """Engine replicas under --ray; 0: autoscale between 1 and max_replicas on ongoing requests per replica."""
+    max_replicas: int = 4
+    """The most replicas autoscaling (--num-replicas 0) starts."""
+    ray_address: str | None = None
+    """An existing Ray cluster to join ('auto', or ray://host:port); None starts a local one."""
+    request_router: Literal["prefix", "power_of_two"] = "prefix"
+    """Under --ray: 'prefix' sends a prompt to the replica its leading text hashes to (prefix-cache hits stay
+    together), falling back to the least loaded; 'power_of_two' is Ray Serve's default (two random replicas,
+    the shorter queue)."""
 
     def __post_init__(self) -> None:
         _require(self.max_body_bytes > 0, "max_body_bytes must be positive")
         for name in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
             _require(getattr(self, name) > 0, f"{name} must be positive")
+        _require(self.num_replicas >= 0 and self.max_replicas >= 1, "num_replicas >= 0 and max_replicas >= 1")
 
 
 def _require_positive_or_none(config: object, name: str) -> None:

@@ -53,15 +53,16 @@ def generation_defaults(choice: str, checkpoint: Path) -> dict[str, float]:
     return defaults
 
 
-def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
-    """Builds the engine (in this process or with its core apart), the metrics, the front and the app; serves."""
-    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def build_server(
+    server: ServerConfig, engine_config: EngineConfig, metric_labels: dict[str, str] | None = None
+) -> tuple[FastAPI, AsyncEngine]:
+    """The engine (in this process or with its core apart), the metrics, the front and the app; not started."""
     engine: LLMEngine | CoreProcessEngine
     engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
     model_name = server.served_model_name or engine.model_name
     if server.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(server.chat_template)
-    metrics = ServerMetrics(engine, model_name)
+    metrics = ServerMetrics(engine, model_name, labels=metric_labels)
     tenants = load_tenants(server.tenants) if server.tenants else None
     if tenants:
         engine.set_tenant_weights({t.name: t.weight for t in tenants})
@@ -82,6 +83,17 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         version_info={"git_commit": git_commit()},
         sampling_defaults=generation_defaults(server.generation_config, engine.model_path),
     )
+    return app, front
+
+
+def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
+    """Serves with uvicorn in this process, or N replicas behind Ray Serve's proxy (`--ray`)."""
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if server.ray:
+        from tokenloom.replicas.ray_serve import serve_on_ray
+
+        return serve_on_ray(server, engine_config)
+    app, front = build_server(server, engine_config)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -37,12 +37,15 @@ disable_created_metrics()
 class ServerMetrics:
     """Every family carries vLLM's model_name and engine labels, so vLLM's dashboards read it after the prefix."""
 
-    def __init__(self, engine: EngineFront, model_name: str, log_interval: float = 10.0) -> None:
+    def __init__(
+        self, engine: EngineFront, model_name: str, log_interval: float = 10.0, labels: dict[str, str] | None = None
+    ) -> None:
+        """labels: more labels on every tokenloom family (a replica's id behind Ray Serve)."""
         self.engine = engine
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
         r = self.registry
-        common = {"model_name": model_name, "engine": ENGINE_INDEX}
+        common = {"model_name": model_name, "engine": ENGINE_INDEX, **(labels or {})}
         names = tuple(common)
 
         def gauge(name: str, doc: str) -> Gauge:

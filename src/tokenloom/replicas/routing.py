@@ -1,0 +1,69 @@
+"""Prefix-aware routing: a request goes to the replica most likely to hold its prompt's leading KV blocks.
+
+Each replica's prefix cache holds the blocks of the prompts it served. Requests that share a leading stretch of
+prompt (an agent's system prompt and tools, a RAG document) reuse those blocks only on the replica that computed
+them, so the router sends them to the same one: the leading ``PREFIX_CHARS`` characters of the prompt (about the
+first four 16-token blocks) pick a replica by rendezvous hashing (the replica with the highest hash of key and
+replica id), which keeps the assignment stable as replicas come and go. That replica is the first choice; the
+others follow, the least loaded first (outstanding tokens, as each replica reports them), so a full replica (at
+``max_ongoing_requests``) sends the request on rather than queueing it. A request with no prompt (a GET) goes to
+the least loaded.
+
+The key is text, not tokens: the router runs in Ray's proxy and handles and should not tokenize; a prompt's
+leading characters determine its leading tokens for the same chat template and tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+PREFIX_CHARS = 256  # ~64 tokens of English text: the first four 16-token KV blocks
+
+
+def prefix_key(request: dict[str, Any]) -> str | None:
+    """The leading text of a forwarded HTTP request's prompt (completions) or conversation (chat); None if none."""
+    try:
+        body = json.loads(request.get("body") or b"")
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0]
+    if isinstance(prompt, str | list):
+        return str(prompt)[:PREFIX_CHARS]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = [f"{m.get('role')}:{m.get('content')}" for m in messages if isinstance(m, dict)]
+        return "\n".join(parts)[:PREFIX_CHARS]
+    return None
+
+
+def rendezvous_order(key: str, replica_ids: list[str]) -> list[str]:
+    """Replica ids, highest hash of (key, id) first: the same key always prefers the same replica."""
+    return sorted(replica_ids, key=lambda rid: hashlib.sha256(f"{key}\0{rid}".encode()).digest(), reverse=True)
+
+
+class PrefixAwareRouter(RequestRouter):
+    """Ray Serve's request router, choosing as this module's docstring says."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        by_load = sorted(candidate_replicas, key=_outstanding_tokens)
+        key = prefix_key(pending_request.args[0]) if pending_request and pending_request.args else None
+        if key is None:
+            return [by_load]
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        preferred = by_id[rendezvous_order(key, list(by_id))[0]]
+        return [[preferred], [r for r in by_load if r is not preferred]]
+
+
+def _outstanding_tokens(replica: RunningReplica) -> float:
+    stats = replica.routing_stats or {}
+    return float(stats.get("outstanding_tokens", 0))

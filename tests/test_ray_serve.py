@@ -1,0 +1,161 @@
+"""Two tokenloom replicas on a local Ray Serve started by the test: every request answered through Ray's proxy,
+both replicas used, and the prefix-aware router keeping more prefix-cache hits than Ray's default router on a
+trace of shared prefixes. The router's choice and the metrics merge are also checked without Ray."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import poll_until
+
+from tokenloom.config import EngineConfig, ServerConfig
+from tokenloom.replicas.ray_serve import APP_NAME, build_ray_app, merge_expositions, start_ray
+from tokenloom.replicas.routing import PREFIX_CHARS, prefix_key, rendezvous_order
+
+WORDS = ["river", "stone", "maple", "copper", "lantern", "meadow", "harbor", "velvet", "orbit", "willow", "amber"]
+
+
+def document(seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(120))  # ~800 characters: well past the routing key
+
+
+def trace(num_documents: int = 12, questions: int = 3) -> list[str]:
+    """Each document asked several questions, the documents interleaved as agents' turns are."""
+    return [f"{document(d)}\nQuestion {q}: what is word {q}?" for q in range(questions) for d in range(num_documents)]
+
+
+def test_the_key_is_the_prompts_leading_text_and_picks_a_stable_replica():
+    body = lambda **fields: {"body": json.dumps(fields).encode()}  # noqa: E731
+    long = "x" * 1000
+    assert prefix_key(body(prompt=long + "a")) == prefix_key(body(prompt=long + "b")) == "x" * PREFIX_CHARS
+    assert prefix_key(body(prompt=["first", "second"])) == "first"
+    chat = prefix_key(body(messages=[{"role": "system", "content": long}, {"role": "user", "content": "hi"}]))
+    assert chat is not None and chat.startswith("system:xxx") and len(chat) == PREFIX_CHARS
+    assert prefix_key({"body": b""}) is None and prefix_key({"body": b"[1]"}) is None
+    replicas = ["a1", "b2", "c3"]
+    first = rendezvous_order("some prefix", replicas)[0]
+    assert all(rendezvous_order("some prefix", replicas)[0] == first for _ in range(3))
+    # Removing another replica never moves a key: the property that keeps caches warm while scaling.
+    other = next(r for r in replicas if r != first)
+    assert rendezvous_order("some prefix", [r for r in replicas if r != other])[0] == first
+    spread = {rendezvous_order(f"prefix {i}", replicas)[0] for i in range(30)}
+    assert spread == set(replicas)
+
+
+def test_merged_metrics_keep_every_replicas_samples_under_one_family():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (
+        "# HELP tokenloom:prefix_cache_hits_total Hits.\n# TYPE tokenloom:prefix_cache_hits_total counter\n"
+        'tokenloom:prefix_cache_hits_total{{model_name="m",replica="{r}"}} {v}\n'
+        "# HELP process_cpu_seconds_total CPU.\n# TYPE process_cpu_seconds_total counter\n"
+        "process_cpu_seconds_total {v}\n"
+    )
+    merged = merge_expositions({"r1": text.format(r="r1", v=3), "r2": text.format(r="r2", v=5)})
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    hits = {s.labels["replica"]: s.value for s in families["tokenloom:prefix_cache_hits"].samples}
+    cpu = {s.labels["replica"]: s.value for s in families["process_cpu_seconds"].samples}
+    assert hits == {"r1": 3.0, "r2": 5.0} and cpu == {"r1": 3.0, "r2": 5.0}
+    assert merged.count("# TYPE tokenloom:prefix_cache_hits_total counter") == 1
+
+
+@pytest.fixture(scope="module")
+def ray_port():
+    import ray
+    from ray import serve
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 2**20, logging_level=logging.WARNING)
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(model, port: int, router: str) -> str:
+    from ray import serve
+
+    server = ServerConfig(
+        port=port, ray=True, num_replicas=2, request_router=router, served_model_name="tiny", log_level="warning"
+    )
+    engine = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=8, block_size=16)
+    start_ray(server)
+    serve.run(build_ray_app(server, engine), name=APP_NAME, route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    ready = poll_until(lambda: _status(f"{url}/ready"), lambda status: status == 200, timeout=120)
+    assert ready == 200
+    return url
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def replica_counters(url: str) -> dict[str, dict[str, float]]:
+    """Per replica: prompt tokens, prefix-cache queries and hits, from the ingress's merged /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"tokenloom:prompt_tokens", "tokenloom:prefix_cache_queries", "tokenloom:prefix_cache_hits"}
+    counters: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        if family.name in wanted:
+            for sample in family.samples:
+                counters.setdefault(sample.labels["replica"], {})[family.name.split(":")[1]] = sample.value
+    return counters
+
+
+def run_trace(url: str) -> dict[str, dict[str, float]]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    for prompt in trace():
+        reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+        assert reply.choices[0].finish_reason in ("length", "stop")
+    return settled_counters(url)
+
+
+def settled_counters(url: str) -> dict[str, dict[str, float]]:
+    """The replicas' counters once two reads, more than a metrics push apart, agree."""
+    previous = replica_counters(url)
+    for _ in range(20):
+        time.sleep(1.5)
+        current = replica_counters(url)
+        if current == previous:
+            return current
+        previous = current
+    return previous
+
+
+def hit_rate(counters: dict[str, dict[str, float]]) -> float:
+    queries = sum(c.get("prefix_cache_queries", 0) for c in counters.values())
+    return sum(c.get("prefix_cache_hits", 0) for c in counters.values()) / queries
+
+
+def test_prefix_aware_routing_keeps_more_cache_hits_than_rays_default(tiny_chat_model, ray_port):
+    url = deploy(tiny_chat_model, ray_port, "prefix")
+    stream = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60).completions.create(
+        model="tiny", prompt="Hello", max_tokens=3, stream=True
+    )
+    assert sum(1 for chunk in stream if chunk.choices) >= 1  # streams pass through the proxy and the ingress
+    bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own errors
+    prefix = run_trace(url)
+    url = deploy(tiny_chat_model, ray_port, "power_of_two")
+    default = run_trace(url)
+    assert len(prefix) == 2 and all(c["prompt_tokens"] > 0 for c in prefix.values()), prefix  # both replicas used
+    assert len(default) == 2
+    rates = hit_rate(prefix), hit_rate(default)
+    print(f"prefix-cache hit rate: prefix-aware {rates[0]:.1%}, power of two choices {rates[1]:.1%}")
+    assert rates[0] > rates[1]
