@@ -72,6 +72,35 @@ def test_engine_sizes_its_kv_pool_with_the_plan(tiny_llama):
     assert llm.stats().kv_blocks_total == 10 * 2**20 // (16 * cfg.kv_bytes_per_token(4))
 
 
+def test_replicas_for_a_target_rate_come_from_the_measured_capacity(tmp_path, real_model_dir, capsys):
+    from tokenloom.cli import main
+    from tokenloom.tools.plan import read_sweep, replicas_needed
+
+    assert replicas_needed(10, 2.5, 0.8) == 5 and replicas_needed(10, 2.5, 1.0) == 4
+    assert replicas_needed(0.1, 5, 0.8) == 1
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    summary = {"capacity_req_s": 2.0, "runs": ["sweep@1", "sweep@2", "sweep@4"], "slo": "ttft=2,itl=0.2",
+               "provenance": {"server_version": {"device": "cpu"}}}  # fmt: skip
+    (sweep / "sweep.json").write_text(json.dumps(summary))
+    model = str(real_model_dir / "config.json")
+    args = ["plan", "--model", model, "--context", "2048", "--concurrency", "16"]
+    assert main([*args, "--target-rps", "7", "--capacity-from", str(sweep), "--slo", "ttft=2,itl=0.2", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # 7 req/s at 80% of 2 req/s per replica: 5 replicas, on the CPU it was measured on, no scaling.
+    assert plan["replicas"] == 5 and plan["capacity_req_s"] == 2.0 and not plan["estimated"]
+    on_h100 = ["--target-rps", "50", "--capacity-from", str(sweep), "--accelerator", "H100-80GB", "--json"]
+    assert main([*args, *on_h100]) == 0
+    on_gpu = json.loads(capsys.readouterr().out)
+    assert on_gpu["estimated"] and on_gpu["capacity_req_s"] > 2.0 and on_gpu["tensor_parallel"] == 1
+    assert on_gpu["replicas"] == replicas_needed(50, on_gpu["capacity_req_s"], 0.8)
+    with pytest.raises(ValueError, match="not 'ttft=1'"):
+        read_sweep(str(sweep), "ttft=1")
+    (sweep / "sweep.json").write_text(json.dumps({**summary, "capacity_req_s": None}))
+    assert main([*args, "--target-rps", "7", "--capacity-from", str(sweep)]) == 2
+    assert "no offered rate met" in capsys.readouterr().err
+
+
 def test_catalogue_and_cli(real_model_dir):
     assert accelerator("h100-80gb").memory_bytes == 80 * GiB
     with pytest.raises(ValueError, match="unknown accelerator"):

@@ -197,7 +197,15 @@ def bench_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
             break
     met = [r["scorecard"]["offered_req_s"] for r in runs if r["meets_slo"]]
     capacity = max(met) if met else None
-    (out_dir / "sweep.json").write_text(json.dumps({"capacity_req_s": capacity, "runs": [r["label"] for r in runs]}))
+    summary = {
+        "capacity_req_s": capacity,  # per replica: the highest offered rate that met the limits
+        "runs": [r["label"] for r in runs],
+        "slo": args.slo,
+        "max_queue_p95_s": args.max_queue_p95,
+        "max_error_rate": args.max_error_rate,
+        "provenance": runs[0]["provenance"] if runs else None,
+    }
+    (out_dir / "sweep.json").write_text(json.dumps(summary, indent=2))
     _plot_sweep(runs, out_dir)
     print(render_table(runs, markdown=False))
     print(f"capacity: {capacity if capacity is not None else 'no rate'} req/s met the limits; plots in {out_dir}")

@@ -6,6 +6,7 @@ KV bytes per token come from `ModelConfig.kv_bytes_per_token`, the same method t
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -206,10 +207,18 @@ def add_plan_command(commands) -> None:
     plan.add_argument("--max-num-batched-tokens", type=int, default=None)
     plan.add_argument("--all", action="store_true", help="a table over the whole catalogue")
     plan.add_argument("--json", action="store_true")
+    plan.add_argument("--target-rps", type=float, default=None, help="requests/s the deployment must serve")
+    plan.add_argument(
+        "--capacity-from", default=None, help="a `tokenloom bench sweep` output (its sweep.json, or the directory)"
+    )
+    plan.add_argument("--slo", default=None, help="the SLO the capacity must have been measured under (as the sweep's)")
+    plan.add_argument("--headroom", type=float, default=0.8, help="the share of measured capacity to plan for")
 
 
 def run_plan(args) -> int:
     name, cfg = load_model_config(args.model)
+    if args.target_rps is not None:
+        return _plan_replicas(args, name, cfg)
     devices = [*list(CATALOGUE.values()), this_cpu()] if args.all else [_device(args)]
     plans = []
     for device in devices:
@@ -250,3 +259,73 @@ def _device(args) -> Accelerator:
     if args.memory is not None:
         return Accelerator(f"custom-{args.memory:g}GiB", int(args.memory * GiB), 1000e9, GPU_RUNTIME)
     return accelerator(args.accelerator)
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    target_rps: float
+    capacity_req_s: float  # one replica's, measured (or scaled from the measurement, for another accelerator)
+    measured_on: str
+    accelerator: str
+    tensor_parallel: int
+    replicas: int
+    estimated: bool  # scaled by decode bandwidth from another machine's measurement
+
+
+def replicas_needed(target_rps: float, capacity_req_s: float, headroom: float) -> int:
+    """Replicas that serve target_rps with each at no more than `headroom` of its measured capacity."""
+    if capacity_req_s <= 0 or not 0 < headroom <= 1:
+        raise ValueError("capacity must be positive and headroom in (0, 1]")
+    return max(1, math.ceil(target_rps / (capacity_req_s * headroom)))
+
+
+def read_sweep(path: str, slo: str | None) -> dict:
+    """A sweep's summary; ValueError if it found no capacity, or was measured under another SLO than asked."""
+    file = Path(path) / "sweep.json" if Path(path).is_dir() else Path(path)
+    summary = json.loads(file.read_text())
+    if summary.get("capacity_req_s") is None:
+        raise ValueError(f"{file}: no offered rate met the sweep's limits, so there is no capacity to plan from")
+    if slo is not None and summary.get("slo") != slo:
+        raise ValueError(f"{file} was measured under SLO {summary.get('slo')!r}, not {slo!r}: sweep again with it")
+    return summary
+
+
+def _plan_replicas(args, name: str, cfg: ModelConfig) -> int:
+    """How many replicas, of which accelerator, at which TP: the measured per-replica capacity, scaled by decode
+    bandwidth when the accelerator differs from the one measured, at the smallest TP whose plan fits."""
+    if args.capacity_from is None:
+        raise ValueError("--target-rps needs --capacity-from: a `tokenloom bench sweep` of one replica")
+    summary = read_sweep(args.capacity_from, args.slo)
+    measured = float(summary["capacity_req_s"])
+    provenance = summary.get("provenance") or {}
+    measured_on = str((provenance.get("server_version") or {}).get("device") or "cpu")
+    device = _device(args)
+    weights_dtype = args.weights_dtype or ("fp32" if device.name == "cpu" else "bf16")
+
+    def plan_at(tp: int, on: Accelerator) -> Plan:
+        return make_plan(
+            cfg, name, args.context, args.concurrency, on, weights_dtype, args.kv_dtype or weights_dtype, tp,
+            args.utilization, args.max_num_batched_tokens,
+        )  # fmt: skip
+
+    tp = next((t for t in (1, 2, 4, 8) if plan_at(t, device).fits), None)
+    if tp is None:
+        raise ValueError(f"{name} does not fit on 8 x {device.name} at context {args.context}")
+    estimated = device.name != "cpu" or tp != 1
+    capacity = measured
+    if estimated:  # decode-bound: capacity follows the decode rate the plan estimates
+        capacity = measured * plan_at(tp, device).decode_tokens_per_s / plan_at(1, this_cpu()).decode_tokens_per_s
+    result = ReplicaPlan(
+        args.target_rps, capacity, measured_on, device.name, tp, replicas_needed(args.target_rps, capacity,
+        args.headroom), estimated,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(asdict(result), indent=2))
+        return 0
+    how = "estimated from the measurement by decode bandwidth" if estimated else "measured"
+    print(
+        f"{result.replicas} replica(s) of {name} on {result.accelerator} at tensor parallel {result.tensor_parallel}: "
+        f"{args.target_rps:g} req/s at {args.headroom:.0%} of {capacity:.2f} req/s per replica ({how}; sweep "
+        f"{summary.get('runs', [''])[-1]} on {measured_on}, SLO {summary.get('slo') or 'none'})"
+    )
+    return 0
