@@ -72,7 +72,12 @@ def build_ray_app(server: ServerConfig, engine: EngineConfig) -> Any:
 def start_ray(server: ServerConfig) -> None:
     """Joins the cluster at --ray-address, or starts a local one; Serve's proxy listens on host:port."""
     if not ray.is_initialized():
-        ray.init(address=server.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(
+            address=server.ray_address,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=server.log_level in ("debug", "info"),  # the actors' logs, on this process's stdout
+        )
     serve.start(http_options=HTTPOptions(host=server.host, port=server.port))
 
 
