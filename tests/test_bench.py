@@ -89,6 +89,16 @@ def test_histogram_quantile_from_bucket_deltas():
     assert histogram_quantile(before, after, "request_queue_time_seconds", 0.95) == pytest.approx(0.91)
 
 
+def test_histogram_quantile_sums_the_buckets_of_every_replica():
+    name = "tokenloom:request_queue_time_seconds_bucket"
+    # Two replicas behind Ray Serve, 50 observations each: all of one's in (0, 0.1], all of the other's in (0.1, 1].
+    after = parse(
+        f'{name}{{le="0.1",replica="a"}} 50\n{name}{{le="1.0",replica="a"}} 50\n{name}{{le="+Inf",replica="a"}} 50\n'
+        f'{name}{{le="0.1",replica="b"}} 0\n{name}{{le="1.0",replica="b"}} 50\n{name}{{le="+Inf",replica="b"}} 50\n'
+    )
+    assert histogram_quantile({}, after, "request_queue_time_seconds", 0.95) == pytest.approx(0.91)
+
+
 @pytest.fixture(scope="module")
 def bench_server(tiny_chat_model):
     proc = ServerProcess("--model", str(tiny_chat_model), "--max-model-len", "2048")

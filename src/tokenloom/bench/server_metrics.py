@@ -40,15 +40,16 @@ def histogram_quantile(before: dict[str, float], after: dict[str, float], name: 
     """The q-quantile (0-1) of observations made between two scrapes, from cumulative bucket counts."""
     for prefix in PREFIXES:
         key = f"{prefix}{name}_bucket"
-        buckets = []
+        by_bound: dict[float, float] = {}  # summed over the other labels: every replica behind Ray Serve
         for sample, value in after.items():
             if sample.startswith(key + "{"):
                 match = re.search(r'le="([^"]+)"', sample)
                 if match is not None:
-                    buckets.append((float(match.group(1)), value - before.get(sample, 0.0)))
-        if not buckets:
+                    bound = float(match.group(1))
+                    by_bound[bound] = by_bound.get(bound, 0.0) + value - before.get(sample, 0.0)
+        if not by_bound:
             continue
-        buckets.sort()
+        buckets = sorted(by_bound.items())
         total = buckets[-1][1]
         if total <= 0:
             return None

@@ -22,6 +22,7 @@ pickled the class by value, where a string annotation would no longer resolve.
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 import time
@@ -45,6 +46,7 @@ APP_NAME = "tokenloom"
 BOARD_NAME = "tokenloom-metrics-board"
 METRICS_PUSH_S = 1.0
 METRICS_STALE_S = 5.0  # a replica silent this long is gone from /metrics
+INGRESS_MAX_ONGOING_REQUESTS = 4096
 WAITING_REQUEST_TOKENS = 512  # what a waiting request is counted as in a replica's outstanding tokens
 ROUTERS = {
     "prefix": "tokenloom.replicas.routing:PrefixAwareRouter",
@@ -65,8 +67,16 @@ def build_ray_app(server: ServerConfig, engine: EngineConfig) -> Any:
         )
     else:
         replicas["num_replicas"] = server.num_replicas
+    if engine.model.device.startswith("cuda"):  # each replica's node must hold its tensor-parallel ranks' GPUs
+        replicas["ray_actor_options"] = {"num_cpus": 1, "num_gpus": engine.parallel.tensor_parallel_size}
+    else:  # Ray sets an actor's OMP_NUM_THREADS (torch's threads) to its CPUs: the cores shared out by replica
+        per_node = server.num_replicas or server.max_replicas
+        cores = engine.model.num_threads or max(1, (os.cpu_count() or 1) // per_node)
+        replicas["ray_actor_options"] = {"num_cpus": cores}
     engines = EngineReplica.options(max_ongoing_requests=4 * engine.scheduler.max_num_seqs, **replicas)
-    return Ingress.bind(engines.bind(server, engine), server.max_body_bytes)
+    # The ingress only forwards: it must never be what limits the requests in flight (Ray's default is 5).
+    ingress = Ingress.options(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
+    return ingress.bind(engines.bind(server, engine), server.max_body_bytes)
 
 
 def start_ray(server: ServerConfig) -> None:
