@@ -67,6 +67,27 @@ def test_merged_metrics_keep_every_replicas_samples_under_one_family():
     assert merged.count("# TYPE tokenloom:prefix_cache_hits_total counter") == 1
 
 
+def test_serve_run_arguments_are_serves_flags_and_zero_replicas_autoscale():
+    from tokenloom.ray import configs_from_serve_args
+    from tokenloom.replicas.ray_serve import replica_options
+
+    args = {"model": "/m", "num_replicas": "0", "max_replicas": "3", "dtype": "float32", "max_num_seqs": "8",
+            "enable_prefix_caching": "false", "request_router": "power_of_two"}  # fmt: skip
+    server, engine = configs_from_serve_args(args)
+    assert server.ray and server.num_replicas == 0 and engine.model.model == "/m" and engine.scheduler.max_num_seqs == 8
+    assert not engine.cache.enable_prefix_caching
+    options = replica_options(server, engine)
+    scaling = options["autoscaling_config"]
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 8)
+    assert "num_replicas" not in options and options["max_ongoing_requests"] == 32
+    assert options["request_router_config"].request_router_class.endswith("PowerOfTwoChoicesRequestRouter")
+    fixed = replica_options(*configs_from_serve_args({"num_replicas": "2", "num_threads": "3"}))
+    assert fixed["num_replicas"] == 2 and fixed["ray_actor_options"] == {"num_cpus": 3}
+    assert fixed["request_router_config"].request_router_class.endswith("PrefixAwareRouter")
+    with pytest.raises(ValueError, match="serve` flags"):
+        configs_from_serve_args({"no_such_flag": "1"})
+
+
 @pytest.fixture(scope="module")
 def ray_port():
     import ray

@@ -56,27 +56,33 @@ ROUTERS = {
 
 def build_ray_app(server: ServerConfig, engine: EngineConfig) -> Any:
     """The Ray Serve application: the ingress bound to N (or autoscaled) engine replicas."""
-    replicas: dict[str, Any] = {
-        "request_router_config": RequestRouterConfig(
-            request_router_class=ROUTERS[server.request_router], request_routing_stats_period_s=1.0
-        )
-    }
-    if server.num_replicas == 0:
-        replicas["autoscaling_config"] = AutoscalingConfig(
-            min_replicas=1, max_replicas=server.max_replicas, target_ongoing_requests=engine.scheduler.max_num_seqs
-        )
-    else:
-        replicas["num_replicas"] = server.num_replicas
-    if engine.model.device.startswith("cuda"):  # each replica's node must hold its tensor-parallel ranks' GPUs
-        replicas["ray_actor_options"] = {"num_cpus": 1, "num_gpus": engine.parallel.tensor_parallel_size}
-    else:  # Ray sets an actor's OMP_NUM_THREADS (torch's threads) to its CPUs: the cores shared out by replica
-        per_node = server.num_replicas or server.max_replicas
-        cores = engine.model.num_threads or max(1, (os.cpu_count() or 1) // per_node)
-        replicas["ray_actor_options"] = {"num_cpus": cores}
-    engines = EngineReplica.options(max_ongoing_requests=4 * engine.scheduler.max_num_seqs, **replicas)
+    engines = EngineReplica.options(**replica_options(server, engine))
     # The ingress only forwards: it must never be what limits the requests in flight (Ray's default is 5).
     ingress = Ingress.options(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
     return ingress.bind(engines.bind(server, engine), server.max_body_bytes)
+
+
+def replica_options(server: ServerConfig, engine: EngineConfig) -> dict[str, Any]:
+    """The engine replicas' deployment options: how many (or autoscaling), the router, each one's resources."""
+    options: dict[str, Any] = {
+        "max_ongoing_requests": 4 * engine.scheduler.max_num_seqs,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ROUTERS[server.request_router], request_routing_stats_period_s=1.0
+        ),
+    }
+    if server.num_replicas == 0:  # Ray Serve scales on ongoing requests per replica: a full batch each
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=1, max_replicas=server.max_replicas, target_ongoing_requests=engine.scheduler.max_num_seqs
+        )
+    else:
+        options["num_replicas"] = server.num_replicas
+    if engine.model.device.startswith("cuda"):  # each replica's node must hold its tensor-parallel ranks' GPUs
+        options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": engine.parallel.tensor_parallel_size}
+    else:  # Ray sets an actor's OMP_NUM_THREADS (torch's threads) to its CPUs: the cores shared out by replica
+        per_node = server.num_replicas or server.max_replicas
+        cores = engine.model.num_threads or max(1, (os.cpu_count() or 1) // per_node)
+        options["ray_actor_options"] = {"num_cpus": cores}
+    return options
 
 
 def start_ray(server: ServerConfig) -> None:
