@@ -106,6 +106,26 @@ def test_a_grammar_that_only_the_core_sees_fails_its_request_alone(llm):
     assert core.stats().kv_blocks_in_use == 0 and "bad" not in core.structured
 
 
+def test_a_matcher_that_raises_mid_decode_fails_its_request_alone(llm):
+    class Broken:
+        def fill_next_token_bitmask(self, bitmask, row):
+            raise RuntimeError("matcher state lost")
+
+    core = llm.engine.core
+    spec = StructuredOutputsParams(regex="[a-z]+")
+    core.add_request(Request("broken", [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=spec)))
+    core.add_request(Request("fine", [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=spec)))
+    core.add_request(Request("plain", [4, 5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    core.structured._matchers["broken"] = Broken()
+    finished: dict[str, str | None] = {}
+    while core.has_unfinished_requests():
+        for output in core.step().outputs:
+            if output.finished:
+                finished[output.request_id] = output.finish_reason
+    assert finished["broken"] == "error" and finished["plain"] == "length" and finished["fine"] in ("stop", "length")
+    assert core.stats().kv_blocks_in_use == 0 and "broken" not in core.structured
+
+
 def test_a_bad_grammar_is_refused_before_it_is_queued(llm):
     for spec in (StructuredOutputsParams(regex="(unclosed"), StructuredOutputsParams(json="{not json")):
         with pytest.raises(ValueError, match="invalid"):

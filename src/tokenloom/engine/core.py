@@ -303,13 +303,18 @@ class EngineCore:
         if output.is_empty:
             return EngineCoreOutputs()
         started = time.perf_counter()
-        grammar = self.structured.grammar_mask([s.request.request_id for s in output.scheduled if s.sample])
+        grammar, grammar_failed = self.structured.grammar_mask(
+            [s.request.request_id for s in output.scheduled if s.sample]
+        )
+        # A request whose grammar failed is finished before the step; the step still computes its tokens, unused.
+        outputs = [self.fail(request_id, error) for request_id, error in grammar_failed.items()]
         result = self.runner.execute(output.scheduled, grammar)
         seconds = time.perf_counter() - started
         self.preemptor.observe_step(output.num_batched_tokens, seconds)
-        outputs = [self.fail(request_id, error) for request_id, error in result.failed.items()]
+        outputs += [self.fail(rid, error) for rid, error in result.failed.items() if rid in self.scheduler.requests]
         for request_id, entries in result.prompt_logprobs.items():
-            self._prompt_logprobs.setdefault(request_id, {}).update(entries)  # a recomputed chunk overwrites
+            if request_id in self.scheduler.requests:  # a recomputed chunk overwrites; a failed request keeps none
+                self._prompt_logprobs.setdefault(request_id, {}).update(entries)
         sampled = result.sampled
         advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
         outputs += [self._advanced(request, sampled[request.request_id]) for request in advanced]

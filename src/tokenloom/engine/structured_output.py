@@ -96,17 +96,24 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def grammar_mask(self, request_ids: Sequence[str]) -> GrammarMask | None:
-        """The allowed next tokens of each of these requests that decodes under a grammar; None if none does."""
+    def grammar_mask(self, request_ids: Sequence[str]) -> tuple[GrammarMask | None, dict[str, Exception]]:
+        """The allowed next tokens of each of these requests that decodes under a grammar (None if none does), and
+        the requests whose matcher raised while filling its row (to be failed alone)."""
         constrained = [rid for rid in request_ids if rid in self._matchers]
         if not constrained:
-            return None
+            return None, {}
         import xgrammar
 
         bitmask = xgrammar.allocate_token_bitmask(len(constrained), self.compiler.vocab_size)
-        for row, request_id in enumerate(constrained):
-            self._matchers[request_id].fill_next_token_bitmask(bitmask, row)
-        return GrammarMask(constrained, bitmask)
+        filled: list[str] = []
+        failed: dict[str, Exception] = {}
+        for request_id in constrained:
+            try:
+                self._matchers[request_id].fill_next_token_bitmask(bitmask, len(filled))
+                filled.append(request_id)
+            except Exception as error:
+                failed[request_id] = error
+        return (GrammarMask(filled, bitmask[: len(filled)]) if filled else None), failed
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advances the request's matcher by its new token; True once its grammar is done (nothing may follow)."""
