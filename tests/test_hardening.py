@@ -91,7 +91,7 @@ class Bystanders:
     BODY: ClassVar[dict] = {
         "model": "tiny",
         "prompt": "A bystander's story:",
-        "max_tokens": 40,
+        "max_tokens": 200,
         "temperature": 0,
         "ignore_eos": True,
     }
@@ -100,12 +100,14 @@ class Bystanders:
         self.server = server
         self.expected = post(server, "/v1/completions", self.BODY).json()["choices"][0]["text"]
         self.texts: list[str] = []
+        self.streaming = threading.Event()  # set once the streamed bystander has its first token
         self.threads = [threading.Thread(target=self._plain), threading.Thread(target=self._streamed)]
 
     def __enter__(self) -> Bystanders:
         for thread in self.threads:
             thread.start()
-        assert self.server.wait_for_metric("tokenloom:num_requests_running", lambda v: v >= 1, headers=OPEN) >= 1
+        # In flight for sure: a gauge read every 50 ms can miss requests this short, a streamed token cannot.
+        assert self.streaming.wait(timeout=60), "the streamed bystander never got a token"
         return self
 
     def __exit__(self, *exc) -> None:
@@ -127,6 +129,7 @@ class Bystanders:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     text += json.loads(line[6:])["choices"][0]["text"]
+                    self.streaming.set()
         self.texts.append(text)
 
 
