@@ -12,6 +12,7 @@ requests in flight, reports itself unhealthy, and runs no further step. A worker
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing
@@ -146,8 +147,12 @@ class TensorParallelWorkers:
             channel.send(payload)
 
     def shutdown(self) -> None:
+        """Stops the workers (asked, then killed after 5 s) and leaves the process group; safe to call twice."""
+        if self._context.closed:
+            return
         for channel in self._channels:
-            channel.send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
+            with contextlib.suppress(zmq.Again):  # a dead worker's queue may be full: it is killed below
+                channel.send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
         for process in self._processes:
             process.join(timeout=5)
             if process.is_alive():
