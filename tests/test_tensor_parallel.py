@@ -90,6 +90,13 @@ def test_a_model_that_does_not_split_is_refused_before_any_process_starts(tiny_l
         LLM(str(tiny_llama), dtype="float32", tensor_parallel_size=size)
 
 
+def test_tensor_parallel_with_the_core_process_is_refused_at_the_cli(tiny_llama, capsys):
+    from tokenloom.cli import main
+
+    assert main(["serve", str(tiny_llama), "--core-process", "--tensor-parallel-size", "2"]) == 2
+    assert "--core-process does not run with --tensor-parallel-size" in capsys.readouterr().err
+
+
 def worker_pids(parent: int) -> list[int]:
     pids = []
     for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():

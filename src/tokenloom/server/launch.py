@@ -57,6 +57,9 @@ def build_server(
     server: ServerConfig, engine_config: EngineConfig, metric_labels: dict[str, str] | None = None
 ) -> tuple[FastAPI, AsyncEngine]:
     """The engine (in this process or with its core apart), the metrics, the front and the app; not started."""
+    if server.core_process and engine_config.parallel.tensor_parallel_size > 1:
+        # The core process is a daemon, and a daemon may not start the tensor-parallel workers.
+        raise ValueError("--core-process does not run with --tensor-parallel-size > 1 yet; use one or the other")
     engine: LLMEngine | CoreProcessEngine
     engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
     model_name = server.served_model_name or engine.model_name
