@@ -37,18 +37,16 @@ class ForcedTool:
 
     def calls(self, text: str) -> list[ToolCall] | None:
         """The tool calls in a finished output; None if it is not a complete call (cut short by max_tokens)."""
-        if self.mode == "named":
-            assert self.name is not None
-            if not _is_json(text):
-                return None
-            return [ToolCall(id=new_call_id(), function=FunctionCall(name=self.name, arguments=text))]
         try:
-            items = json.loads(text)
+            decoded = json.loads(text)
         except ValueError:
             return None
+        if self.mode == "named":
+            assert self.name is not None
+            return [ToolCall(id=new_call_id(), function=FunctionCall(name=self.name, arguments=text))]
         return [
             ToolCall(id=new_call_id(), function=FunctionCall(name=i["name"], arguments=json.dumps(i["parameters"])))
-            for i in items
+            for i in decoded
         ]
 
 
@@ -102,11 +100,3 @@ def _calls_schema(tools: list[Tool], parallel: bool | None) -> dict[str, Any]:
     if parallel is False:
         schema["maxItems"] = 1
     return schema
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
