@@ -8,7 +8,6 @@ import json
 import logging
 import random
 import socket
-import time
 
 import httpx
 import openai
@@ -140,23 +139,21 @@ def replica_counters(url: str) -> dict[str, dict[str, float]]:
 
 
 def run_trace(url: str) -> dict[str, dict[str, float]]:
+    """Sends the trace; returns the replicas' counters once they count every prompt token the replies reported
+    (replicas push their metrics once a second; the replicas of an earlier deployment drop out within 5 s)."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    prompt_tokens = 0
     for prompt in trace():
         reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
         assert reply.choices[0].finish_reason in ("length", "stop")
-    return settled_counters(url)
+        prompt_tokens += reply.usage.prompt_tokens
 
+    def counted(counters: dict[str, dict[str, float]]) -> float:
+        return sum(c.get("prompt_tokens", 0) for c in counters.values())
 
-def settled_counters(url: str) -> dict[str, dict[str, float]]:
-    """The replicas' counters once two reads, more than a metrics push apart, agree."""
-    previous = replica_counters(url)
-    for _ in range(20):
-        time.sleep(1.5)
-        current = replica_counters(url)
-        if current == previous:
-            return current
-        previous = current
-    return previous
+    counters = poll_until(lambda: replica_counters(url), lambda c: counted(c) == prompt_tokens, timeout=30)
+    assert counted(counters) == prompt_tokens, counters
+    return counters
 
 
 def hit_rate(counters: dict[str, dict[str, float]]) -> float:
@@ -166,13 +163,13 @@ def hit_rate(counters: dict[str, dict[str, float]]) -> float:
 
 def test_prefix_aware_routing_keeps_more_cache_hits_than_rays_default(tiny_chat_model, ray_port):
     url = deploy(tiny_chat_model, ray_port, "prefix")
+    prefix = run_trace(url)
     stream = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60).completions.create(
         model="tiny", prompt="Hello", max_tokens=3, stream=True
     )
     assert sum(1 for chunk in stream if chunk.choices) >= 1  # streams pass through the proxy and the ingress
     bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own errors
-    prefix = run_trace(url)
     url = deploy(tiny_chat_model, ray_port, "power_of_two")
     default = run_trace(url)
     assert len(prefix) == 2 and all(c["prompt_tokens"] > 0 for c in prefix.values()), prefix  # both replicas used

@@ -97,6 +97,19 @@ def test_tensor_parallel_with_the_core_process_is_refused_at_the_cli(tiny_llama,
     assert "--core-process does not run with --tensor-parallel-size" in capsys.readouterr().err
 
 
+def test_ranks_take_a_device_each_where_there_are_enough_else_share_it(monkeypatch):
+    from tokenloom.model import parallel_runner
+
+    counts = {"cuda": 4, "xpu": 1}
+    monkeypatch.setattr(parallel_runner, "accelerator_count", lambda device_type: counts.get(device_type, 0))
+    assert parallel_runner.rank_device("cuda", 2) == torch.device("cuda", 2)
+    assert parallel_runner.backend_for("cuda", 4) == "nccl" and parallel_runner.backend_for("cuda", 8) == "gloo"
+    assert parallel_runner.rank_device("xpu", 1) == torch.device("xpu")  # one device: the ranks share it, over gloo
+    assert parallel_runner.backend_for("xpu", 2) == "gloo"
+    assert parallel_runner.rank_device("cpu", 1) == torch.device("cpu")
+    assert parallel_runner.backend_for("cpu", 2) == "gloo"
+
+
 def worker_pids(parent: int) -> list[int]:
     pids = []
     for pid in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():

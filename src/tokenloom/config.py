@@ -39,8 +39,9 @@ class ModelLoadConfig:
     """A torch device string, as torch.device takes it (cpu, a CUDA device and its index, mps)."""
     enforce_eager: bool | None = None
     """True: run the model eagerly; False: compile the step with torch.compile (inductor), once per size class,
-    warmed up at start and cached under $TOKENLOOM_CACHE; None (auto): compile on CUDA, eager on CPU, where the
-    C++ operators already fuse the small ops and the compiled step measured no faster (benchmarks/RESULTS.md)."""
+    warmed up at start and cached under $TOKENLOOM_CACHE; None (auto): compile on an accelerator, eager on CPU,
+    where the C++ operators already fuse the small ops and the compiled step measured no faster
+    (benchmarks/RESULTS.md)."""
     num_threads: int | None = None
     """Threads torch uses for intra-op work on CPU; None leaves torch's default (the number of cores)."""
     max_model_len: int | None = None
@@ -56,7 +57,7 @@ class ModelLoadConfig:
 
     def compiles_step(self, device_type: str) -> bool:
         if self.enforce_eager is None:
-            return device_type == "cuda"
+            return device_type != "cpu"
         return not self.enforce_eager
 
 

@@ -33,6 +33,7 @@ import zmq
 from tokenloom.core.scheduler import ScheduledRequest
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.parallel import TensorParallelGroup
+from tokenloom.model.platform import accelerator_count
 from tokenloom.model.runner import ModelRunner, StepResult
 from tokenloom.model.sampler import GrammarMask
 
@@ -72,17 +73,18 @@ def free_local_init_method() -> str:
 
 
 def rank_device(device: str, rank: int) -> torch.device:
-    """Rank r's device: cuda:r when each rank has a GPU of its own (NCCL), else the engine's device."""
+    """Rank r's device: device r of the engine's device type when there are that many, else the engine's device
+    (the CPU, or ranks sharing one accelerator)."""
     base = torch.device(device)
-    if base.type == "cuda" and torch.cuda.device_count() > rank:
-        return torch.device("cuda", rank)
-    return base
+    return torch.device(base.type, rank) if accelerator_count(base.type) > rank else base
 
 
 def backend_for(device: str, world_size: int) -> str:
-    """NCCL when every rank has a GPU of its own; gloo otherwise (the CPU, or ranks sharing one GPU)."""
-    if torch.device(device).type == "cuda" and torch.cuda.device_count() >= world_size:
-        return "nccl"
+    """The collective backend torch.distributed pairs with the device type (NCCL for CUDA, XCCL for XPU) when every
+    rank has a device of its own; gloo otherwise (the CPU, or ranks sharing one accelerator)."""
+    device_type = torch.device(device).type
+    if accelerator_count(device_type) >= world_size:
+        return str(dist.Backend.default_device_backend_map.get(device_type, "gloo"))
     return "gloo"
 
 

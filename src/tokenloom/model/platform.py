@@ -16,6 +16,12 @@ def cpu_has_native_bf16() -> bool:
     return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
 
 
+def accelerator_count(device_type: str) -> int:
+    """How many devices of this type the machine has: 0 for the CPU, or for a type that is not its accelerator."""
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.accelerator.device_count() if accelerator is not None and accelerator.type == device_type else 0
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The torch dtype for a config's dtype name; "auto" picks the fastest exact-enough one for the device."""
     if name != "auto":

@@ -19,6 +19,7 @@ from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWork
 from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.forward_context import forward_context
 from tokenloom.model.llama import CausalLM
+from tokenloom.model.platform import accelerator_count
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
 from tokenloom.utils import cdiv
@@ -76,7 +77,7 @@ class ModelRunner:
         # The swap pool is host memory even when the device is the CPU: a pool of its own, never the KV cache's.
         # Empty, not zeroed: a slot is only ever copied in after a whole device block was copied out to it, and
         # untouched pages of a large pool cost no memory until swapping reaches them.
-        pin = device.type == "cuda"
+        pin = accelerator_count(device.type) > 0  # pinned host memory: faster copies to and from an accelerator
         self.swap_caches = [
             tuple(torch.empty(num_swap_blocks * block_size, row, dtype=dtype, pin_memory=pin) for _ in range(2))
             for _ in range(cfg.num_layers if num_swap_blocks else 0)

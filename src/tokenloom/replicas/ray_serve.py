@@ -76,7 +76,7 @@ def replica_options(server: ServerConfig, engine: EngineConfig) -> dict[str, Any
         )
     else:
         options["num_replicas"] = server.num_replicas
-    if engine.model.device.startswith("cuda"):  # each replica's node must hold its tensor-parallel ranks' GPUs
+    if engine.model.device != "cpu":  # each replica's node must hold its tensor-parallel ranks' accelerators
         options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": engine.parallel.tensor_parallel_size}
     else:  # Ray sets an actor's OMP_NUM_THREADS (torch's threads) to its CPUs: the cores shared out by replica
         per_node = server.num_replicas or server.max_replicas
