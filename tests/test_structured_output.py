@@ -279,6 +279,8 @@ def test_a_conversation_with_earlier_tool_calls_and_results_renders(client):
          "response_format", "invalid JSON schema"),
         ({"structured_outputs": {"regex": "(unclosed"}}, "response_format", "invalid regex"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs", "Extra inputs"),
+        ({"guided_choice": ["a", ""]}, "guided_choice", "non-empty strings"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "one structured output"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "auto"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice", "auto"),

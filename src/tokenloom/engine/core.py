@@ -292,22 +292,20 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Runs one scheduler step; returns an output for every request that received a token or failed in it."""
-        arrived_failed = [
+        outputs = [
             self.fail(rid, error) for rid, error in self._failed_on_arrival.items() if rid in self.scheduler.requests
         ]
         self._failed_on_arrival.clear()
-        if arrived_failed:
-            return EngineCoreOutputs(arrived_failed)
         output = self.scheduler.schedule()
         self._make_swap_copies(output.swap_out, output.swap_in)
         if output.is_empty:
-            return EngineCoreOutputs()
+            return EngineCoreOutputs(outputs)
         started = time.perf_counter()
         grammar, grammar_failed = self.structured.grammar_mask(
             [s.request.request_id for s in output.scheduled if s.sample]
         )
         # A request whose grammar failed is finished before the step; the step still computes its tokens, unused.
-        outputs = [self.fail(request_id, error) for request_id, error in grammar_failed.items()]
+        outputs += [self.fail(request_id, error) for request_id, error in grammar_failed.items()]
         result = self.runner.execute(output.scheduled, grammar)
         seconds = time.perf_counter() - started
         self.preemptor.observe_step(output.num_batched_tokens, seconds)

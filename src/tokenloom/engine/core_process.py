@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import pickle
 import tempfile
 import time
 import traceback
@@ -34,6 +33,7 @@ from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler import AdmissionLimits
 from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState, load_for_core
 from tokenloom.engine.front import EngineFront, PreparedRequest
+from tokenloom.ipc import child_end, receive, send
 from tokenloom.model.loader import load_model_info
 from tokenloom.model.platform import resolve_dtype
 from tokenloom.outputs import RequestMetrics, RequestOutput
@@ -69,23 +69,15 @@ class CoreReport:
 
 def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> None:
     """The core process: load, say ready, then loop: take messages, step, report."""
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(inputs_path)
-    outputs = context.socket(zmq.PUSH)
-    outputs.connect(outputs_path)
-    try:
-        core = EngineCore(config, *load_for_core(config))
-        info = CoreInfo(core.max_model_len, core.admission_limits(), core.runner.compiled is not None)
-        outputs.send(pickle.dumps(("ready", info), protocol=5))
-        _serve(core, inputs, outputs)
-    except Exception:
-        outputs.send(pickle.dumps(("died", traceback.format_exc()), protocol=5))
-        raise
-    finally:
-        inputs.close(linger=0)
-        outputs.close(linger=1000)
-        context.term()
+    with child_end(inputs_path, outputs_path) as (inputs, outputs):
+        try:
+            core = EngineCore(config, *load_for_core(config))
+            info = CoreInfo(core.max_model_len, core.admission_limits(), core.runner.compiled is not None)
+            send(outputs, ("ready", info))
+            _serve(core, inputs, outputs)
+        except Exception:
+            send(outputs, ("died", traceback.format_exc()))
+            raise
 
 
 def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> None:
@@ -99,7 +91,7 @@ def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[byte
         if poller.poll(timeout):
             while True:
                 try:
-                    message = pickle.loads(inputs.recv(zmq.NOBLOCK))
+                    message = receive(inputs, zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 if message[0] == "shutdown":
@@ -113,7 +105,7 @@ def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[byte
             queue = core.queue_state(count_backlog="backlog" in watched)
             never_scheduled = core.never_scheduled_waiting() if "never_scheduled" in watched else []
             report = CoreReport(ended + stepped, core.stats(), queue, never_scheduled)
-            outputs.send(pickle.dumps(("step", report), protocol=5))
+            send(outputs, ("step", report))
 
 
 def _apply(core: EngineCore, message: tuple[Any, ...]) -> list[EngineCoreOutput]:
@@ -176,7 +168,7 @@ class CoreProcessEngine(EngineFront):
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self._outputs.poll(200):
-                kind, payload = pickle.loads(self._outputs.recv())
+                kind, payload = receive(self._outputs)
                 if kind == "ready":
                     assert isinstance(payload, CoreInfo)
                     return payload
@@ -219,7 +211,7 @@ class CoreProcessEngine(EngineFront):
                     raise CoreDied(f"the engine core process exited with code {self._process.exitcode}")
                 return results
             waited = True
-            kind, payload = pickle.loads(self._outputs.recv())
+            kind, payload = receive(self._outputs)
             if kind == "died":
                 self._dead = True
                 raise CoreDied(f"the engine core failed:\n{payload}")
@@ -302,4 +294,4 @@ class CoreProcessEngine(EngineFront):
 
     def _send(self, *message: Any) -> None:
         if not self._dead:
-            self._inputs.send(pickle.dumps(message, protocol=5))
+            send(self._inputs, message)

@@ -99,7 +99,7 @@ class StructuredOutputManager:
     def grammar_mask(self, request_ids: Sequence[str]) -> tuple[GrammarMask | None, dict[str, Exception]]:
         """The allowed next tokens of each of these requests that decodes under a grammar (None if none does), and
         the requests whose matcher raised while filling its row (to be failed alone)."""
-        constrained = [rid for rid in request_ids if rid in self._matchers]
+        constrained = [rid for rid in request_ids if rid in self._matchers] if self._matchers else []
         if not constrained:
             return None, {}
         import xgrammar

@@ -15,7 +15,7 @@ from torch import nn
 from tokenloom.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.forward_context import layer_attention
-from tokenloom.model.parallel import TensorParallelGroup
+from tokenloom.model.parallel import SINGLE, TensorParallelGroup
 from tokenloom.model.prepack import PackedLinear, prepack_linears
 from tokenloom.model.reductions import row_topk_indices
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
@@ -50,9 +50,6 @@ class RMSNorm(nn.Module):
             return self(residual), residual
         # As transformers' RMSNorm does it: normalise in float32, round, then scale.
         return self.weight * F.rms_norm(residual, (residual.shape[-1],), eps=self.eps).to(x.dtype), residual
-
-
-SINGLE = TensorParallelGroup(rank=0, world_size=1)
 
 
 class Attention(nn.Module):

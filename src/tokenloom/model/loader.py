@@ -12,8 +12,8 @@ import torch
 
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_convert import ensure_converted
-from tokenloom.model.llama import SINGLE, CausalLM
-from tokenloom.model.parallel import TensorParallelGroup, shard_hf_weights
+from tokenloom.model.llama import CausalLM
+from tokenloom.model.parallel import SINGLE, TensorParallelGroup, shard_hf_weights
 
 # A transformers tokenizer (PreTrainedTokenizerBase); Any, so that typing it does not import transformers.
 Tokenizer = Any

@@ -45,6 +45,9 @@ class TensorParallelGroup:
         return total.to(partial.dtype)
 
 
+SINGLE = TensorParallelGroup(rank=0, world_size=1)  # no tensor parallelism: all-reduces are the identity
+
+
 def shard_hf_weights(
     weights: Iterable[tuple[str, torch.Tensor]], group: TensorParallelGroup
 ) -> Iterator[tuple[str, torch.Tensor]]:

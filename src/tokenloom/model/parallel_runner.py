@@ -17,7 +17,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import pickle
 import socket
 import tempfile
 import time
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import zmq
 
 from tokenloom.core.scheduler import ScheduledRequest
+from tokenloom.ipc import broadcast, child_end, receive, send
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.platform import accelerator_count
@@ -120,7 +120,7 @@ class TensorParallelWorkers:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while pending and time.monotonic() < deadline:
             if self._replies.poll(POLL_MS):
-                kind, rank, detail = pickle.loads(self._replies.recv())
+                kind, rank, detail = receive(self._replies)
                 if kind != word:
                     self.shutdown()
                     raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{detail}")
@@ -144,9 +144,7 @@ class TensorParallelWorkers:
         """Gives every worker the same message, once all are known to be alive."""
         if not self.healthy:
             raise WorkerDied(f"tensor-parallel rank gone: {self._failed}")
-        payload = pickle.dumps(message, protocol=5)
-        for channel in self._channels:
-            channel.send(payload)
+        broadcast(self._channels, message)
 
     def shutdown(self) -> None:
         """Stops the workers (asked, then killed after 5 s) and leaves the process group; safe to call twice."""
@@ -154,7 +152,7 @@ class TensorParallelWorkers:
             return
         for channel in self._channels:
             with contextlib.suppress(zmq.Again):  # a dead worker's queue may be full: it is killed below
-                channel.send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
+                send(channel, ("shutdown",), zmq.NOBLOCK)
         for process in self._processes:
             process.join(timeout=5)
             if process.is_alive():
@@ -199,27 +197,20 @@ class TensorParallelRunner(ModelRunner):
 
 def _worker_main(spec: WorkerSpec, rank: int, inputs_path: str, replies_path: str) -> None:
     """Rank `rank`: join the group, load the shard, say ready, then run what rank 0 sends until told to stop."""
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(inputs_path)
-    replies = context.socket(zmq.PUSH)
-    replies.connect(replies_path)
-    try:
-        replies.send(pickle.dumps(("started", rank, None)))
-        torch.set_num_threads(spec.num_threads)
-        _join_group(spec, rank)
-        runner = _build_rank(spec, rank)
-        replies.send(pickle.dumps(("ready", rank, None)))
-        _serve(runner, inputs)
-    except Exception:
-        replies.send(pickle.dumps(("failed", rank, traceback.format_exc())))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        inputs.close(linger=0)
-        replies.close(linger=1000)
-        context.term()
+    with child_end(inputs_path, replies_path) as (inputs, replies):
+        try:
+            send(replies, ("started", rank, None))
+            torch.set_num_threads(spec.num_threads)
+            _join_group(spec, rank)
+            runner = _build_rank(spec, rank)
+            send(replies, ("ready", rank, None))
+            _serve(runner, inputs)
+        except Exception:
+            send(replies, ("failed", rank, traceback.format_exc()))
+            raise
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _join_group(spec: WorkerSpec, rank: int) -> None:
@@ -245,7 +236,7 @@ def _serve(runner: ModelRunner, inputs: zmq.Socket[bytes]) -> None:
     while os.getppid() == parent:  # an engine killed outright leaves no one to follow: end with it
         if not inputs.poll(POLL_MS):
             continue
-        message = pickle.loads(inputs.recv())
+        message = receive(inputs)
         kind = message[0]
         if kind == "shutdown":
             return

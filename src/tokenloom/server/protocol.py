@@ -70,7 +70,9 @@ class ResponseFormat(_Strict):
 
 
 class StructuredOutputsRequest(_Strict):
-    """vLLM's extra `structured_outputs`: exactly one of these."""
+    """vLLM's extra `structured_outputs`: exactly one of these (its other fields are refused, not ignored)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
     json_schema: dict[str, Any] | Text | None = Field(default=None, alias="json")
     json_object: bool | None = None
@@ -78,11 +80,13 @@ class StructuredOutputsRequest(_Strict):
     choice: Annotated[list[Text], Field(min_length=1)] | None = None
     grammar: Text | None = None
 
-    def params(self) -> StructuredOutputsParams:
-        return StructuredOutputsParams(
-            json=self.json_schema, json_object=bool(self.json_object), regex=self.regex,
-            choice=tuple(self.choice) if self.choice is not None else None, grammar=self.grammar,
-        )  # fmt: skip
+
+def _structured(param: str, **fields: Any) -> StructuredOutputsParams:
+    """A structured-output spec from the request's fields; what it refuses (two kinds at once) is a 400."""
+    try:
+        return StructuredOutputsParams(**fields)
+    except ValueError as error:
+        raise APIError(400, str(error).removeprefix("StructuredOutputsParams: "), param, "invalid_value") from None
 
 
 class _Common(_Strict):
@@ -138,18 +142,12 @@ class _Common(_Strict):
                 raise APIError(400, "response_format json_schema needs a json_schema", "response_format")
             asked.append(("response_format", StructuredOutputsParams(json=fmt.json_schema.json_schema)))
         if self.structured_outputs is not None:
-            try:
-                asked.append(("structured_outputs", self.structured_outputs.params()))
-            except ValueError as error:
-                raise APIError(400, str(error).split(": ", 1)[-1], "structured_outputs", "invalid_value") from None
-        guided = {
-            "guided_json": StructuredOutputsParams(json=self.guided_json) if self.guided_json is not None else None,
-            "guided_regex": StructuredOutputsParams(regex=self.guided_regex) if self.guided_regex else None,
-            "guided_choice": StructuredOutputsParams(choice=tuple(self.guided_choice or ())) if self.guided_choice
-            else None,
-            "guided_grammar": StructuredOutputsParams(grammar=self.guided_grammar) if self.guided_grammar else None,
-        }  # fmt: skip
-        asked += [(name, spec) for name, spec in guided.items() if spec is not None]
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            asked.append(("structured_outputs", _structured("structured_outputs", **fields)))
+        for field, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                             ("choice", self.guided_choice), ("grammar", self.guided_grammar)):  # fmt: skip
+            if value is not None:
+                asked.append((f"guided_{field}", _structured(f"guided_{field}", **{field: value})))
         if len(asked) > 1:
             names = ", ".join(name for name, _ in asked)
             raise APIError(400, f"ask for one structured output, not several ({names})", asked[1][0], "invalid_value")
