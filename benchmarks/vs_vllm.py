@@ -1,7 +1,7 @@
 """tokenloom against vLLM on the same CPU, in the same sitting: one server after the other, the same requests.
 
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
-        [--tokenloom-args "--max-num-seqs 32"]
+        [--tokenloom-args "--max-num-seqs 32"] [--vllm-args "--enable-logging-iteration-details"]
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
 max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
@@ -145,7 +145,7 @@ def ensure_vllm(venv: Path) -> Path:
 
 
 @contextlib.contextmanager
-def vllm_server(venv: Path, dtype: str):
+def vllm_server(venv: Path, dtype: str, extra: list[str]):
     model_dir = resolve_checkpoint_dir(None)[1]
     port = free_port()
     env = {
@@ -157,6 +157,7 @@ def vllm_server(venv: Path, dtype: str):
     env.pop("OMP_WAIT_POLICY", None)  # vLLM pins and manages its own OpenMP threads
     command = [str(ensure_vllm(venv)), "serve", str(model_dir), "--served-model-name", MODEL_NAME]
     command += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "8192", "--dtype", dtype]
+    command += extra
     log = open("/tmp/vs_vllm.vllm.log", "w")  # noqa: SIM115
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -193,6 +194,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["tokenloom", "vllm"], default=None)
     parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "~/venv-vllm")).expanduser())
     parser.add_argument("--tokenloom-args", default="", help="extra flags for tokenloom serve (default: none)")
+    parser.add_argument("--vllm-args", default="", help="extra flags for vllm serve (default: none)")
     parser.add_argument("--write-results", action="store_true", help=f"append the table to {RESULTS.name}")
     args = parser.parse_args()
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))})
@@ -205,7 +207,7 @@ def main() -> None:
     print("\n".join(header), flush=True)
     rows = []
     if args.only in (None, "vllm"):
-        with vllm_server(args.vllm_venv, vllm_dtype) as url:
+        with vllm_server(args.vllm_venv, vllm_dtype, shlex.split(args.vllm_args)) as url:
             rows.append(measure(f"vLLM 0.32 CPU, --dtype {vllm_dtype}", url).row())
     if args.only in (None, "tokenloom"):
         extra = shlex.split(args.tokenloom_args)

@@ -117,16 +117,36 @@ def test_operator_checks_its_inputs():
     q, cache_k, cache_v, tables = random_case(4, 2, 32, context_lens)
     lens = torch.tensor(context_lens)
     op = torch.ops.tokenloom.paged_decode_attention
-    assert op(q, cache_k, cache_v, tables, lens, BLOCK, 0.1).shape == q.shape
+    out = torch.empty_like(q)
+    op(q, cache_k, cache_v, tables, lens, BLOCK, 0.1, out)
+    torch.testing.assert_close(out, cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, lens, BLOCK, 0.1))
     bad_calls = {
-        "float32 or bfloat16": (q.half(), cache_k.half(), cache_v.half(), tables, lens),
-        "share a dtype": (q, cache_k.bfloat16(), cache_v, tables, lens),
-        "int64": (q, cache_k, cache_v, tables.int(), lens),
-        "contiguous": (q, cache_k.t().contiguous().t(), cache_v, tables, lens),
-        "out of range": (q, cache_k, cache_v, tables + 1000, lens),
-        "context length": (q, cache_k, cache_v, tables, torch.tensor([5, 10_000])),
-        "one block table": (q, cache_k, cache_v, tables[:1], lens),
+        "float32 or bfloat16": (q.half(), cache_k.half(), cache_v.half(), tables, lens, out.half()),
+        "share a dtype": (q, cache_k.bfloat16(), cache_v, tables, lens, out),
+        "int64": (q, cache_k, cache_v, tables.int(), lens, out),
+        "contiguous": (q, cache_k.t().contiguous().t(), cache_v, tables, lens, out),
+        "heads and dims contiguous": (q.mT.contiguous().mT, cache_k, cache_v, tables, lens, out),
+        "shaped as q": (q, cache_k, cache_v, tables, lens, out[:1]),
+        "out of range": (q, cache_k, cache_v, tables + 1000, lens, out),
+        "context length": (q, cache_k, cache_v, tables, torch.tensor([5, 10_000]), out),
+        "one block table": (q, cache_k, cache_v, tables[:1], lens, out),
     }
     for message, args in bad_calls.items():
         with pytest.raises(RuntimeError, match=message):
-            op(*args, BLOCK, 0.1)
+            op(*args[:5], BLOCK, 0.1, args[5])
+
+
+def test_operator_reads_and_writes_strided_rows():
+    """The model hands the operator q as a view into the fused qkv output and a slice of the step's output."""
+    needs_operator()
+    context_lens = [5, 9, 17]
+    q, cache_k, cache_v, tables = random_case(4, 2, 32, context_lens)
+    lens = torch.tensor(context_lens)
+    expected = cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, lens, BLOCK, 0.1)
+    fused = torch.randn(q.shape[0], q[0].numel() + 50)
+    fused[:, : q[0].numel()] = q.flatten(1)
+    strided_q = fused[:, : q[0].numel()].view(q.shape)
+    step_out = torch.full((q.shape[0] + 3, *q.shape[1:]), float("nan"))
+    cpu_kernel.paged_decode_attention(strided_q, cache_k, cache_v, tables, lens, BLOCK, 0.1, step_out[2:5])
+    torch.testing.assert_close(step_out[2:5], expected)
+    assert step_out[:2].isnan().all() and step_out[5:].isnan().all(), "rows outside the slice stay untouched"

@@ -97,10 +97,16 @@ def test_bf16_prefill_operator_matches_causal_attention(n, past, heads, kv_heads
     q = qkv[past:, : heads * head_dim].view(n, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim]
     v = qkv[:, (heads + kv_heads) * head_dim :]
-    out = torch.ops.tokenloom.prefill_attention(q, k, v, head_dim**-0.5)
-    close(out, reference_prefill(q, k, v, past, head_dim**-0.5), torch.bfloat16)
+    # It writes into a slice of the step's output, leaving the rows around it alone.
+    step_out = torch.full((n + 4, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    torch.ops.tokenloom.prefill_attention(q, k, v, head_dim**-0.5, step_out[2 : n + 2])
+    close(step_out[2 : n + 2], reference_prefill(q, k, v, past, head_dim**-0.5), torch.bfloat16)
+    assert step_out[:2].isnan().all() and step_out[n + 2 :].isnan().all()
     # The compiled step hands k over as a buffer of its own: k and v rows with different strides.
-    own_k = torch.ops.tokenloom.prefill_attention(q, k.contiguous(), v, head_dim**-0.5)
+    own_k = torch.empty_like(q)
+    torch.ops.tokenloom.prefill_attention(q, k.contiguous(), v, head_dim**-0.5, own_k)
     close(own_k, reference_prefill(q, k, v, past, head_dim**-0.5), torch.bfloat16)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.tokenloom.prefill_attention(q.float(), k.float(), v.float(), 0.1)
+        torch.ops.tokenloom.prefill_attention(q.float(), k.float(), v.float(), 0.1, own_k.float())
+    with pytest.raises(RuntimeError, match="shaped as q"):
+        torch.ops.tokenloom.prefill_attention(q, k, v, 0.1, own_k[1:])

@@ -107,8 +107,8 @@ def paged_attention(
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.num_rows)
         if meta.use_cpu_kernel:
-            out[rows] = cpu_kernel.paged_decode_attention(
-                q[rows], cache_k, cache_v, group.block_tables, group.context_lens, block_size, scale
+            cpu_kernel.paged_decode_attention(
+                q[rows], cache_k, cache_v, group.block_tables, group.context_lens, block_size, scale, out[rows]
             )
             continue
         assert group.bias is not None, "the plain path masks each decode group's padding"
@@ -124,7 +124,7 @@ def paged_attention(
             seg_k = ws.gather("k", cache_k, seg.block_table, block_size)[: seg.ctx_len]
             seg_v = ws.gather("v", cache_v, seg.block_table, block_size)[: seg.ctx_len]
         if meta.prefill_op:
-            out[rows] = torch.ops.tokenloom.prefill_attention(q[rows], seg_k, seg_v, scale)
+            torch.ops.tokenloom.prefill_attention(q[rows], seg_k, seg_v, scale, out[rows])
         else:
             out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)
     return out

@@ -107,8 +107,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [D, heads, d]; block_tables: [D, max_blocks] int64; context_lens: [D] int64. Returns [D, heads, d]."""
-    return torch.ops.tokenloom.paged_decode_attention(
-        q.contiguous(), cache_k, cache_v, block_tables, context_lens, block_size, scale
-    )
+    """q: [D, heads, d]; block_tables: [D, max_blocks] int64; context_lens: [D] int64. Returns [D, heads, d]: `out`
+    when given (a slice of the step's output, written in place: no copy), else a new tensor. q's and out's rows may
+    be strided, as views into the fused qkv output and the step's output are."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    torch.ops.tokenloom.paged_decode_attention(q, cache_k, cache_v, block_tables, context_lens, block_size, scale, out)
+    return out

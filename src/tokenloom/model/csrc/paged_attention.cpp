@@ -7,7 +7,6 @@
 // storage dtype: bfloat16 rows are widened as they are read, and the softmax runs in float32.
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -154,6 +153,7 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                 const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
                 at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
   const int64_t row = k_cache.size(1), num_kv_heads = row / head_dim, group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const T* q_ptr = q.const_data_ptr<T>();
@@ -170,7 +170,8 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
     for (int64_t item = begin * num_kv_heads; item < end * num_kv_heads; ++item) {
       const int64_t dealt = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t seq = dealt % 2 == 0 ? dealt / 2 : num_seqs - 1 - dealt / 2;
-      const int64_t offset = (seq * num_heads + kv_head * group) * head_dim;
+      const int64_t q_offset = seq * q_stride + kv_head * group * head_dim;
+      const int64_t offset = seq * out_stride + kv_head * group * head_dim;
       const T* k = k_ptr + kv_head * head_dim;
       const T* v = v_ptr + kv_head * head_dim;
       const int64_t* table = tables + seq * max_blocks;
@@ -178,44 +179,48 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (head_dim == 64) {
-          attend_bf16_avx512<64>(q_ptr + offset, k, v, table, lens[seq], group, row, block_size, s, out_ptr + offset,
+          attend_bf16_avx512<64>(q_ptr + q_offset, k, v, table, lens[seq], group, row, block_size, s, out_ptr + offset,
                                  scratch);
           continue;
         }
         if (head_dim == 128) {
-          attend_bf16_avx512<128>(q_ptr + offset, k, v, table, lens[seq], group, row, block_size, s,
+          attend_bf16_avx512<128>(q_ptr + q_offset, k, v, table, lens[seq], group, row, block_size, s,
                                   out_ptr + offset, scratch);
           continue;
         }
       }
 #endif
       if (head_dim == 64) {
-        attend<T, 64>(q_ptr + offset, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_ptr + offset,
+        attend<T, 64>(q_ptr + q_offset, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_ptr + offset,
                       scratch);
       } else if (head_dim == 128) {
-        attend<T, 128>(q_ptr + offset, k, v, table, lens[seq], group, row, head_dim, block_size, s,
+        attend<T, 128>(q_ptr + q_offset, k, v, table, lens[seq], group, row, head_dim, block_size, s,
                        out_ptr + offset, scratch);
       } else {
-        attend<T, 0>(q_ptr + offset, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_ptr + offset,
+        attend<T, 0>(q_ptr + q_offset, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_ptr + offset,
                      scratch);
       }
     }
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                                  double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+// q: [num_seqs, heads, d], rows may be strided (a view into the fused qkv output); out: the same shape, rows may
+// be strided (a slice of the step's output). Both have their heads and dims contiguous.
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                            double scale, at::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must be shaped as q, its dtype");
   TORCH_CHECK(k_cache.dim() == 2 && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be [num_slots, num_kv_heads * head_dim], the same shape");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q, k_cache and v_cache must share a dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_decode_attention: float32 or bfloat16 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "q, k_cache and v_cache must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "q and out must have their heads and dims contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block_tables and context_lens must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous(), "block_tables must be [num_seqs, max_blocks]");
@@ -239,13 +244,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " out of range for sequence ", s);
     }
   }
-  at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
     decode_all<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
   } else {
     decode_all<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
   }
-  return out;
 }
 
 }  // namespace
@@ -253,7 +256,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(tokenloom, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-      "int block_size, float scale) -> Tensor");
+      "int block_size, float scale, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

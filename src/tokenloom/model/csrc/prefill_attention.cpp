@@ -1,15 +1,19 @@
 // Causal prefill attention for bfloat16 on CPUs with AVX-512 BF16: tokenloom::prefill_attention.
 //
 // A chunk of n queries at the end of a context of ctx tokens (the first ctx - n are its past) attends to every key
-// up to its own position. Flash-style: keys stream through in blocks of 16 with an online softmax, so no score
+// up to its own position. Flash-style: keys stream through in blocks of 32 with an online softmax, so no score
 // matrix is ever materialised. The products run on the bf16 dot-product instruction (exact products, float32
 // sums) over transposed blocks: K^T pairs make 16 query-key dot products one vector, and V pairs make the
 // probability-weighted sum one instruction per 16 output dims and two keys. Probabilities enter that sum rounded
 // to bf16, as transformers' bfloat16 attention rounds them. Built only where the compiler targets AVX-512 BF16;
 // elsewhere the op is not registered and the model uses torch's scaled_dot_product_attention.
+//
+// Two passes. First each KV head's K and V are packed once into those transposed blocks (the packing is per key,
+// not per query, so doing it once instead of once per query block took it off the profile). Then a tile of query
+// rows streams every key block it can see with its accumulators, maxima and sums held in registers: no per-block
+// loads and stores of the running state, and the softmax's bookkeeping is paid once per 32 keys.
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -24,7 +28,7 @@
 
 namespace {
 
-constexpr int kKeys = 16;         // keys per block: one float32 vector of scores
+constexpr int kKeys = 32;         // keys per block: two float32 vectors of scores
 constexpr int kQueryTokens = 32;  // query tokens per work item (times the heads sharing a KV head)
 // A row's running max before its first key: finite (the build assumes no infinities) and so low that e^(it - m)
 // is exactly 0 for any real score m.
@@ -52,136 +56,169 @@ inline uint32_t pair_at(const c10::BFloat16* row, int64_t d) {
   return out;
 }
 
-// The state of a tile's rows (query token and head pairs) while keys stream past.
-struct RowState {
-  float* acc;        // [rows, HD]
-  float* row_max;    // [rows]
-  float* row_sum;    // [rows, kKeys]: per-lane sums, added up once at the end
-};
+// A pair of bf16 at `at` in every lane. Read as one float so the compiler makes it a broadcast load (vbroadcastss
+// from memory: no vector ALU slot), not a scalar load and a register broadcast.
+inline __m512bh broadcast_pair(const void* at) {
+  float pair;
+  std::memcpy(&pair, at, sizeof(pair));
+  return (__m512bh)_mm512_castps_si512(_mm512_set1_ps(pair));
+}
 
-// R rows at once against one block of keys: R independent chains of dot products keep the vector unit busy where
-// one row's chain would wait on each instruction's latency, and each block of K^T and V is loaded once for R rows.
-// A row that sees none of the block (causal) has an empty mask: its scores are kNoMax, its probabilities 0, and
-// its state is unchanged.
-template <int HD, int R>
-inline void attend_rows(const c10::BFloat16* const* qrows, const __mmask16* keep, const uint32_t* kt,
-                        const uint32_t* vt, float scale, int64_t r0, RowState st) {
+// One KV head's keys and values in the layout the dot products want, block by block of kKeys:
+// K^T as [HD / 2 dim pairs][kKeys] and V as [kKeys / 2 key pairs][HD], each element a pair of bf16.
+// Keys past the end of the context repeat the last one; the masks keep them out.
+template <int HD>
+void pack_block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_stride, int64_t v_stride, int64_t k0,
+                int64_t ctx, uint32_t* kt, uint32_t* vt) {
   constexpr int kPairs = HD / 2;
-  constexpr int kLanes = HD / 16;
-  __m512 s[R], s2[R];
-  for (int i = 0; i < R; ++i) s[i] = s2[i] = _mm512_setzero_ps();
-  for (int p = 0; p < kPairs; p += 2) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * kKeys);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (p + 1) * kKeys);
-    for (int i = 0; i < R; ++i) {
-      s[i] = _mm512_dpbf16_ps(s[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(qrows[i], 2 * p))), k0);
-      s2[i] = _mm512_dpbf16_ps(s2[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(qrows[i], 2 * p + 2))), k1);
-    }
-  }
-  __m512 acc[R][kLanes];
-  alignas(64) uint32_t prob_pairs[R][kKeys / 2];
-  for (int i = 0; i < R; ++i) {
-    const int64_t r = r0 + i;
-    const __m512 scores = _mm512_mask_mul_ps(_mm512_set1_ps(kNoMax), keep[i], _mm512_add_ps(s[i], s2[i]),
-                                             _mm512_set1_ps(scale));
-    const float block_max = _mm512_reduce_max_ps(scores);
-    float* a = st.acc + r * HD;
-    float* sums = st.row_sum + r * kKeys;
-    for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_loadu_ps(a + l * 16);
-    __m512 lane_sums = _mm512_loadu_ps(sums);
-    if (block_max > st.row_max[r]) {  // rescale what was summed under the old maximum (0 on the row's first block)
-      const __m512 correction = _mm512_set1_ps(std::exp(st.row_max[r] - block_max));
-      for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_mul_ps(acc[i][l], correction);
-      lane_sums = _mm512_mul_ps(lane_sums, correction);
-      st.row_max[r] = block_max;
-    }
-    const __m512 probs =
-        _mm512_maskz_mov_ps(keep[i], exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(st.row_max[r]))));
-    _mm512_storeu_ps(sums, _mm512_add_ps(lane_sums, probs));
-    // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
-    _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(probs));
+  const int64_t nk = std::min<int64_t>(kKeys, ctx - k0);
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const c10::BFloat16* krow = k + (k0 + std::min(j, nk - 1)) * k_stride;
+    for (int p = 0; p < kPairs; ++p) kt[p * kKeys + j] = pair_at(krow, 2 * p);
   }
   for (int64_t j = 0; j < kKeys / 2; ++j) {
-    for (int l = 0; l < kLanes; ++l) {
-      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vt + j * HD + l * 16);
+    const int64_t a = k0 + std::min(2 * j, nk - 1), b = k0 + std::min(2 * j + 1, nk - 1);
+    const uint16_t* va = reinterpret_cast<const uint16_t*>(v + a * v_stride);
+    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v + b * v_stride);
+    for (int d = 0; d < HD; ++d) vt[j * HD + d] = va[d] | (static_cast<uint32_t>(vb[d]) << 16);
+  }
+}
+
+// R query rows (token and head pairs) against every key block they see. R independent chains of dot products keep
+// the vector unit busy, and each block of K^T and V is loaded once for R rows. keys[i]: how many keys row i sees.
+template <int HD, int R>
+inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, const uint32_t* packed_k,
+                        const uint32_t* packed_v, float scale, c10::BFloat16* const* orows) {
+  constexpr int kPairs = HD / 2;
+  constexpr int kLanes = HD / 16;
+  constexpr int64_t kBlockK = kPairs * kKeys, kBlockV = (kKeys / 2) * HD;
+  int64_t most = 0;
+  for (int i = 0; i < R; ++i) most = std::max(most, keys[i]);
+  __m512 acc[R][kLanes];
+  __m512 lane_sums[R];
+  float row_max[R];
+  for (int i = 0; i < R; ++i) {
+    for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_setzero_ps();
+    lane_sums[i] = _mm512_setzero_ps();
+    row_max[i] = kNoMax;
+  }
+  alignas(64) uint32_t prob_pairs[R][kKeys / 2];
+  for (int64_t k0 = 0, b = 0; k0 < most; k0 += kKeys, ++b) {
+    const uint32_t* kt = packed_k + b * kBlockK;
+    const uint32_t* vt = packed_v + b * kBlockV;
+    __m512 lo[R], hi[R];
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+    for (int p = 0; p < kPairs; ++p) {
+      const __m512bh k_lo = (__m512bh)_mm512_loadu_si512(kt + p * kKeys);
+      const __m512bh k_hi = (__m512bh)_mm512_loadu_si512(kt + p * kKeys + 16);
       for (int i = 0; i < R; ++i) {
-        acc[i][l] = _mm512_dpbf16_ps(acc[i][l], (__m512bh)_mm512_set1_epi32(static_cast<int>(prob_pairs[i][j])), vv);
+        const __m512bh qp = broadcast_pair(qrows[i] + 2 * p);
+        lo[i] = _mm512_dpbf16_ps(lo[i], qp, k_lo);
+        hi[i] = _mm512_dpbf16_ps(hi[i], qp, k_hi);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const int64_t visible = std::clamp<int64_t>(keys[i] - k0, 0, kKeys);
+      const uint32_t keep = visible >= kKeys ? 0xFFFFFFFFu : (1u << visible) - 1;
+      const __mmask16 keep_lo = static_cast<__mmask16>(keep), keep_hi = static_cast<__mmask16>(keep >> 16);
+      const __m512 none = _mm512_set1_ps(kNoMax), sc = _mm512_set1_ps(scale);
+      const __m512 s_lo = _mm512_mask_mul_ps(none, keep_lo, lo[i], sc);
+      const __m512 s_hi = _mm512_mask_mul_ps(none, keep_hi, hi[i], sc);
+      const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi));
+      if (block_max > row_max[i]) {  // rescale what was summed under the old maximum (0 on the row's first block)
+        const __m512 correction = _mm512_set1_ps(std::exp(row_max[i] - block_max));
+        for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_mul_ps(acc[i][l], correction);
+        lane_sums[i] = _mm512_mul_ps(lane_sums[i], correction);
+        row_max[i] = block_max;
+      }
+      const __m512 m = _mm512_set1_ps(row_max[i]);
+      const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, exp_nonpositive(_mm512_sub_ps(s_lo, m)));
+      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, exp_nonpositive(_mm512_sub_ps(s_hi, m)));
+      lane_sums[i] = _mm512_add_ps(lane_sums[i], _mm512_add_ps(p_lo, p_hi));
+      // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
+      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i] + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
+    }
+    for (int j = 0; j < kKeys / 2; ++j) {
+      for (int l = 0; l < kLanes; ++l) {
+        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vt + j * HD + l * 16);
+        for (int i = 0; i < R; ++i) acc[i][l] = _mm512_dpbf16_ps(acc[i][l], broadcast_pair(&prob_pairs[i][j]), vv);
       }
     }
   }
   for (int i = 0; i < R; ++i) {
-    for (int l = 0; l < kLanes; ++l) _mm512_storeu_ps(st.acc + (r0 + i) * HD + l * 16, acc[i][l]);
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lane_sums[i]));
+    for (int l = 0; l < kLanes; ++l) {
+      const __m256bh x = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][l], inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orows[i] + l * 16), (__m256i)x);
+    }
   }
 }
 
-// One KV head, query tokens [q0, q1) of the chunk, every query head of the group.
+// One KV head, query tokens [q0, q1) of the chunk, every query head of the group, over the head's packed keys.
 template <int HD>
-void attend_block(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k, const c10::BFloat16* v,
-                  int64_t k_stride, int64_t v_stride, int64_t past, int64_t q0, int64_t q1, int64_t group, float scale,
-                  c10::BFloat16* out, int64_t out_stride, std::vector<float>& scratch) {
-  constexpr int kPairs = HD / 2;
-  constexpr int kLanes = HD / 16;
-  constexpr int kTile = HD == 64 ? 4 : 2;  // rows at once: kTile * kLanes accumulators stay in registers
+void attend_queries(const c10::BFloat16* q, int64_t q_stride, const uint32_t* packed_k, const uint32_t* packed_v,
+                    int64_t past, int64_t q0, int64_t q1, int64_t group, float scale, c10::BFloat16* out,
+                    int64_t out_stride) {
+  constexpr int kTile = HD == 64 ? 4 : 2;  // rows at once: kTile * HD / 16 accumulators stay in registers
   const int64_t rows = (q1 - q0) * group;
-  scratch.resize(rows * (HD + 1 + kKeys) + kPairs * kKeys + (kKeys / 2) * HD + 16);
-  float* acc = scratch.data();                     // [rows, HD]
-  float* row_max = acc + rows * HD;                // [rows]
-  float* row_sum = row_max + rows;                 // [rows, kKeys]
-  uint32_t* kt = reinterpret_cast<uint32_t*>(row_sum + rows * kKeys);  // [kPairs, kKeys]: K^T, dims in pairs
-  uint32_t* vt = kt + kPairs * kKeys;              // [kKeys / 2, HD]: V, keys in pairs
-  std::fill(acc, acc + rows * HD, 0.0f);
-  std::fill(row_max, row_max + rows, kNoMax);
-  std::fill(row_sum, row_sum + rows * kKeys, 0.0f);
-  const RowState state{acc, row_max, row_sum};
-  const int64_t end_key = past + q1;  // the last query sees keys [0, past + q1)
-  for (int64_t k0 = 0; k0 < end_key; k0 += kKeys) {
-    const int64_t nk = std::min<int64_t>(kKeys, end_key - k0);
-    for (int64_t j = 0; j < kKeys; ++j) {
-      const c10::BFloat16* krow = k + (k0 + std::min(j, nk - 1)) * k_stride;  // past the end: repeat, masked
-      for (int p = 0; p < kPairs; ++p) kt[p * kKeys + j] = pair_at(krow, 2 * p);
-    }
-    for (int64_t j = 0; j < kKeys / 2; ++j) {
-      const int64_t a = k0 + std::min(2 * j, nk - 1), b = k0 + std::min(2 * j + 1, nk - 1);
-      const uint16_t* va = reinterpret_cast<const uint16_t*>(v + a * v_stride);
-      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v + b * v_stride);
-      for (int d = 0; d < HD; ++d) vt[j * HD + d] = va[d] | (static_cast<uint32_t>(vb[d]) << 16);
-    }
-    // Rows whose token sees none of this block are skipped; the rest go kTile at a time.
-    const int64_t first_token = std::max<int64_t>(q0, k0 - past);
-    int64_t r = (first_token - q0) * group;
-    const c10::BFloat16* qrows[kTile];
-    __mmask16 keep[kTile];
-    auto load_row = [&](int64_t row, int i) {
-      const int64_t t = q0 + row / group, h = row % group;
-      const int64_t visible = std::min<int64_t>(nk, past + t + 1 - k0);  // causal: keys up to the token's position
-      keep[i] = visible <= 0 ? 0 : visible >= kKeys ? static_cast<__mmask16>(0xFFFF)
-                                                    : static_cast<__mmask16>((1u << visible) - 1);
-      qrows[i] = q + t * q_stride + h * HD;
-    };
-    for (; r + kTile <= rows; r += kTile) {
-      for (int i = 0; i < kTile; ++i) load_row(r + i, i);
-      attend_rows<HD, kTile>(qrows, keep, kt, vt, scale, r, state);
-    }
-    for (; r < rows; ++r) {
-      load_row(r, 0);
-      attend_rows<HD, 1>(qrows, keep, kt, vt, scale, r, state);
-    }
+  const c10::BFloat16* qrows[kTile];
+  c10::BFloat16* orows[kTile];
+  int64_t keys[kTile];
+  auto load_row = [&](int64_t row, int i) {
+    const int64_t t = q0 + row / group, h = row % group;
+    keys[i] = past + t + 1;  // causal: the keys up to the token's own position
+    qrows[i] = q + t * q_stride + h * HD;
+    orows[i] = out + t * out_stride + h * HD;
+  };
+  int64_t r = 0;
+  for (; r + kTile <= rows; r += kTile) {
+    for (int i = 0; i < kTile; ++i) load_row(r + i, i);
+    attend_tile<HD, kTile>(qrows, keys, packed_k, packed_v, scale, orows);
   }
-  for (int64_t t = q0; t < q1; ++t) {
-    for (int64_t h = 0; h < group; ++h) {
-      const int64_t r = (t - q0) * group + h;
-      const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(row_sum + r * kKeys));
-      c10::BFloat16* o = out + t * out_stride + h * HD;
-      for (int l = 0; l < kLanes; ++l) {
-        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc + r * HD + l * 16), _mm512_set1_ps(inv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + l * 16), (__m256i)_mm512_cvtneps_pbh(x));
-      }
-    }
+  for (; r < rows; ++r) {
+    load_row(r, 0);
+    attend_tile<HD, 1>(qrows, keys, packed_k, packed_v, scale, orows);
   }
 }
 
-// q: [n, heads, d] (rows may be strided, heads contiguous); k, v: [ctx, kv_heads * d] (rows may be strided).
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+template <int HD>
+void prefill_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale, at::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), ctx = k.size(0);
+  const int64_t kv_heads = k.size(1) / HD, group = heads / kv_heads, past = ctx - n;
+  const auto* q_ptr = q.const_data_ptr<c10::BFloat16>();
+  const auto* k_ptr = k.const_data_ptr<c10::BFloat16>();
+  const auto* v_ptr = v.const_data_ptr<c10::BFloat16>();
+  auto* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  const int64_t key_blocks = (ctx + kKeys - 1) / kKeys;
+  const int64_t block_k = (HD / 2) * kKeys, block_v = (kKeys / 2) * HD;
+  const int64_t per_head = key_blocks * (block_k + block_v);
+  std::vector<uint32_t> packed(kv_heads * per_head);
+  at::parallel_for(0, kv_heads * key_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / key_blocks, b = item % key_blocks;
+      uint32_t* head = packed.data() + g * per_head;
+      pack_block<HD>(k_ptr + g * HD, v_ptr + g * HD, k.stride(0), v.stride(0), b * kKeys, ctx, head + b * block_k,
+                     head + key_blocks * block_k + b * block_v);
+    }
+  });
+  const int64_t query_blocks = (n + kQueryTokens - 1) / kQueryTokens, items = query_blocks * kv_heads;
+  // Later query blocks see more keys; dealing items from both ends evens out the threads' work.
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t dealt = begin; dealt < end; ++dealt) {
+      const int64_t item = dealt % 2 == 0 ? dealt / 2 : items - 1 - dealt / 2;
+      const int64_t block = item / kv_heads, g = item % kv_heads;
+      const int64_t q0 = block * kQueryTokens, q1 = std::min(n, q0 + kQueryTokens);
+      const uint32_t* head = packed.data() + g * per_head;
+      attend_queries<HD>(q_ptr + g * group * HD, q.stride(0), head, head + key_blocks * block_k, past, q0, q1, group,
+                         scale, out_ptr + g * group * HD, out.stride(0));
+    }
+  });
+}
+
+// q: [n, heads, d] (rows may be strided, heads contiguous); k, v: [ctx, kv_heads * d] (rows may be strided);
+// out: shaped as q (rows may be strided, heads contiguous), a slice of the step's output.
+void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor out) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16,
               "prefill_attention: bfloat16 CPU tensors only");
@@ -191,40 +228,23 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(d == 64 || d == 128, "prefill_attention: head size 64 or 128");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(1) == 1 && v.stride(1) == 1,
               "prefill_attention: heads and dims must be contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16 && out.device().is_cpu() &&
+                  out.stride(2) == 1 && out.stride(1) == d,
+              "prefill_attention: out must be shaped as q, bfloat16, heads and dims contiguous");
   TORCH_CHECK(k.size(1) % d == 0 && heads % (k.size(1) / d) == 0, "prefill_attention: heads must group over KV heads");
   TORCH_CHECK(n >= 1 && ctx >= n, "prefill_attention: the chunk must lie within its context");
-  const int64_t kv_heads = k.size(1) / d, group = heads / kv_heads, past = ctx - n;
-  at::Tensor out = at::empty({n, heads, d}, q.options());
-  const auto* q_ptr = q.const_data_ptr<c10::BFloat16>();
-  const auto* k_ptr = k.const_data_ptr<c10::BFloat16>();
-  const auto* v_ptr = v.const_data_ptr<c10::BFloat16>();
-  auto* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
-  const int64_t blocks = (n + kQueryTokens - 1) / kQueryTokens, items = blocks * kv_heads;
-  const float s = static_cast<float>(scale);
-  // Later query blocks see more keys; dealing items from both ends evens out the threads' work.
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
-    for (int64_t dealt = begin; dealt < end; ++dealt) {
-      const int64_t item = dealt % 2 == 0 ? dealt / 2 : items - 1 - dealt / 2;
-      const int64_t block = item / kv_heads, g = item % kv_heads;
-      const int64_t q0 = block * kQueryTokens, q1 = std::min(n, q0 + kQueryTokens);
-      const c10::BFloat16* qg = q_ptr + g * group * d;
-      const c10::BFloat16* kg = k_ptr + g * d;
-      const c10::BFloat16* vg = v_ptr + g * d;
-      c10::BFloat16* og = out_ptr + g * group * d;
-      if (d == 64) {
-        attend_block<64>(qg, q.stride(0), kg, vg, k.stride(0), v.stride(0), past, q0, q1, group, s, og, heads * d, scratch);
-      } else {
-        attend_block<128>(qg, q.stride(0), kg, vg, k.stride(0), v.stride(0), past, q0, q1, group, s, og, heads * d, scratch);
-      }
-    }
-  });
-  return out;
+  if (d == 64) {
+    prefill_all<64>(q, k, v, static_cast<float>(scale), out);
+  } else {
+    prefill_all<128>(q, k, v, static_cast<float>(scale), out);
+  }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tokenloom, m) { m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
+}
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
 
