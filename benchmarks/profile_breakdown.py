@@ -47,7 +47,7 @@ PARTS = {
         ("<built-in method torch._C._nn.silu>", "~", False),
         ("<built-in method torch._ops.tokenloom.rms_norm>", "~", False),
         ("<built-in method torch._ops.tokenloom.fused_add_rms_norm>", "~", False),
-        ("<built-in method torch._ops.tokenloom.rotary_embedding>", "~", False),
+        ("<built-in method torch._ops.tokenloom.rotary_embedding_and_cache>", "~", False),  # and the cache write
         ("<built-in method torch._ops.tokenloom.silu_and_mul>", "~", False),
     ],
     "sampler": [("__call__", "sampler.py", True)],

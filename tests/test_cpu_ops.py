@@ -50,17 +50,31 @@ def test_silu_and_mul_survives_large_activations(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_qkv_views_matches_pytorch(dtype):
+def test_rotary_in_place_on_qkv_views_matches_pytorch_and_fills_the_cache(dtype):
     rotary = RotaryEmbedding(64, 512, 10000.0, None)
     positions = torch.tensor([0, 5, 17, 300, 511])
+    slots = torch.tensor([3, 9, 0, 31, 12])
     qkv = torch.randn(5, 9 * 64 + 2 * 3 * 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     q, k = qkv[:, : 9 * 64].view(5, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64)
+    v = qkv[:, 12 * 64 :]
+    cache_k, cache_v = torch.zeros(32, 3 * 64, dtype=dtype), torch.zeros(32, 3 * 64, dtype=dtype)
     expected_q, expected_k = apply_rotary(q.float(), k.float(), *rotary.tables(positions, torch.float32))
-    torch.ops.tokenloom.rotary_embedding(q, k, positions, *rotary.float32_tables())
+    expected_v = v.clone()
+    op = torch.ops.tokenloom.rotary_embedding_and_cache
+    op(q, k, v, positions, *rotary.float32_tables(), cache_k, cache_v, slots)
     close(q, expected_q, dtype)
     close(k, expected_k, dtype)
-    with pytest.raises(RuntimeError, match="out of range"):
-        torch.ops.tokenloom.rotary_embedding(q, k, torch.tensor([0, 1, 2, 3, 512]), *rotary.float32_tables())
+    assert torch.equal(cache_k[slots], k.reshape(5, -1)), "the cache holds the rotated k, as rounded"
+    assert torch.equal(cache_v[slots], expected_v)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache_k[untouched].any() and not cache_v[untouched].any()
+    with pytest.raises(RuntimeError, match="position 512 out of range"):
+        op(q, k, v, torch.tensor([0, 1, 2, 3, 512]), *rotary.float32_tables(), cache_k, cache_v, slots)
+    with pytest.raises(RuntimeError, match="slot 32 out of range"):
+        op(q, k, v, positions, *rotary.float32_tables(), cache_k, cache_v, torch.tensor([0, 1, 2, 3, 32]))
+    with pytest.raises(RuntimeError, match="caches must be contiguous"):
+        op(q, k, v, positions, *rotary.float32_tables(), cache_k[:, :64], cache_v, slots)
 
 
 def reference_prefill(q, k, v, past: int, scale: float) -> torch.Tensor:

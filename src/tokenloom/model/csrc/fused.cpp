@@ -1,5 +1,6 @@
 // Fused element-wise steps of a decoder layer, for CPU, in float32 and bfloat16 (math in float32):
-// tokenloom::rms_norm, tokenloom::fused_add_rms_norm, tokenloom::rotary_embedding and tokenloom::silu_and_mul.
+// tokenloom::rms_norm, tokenloom::fused_add_rms_norm, tokenloom::rotary_embedding_and_cache and
+// tokenloom::silu_and_mul.
 //
 // Each replaces three to six small torch ops. On a 2-core CPU a decode step's tensors are tiny (64 rows of 576),
 // so the cost of an op is mostly its launch: waking the OpenMP threads (tens of microseconds with
@@ -122,34 +123,51 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 }
 
 // Rotate-half rotary embedding, in place on q [T, heads, d] and k [T, kv_heads, d] (views into the fused qkv
-// output: rows may be strided, heads and dims contiguous). cos and sin: [max_len, d] float32 tables.
-void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
-                      const at::Tensor& sin) {
+// output: rows may be strided, heads and dims contiguous), then this step's rotated k and its v [T, kv_heads * d]
+// stored into their cache slots: one pass over each token's rows instead of a rotary op and two index copies.
+// cos and sin: [max_len, d] float32 tables; cache_k and cache_v: [num_slots, kv_heads * d], contiguous.
+void rotary_embedding_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor& cache_k, at::Tensor& cache_v,
+                                const at::Tensor& slots) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
-              "rotary_embedding: q [T, heads, d] and k [T, kv_heads, d]");
+              "rotary_embedding_and_cache: q [T, heads, d] and k [T, kv_heads, d]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "rotary_embedding: q and k must share a dtype, float32 or bfloat16");
-  const int64_t d = q.size(2);
+              "rotary_embedding_and_cache: q and k must share a dtype, float32 or bfloat16");
+  const int64_t tokens = q.size(0), d = q.size(2), row = k.size(1) * d;
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(2) == 1 && k.stride(1) == d,
-              "rotary_embedding: heads and dims must be contiguous");
+              "rotary_embedding_and_cache: heads and dims must be contiguous");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == d && sin.sizes() == cos.sizes(),
-              "rotary_embedding: cos and sin must be contiguous float32 [max_len, d]");
+              "rotary_embedding_and_cache: cos and sin must be contiguous float32 [max_len, d]");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous() &&
-                  positions.size(0) == q.size(0),
-              "rotary_embedding: positions must be int64 [T]");
-  TORCH_CHECK(d % 2 == 0, "rotary_embedding: the head size must be even");
+                  positions.size(0) == tokens,
+              "rotary_embedding_and_cache: positions must be int64 [T]");
+  TORCH_CHECK(d % 2 == 0, "rotary_embedding_and_cache: the head size must be even");
+  TORCH_CHECK(v.dim() == 2 && v.size(0) == tokens && v.size(1) == row && v.stride(1) == 1 &&
+                  v.scalar_type() == k.scalar_type(),
+              "rotary_embedding_and_cache: v must be [T, kv_heads * d] of k's dtype, its rows contiguous");
+  TORCH_CHECK(cache_k.dim() == 2 && cache_k.size(1) == row && cache_k.is_contiguous() &&
+                  cache_v.sizes() == cache_k.sizes() && cache_v.is_contiguous() &&
+                  cache_k.scalar_type() == k.scalar_type() && cache_v.scalar_type() == k.scalar_type(),
+              "rotary_embedding_and_cache: the caches must be contiguous [num_slots, kv_heads * d] of k's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == tokens,
+              "rotary_embedding_and_cache: slots must be int64 [T]");
   const int64_t* pos = positions.const_data_ptr<int64_t>();
-  const int64_t max_len = cos.size(0);
-  for (int64_t t = 0; t < positions.size(0); ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_len, "rotary_embedding: position ", pos[t], " out of range");
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  const int64_t max_len = cos.size(0), num_slots = cache_k.size(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_len, "rotary_embedding_and_cache: position ", pos[t], " out of range");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "rotary_embedding_and_cache: slot ", slot[t], " out of range");
   }
   const int64_t half = d / 2, q_heads = q.size(1), k_heads = k.size(1);
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* qp = q.mutable_data_ptr<scalar_t>();
     scalar_t* kp = k.mutable_data_ptr<scalar_t>();
+    const scalar_t* vp = v.const_data_ptr<scalar_t>();
+    scalar_t* ck = cache_k.mutable_data_ptr<scalar_t>();
+    scalar_t* cv = cache_v.mutable_data_ptr<scalar_t>();
     const float* cp = cos.const_data_ptr<float>();
     const float* sp = sin.const_data_ptr<float>();
     auto rotate = [&](scalar_t* x, const float* c, const float* s) {
@@ -159,11 +177,14 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
         store(x + i + half, x2 * c[i + half] + x1 * s[i + half]);
       }
     };
-    for_rows(q.size(0), (q_heads + k_heads) * d, [&](int64_t t) {
+    for_rows(tokens, (q_heads + 3 * k_heads) * d, [&](int64_t t) {
       const float* c = cp + pos[t] * d;
       const float* s = sp + pos[t] * d;
       for (int64_t h = 0; h < q_heads; ++h) rotate(qp + t * q.stride(0) + h * d, c, s);
-      for (int64_t h = 0; h < k_heads; ++h) rotate(kp + t * k.stride(0) + h * d, c, s);
+      scalar_t* kt = kp + t * k.stride(0);
+      for (int64_t h = 0; h < k_heads; ++h) rotate(kt + h * d, c, s);
+      std::memcpy(ck + slot[t] * row, kt, row * sizeof(scalar_t));
+      std::memcpy(cv + slot[t] * row, vp + t * v.stride(0), row * sizeof(scalar_t));
     });
   });
 }
@@ -197,13 +218,15 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "rotary_embedding_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
+      "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
   m.impl("silu_and_mul", &silu_and_mul);
 }
