@@ -89,7 +89,7 @@ def test_decode_groups_bound_padding():
     assert group_by_context_length([], max_groups=3) == []
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 3, 48)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 3, 48), (12, 1, 64)])
 def test_bfloat16_operator_and_plain_path_agree_with_a_float32_reference(heads, kv_heads, head_dim):
     needs_operator()
     context_lens = [1, 3, 16, 33, 64]

@@ -90,58 +90,90 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 }
 
 #if defined(__AVX512BF16__)
+// 16 vectors in, one out: lane j holds the sum of v[j]'s 16 lanes. 45 shuffles and adds for 16 sums, where one
+// horizontal reduction per vector would take about 7 each.
+inline __m512 sum_each(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of v4i .. v4i+3
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Add up the four 128-bit lanes of each quad, quad i landing in lane i.
+  const __m512 q01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44), _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
+  const __m512 q23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44), _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88), _mm512_shuffle_f32x4(q01, q23, 0xDD));
+}
+
 // The same pass for bfloat16 with AVX-512 BF16: q.k with the hardware's bf16 dot product (exact products, float32
-// sums), no widening of K at all; V widened 16 at a time into float32 accumulators that stay in registers.
+// sums), 16 keys at a time so their sums come out as one vector; no widening of K at all. V is widened by a shift
+// (even dims) and a mask (odd dims) of each pair, so its accumulators hold the dims de-interleaved until the end.
 template <int HD>
 void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
                         const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_size,
                         float scale, c10::BFloat16* out, std::vector<float>& scratch) {
   static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
   constexpr int kChunks = HD / 32;   // bf16 vectors of 32 per row
-  constexpr int kLanes = HD / 16;    // float vectors of 16 per row
   constexpr int kMaxGroup = 8;
-  scratch.resize(group * ctx);
+  const int64_t padded = (ctx + 15) / 16 * 16;
+  scratch.resize(group * padded);
   float* scores = scratch.data();
+  auto row_of = [&](const c10::BFloat16* cache, int64_t t) {
+    return cache + (table[t / block_size] * block_size + t % block_size) * row;
+  };
   for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
     const int64_t heads = std::min<int64_t>(kMaxGroup, group - h0);
     __m512bh qv[kMaxGroup][kChunks];
     for (int64_t h = 0; h < heads; ++h)
       for (int c = 0; c < kChunks; ++c)
         qv[h][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + (h0 + h) * HD + c * 32));
-    for (int64_t t = 0; t < ctx; ++t) {
-      const c10::BFloat16* k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
-      __m512bh kv[kChunks];
-      for (int c = 0; c < kChunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k + c * 32));
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+      const c10::BFloat16* rows[16];
+      for (int j = 0; j < 16; ++j) rows[j] = row_of(k_cache, std::min(t0 + j, ctx - 1));  // past the end: repeated
       for (int64_t h = 0; h < heads; ++h) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < kChunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[h][c], kv[c]);
-        scores[(h0 + h) * ctx + t] = _mm512_reduce_add_ps(acc) * scale;
+        __m512 dots[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int c = 0; c < kChunks; ++c) {
+            acc = _mm512_dpbf16_ps(acc, qv[h][c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + c * 32)));
+          }
+          dots[j] = acc;
+        }
+        _mm512_storeu_ps(scores + (h0 + h) * padded + t0, _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
       }
     }
   }
-  softmax_rows(scores, group, ctx);
+  for (int64_t h = 0; h < group; ++h) softmax_rows(scores + h * padded, 1, ctx);
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
     const int64_t heads = std::min<int64_t>(kMaxGroup, group - h0);
-    __m512 acc[kMaxGroup][kLanes];
+    __m512 even[kMaxGroup][kChunks], odd[kMaxGroup][kChunks];
     for (int64_t h = 0; h < heads; ++h)
-      for (int l = 0; l < kLanes; ++l) acc[h][l] = _mm512_setzero_ps();
+      for (int c = 0; c < kChunks; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < ctx; ++t) {
-      const c10::BFloat16* v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
-      __m512 vf[kLanes];
-      for (int l = 0; l < kLanes; ++l) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + l * 16));
-        vf[l] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      const c10::BFloat16* v = row_of(v_cache, t);
+      __m512 ve[kChunks], vo[kChunks];
+      for (int c = 0; c < kChunks; ++c) {
+        const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(v + c * 32));
+        ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // dims 2i of the chunk, widened exactly
+        vo[c] = _mm512_castsi512_ps(_mm512_and_si512(raw, odd_mask));  // dims 2i + 1
       }
       for (int64_t h = 0; h < heads; ++h) {
-        const __m512 w = _mm512_set1_ps(scores[(h0 + h) * ctx + t]);
-        for (int l = 0; l < kLanes; ++l) acc[h][l] = _mm512_fmadd_ps(w, vf[l], acc[h][l]);
+        const __m512 w = _mm512_set1_ps(scores[(h0 + h) * padded + t]);
+        for (int c = 0; c < kChunks; ++c) {
+          even[h][c] = _mm512_fmadd_ps(w, ve[c], even[h][c]);
+          odd[h][c] = _mm512_fmadd_ps(w, vo[c], odd[h][c]);
+        }
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
-      for (int l = 0; l < kLanes; ++l) {
-        // Round to nearest even, as c10::BFloat16 does.
-        __m256bh packed = _mm512_cvtneps_pbh(acc[h][l]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (h0 + h) * HD + l * 16), (__m256i)packed);
+      for (int c = 0; c < kChunks; ++c) {
+        // Round to nearest even, as c10::BFloat16 does, then interleave the even and odd dims back as bf16 pairs.
+        const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even[h][c]));
+        const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd[h][c]));
+        _mm512_storeu_si512(reinterpret_cast<void*>(out + (h0 + h) * HD + c * 32), _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
       }
     }
   }
