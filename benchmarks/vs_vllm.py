@@ -1,13 +1,17 @@
 """tokenloom against vLLM on the same CPU, in the same sitting: one server after the other, the same requests.
 
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
-        [--tokenloom-args "--max-num-seqs 32"] [--vllm-args "--enable-logging-iteration-details"]
+        [--tokenloom-args "--max-num-seqs 32"] [--vllm-args "--enable-logging-iteration-details"] [--rounds 3]
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
 max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
 sampling, so both servers generate exactly the same number of tokens. Then one 4,000-token prompt alone
 (max_tokens 1): its prefill rate. vLLM runs with its best configuration for the CPU at hand (bfloat16 where the CPU
 has AVX-512 BF16 or AMX, float32 otherwise; both cores on the model), tokenloom with its default flags.
+
+With --rounds N both servers stay up (one idle while the other is measured) and are measured N times,
+alternating who goes first, then each figure's median is added: this machine's speed drifts by 10-20% over
+minutes, more than the gap between the servers, so one run each can rank them either way.
 
 vLLM is installed into its own virtualenv outside the project if it is not there (../shared/PEERS.md explains
 the steps). This is a benchmark, not a test: CI never runs it. Loopback only; bounded in requests and time.
@@ -57,16 +61,37 @@ class Run:
     errors: int = 0
     prefill_rate: float = 0.0
 
-    def row(self) -> str:
+    def figures(self) -> dict[str, float]:
         def q(values: list[float], p: float) -> float:
             return statistics.quantiles(values, n=100)[int(p) - 1] if len(values) > 1 else float("nan")
 
-        return (
-            f"| {self.server} | {self.output_tokens / self.wall:.0f}"
-            f" | {q(self.ttfts, 50):.1f} s / {q(self.ttfts, 95):.1f} s"
-            f" | {1000 * q(self.itls, 50):.0f} / {1000 * q(self.itls, 95):.0f} ms | {q(self.e2es, 95):.1f} s"
-            f" | {self.prefill_rate:.0f} | {self.errors} |"
-        )
+        return {
+            "tok/s": self.output_tokens / self.wall,
+            "ttft50": q(self.ttfts, 50),
+            "ttft95": q(self.ttfts, 95),
+            "itl50": 1000 * q(self.itls, 50),
+            "itl95": 1000 * q(self.itls, 95),
+            "e2e95": q(self.e2es, 95),
+            "prefill": self.prefill_rate,
+            "errors": self.errors,
+        }
+
+    def row(self) -> str:
+        return table_row(self.server, self.figures())
+
+
+def table_row(server: str, f: dict[str, float]) -> str:
+    return (
+        f"| {server} | {f['tok/s']:.0f} | {f['ttft50']:.1f} s / {f['ttft95']:.1f} s"
+        f" | {f['itl50']:.0f} / {f['itl95']:.0f} ms | {f['e2e95']:.1f} s | {f['prefill']:.0f} | {f['errors']:.0f} |"
+    )
+
+
+def median_row(server: str, runs: list[Run]) -> str:
+    """Each figure's median over the rounds (so a row may mix rounds)."""
+    figures = [r.figures() for r in runs]
+    medians = {k: statistics.median(f[k] for f in figures) for k in figures[0]}
+    return table_row(f"**{server}, median of {len(runs)}**", medians)
 
 
 async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, run: Run) -> None:
@@ -195,6 +220,9 @@ def main() -> None:
     parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "~/venv-vllm")).expanduser())
     parser.add_argument("--tokenloom-args", default="", help="extra flags for tokenloom serve (default: none)")
     parser.add_argument("--vllm-args", default="", help="extra flags for vllm serve (default: none)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure each server this many times, alternating, and add medians"
+    )
     parser.add_argument("--write-results", action="store_true", help=f"append the table to {RESULTS.name}")
     args = parser.parse_args()
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))})
@@ -205,16 +233,29 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(header), flush=True)
-    rows = []
-    if args.only in (None, "vllm"):
-        with vllm_server(args.vllm_venv, vllm_dtype, shlex.split(args.vllm_args)) as url:
-            rows.append(measure(f"vLLM 0.32 CPU, --dtype {vllm_dtype}", url).row())
-    if args.only in (None, "tokenloom"):
-        extra = shlex.split(args.tokenloom_args)
-        with LocalServer("--served-model-name", MODEL_NAME, "--max-model-len", "8192", *extra) as server:
-            version = httpx.get(f"{server.url}/version", timeout=10).json()
-            label = f"tokenloom {' '.join(extra) or 'default flags'} (dtype {version.get('dtype', '?')})"
-            rows.append(measure(label, server.url).row())
+    rows: list[str] = []
+    with contextlib.ExitStack() as stack:
+        servers = []  # (label, url): both stay up, idle while the other is measured
+        if args.only in (None, "vllm"):
+            url = stack.enter_context(vllm_server(args.vllm_venv, vllm_dtype, shlex.split(args.vllm_args)))
+            servers.append((f"vLLM 0.32 CPU, --dtype {vllm_dtype}", url))
+        if args.only in (None, "tokenloom"):
+            extra = shlex.split(args.tokenloom_args)
+            serve_flags = ("--served-model-name", MODEL_NAME, "--max-model-len", "8192", *extra)
+            server = stack.enter_context(LocalServer(*serve_flags))
+            dtype = httpx.get(f"{server.url}/version", timeout=10).json().get("dtype", "?")
+            servers.append((f"tokenloom {' '.join(extra) or 'default flags'} (dtype {dtype})", server.url))
+        runs: dict[str, list[Run]] = {label: [] for label, _ in servers}
+        for round_ in range(args.rounds):
+            # Who goes first alternates, so neither always meets the machine in the same state.
+            for label, url in servers if round_ % 2 == 0 else servers[::-1]:
+                run = measure(label, url)
+                runs[label].append(run)
+                rows.append(run.row())
+    if args.rounds > 1:
+        medians = [median_row(label, label_runs) for label, label_runs in runs.items()]
+        print("\n".join(medians))
+        rows += medians
     footer = f"load average after: {os.getloadavg()[0]:.2f}"
     print(footer)
     if args.write_results:
