@@ -126,21 +126,28 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: 
     run.e2es.append(time.perf_counter() - sent)
 
 
-async def mixed_64(url: str, run: Run) -> None:
+def salted(prompt: list[int], round_: int) -> list[int]:
+    """The prompt with its first token changed for rounds after the first: the same lengths, but nothing a previous
+    round left in either server's prefix cache matches."""
+    if round_ == 0:
+        return prompt
+    return [100 + (prompt[0] - 100 + round_ * 7919) % 49000, *prompt[1:]]
+
+
+async def mixed_64(url: str, run: Run, round_: int) -> None:
     work = mixed_workload(64, 0, 49152)
     limits = httpx.Limits(max_connections=128)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
         await one_request(client, [7] * 40, 4, Run("warm-up"))
         start = time.perf_counter()
-        await asyncio.gather(
-            *(one_request(client, p, m, run) for p, m in zip(work.prompts, work.max_tokens, strict=True))
-        )
+        prompts = [salted(p, round_) for p in work.prompts]
+        await asyncio.gather(*(one_request(client, p, m, run) for p, m in zip(prompts, work.max_tokens, strict=True)))
         run.wall = time.perf_counter() - start
     assert run.output_tokens == work.output_tokens or run.errors, (run.output_tokens, work.output_tokens)
 
 
-async def long_prefill(url: str, run: Run) -> None:
-    prompt = [100 + (i * 7919) % 40000 for i in range(LONG_PROMPT_TOKENS)]
+async def long_prefill(url: str, run: Run, round_: int) -> None:
+    prompt = salted([100 + (i * 7919) % 40000 for i in range(LONG_PROMPT_TOKENS)], round_)
     probe = Run("long")
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         await one_request(client, prompt, 1, probe)
@@ -206,10 +213,10 @@ def vllm_server(venv: Path, dtype: str, extra: list[str]):
         log.close()
 
 
-def measure(name: str, url: str) -> Run:
+def measure(name: str, url: str, round_: int = 0) -> Run:
     run = Run(name)
-    asyncio.run(mixed_64(url, run))
-    asyncio.run(long_prefill(url, run))
+    asyncio.run(mixed_64(url, run, round_))
+    asyncio.run(long_prefill(url, run, round_))
     print(run.row(), flush=True)
     return run
 
@@ -249,7 +256,7 @@ def main() -> None:
         for round_ in range(args.rounds):
             # Who goes first alternates, so neither always meets the machine in the same state.
             for label, url in servers if round_ % 2 == 0 else servers[::-1]:
-                run = measure(label, url)
+                run = measure(label, url, round_)
                 runs[label].append(run)
                 rows.append(run.row())
     if args.rounds > 1:
