@@ -140,7 +140,9 @@ class CoreProcessEngine(EngineFront):
         self._watched: set[str] = set()
         self._dead = False
         self._context = zmq.Context()
-        directory = Path(tempfile.mkdtemp(prefix="tokenloom-core-"))
+        # The ipc:// sockets live here; the directory goes at shutdown.
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="tokenloom-core-")
+        directory = Path(self._socket_dir.name)
         self._inputs = self._context.socket(zmq.PUSH)
         self._inputs.bind(f"ipc://{directory / 'inputs'}")
         self._outputs = self._context.socket(zmq.PULL)
@@ -285,6 +287,7 @@ class CoreProcessEngine(EngineFront):
         self._inputs.close(linger=0)
         self._outputs.close(linger=0)
         self._context.term()
+        self._socket_dir.cleanup()
 
     def _watch(self, walk: str) -> None:
         """Asks the core to report a walk over its queue from now on (it costs a step nothing unless asked)."""

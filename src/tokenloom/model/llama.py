@@ -77,8 +77,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, fused), self.k_norm(k, fused)
-        if meta is None:  # the compiled graph: attention and the cache write are one opaque operator
+        if not fused:
             q, k = apply_rotary(q, k, *rope)
+        if meta is None:  # the compiled graph: attention and the cache write are one opaque operator
             out = layer_attention(q, k.reshape(num_tokens, self.kv_size), v, self.layer_index, self.scale)
         else:
             assert kv_cache is not None, "the eager step passes each layer its cache"
@@ -87,12 +88,9 @@ class Attention(nn.Module):
                 torch.ops.tokenloom.rotary_embedding_and_cache(
                     q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping
                 )
-                k = k.reshape(num_tokens, self.kv_size)
             else:
-                q, k = apply_rotary(q, k, *rope)
-                k = k.reshape(num_tokens, self.kv_size)
                 write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = paged_attention(q, k.reshape(num_tokens, self.kv_size), v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 

@@ -94,7 +94,9 @@ class TensorParallelWorkers:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self._context = zmq.Context()
-        directory = Path(tempfile.mkdtemp(prefix="tokenloom-tp-"))
+        # The ipc:// sockets live here; the directory goes at shutdown.
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="tokenloom-tp-")
+        directory = Path(self._socket_dir.name)
         self._replies = self._context.socket(zmq.PULL)
         self._replies.bind(f"ipc://{directory / 'replies'}")
         self._channels: list[zmq.Socket[bytes]] = []
@@ -162,6 +164,7 @@ class TensorParallelWorkers:
         for sock in [*self._channels, self._replies]:
             sock.close(linger=0)
         self._context.term()
+        self._socket_dir.cleanup()
         self._channels, self._processes = [], []
 
 

@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
+#include <memory>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -193,11 +193,13 @@ void prefill_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t key_blocks = (ctx + kKeys - 1) / kKeys;
   const int64_t block_k = (HD / 2) * kKeys, block_v = (kKeys / 2) * HD;
   const int64_t per_head = key_blocks * (block_k + block_v);
-  std::vector<uint32_t> packed(kv_heads * per_head);
+  // Every element is written by the packing pass before any is read: no zero fill (it runs once per layer and
+  // segment).
+  const std::unique_ptr<uint32_t[]> packed(new uint32_t[kv_heads * per_head]);
   at::parallel_for(0, kv_heads * key_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / key_blocks, b = item % key_blocks;
-      uint32_t* head = packed.data() + g * per_head;
+      uint32_t* head = packed.get() + g * per_head;
       pack_block<HD>(k_ptr + g * HD, v_ptr + g * HD, k.stride(0), v.stride(0), b * kKeys, ctx, head + b * block_k,
                      head + key_blocks * block_k + b * block_v);
     }
@@ -209,7 +211,7 @@ void prefill_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const int64_t item = dealt % 2 == 0 ? dealt / 2 : items - 1 - dealt / 2;
       const int64_t block = item / kv_heads, g = item % kv_heads;
       const int64_t q0 = block * kQueryTokens, q1 = std::min(n, q0 + kQueryTokens);
-      const uint32_t* head = packed.data() + g * per_head;
+      const uint32_t* head = packed.get() + g * per_head;
       attend_queries<HD>(q_ptr + g * group * HD, q.stride(0), head, head + key_blocks * block_k, past, q0, q1, group,
                          scale, out_ptr + g * group * HD, out.stride(0));
     }
