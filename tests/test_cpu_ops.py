@@ -1,4 +1,4 @@
-"""The fused C++ operators (csrc/fused.cpp, csrc/prefill_attention.cpp) against plain PyTorch, float32 and bf16."""
+"""The C++ operators (csrc/fused.cpp, csrc/prefill_attention.cpp, csrc/bf16_linear.cpp) against plain PyTorch."""
 
 from __future__ import annotations
 
@@ -124,3 +124,80 @@ def test_bf16_prefill_operator_matches_causal_attention(n, past, heads, kv_heads
         torch.ops.tokenloom.prefill_attention(q.float(), k.float(), v.float(), 0.1, own_k.float())
     with pytest.raises(RuntimeError, match="shaped as q"):
         torch.ops.tokenloom.prefill_attention(q, k, v, 0.1, own_k[1:])
+
+
+def needs_bf16_linear() -> None:
+    if not cpu_kernel.has_operator("bf16_linear"):
+        pytest.skip("the bf16 linear operator is built only for CPUs with AVX-512 BF16")
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 576), (64, 48), (128, 16)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 64, 300])  # whole and partial register tiles of 8 rows
+def test_bf16_linear_matches_a_float32_matmul(in_features, out_features, rows):
+    needs_bf16_linear()
+    g = torch.Generator().manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    packed = torch.ops.tokenloom.bf16_pack_weight(weight)
+    # x is a view with strided rows (as a slice of the step's hidden states can be); out too, inside a larger buffer.
+    x = torch.randn(rows, in_features + 10, generator=g).bfloat16()[:, 5 : 5 + in_features]
+    buffer = torch.full((rows, out_features + 16), float("nan"), dtype=torch.bfloat16)
+    torch.ops.tokenloom.bf16_linear(x, packed, buffer[:, 8 : 8 + out_features])
+    expected = x.float() @ weight.float().t()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(buffer[:, 8 : 8 + out_features].float(), expected, rtol=1e-2, atol=1e-2 * scale)
+    assert buffer[:, :8].isnan().all() and buffer[:, 8 + out_features :].isnan().all()
+
+
+def test_bf16_linear_shared_between_threads_is_the_same_every_call():
+    """The caller and a helper thread take units of one linear from a shared counter: every call, whoever ran which
+    unit, must give the same bits, and no unit may be skipped or run twice (a 49,152-wide head: many units)."""
+    needs_bf16_linear()
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(4096, 576, generator=g).bfloat16()
+    packed = torch.ops.tokenloom.bf16_pack_weight(weight)
+    x = torch.randn(24, 576, generator=g).bfloat16()
+    first = torch.empty(24, 4096, dtype=torch.bfloat16)
+    torch.ops.tokenloom.bf16_linear(x, packed, first)
+    torch.testing.assert_close(first.float(), x.float() @ weight.float().t(), rtol=1e-2, atol=0.5)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, threads):
+            torch.set_num_threads(count)
+            for _ in range(50):
+                again = torch.full_like(first, float("nan"))
+                torch.ops.tokenloom.bf16_linear(x, packed, again)
+                assert torch.equal(again, first)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_linear_checks_its_inputs():
+    needs_bf16_linear()
+    weight = torch.randn(32, 64).bfloat16()
+    packed = torch.ops.tokenloom.bf16_pack_weight(weight)
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.tokenloom.bf16_linear(x.float(), packed, torch.empty(4, 32))
+    with pytest.raises(RuntimeError, match="in features"):
+        torch.ops.tokenloom.bf16_linear(torch.randn(4, 62).bfloat16(), packed, torch.empty(4, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="out must be"):
+        torch.ops.tokenloom.bf16_linear(x, packed, torch.empty(4, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.tokenloom.bf16_pack_weight(torch.randn(20, 64).bfloat16())
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_packed_linear_uses_our_operator_unless_the_cpu_has_amx(monkeypatch, amx):
+    """With AMX, oneDNN's tile instructions win, so the weight goes to oneDNN; both paths compute the same linear."""
+    needs_bf16_linear()
+    from tokenloom.model import prepack
+
+    monkeypatch.setattr(prepack, "cpu_has_amx", lambda: amx)
+    g = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(2, 7, 64, generator=g).bfloat16()
+    layer = prepack.PackedLinear(weight, None)
+    assert layer.own is not amx
+    assert layer.packed.is_mkldnn is amx
+    out = layer(x)
+    assert out.shape == (2, 7, 96)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=5e-2)

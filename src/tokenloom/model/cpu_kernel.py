@@ -1,12 +1,15 @@
-"""The CPU attention operator ``torch.ops.tokenloom.paged_decode_attention``, built from ``csrc/`` on first use.
+"""The CPU operators in ``csrc/`` (``torch.ops.tokenloom.*``), built on first use.
 
-Plain PyTorch must copy each context out of its scattered blocks before it can multiply (a gather), so decode
-attention reads the context three times: to copy it, to write the copy, to use it. The C++ operator reads it once,
-in float32 or bfloat16. It is built with ``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
-half a minute) into the tokenloom cache, keyed by the source, the flags, torch's version and the CPU, and
-registered with ``torch.library``, so its inputs are checked (dtype, shape, contiguity, index types, block ids).
+Decode attention: plain PyTorch must copy each context out of its scattered blocks before it can multiply (a
+gather), so it reads the context three times: to copy it, to write the copy, to use it. The C++ operator reads it
+once, in float32 or bfloat16. Beside it: the fused norms, rotary and SiLU (fused.cpp), bf16 prefill attention and
+the bf16 linear with its packed weights (bf16_linear.cpp, used by prepack.py), the last two only where the compiler
+targets AVX-512 BF16. They are built with ``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
+half a minute) into the tokenloom cache, keyed by the sources, the flags, torch's version and the CPU, and
+registered with ``torch.library``, so their inputs are checked (dtype, shape, contiguity, index types, block ids).
 Without a compiler, on any device but the CPU, for other dtypes, or with TOKENLOOM_CPU_KERNEL=0, the engine uses the
-plain PyTorch path in attention.py, which computes the same thing and is tested against it.
+plain PyTorch paths (attention.py, oneDNN or ``F.linear``), which compute the same things and are tested against
+them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from tokenloom.model.gguf_convert import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp")
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp")
 ]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math
 # vectorises float sums and exp (glibc's SIMD expf is declared only under it); it also assumes no infinities, so

@@ -16,6 +16,12 @@ def cpu_has_native_bf16() -> bool:
     return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
 
 
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles for bfloat16, where oneDNN's GEMMs outrun our AVX-512 BF16 linear."""
+    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(capabilities.get("amx_bf16"))
+
+
 def accelerator_count(device_type: str) -> int:
     """How many devices of this type the machine has: 0 for the CPU, or for a type that is not its accelerator."""
     accelerator = torch.accelerator.current_accelerator()

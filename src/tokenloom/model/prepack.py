@@ -1,9 +1,12 @@
-"""Weights prepacked once for oneDNN, for bfloat16 linears on CPU.
+"""Weights packed once at load time, for bfloat16 linears on CPU.
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it reorders into its blocked layout inside every call.
-Reordering once at load time (what inductor's freezing does) took 11-20% off the model's matmuls at decode batch
-sizes on our AVX-512 BF16 machine (measured per layer shape, 32 and 64 rows). Elsewhere (float32, other devices,
-a torch without oneDNN) the model keeps its plain ``nn.Linear`` layers.
+Packing once at load time is what inductor's freezing does. Where the C++ operators are built for AVX-512 BF16 and
+the CPU has no AMX, the weights are packed for our own ``tokenloom::bf16_linear`` (csrc/bf16_linear.cpp), which on
+our machines is as fast as oneDNN on prefill-sized inputs and much faster on decode-sized ones, because it does not
+wait for a sleeping OpenMP thread to wake. Elsewhere (with AMX, whose tile instructions oneDNN uses) they are
+reordered for oneDNN, which took 11-20% off the model's matmuls at decode batch sizes against ``F.linear``. In
+float32, on other devices or without either, the model keeps its plain ``nn.Linear`` layers.
 
 The compiled step (compiled.py) cannot take a oneDNN tensor as a graph input, and inductor's own prepacking
 (freezing) makes its graphs uncacheable; so in a compiled graph a packed layer is the opaque operator
@@ -18,16 +21,27 @@ import weakref
 import torch
 from torch import nn
 
+from tokenloom.model import cpu_kernel
+from tokenloom.model.platform import cpu_has_amx
+
 DECODE_ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for: a full decode step
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    return device.type == "cpu" and dtype == torch.bfloat16 and (_onednn_available() or _own_linear_available())
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _own_linear_available() -> bool:
+    return not cpu_has_amx() and cpu_kernel.load_kernel() and cpu_kernel.has_operator("bf16_linear")
+
+
+def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    out_features, in_features = weight.shape
+    return bias is None and out_features % 16 == 0 and in_features % 2 == 0 and _own_linear_available()
 
 
 _packed_weights: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -36,7 +50,19 @@ _handles = itertools.count()
 
 @torch.library.custom_op("tokenloom::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weights[handle], bias, "none", [], "")
+    packed = _packed_weights[handle]
+    if packed.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return _own_linear(x, packed, out_features)
+
+
+def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
+    torch.ops.tokenloom.bf16_linear(rows, packed, out)
+    return out.view(*x.shape[:-1], out_features)
 
 
 @packed_linear.register_fake
@@ -45,12 +71,17 @@ def _packed_linear_shape(x: torch.Tensor, handle: int, bias: torch.Tensor | None
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight lives only in oneDNN's blocked layout."""
+    """A linear layer whose weight lives only in a packed layout: ours (bf16_linear) or oneDNN's blocked one."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), DECODE_ROWS_HINT)
+        plain = weight.detach().contiguous()
+        self.own = _fits_own_linear(plain, bias)
+        if self.own:
+            self.packed = torch.ops.tokenloom.bf16_pack_weight(plain)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, DECODE_ROWS_HINT)
         self.handle = next(_handles)  # numbered in build order: the same in every start, so compiled graphs cache
         _packed_weights[self.handle] = self.packed
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -58,6 +89,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, self.out_features)
+        if self.own:
+            return _own_linear(x, self.packed, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
