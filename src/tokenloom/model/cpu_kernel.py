@@ -26,10 +26,9 @@ from tokenloom.model.gguf_convert import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).with_name("csrc") / name
-    for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp")
-]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp")]
+HEADERS = [CSRC / "work_sharing.h"]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math
 # vectorises float sums and exp (glibc's SIMD expf is declared only under it); it also assumes no infinities, so
 # the sources use finite sentinels instead of -inf and clamp exponents that real activations can overflow.
@@ -56,7 +55,7 @@ def load_kernel() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    identity = "".join(p.read_text() for p in SOURCES) + " ".join(FLAGS) + torch.__version__ + _cpu_identity()
+    identity = "".join(p.read_text() for p in SOURCES + HEADERS) + " ".join(FLAGS) + torch.__version__ + _cpu_identity()
     name = "tokenloom_attention_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)

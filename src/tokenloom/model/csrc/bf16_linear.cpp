@@ -1,15 +1,8 @@
 // bfloat16 linears on CPUs with AVX-512 BF16 (and no AMX): tokenloom::bf16_pack_weight and tokenloom::bf16_linear.
 //
-// Why not oneDNN: at decode batch sizes a linear takes 10-700 us, and with OMP_WAIT_POLICY=PASSIVE (which we keep
-// so other processes on the machine are not starved) every OpenMP region first wakes its sleeping worker thread,
-// which on our VMs takes 50-100 us, and the region's static split then waits for it. A 4-row decode step spent
-// twice as long in oneDNN's linears as vLLM's spinning threads did.
-//
-// So these linears share work differently: the calling thread starts on the first unit at once, a helper thread
-// is rung and takes units from the same counter when it is awake, and the caller waits only for units the helper
-// has already taken (a unit is a few microseconds). A helper that wakes late costs only its absence; one that
-// sleeps through a short linear is never waited for. Helpers sleep on a futex between linears: nothing spins
-// while idle.
+// Why not oneDNN: at decode batch sizes a linear takes 10-700 us, and each of oneDNN's OpenMP regions first waits
+// for a sleeping worker thread to wake (see work_sharing.h); a 4-row decode step spent twice as long in oneDNN's
+// linears as vLLM's spinning threads did. These linears share their units of work through work_sharing.h instead.
 //
 // The weight is packed once for the bf16 dot-product instruction: for each block of 16 output features, the K
 // inputs in pairs, 16 features x 2 inputs to a 64-byte vector. A tile of up to 8 rows x 3 blocks keeps its 24
@@ -18,25 +11,18 @@
 // at 2,048), and 2-7x faster at 1-4 rows. With AMX, oneDNN's tile instructions are the faster path; this is not
 // used there.
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
-#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <mutex>
-#include <thread>
-#include <vector>
+
+#include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace {
 
@@ -44,100 +30,6 @@ constexpr int kBlock = 16;    // output features per vector
 constexpr int kMaxRows = 8;   // rows per register tile
 constexpr int kMaxBlocks = 3; // feature blocks per register tile
 constexpr int64_t kMinUnitBytes = 48 * 1024;  // weight bytes per unit of shared work: a few microseconds
-
-// ---- work sharing: the caller plus helper threads that sleep on a futex between jobs ----
-
-long futex(std::atomic<uint32_t>* word, int op, uint32_t value) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, nullptr, nullptr, 0);
-}
-
-class WorkSharing {
- public:
-  static WorkSharing& instance() {
-    static WorkSharing pool;
-    return pool;
-  }
-
-  // Runs body(unit) for every unit in [0, units), on the caller and any helper that is awake.
-  void run(int64_t units, const std::function<void(int64_t)>& body) {
-    TORCH_CHECK(units < (int64_t{1} << kCountBits), "bf16_linear: too many work units");
-    const int helpers = std::max(0, at::get_num_threads() - 1);
-    std::lock_guard<std::mutex> one_job_at_a_time(job_mutex_);
-    ensure_helpers(helpers);
-    if (helpers == 0 || units == 1) {
-      for (int64_t u = 0; u < units; ++u) body(u);
-      return;
-    }
-    body_ = &body;
-    done_.store(0, std::memory_order_relaxed);
-    generation_ = (generation_ + 1) & kGenerationMask;
-    ticket_.store(pack(generation_, 0, units), std::memory_order_release);
-    bell_.fetch_add(1, std::memory_order_release);
-    futex(&bell_, FUTEX_WAKE_PRIVATE, INT_MAX);
-    const int64_t mine = work(generation_, /*helper=*/false);
-    // Wait only for the units a helper has taken: each is a few microseconds unless its thread was preempted.
-    for (int spins = 0; done_.load(std::memory_order_acquire) + mine < units; ++spins) {
-      if (spins < 20000) {
-        _mm_pause();
-      } else {
-        std::this_thread::yield();
-      }
-    }
-    body_ = nullptr;
-  }
-
- private:
-  static constexpr int kCountBits = 20;
-  static constexpr uint64_t kCountMask = (uint64_t{1} << kCountBits) - 1;
-  static constexpr uint64_t kGenerationMask = (uint64_t{1} << (64 - 2 * kCountBits)) - 1;
-
-  static uint64_t pack(uint64_t generation, uint64_t next, uint64_t total) {
-    return (generation << (2 * kCountBits)) | (next << kCountBits) | total;
-  }
-
-  // Takes units of the job `generation` until none is left; returns how many this thread ran.
-  int64_t work(uint64_t generation, bool helper) {
-    int64_t ran = 0;
-    for (;;) {
-      uint64_t ticket = ticket_.load(std::memory_order_acquire);
-      const uint64_t next = (ticket >> kCountBits) & kCountMask, total = ticket & kCountMask;
-      if ((ticket >> (2 * kCountBits)) != generation || next >= total) return ran;
-      if (!ticket_.compare_exchange_weak(ticket, ticket + (uint64_t{1} << kCountBits), std::memory_order_acq_rel)) {
-        continue;
-      }
-      // The job cannot end (and body_ change) before this unit is counted done.
-      (*body_)(static_cast<int64_t>(next));
-      ++ran;
-      if (helper) done_.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  void helper_loop() {
-    for (;;) {
-      const uint32_t rung = bell_.load(std::memory_order_acquire);
-      const uint64_t generation = ticket_.load(std::memory_order_acquire) >> (2 * kCountBits);
-      work(generation, /*helper=*/true);
-      futex(&bell_, FUTEX_WAIT_PRIVATE, rung);  // returns at once if rung again since
-    }
-  }
-
-  void ensure_helpers(int helpers) {
-    while (static_cast<int>(threads_.size()) < helpers) {
-      threads_.emplace_back([this] { helper_loop(); });
-      threads_.back().detach();
-    }
-  }
-
-  std::mutex job_mutex_;
-  std::vector<std::thread> threads_;
-  std::atomic<uint32_t> bell_{0};
-  std::atomic<uint64_t> ticket_{0};
-  std::atomic<int64_t> done_{0};
-  uint64_t generation_ = 0;
-  const std::function<void(int64_t)>* body_ = nullptr;
-};
-
-// ---- the kernel ----
 
 inline __m512bh pair_broadcast(const c10::BFloat16* at) {
   float pair;
@@ -247,7 +139,7 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor out) 
       }
     }
   };
-  WorkSharing::instance().run(units, body);
+  tokenloom::WorkSharing::instance().run(units, body);
 }
 
 }  // namespace

@@ -14,8 +14,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <functional>
 #include <type_traits>
 #include <vector>
+
+#include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -194,46 +197,39 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
-  // One work item per sequence, its KV heads one after the other: the second and third passes over its rows
-  // find them in L2. The runner sorts decodes by context length and parallel_for hands each thread a contiguous
-  // range, so items are dealt from both ends (short, long, short, ...) to give every thread a similar load.
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
-    for (int64_t item = begin * num_kv_heads; item < end * num_kv_heads; ++item) {
-      const int64_t dealt = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t seq = dealt % 2 == 0 ? dealt / 2 : num_seqs - 1 - dealt / 2;
-      const int64_t q_offset = seq * q_stride + kv_head * group * head_dim;
-      const int64_t offset = seq * out_stride + kv_head * group * head_dim;
-      const T* k = k_ptr + kv_head * head_dim;
-      const T* v = v_ptr + kv_head * head_dim;
-      const int64_t* table = tables + seq * max_blocks;
-      const float s = static_cast<float>(scale);
+  // One unit per sequence and KV head, taken in order by whichever thread is free (work_sharing.h): longest
+  // contexts first (the runner sorts decodes by context length, ascending), so the last units taken are short and
+  // the threads finish together.
+  const float s = static_cast<float>(scale);
+  const std::function<void(int64_t)> body = [&](int64_t unit) {
+    thread_local std::vector<float> scratch;
+    const int64_t seq = num_seqs - 1 - unit / num_kv_heads, kv_head = unit % num_kv_heads;
+    const T* q_head = q_ptr + seq * q_stride + kv_head * group * head_dim;
+    T* out_head = out_ptr + seq * out_stride + kv_head * group * head_dim;
+    const T* k = k_ptr + kv_head * head_dim;
+    const T* v = v_ptr + kv_head * head_dim;
+    const int64_t* table = tables + seq * max_blocks;
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (head_dim == 64) {
-          attend_bf16_avx512<64>(q_ptr + q_offset, k, v, table, lens[seq], group, row, block_size, s, out_ptr + offset,
-                                 scratch);
-          continue;
-        }
-        if (head_dim == 128) {
-          attend_bf16_avx512<128>(q_ptr + q_offset, k, v, table, lens[seq], group, row, block_size, s,
-                                  out_ptr + offset, scratch);
-          continue;
-        }
-      }
-#endif
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (head_dim == 64) {
-        attend<T, 64>(q_ptr + q_offset, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_ptr + offset,
-                      scratch);
-      } else if (head_dim == 128) {
-        attend<T, 128>(q_ptr + q_offset, k, v, table, lens[seq], group, row, head_dim, block_size, s,
-                       out_ptr + offset, scratch);
-      } else {
-        attend<T, 0>(q_ptr + q_offset, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_ptr + offset,
-                     scratch);
+        attend_bf16_avx512<64>(q_head, k, v, table, lens[seq], group, row, block_size, s, out_head, scratch);
+        return;
+      }
+      if (head_dim == 128) {
+        attend_bf16_avx512<128>(q_head, k, v, table, lens[seq], group, row, block_size, s, out_head, scratch);
+        return;
       }
     }
-  });
+#endif
+    if (head_dim == 64) {
+      attend<T, 64>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
+    } else if (head_dim == 128) {
+      attend<T, 128>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
+    } else {
+      attend<T, 0>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
+    }
+  };
+  tokenloom::WorkSharing::instance().run(num_seqs * num_kv_heads, body);
 }
 
 // q: [num_seqs, heads, d], rows may be strided (a view into the fused qkv output); out: the same shape, rows may
