@@ -201,3 +201,27 @@ def test_packed_linear_uses_our_operator_unless_the_cpu_has_amx(monkeypatch, amx
     out = layer(x)
     assert out.shape == (2, 7, 96)
     torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 7, 64, 300])  # whole and partial register tiles of 6 rows
+@pytest.mark.parametrize("intermediate", [1536, 48])  # 48: an odd number of gate blocks, a tile of one pair at the end
+def test_gated_bf16_linear_matches_silu_of_gate_times_up(rows, intermediate):
+    """A fused [gate; up] projection packed by PackedLinear(gated=True) returns silu(gate) * up, as the model's
+    unfused path computes it, including gates far below -88 where e^-g overflows float32."""
+    needs_bf16_linear()
+    from tokenloom.model.prepack import PackedLinear
+
+    g = torch.Generator().manual_seed(rows + intermediate)
+    weight = torch.randn(2 * intermediate, 576, generator=g).div(8).bfloat16()
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    x[0, :8] = 200.0  # drives some of row 0's gates and ups to hundreds, of both signs
+    layer = PackedLinear(weight, None, gated=True)
+    assert layer.gated and layer.out_features == intermediate
+    out = layer(x)
+    gate, up = (x.float() @ weight.float().t()).chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    assert torch.isfinite(out).all()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+    with pytest.raises(RuntimeError, match="half the weight's out features"):
+        torch.ops.tokenloom.bf16_linear_silu_and_mul(x, layer.packed, torch.empty(rows, 2 * intermediate).bfloat16())

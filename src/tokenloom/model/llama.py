@@ -102,6 +102,8 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "gated", False):  # packed: the projection applies silu(gate) * up itself
+            return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x)))
         if fused:
             return self.tp.all_reduce(self.down_proj(torch.ops.tokenloom.silu_and_mul(self.gate_up_proj(x))))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -187,7 +189,7 @@ class CausalLM(nn.Module):
         head gets its own copy."""
         self._plain_head_weight = self._head_weight().detach()  # kept plain: the top logits are refined from it
         if layers:
-            prepack_linears(self.layers)
+            prepack_linears(self.layers, gated=frozenset({"gate_up_proj"}))
         self.lm_head = PackedLinear(self._plain_head_weight, None)  # a tied embedding stays, for lookups
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -45,6 +45,7 @@ def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 _packed_weights: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_gated_handles: set[int] = set()
 _handles = itertools.count()
 
 
@@ -53,15 +54,18 @@ def packed_linear(x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_f
     packed = _packed_weights[handle]
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return _own_linear(x, packed, out_features)
+    return _own_linear(x, packed, out_features, handle in _gated_handles)
 
 
-def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, gated: bool) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
-    torch.ops.tokenloom.bf16_linear(rows, packed, out)
+    if gated:
+        torch.ops.tokenloom.bf16_linear_silu_and_mul(rows, packed, out)
+    else:
+        torch.ops.tokenloom.bf16_linear(rows, packed, out)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -70,36 +74,54 @@ def _packed_linear_shape(x: torch.Tensor, handle: int, bias: torch.Tensor | None
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-class PackedLinear(nn.Module):
-    """A linear layer whose weight lives only in a packed layout: ours (bf16_linear) or oneDNN's blocked one."""
+def _gate_and_up_interleaved(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] -> blocks of 16 rows alternating gate, up: the order bf16_linear_silu_and_mul reads them in."""
+    gate, up = weight.chunk(2, dim=0)
+    return torch.stack([gate.reshape(-1, 16, weight.shape[1]), up.reshape(-1, 16, weight.shape[1])], dim=1).reshape(
+        weight.shape
+    )
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight lives only in a packed layout: ours (bf16_linear) or oneDNN's blocked one.
+
+    A gated one (``gated=True``, only on our path) holds a fused [gate; up] weight and returns silu(gate) * up,
+    computed from the float32 sums before anything is rounded or written: half the output, one pass."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         plain = weight.detach().contiguous()
         self.own = _fits_own_linear(plain, bias)
-        if self.own:
+        self.gated = gated and self.own and plain.shape[0] % 32 == 0
+        self.in_features = plain.shape[1]
+        self.out_features = plain.shape[0] // 2 if self.gated else plain.shape[0]
+        if self.gated:
+            self.packed = torch.ops.tokenloom.bf16_pack_weight(_gate_and_up_interleaved(plain))
+        elif self.own:
             self.packed = torch.ops.tokenloom.bf16_pack_weight(plain)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, DECODE_ROWS_HINT)
         self.handle = next(_handles)  # numbered in build order: the same in every start, so compiled graphs cache
         _packed_weights[self.handle] = self.packed
+        if self.gated:
+            _gated_handles.add(self.handle)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, self.out_features)
         if self.own:
-            return _own_linear(x, self.packed, self.out_features)
+            return _own_linear(x, self.packed, self.out_features, self.gated)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear under `model` by a PackedLinear; returns how many were packed."""
+def prepack_linears(model: nn.Module, gated: frozenset[str] = frozenset()) -> int:
+    """Replaces every nn.Linear under `model` by a PackedLinear; those named in `gated` (a fused [gate; up]
+    projection) return silu(gate) * up where our operator can (see PackedLinear.gated). Returns how many were packed."""
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                setattr(parent, name, PackedLinear(child.weight, child.bias, gated=name in gated))
                 packed += 1
     return packed

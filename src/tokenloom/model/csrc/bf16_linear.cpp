@@ -27,9 +27,15 @@
 namespace {
 
 constexpr int kBlock = 16;    // output features per vector
-constexpr int kMaxRows = 8;   // rows per register tile
-constexpr int kMaxBlocks = 3; // feature blocks per register tile
 constexpr int64_t kMinUnitBytes = 48 * 1024;  // weight bytes per unit of shared work: a few microseconds
+
+// Register tiles: rows x feature blocks of float32 accumulators (24 of the 32 vector registers). A gated tile's
+// blocks alternate gate and up, and it stores silu(gate) * up: half as many outputs.
+template <bool Gated>
+struct TileShape {
+  static constexpr int kRows = Gated ? 6 : 8;
+  static constexpr int kBlocks = Gated ? 4 : 3;
+};
 
 inline __m512bh pair_broadcast(const c10::BFloat16* at) {
   float pair;
@@ -37,9 +43,29 @@ inline __m512bh pair_broadcast(const c10::BFloat16* at) {
   return reinterpret_cast<__m512bh>(_mm512_set1_ps(pair));
 }
 
-// rows x blocks outputs: x rows [rows, K] (row stride ldx), w_blocks: `blocks` packed blocks one after another
-// (each K/2 vectors), out rows with stride ldo.
-template <int Rows, int Blocks>
+// e^x, 16 at a time, x clamped to [-87, 88] (finite either way: the build assumes no infinities): x = n ln2 + r,
+// e^r by a degree-6 polynomial (relative error ~2e-7).
+inline __m512 exp_clamped(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void store_bf16(c10::BFloat16* at, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+// Rows x Blocks outputs (Blocks / 2 when gated): x rows [Rows, K] (row stride ldx); w: Blocks packed blocks one
+// after another (each K / 2 vectors); out rows with stride ldo.
+template <int Rows, int Blocks, bool Gated>
 void tile(const c10::BFloat16* x, int64_t ldx, const __m512bh* w, int64_t pairs, c10::BFloat16* out, int64_t ldo) {
   __m512 acc[Rows][Blocks];
   for (int r = 0; r < Rows; ++r) {
@@ -54,30 +80,41 @@ void tile(const c10::BFloat16* x, int64_t ldx, const __m512bh* w, int64_t pairs,
     }
   }
   for (int r = 0; r < Rows; ++r) {
-    for (int b = 0; b < Blocks; ++b) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldo + b * kBlock),
-                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(acc[r][b])));
+    if constexpr (Gated) {
+      // silu(g) * u = g * u / (1 + e^-g), from the float32 sums (the unfused path rounds g and u to bf16 first).
+      for (int b = 0; b < Blocks / 2; ++b) {
+        const __m512 gate = acc[r][2 * b], up = acc[r][2 * b + 1];
+        const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
+        store_bf16(out + r * ldo + b * kBlock, _mm512_div_ps(_mm512_mul_ps(gate, up), denominator));
+      }
+    } else {
+      for (int b = 0; b < Blocks; ++b) store_bf16(out + r * ldo + b * kBlock, acc[r][b]);
     }
   }
 }
 
 using TileFn = void (*)(const c10::BFloat16*, int64_t, const __m512bh*, int64_t, c10::BFloat16*, int64_t);
 
-template <int Rows>
+template <int Rows, bool Gated>
 constexpr TileFn tile_for_blocks(int blocks) {
-  return blocks == 1 ? &tile<Rows, 1> : blocks == 2 ? &tile<Rows, 2> : &tile<Rows, 3>;
+  if constexpr (Gated) {
+    return blocks == 2 ? &tile<Rows, 2, true> : &tile<Rows, 4, true>;
+  } else {
+    return blocks == 1 ? &tile<Rows, 1, false> : blocks == 2 ? &tile<Rows, 2, false> : &tile<Rows, 3, false>;
+  }
 }
 
+template <bool Gated>
 TileFn tile_for(int rows, int blocks) {
   switch (rows) {
-    case 1: return tile_for_blocks<1>(blocks);
-    case 2: return tile_for_blocks<2>(blocks);
-    case 3: return tile_for_blocks<3>(blocks);
-    case 4: return tile_for_blocks<4>(blocks);
-    case 5: return tile_for_blocks<5>(blocks);
-    case 6: return tile_for_blocks<6>(blocks);
-    case 7: return tile_for_blocks<7>(blocks);
-    default: return tile_for_blocks<8>(blocks);
+    case 1: return tile_for_blocks<1, Gated>(blocks);
+    case 2: return tile_for_blocks<2, Gated>(blocks);
+    case 3: return tile_for_blocks<3, Gated>(blocks);
+    case 4: return tile_for_blocks<4, Gated>(blocks);
+    case 5: return tile_for_blocks<5, Gated>(blocks);
+    case 6: return tile_for_blocks<6, Gated>(blocks);
+    case 7: return tile_for_blocks<7, Gated>(blocks);
+    default: return tile_for_blocks<8, Gated>(blocks);
   }
 }
 
@@ -105,20 +142,25 @@ at::Tensor bf16_pack_weight(const at::Tensor& w) {
   return packed;
 }
 
-// x: [M, K] bfloat16 (rows may be strided); packed from bf16_pack_weight; out: [M, N] bfloat16, rows may be
+// x: [M, K] (rows may be strided) times a weight packed by bf16_pack_weight into out: [M, N], or with Gated a
+// weight whose 16-row blocks alternate gate and up into out: [M, N / 2] = silu(gate) * up. Rows of out may be
 // strided. No bias (the models here have none).
-void bf16_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor out) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && out.device().is_cpu(), "bf16_linear: CPU tensors");
+template <bool Gated>
+void linear(const char* name, const at::Tensor& x, const at::Tensor& packed, at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && out.device().is_cpu(), name, ": CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16,
-              "bf16_linear: bfloat16 only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
-              "bf16_linear: x [M, K] and out [M, N] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous(), "bf16_linear: packed weight from bf16_pack_weight");
-  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * kBlock;
-  TORCH_CHECK(packed.size(1) == k * kBlock, "bf16_linear: the packed weight's in features differ from x's");
-  TORCH_CHECK(out.size(0) == m && out.size(1) == n, "bf16_linear: out must be [M, N]");
+              name, ": bfloat16 only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, name,
+              ": x [M, K] and out [M, N] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous(), name, ": packed weight from bf16_pack_weight");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k * kBlock, name, ": the packed weight's in features differ from x's");
+  TORCH_CHECK(!Gated || blocks % 2 == 0, name, ": gate and up blocks must pair up");
+  TORCH_CHECK(out.size(0) == m && out.size(1) == (Gated ? blocks / 2 : blocks) * kBlock, name,
+              ": out must be [M, N]", Gated ? " with N half the weight's out features" : "");
   if (m == 0) return;
+  constexpr int kRows = TileShape<Gated>::kRows, kBlocks = TileShape<Gated>::kBlocks;
   const int64_t pairs = k / 2;
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   const auto* wp = reinterpret_cast<const __m512bh*>(packed.data_ptr<c10::BFloat16>());
@@ -126,20 +168,29 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor out) 
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
   // A unit: a run of tiles' worth of blocks (all rows), at least kMinUnitBytes of weight.
   const int64_t block_bytes = k * kBlock * 2;
-  const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * kMaxBlocks));
-  const int64_t blocks_per_unit = tiles_per_unit * kMaxBlocks;
+  const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * kBlocks));
+  const int64_t blocks_per_unit = tiles_per_unit * kBlocks;
   const int64_t units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
   const std::function<void(int64_t)> body = [&](int64_t unit) {
     const int64_t b0 = unit * blocks_per_unit, b1 = std::min(blocks, b0 + blocks_per_unit);
-    for (int64_t b = b0; b < b1; b += kMaxBlocks) {
-      const int nb = static_cast<int>(std::min<int64_t>(kMaxBlocks, b1 - b));
-      for (int64_t r = 0; r < m; r += kMaxRows) {
-        const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, m - r));
-        tile_for(nr, nb)(xp + r * ldx, ldx, wp + b * pairs, pairs, op + r * ldo + b * kBlock, ldo);
+    for (int64_t b = b0; b < b1; b += kBlocks) {
+      const int nb = static_cast<int>(std::min<int64_t>(kBlocks, b1 - b));
+      c10::BFloat16* out_block = op + (Gated ? b / 2 : b) * kBlock;
+      for (int64_t r = 0; r < m; r += kRows) {
+        const int nr = static_cast<int>(std::min<int64_t>(kRows, m - r));
+        tile_for<Gated>(nr, nb)(xp + r * ldx, ldx, wp + b * pairs, pairs, out_block + r * ldo, ldo);
       }
     }
   };
   tokenloom::WorkSharing::instance().run(units, body);
+}
+
+void bf16_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor out) {
+  linear<false>("bf16_linear", x, packed, out);
+}
+
+void bf16_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, at::Tensor out) {
+  linear<true>("bf16_linear_silu_and_mul", x, packed, out);
 }
 
 }  // namespace
@@ -147,11 +198,13 @@ void bf16_linear(const at::Tensor& x, const at::Tensor& packed, at::Tensor out) 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("bf16_pack_weight(Tensor w) -> Tensor");
   m.def("bf16_linear(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
+  m.def("bf16_linear_silu_and_mul(Tensor x, Tensor packed, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("bf16_pack_weight", &bf16_pack_weight);
   m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_linear_silu_and_mul", &bf16_linear_silu_and_mul);
 }
 
 #endif  // __AVX512BF16__
