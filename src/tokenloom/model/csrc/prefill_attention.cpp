@@ -13,7 +13,6 @@
 // rows streams every key block it can see with its accumulators, maxima and sums held in registers: no per-block
 // loads and stores of the running state, and the softmax's bookkeeping is paid once per 32 keys.
 
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,6 +21,8 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+
+#include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -196,25 +197,22 @@ void prefill_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   // Every element is written by the packing pass before any is read: no zero fill (it runs once per layer and
   // segment).
   const std::unique_ptr<uint32_t[]> packed(new uint32_t[kv_heads * per_head]);
-  at::parallel_for(0, kv_heads * key_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / key_blocks, b = item % key_blocks;
-      uint32_t* head = packed.get() + g * per_head;
-      pack_block<HD>(k_ptr + g * HD, v_ptr + g * HD, k.stride(0), v.stride(0), b * kKeys, ctx, head + b * block_k,
-                     head + key_blocks * block_k + b * block_v);
-    }
+  // Both passes share their units through work_sharing.h (no wait for a sleeping OpenMP worker).
+  tokenloom::WorkSharing& threads = tokenloom::WorkSharing::instance();
+  threads.run(kv_heads * key_blocks, [&](int64_t item) {
+    const int64_t g = item / key_blocks, b = item % key_blocks;
+    uint32_t* head = packed.get() + g * per_head;
+    pack_block<HD>(k_ptr + g * HD, v_ptr + g * HD, k.stride(0), v.stride(0), b * kKeys, ctx, head + b * block_k,
+                   head + key_blocks * block_k + b * block_v);
   });
-  const int64_t query_blocks = (n + kQueryTokens - 1) / kQueryTokens, items = query_blocks * kv_heads;
-  // Later query blocks see more keys; dealing items from both ends evens out the threads' work.
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t dealt = begin; dealt < end; ++dealt) {
-      const int64_t item = dealt % 2 == 0 ? dealt / 2 : items - 1 - dealt / 2;
-      const int64_t block = item / kv_heads, g = item % kv_heads;
-      const int64_t q0 = block * kQueryTokens, q1 = std::min(n, q0 + kQueryTokens);
-      const uint32_t* head = packed.get() + g * per_head;
-      attend_queries<HD>(q_ptr + g * group * HD, q.stride(0), head, head + key_blocks * block_k, past, q0, q1, group,
-                         scale, out_ptr + g * group * HD, out.stride(0));
-    }
+  const int64_t query_blocks = (n + kQueryTokens - 1) / kQueryTokens;
+  // Later query blocks see more keys: they are taken first, so the last units taken are short.
+  threads.run(query_blocks * kv_heads, [&](int64_t item) {
+    const int64_t block = query_blocks - 1 - item / kv_heads, g = item % kv_heads;
+    const int64_t q0 = block * kQueryTokens, q1 = std::min(n, q0 + kQueryTokens);
+    const uint32_t* head = packed.get() + g * per_head;
+    attend_queries<HD>(q_ptr + g * group * HD, q.stride(0), head, head + key_blocks * block_k, past, q0, q1, group,
+                       scale, out_ptr + g * group * HD, out.stride(0));
   });
 }
 
