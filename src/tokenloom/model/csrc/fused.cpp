@@ -7,7 +7,6 @@
 // OMP_WAIT_POLICY=PASSIVE, which we need so other processes on the machine are not starved). These ops do their
 // work on the calling thread below a size where threads pay off, and are one launch each above it.
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -15,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "work_sharing.h"
 
 namespace {
 
@@ -41,11 +42,12 @@ void dispatch(at::ScalarType type, const F& body) {
   }
 }
 
+// Rows in chunks of about kParallelElements, shared between threads through work_sharing.h.
 template <typename F>
 void for_rows(int64_t rows, int64_t row_elements, const F& body) {
   const int64_t grain = std::max<int64_t>(1, kParallelElements / std::max<int64_t>(row_elements, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) body(r);
+  tokenloom::WorkSharing::instance().run((rows + grain - 1) / grain, [&](int64_t chunk) {
+    for (int64_t r = chunk * grain, end = std::min(rows, r + grain); r < end; ++r) body(r);
   });
 }
 
