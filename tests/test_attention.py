@@ -150,3 +150,28 @@ def test_operator_reads_and_writes_strided_rows():
     cpu_kernel.paged_decode_attention(strided_q, cache_k, cache_v, tables, lens, BLOCK, 0.1, step_out[2:5])
     torch.testing.assert_close(step_out[2:5], expected)
     assert step_out[:2].isnan().all() and step_out[5:].isnan().all(), "rows outside the slice stay untouched"
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])  # 16 keys inside one block, or spread over two
+def test_bfloat16_operator_walks_blocks_of_any_size(block_size):
+    """The bf16 operator takes 16 keys at a time from one block when blocks hold a multiple of 16 (and prefetches
+    the next block), and key by key otherwise: both must read the same rows."""
+    needs_operator()
+    context_lens = [1, 15, 16, 17, 47, 70, 129]
+    heads, kv_heads, head_dim = 9, 3, 64
+    g = torch.Generator().manual_seed(block_size)
+    max_blocks = cdiv(max(context_lens), block_size)
+    num_blocks = max_blocks * len(context_lens) + 3
+    cache_k = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).bfloat16()
+    cache_v = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).bfloat16()
+    tables = torch.randperm(num_blocks, generator=g)[: max_blocks * len(context_lens)].view(len(context_lens), -1)
+    q = torch.randn(len(context_lens), heads, head_dim, generator=g).bfloat16()
+    lens = torch.tensor(context_lens)
+    out = cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size, head_dim**-0.5)
+    for i, ctx in enumerate(context_lens):
+        positions = torch.arange(ctx)
+        slots = tables[i, positions // block_size] * block_size + positions % block_size
+        k = cache_k[slots].float().view(ctx, kv_heads, head_dim)
+        v = cache_v[slots].float().view(ctx, kv_heads, head_dim)
+        reference = dense_reference(q[i].float(), k, v, head_dim**-0.5)
+        torch.testing.assert_close(out[i].float(), reference, atol=2e-2, rtol=2e-2)
