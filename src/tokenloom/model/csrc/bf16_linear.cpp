@@ -19,6 +19,7 @@
 #include <cstring>
 #include <functional>
 
+#include "avx512_exp.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
@@ -41,22 +42,6 @@ inline __m512bh pair_broadcast(const c10::BFloat16* at) {
   float pair;
   std::memcpy(&pair, at, sizeof(pair));
   return reinterpret_cast<__m512bh>(_mm512_set1_ps(pair));
-}
-
-// e^x, 16 at a time, x clamped to [-87, 88] (finite either way: the build assumes no infinities): x = n ln2 + r,
-// e^r by a degree-6 polynomial (relative error ~2e-7).
-inline __m512 exp_clamped(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 inline void store_bf16(c10::BFloat16* at, __m512 v) {
@@ -84,7 +69,7 @@ void tile(const c10::BFloat16* x, int64_t ldx, const __m512bh* w, int64_t pairs,
       // silu(g) * u = g * u / (1 + e^-g), from the float32 sums (the unfused path rounds g and u to bf16 first).
       for (int b = 0; b < Blocks / 2; ++b) {
         const __m512 gate = acc[r][2 * b], up = acc[r][2 * b + 1];
-        const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
+        const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), tokenloom::exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
         store_bf16(out + r * ldo + b * kBlock, _mm512_div_ps(_mm512_mul_ps(gate, up), denominator));
       }
     } else {

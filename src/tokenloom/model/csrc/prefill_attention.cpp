@@ -22,6 +22,7 @@
 #include <limits>
 #include <memory>
 
+#include "avx512_exp.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
@@ -34,22 +35,6 @@ constexpr int kQueryTokens = 32;  // query tokens per work item (times the heads
 // A row's running max before its first key: finite (the build assumes no infinities) and so low that e^(it - m)
 // is exactly 0 for any real score m.
 constexpr float kNoMax = -1e30f;
-
-// e^x for x <= 0, 16 at a time: x = n ln2 + r, e^r by a degree-6 polynomial (relative error ~2e-7).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 inline uint32_t pair_at(const c10::BFloat16* row, int64_t d) {
   uint32_t out;
@@ -133,8 +118,8 @@ inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, 
         row_max[i] = block_max;
       }
       const __m512 m = _mm512_set1_ps(row_max[i]);
-      const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, exp_nonpositive(_mm512_sub_ps(s_lo, m)));
-      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, exp_nonpositive(_mm512_sub_ps(s_hi, m)));
+      const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, tokenloom::exp_clamped(_mm512_sub_ps(s_lo, m)));
+      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, tokenloom::exp_clamped(_mm512_sub_ps(s_hi, m)));
       lane_sums[i] = _mm512_add_ps(lane_sums[i], _mm512_add_ps(p_lo, p_hi));
       // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
       _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));

@@ -1,0 +1,27 @@
+// e^x for 16 floats at once with AVX-512, for the operators' softmax and SiLU.
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace tokenloom {
+
+// x clamped to [-87, 88] (the results stay finite: the build assumes no infinities), x = n ln2 + r, e^r by a
+// degree-6 polynomial (relative error ~2e-7), scaled by 2^n.
+inline __m512 exp_clamped(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace tokenloom
+
+#endif  // __AVX512F__
