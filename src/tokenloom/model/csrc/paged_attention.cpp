@@ -6,15 +6,14 @@
 // heads that share a KV head are served by the same pass over its rows. Arithmetic is in float32 whatever the
 // storage dtype: bfloat16 rows are widened as they are read, and the softmax runs in float32.
 
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <functional>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -99,7 +98,9 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 template <int Hint>
 inline void prefetch_rows(const c10::BFloat16* first, int64_t row, int head_dim, int64_t rows) {
   for (int64_t j = 0; j < rows; ++j) {
-    for (int d = 0; d < head_dim; d += 32) _mm_prefetch(reinterpret_cast<const char*>(first + j * row + d), static_cast<_mm_hint>(Hint));
+    for (int d = 0; d < head_dim; d += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(first + j * row + d), static_cast<_mm_hint>(Hint));
+    }
   }
 }
 
@@ -179,11 +180,13 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
     __m512 even[kMaxGroup][kChunks], odd[kMaxGroup][kChunks];
     for (int64_t h = 0; h < heads; ++h)
       for (int c = 0; c < kChunks; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
-    const c10::BFloat16* v_block = nullptr;  // the current block's first row
-    for (int64_t t = 0; t < ctx; ++t) {
-      const int64_t in_block = t % block_size;
-      if (in_block == 0) v_block = row_of(v_cache, t);
+    const c10::BFloat16* v_block = row_of(v_cache, 0);  // the current block's first row: a lookup per block
+    for (int64_t t = 0, in_block = 0; t < ctx; ++t) {
       const c10::BFloat16* v = v_block + in_block * row;
+      if (++in_block == block_size && t + 1 < ctx) {
+        in_block = 0;
+        v_block = row_of(v_cache, t + 1);
+      }
       __m512 ve[kChunks], vo[kChunks];
       for (int c = 0; c < kChunks; ++c) {
         const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(v + c * 32));

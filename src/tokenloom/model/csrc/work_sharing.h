@@ -31,12 +31,12 @@ namespace tokenloom {
 class WorkSharing {
  public:
   static WorkSharing& instance() {
-    static WorkSharing pool;  // never destroyed: detached helpers may outlive static destruction
-    return pool;
+    static WorkSharing* pool = new WorkSharing();  // never destroyed: its detached helpers outlive static destruction
+    return *pool;
   }
 
   // Runs body(unit) once for every unit in [0, units), on the caller and on any helper that is awake. Jobs from
-  // different threads run one at a time.
+  // different threads run one at a time. body must not throw: a helper may still be running a unit of it.
   void run(int64_t units, const std::function<void(int64_t)>& body) {
     TORCH_CHECK(units >= 0 && units <= static_cast<int64_t>(kCountMask), "work sharing: too many units");
     const int helpers = kCanSleep ? std::max(0, at::get_num_threads() - 1) : 0;
@@ -114,7 +114,9 @@ class WorkSharing {
   }
 
 #if defined(__linux__)
-  void wake_all() { syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0); }
+  void wake_all() {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+  }
   void sleep_unless_rung_since(uint32_t rung) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell_), FUTEX_WAIT_PRIVATE, rung, nullptr, nullptr, 0);
   }
