@@ -7,19 +7,24 @@ they are emulated. On CUDA, bfloat16 where the device supports it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX-BF16), as torch reports it."""
-    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    capabilities = _cpu_capabilities()
     return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
 
 
 def cpu_has_amx() -> bool:
     """True when the CPU has AMX tiles for bfloat16, where oneDNN's GEMMs outrun our AVX-512 BF16 linear."""
-    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return bool(capabilities.get("amx_bf16"))
+    return bool(_cpu_capabilities().get("amx_bf16"))
+
+
+def _cpu_capabilities() -> Mapping[str, object]:
+    return torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
 
 
 def accelerator_count(device_type: str) -> int:

@@ -3,9 +3,8 @@
 // tokenloom::silu_and_mul.
 //
 // Each replaces three to six small torch ops. On a 2-core CPU a decode step's tensors are tiny (64 rows of 576),
-// so the cost of an op is mostly its launch: waking the OpenMP threads (tens of microseconds with
-// OMP_WAIT_POLICY=PASSIVE, which we need so other processes on the machine are not starved). These ops do their
-// work on the calling thread below a size where threads pay off, and are one launch each above it.
+// so these ops do their work on the calling thread below a size where a second thread pays off, and above it
+// share their rows through work_sharing.h (no wait for a sleeping OpenMP worker).
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -19,7 +18,7 @@
 
 namespace {
 
-// Below this many elements an op runs on the calling thread: waking the other costs more than it saves.
+// Below this many elements an op runs on the calling thread: ringing a helper costs more than it saves.
 constexpr int64_t kParallelElements = 1 << 17;
 
 inline float load(const float* p) { return *p; }
