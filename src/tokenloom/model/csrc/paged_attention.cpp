@@ -2,9 +2,11 @@
 // tokenloom::paged_decode_attention, so it is called, checked and traced like any other torch op.
 //
 // Plain PyTorch must first copy each context out of its scattered blocks (a gather) before it can multiply;
-// this kernel reads every cached row in place, once. Work is split over (sequence, KV head) pairs: the query
-// heads that share a KV head are served by the same pass over its rows. Arithmetic is in float32 whatever the
-// storage dtype: bfloat16 rows are widened as they are read, and the softmax runs in float32.
+// this kernel reads every cached row in place, once. Work is split over sequences, or over (sequence, KV head)
+// pairs when there are few: the query heads that share a KV head are served by the same pass over its rows.
+// Softmax and sums are in float32 whatever the storage dtype. The float32 path (and bfloat16 without AVX-512 BF16)
+// widens rows as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its probabilities rounded to
+// bf16 for the products with V as transformers' bfloat16 attention rounds them.
 
 #include <torch/library.h>
 
@@ -17,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx512_exp.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
@@ -96,12 +99,19 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 // elsewhere in memory where the hardware's stride prefetcher cannot see it coming. At 64 sequences x 350 tokens a
 // layer's decode attention took 1.1-1.3 ms with these prefetches against 1.5 ms without (blocks in order).
 template <int Hint>
-inline void prefetch_rows(const c10::BFloat16* first, int64_t row, int head_dim, int64_t rows) {
+inline void prefetch_rows(const c10::BFloat16* first, int64_t row, int elements, int64_t rows) {
   for (int64_t j = 0; j < rows; ++j) {
-    for (int d = 0; d < head_dim; d += 32) {
+    for (int d = 0; d < elements; d += 32) {
       _mm_prefetch(reinterpret_cast<const char*>(first + j * row + d), static_cast<_mm_hint>(Hint));
     }
   }
+}
+
+// A pair of bf16 at `at` in every lane, read as one float so the compiler makes it a broadcast load.
+inline __m512bh broadcast_pair(const void* at) {
+  float pair;
+  std::memcpy(&pair, at, sizeof(pair));
+  return (__m512bh)_mm512_castps_si512(_mm512_set1_ps(pair));
 }
 
 // 16 vectors in, one out: lane j holds the sum of v[j]'s 16 lanes. 45 shuffles and adds for 16 sums, where one
@@ -121,97 +131,170 @@ inline __m512 sum_each(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88), _mm512_shuffle_f32x4(q01, q23, 0xDD));
 }
 
-// The same pass for bfloat16 with AVX-512 BF16: q.k with the hardware's bf16 dot product (exact products, float32
-// sums), 16 keys at a time so their sums come out as one vector; no widening of K at all. V is widened by a shift
-// (even dims) and a mask (odd dims) of each pair, so its accumulators hold the dims de-interleaved until the end.
+// The 16 rows of keys t0 .. t0 + 15 (past the end of the context: its last row, repeated), with one table lookup
+// when they lie in one block.
+inline void group_rows(const c10::BFloat16* cache, const int64_t* table, int64_t t0, int64_t ctx, int64_t row,
+                       int64_t block_size, const c10::BFloat16** rows) {
+  auto row_of = [&](int64_t t) { return cache + (table[t / block_size] * block_size + t % block_size) * row; };
+  if (block_size % 16 == 0 && t0 + 16 <= ctx) {
+    const c10::BFloat16* first = row_of(t0);
+    for (int j = 0; j < 16; ++j) rows[j] = first + j * row;
+  } else {
+    for (int j = 0; j < 16; ++j) rows[j] = row_of(std::min(t0 + j, ctx - 1));
+  }
+}
+
+// A running maximum before any key: finite (the build assumes no infinities), low enough that e^(it - m) is 0.
+constexpr float kNoMax = -1e30f;
+
+// The same attention for bfloat16 with AVX-512 BF16, over `kv_heads` adjacent KV heads of one sequence (their rows
+// are adjacent in the cache, so a unit of several heads reads whole rows). The context streams through in chunks
+// of kChunk keys with an online softmax: each chunk's scores, then its V rows, so K and V are read in one sweep
+// and the rows that come next can be fetched from memory while the current ones are multiplied (a softmax over
+// the whole context first would leave memory idle through the V pass). q.k with the hardware's bf16 dot product
+// (exact products, float32 sums), 16 keys at a time so their sums come out as one vector; no widening of K at all.
+// V is widened by a shift (even dims) and a mask (odd dims) of each pair, so its accumulators hold the dims
+// de-interleaved until the end.
 template <int HD>
 void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                        const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_size,
-                        float scale, c10::BFloat16* out, std::vector<float>& scratch) {
+                        const int64_t* table, int64_t ctx, int64_t kv_heads, int64_t group, int64_t row,
+                        int64_t block_size, float scale, c10::BFloat16* out, std::vector<float>& scratch) {
   static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
-  constexpr int kChunks = HD / 32;   // bf16 vectors of 32 per row
+  constexpr int kChunks = HD / 32;  // bf16 vectors of 32 per row
   constexpr int kMaxGroup = 8;
-  const int64_t padded = (ctx + 15) / 16 * 16;
-  scratch.resize(group * padded);
-  float* scores = scratch.data();
-  auto row_of = [&](const c10::BFloat16* cache, int64_t t) {
-    return cache + (table[t / block_size] * block_size + t % block_size) * row;
-  };
-  for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
-    const int64_t heads = std::min<int64_t>(kMaxGroup, group - h0);
-    __m512bh qv[kMaxGroup][kChunks];
-    for (int64_t h = 0; h < heads; ++h)
-      for (int c = 0; c < kChunks; ++c)
-        qv[h][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + (h0 + h) * HD + c * 32));
-    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
-      const c10::BFloat16* rows[16];
-      if (block_size % 16 == 0 && t0 + 16 <= ctx) {
-        // 16 keys inside one block: one table lookup (and no division per key), rows a fixed stride apart.
-        const c10::BFloat16* first = row_of(k_cache, t0);
-        for (int j = 0; j < 16; ++j) rows[j] = first + j * row;
-        if (h0 == 0) {
-          // Memory is slower than this loop: fetch the K rows two groups ahead, and this group's V rows into L2
-          // for the second pass.
-          if (t0 + 32 < ctx) {
-            prefetch_rows<_MM_HINT_T0>(row_of(k_cache, t0 + 32), row, HD, std::min<int64_t>(16, ctx - t0 - 32));
-          }
-          prefetch_rows<_MM_HINT_T1>(row_of(v_cache, t0), row, HD, 16);
-        }
-      } else {
-        for (int j = 0; j < 16; ++j) rows[j] = row_of(k_cache, std::min(t0 + j, ctx - 1));  // past the end: repeated
+  constexpr int kChunk = 64;        // keys per step of the online softmax
+  const int64_t heads = kv_heads * group;
+  const int span = static_cast<int>(kv_heads * HD);  // elements of a row this unit reads
+  scratch.resize(heads * (kChunk + kChunk / 2 + HD + 2));
+  float* scores = scratch.data();          // [heads][kChunk]: the chunk's scores
+  // [heads][kChunk / 2]: its probabilities as bf16 pairs (keys 2i and 2i + 1)
+  uint32_t* probs = reinterpret_cast<uint32_t*>(scores + heads * kChunk);
+  float* acc = scores + heads * (kChunk + kChunk / 2);  // [heads][HD]: per 32 dims, as unpack_pairs orders them
+  float* run_max = acc + heads * HD;       // [heads]
+  float* run_sum = run_max + heads;        // [heads]
+  std::fill(acc, acc + heads * HD, 0.0f);
+  std::fill(run_max, run_max + heads, kNoMax);
+  std::fill(run_sum, run_sum + heads, 0.0f);
+  const c10::BFloat16* rows[16];
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
+    for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+      group_rows(k_cache, table, t0, ctx, row, block_size, rows);
+      if (t0 + 16 <= ctx) {
+        const c10::BFloat16* v_first = v_cache + (rows[0] - k_cache);
+        prefetch_rows<_MM_HINT_T1>(v_first, row, span, block_size % 16 == 0 ? 16 : 1);
       }
       for (int64_t h = 0; h < heads; ++h) {
+        const int64_t col = h / group * HD;  // the head's KV head within the row
+        __m512bh qv[kChunks];
+        for (int c = 0; c < kChunks; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + h * HD + c * 32));
         __m512 dots[16];
         for (int j = 0; j < 16; ++j) {
-          __m512 acc = _mm512_setzero_ps();
+          __m512 sum = _mm512_setzero_ps();
           for (int c = 0; c < kChunks; ++c) {
-            acc = _mm512_dpbf16_ps(acc, qv[h][c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + c * 32)));
+            sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + col + c * 32)));
           }
-          dots[j] = acc;
+          dots[j] = sum;
         }
-        _mm512_storeu_ps(scores + (h0 + h) * padded + t0, _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
+        _mm512_storeu_ps(scores + h * kChunk + (t0 - c0), _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
+      }
+    }
+    // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
+    const int groups = static_cast<int>((keys + 15) / 16);
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores + h * kChunk;
+      __m512 most = _mm512_set1_ps(kNoMax);
+      for (int g = 0; g < groups; ++g) {
+        const __mmask16 live = static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
+        most = _mm512_mask_max_ps(most, live, most, _mm512_loadu_ps(s + 16 * g));
+      }
+      const float chunk_max = _mm512_reduce_max_ps(most);
+      if (chunk_max > run_max[h]) {
+        if (run_max[h] != kNoMax) {
+          const __m512 correction = _mm512_set1_ps(std::exp(run_max[h] - chunk_max));
+          for (int d = 0; d < HD; d += 16) _mm512_storeu_ps(acc + h * HD + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * HD + d), correction));
+          run_sum[h] *= std::exp(run_max[h] - chunk_max);
+        }
+        run_max[h] = chunk_max;
+      }
+      const __m512 m = _mm512_set1_ps(run_max[h]);
+      __m512 total = _mm512_setzero_ps();
+      for (int g = 0; g < groups; ++g) {
+        const __mmask16 live = static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
+        const __m512 p = _mm512_maskz_mov_ps(live, tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
+        // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), (__m256i)_mm512_cvtneps_pbh(p));
+        total = _mm512_add_ps(total, p);
+      }
+      run_sum[h] += _mm512_reduce_add_ps(total);
+    }
+    // The chunk's V rows, weighted, per KV head and its query heads kMaxGroup at a time (accumulators in
+    // registers). Two keys per bf16 dot product: rows 2i and 2i + 1 interleaved into pairs of dims.
+    for (int64_t h0 = 0; h0 < heads; h0 += std::min<int64_t>(kMaxGroup, group - h0 % group)) {
+      const int64_t n = std::min<int64_t>(kMaxGroup, group - h0 % group);
+      const int64_t col = h0 / group * HD;
+      __m512 lo[kMaxGroup][kChunks], hi[kMaxGroup][kChunks];
+      for (int64_t h = 0; h < n; ++h) {
+        for (int c = 0; c < kChunks; ++c) {
+          lo[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32);
+          hi[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32 + 16);
+        }
+      }
+      for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+        group_rows(v_cache, table, t0, ctx, row, block_size, rows);
+        if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
+          // The next chunk's K rows, into L2 while this chunk's V rows are multiplied.
+          const c10::BFloat16* next[16];
+          group_rows(k_cache, table, t0 + kChunk, ctx, row, block_size, next);
+          prefetch_rows<_MM_HINT_T1>(next[0], row, span, block_size % 16 == 0 ? 16 : 1);
+        }
+        const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
+        for (int j = 0; j < live; j += 2) {
+          __m512bh pair_lo[kChunks], pair_hi[kChunks];
+          for (int c = 0; c < kChunks; ++c) {
+            const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + col + c * 32));
+            const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 1] + col + c * 32));
+            pair_lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            pair_hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+          }
+          const int64_t pair = (t0 - c0 + j) / 2;
+          for (int64_t h = 0; h < n; ++h) {
+            const __m512bh w = broadcast_pair(probs + (h0 + h) * (kChunk / 2) + pair);
+            for (int c = 0; c < kChunks; ++c) {
+              lo[h][c] = _mm512_dpbf16_ps(lo[h][c], w, pair_lo[c]);
+              hi[h][c] = _mm512_dpbf16_ps(hi[h][c], w, pair_hi[c]);
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < n; ++h) {
+        for (int c = 0; c < kChunks; ++c) {
+          _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32, lo[h][c]);
+          _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32 + 16, hi[h][c]);
+        }
       }
     }
   }
-  for (int64_t h = 0; h < group; ++h) softmax_rows(scores + h * padded, 1, ctx);
-  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
-    const int64_t heads = std::min<int64_t>(kMaxGroup, group - h0);
-    __m512 even[kMaxGroup][kChunks], odd[kMaxGroup][kChunks];
-    for (int64_t h = 0; h < heads; ++h)
-      for (int c = 0; c < kChunks; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
-    const c10::BFloat16* v_block = row_of(v_cache, 0);  // the current block's first row: a lookup per block
-    for (int64_t t = 0, in_block = 0; t < ctx; ++t) {
-      const c10::BFloat16* v = v_block + in_block * row;
-      if (++in_block == block_size && t + 1 < ctx) {
-        in_block = 0;
-        v_block = row_of(v_cache, t + 1);
-      }
-      __m512 ve[kChunks], vo[kChunks];
-      for (int c = 0; c < kChunks; ++c) {
-        const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(v + c * 32));
-        ve[c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));  // dims 2i of the chunk, widened exactly
-        vo[c] = _mm512_castsi512_ps(_mm512_and_si512(raw, odd_mask));  // dims 2i + 1
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        const __m512 w = _mm512_set1_ps(scores[(h0 + h) * padded + t]);
-        for (int c = 0; c < kChunks; ++c) {
-          even[h][c] = _mm512_fmadd_ps(w, ve[c], even[h][c]);
-          odd[h][c] = _mm512_fmadd_ps(w, vo[c], odd[h][c]);
-        }
-      }
-    }
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int c = 0; c < kChunks; ++c) {
-        // Round to nearest even, as c10::BFloat16 does, then interleave the even and odd dims back as bf16 pairs.
-        const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even[h][c]));
-        const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd[h][c]));
-        _mm512_storeu_si512(reinterpret_cast<void*>(out + (h0 + h) * HD + c * 32), _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
-      }
+  // unpacklo/hi_epi16 pair dims per 128-bit lane: lane 4L + m of `lo` holds dim 8L + m, of `hi` dim 8L + 4 + m.
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.0f / run_sum[h]);
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 lo = _mm512_loadu_ps(acc + h * HD + c * 32), hi = _mm512_loadu_ps(acc + h * HD + c * 32 + 16);
+      const __m512 dims_0_15 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), inv);
+      const __m512 dims_16_31 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), inv);
+      // Rounded to nearest even, as c10::BFloat16 does.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * HD + c * 32), (__m256i)_mm512_cvtneps_pbh(dims_0_15));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * HD + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(dims_16_31));
     }
   }
 }
 #endif
+
+// Sequences per thread from which a unit of work is a whole sequence rather than one of its KV heads: enough units
+// that the longest-first order still evens out the threads' loads.
+constexpr int64_t kSeqsPerThreadForWholeRows = 8;
 
 template <typename T>
 void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -231,9 +314,19 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   // contexts first (the runner sorts decodes by context length, ascending), so the last units taken are short and
   // the threads finish together.
   const float s = static_cast<float>(scale);
+  // bf16 units take every KV head of a sequence when there are enough sequences to keep the threads busy: whole
+  // cache rows are then read front to back, which the memory system streams better than a third of each row.
+  int64_t kv_per_unit = 1;
+#if defined(__AVX512BF16__)
+  if (std::is_same_v<T, c10::BFloat16> && (head_dim == 64 || head_dim == 128) &&
+      num_seqs >= kSeqsPerThreadForWholeRows * at::get_num_threads()) {
+    kv_per_unit = num_kv_heads;
+  }
+#endif
+  const int64_t units_per_seq = num_kv_heads / kv_per_unit;
   const std::function<void(int64_t)> body = [&](int64_t unit) {
     thread_local std::vector<float> scratch;
-    const int64_t seq = num_seqs - 1 - unit / num_kv_heads, kv_head = unit % num_kv_heads;
+    const int64_t seq = num_seqs - 1 - unit / units_per_seq, kv_head = unit % units_per_seq * kv_per_unit;
     const T* q_head = q_ptr + seq * q_stride + kv_head * group * head_dim;
     T* out_head = out_ptr + seq * out_stride + kv_head * group * head_dim;
     const T* k = k_ptr + kv_head * head_dim;
@@ -242,15 +335,16 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (head_dim == 64) {
-        attend_bf16_avx512<64>(q_head, k, v, table, lens[seq], group, row, block_size, s, out_head, scratch);
+        attend_bf16_avx512<64>(q_head, k, v, table, lens[seq], kv_per_unit, group, row, block_size, s, out_head, scratch);
         return;
       }
       if (head_dim == 128) {
-        attend_bf16_avx512<128>(q_head, k, v, table, lens[seq], group, row, block_size, s, out_head, scratch);
+        attend_bf16_avx512<128>(q_head, k, v, table, lens[seq], kv_per_unit, group, row, block_size, s, out_head, scratch);
         return;
       }
     }
 #endif
+    TORCH_CHECK(kv_per_unit == 1);
     if (head_dim == 64) {
       attend<T, 64>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
     } else if (head_dim == 128) {
@@ -259,7 +353,7 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       attend<T, 0>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
     }
   };
-  tokenloom::WorkSharing::instance().run(num_seqs * num_kv_heads, body);
+  tokenloom::WorkSharing::instance().run(num_seqs * units_per_seq, body);
 }
 
 // q: [num_seqs, heads, d], rows may be strided (a view into the fused qkv output); out: the same shape, rows may
