@@ -111,15 +111,17 @@ inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, 
       const __m512 s_lo = _mm512_mask_mul_ps(none, keep_lo, lo[i], sc);
       const __m512 s_hi = _mm512_mask_mul_ps(none, keep_hi, hi[i], sc);
       const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi));
-      if (block_max > row_max[i]) {  // rescale what was summed under the old maximum (0 on the row's first block)
-        const __m512 correction = _mm512_set1_ps(std::exp(row_max[i] - block_max));
-        for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_mul_ps(acc[i][l], correction);
-        lane_sums[i] = _mm512_mul_ps(lane_sums[i], correction);
+      if (block_max > row_max[i]) {
+        if (row_max[i] != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first block)
+          const __m512 correction = _mm512_set1_ps(std::exp(row_max[i] - block_max));
+          for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_mul_ps(acc[i][l], correction);
+          lane_sums[i] = _mm512_mul_ps(lane_sums[i], correction);
+        }
         row_max[i] = block_max;
       }
       const __m512 m = _mm512_set1_ps(row_max[i]);
-      const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, tokenloom::exp_clamped(_mm512_sub_ps(s_lo, m)));
-      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, tokenloom::exp_clamped(_mm512_sub_ps(s_hi, m)));
+      const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, tokenloom::exp_nonpositive(_mm512_sub_ps(s_lo, m)));
+      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, tokenloom::exp_nonpositive(_mm512_sub_ps(s_hi, m)));
       lane_sums[i] = _mm512_add_ps(lane_sums[i], _mm512_add_ps(p_lo, p_hi));
       // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
       _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));
