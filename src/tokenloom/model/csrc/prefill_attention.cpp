@@ -70,74 +70,94 @@ void pack_block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_stride
   }
 }
 
+// A tile's running state: R rows' accumulators, the sums of their probabilities (per lane) and their maxima.
+template <int HD, int R>
+struct TileState {
+  __m512 acc[R][HD / 16];
+  __m512 lane_sums[R];
+  float row_max[R];
+};
+
+// One block of keys (k0 on) for the tile's R rows. Half: only its first 16 keys can be seen by any row (the causal
+// edge), so the other 16 are skipped rather than computed and masked.
+template <int HD, int R, bool Half>
+__attribute__((always_inline)) inline void attend_block(TileState<HD, R>& st, const c10::BFloat16* const* qrows,
+                                                        const int64_t* keys, int64_t k0, const uint32_t* kt,
+                                                        const uint32_t* vt, float scale) {
+  constexpr int kPairs = HD / 2;
+  constexpr int kLanes = HD / 16;
+  __m512 lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (int p = 0; p < kPairs; ++p) {
+    const __m512bh k_lo = (__m512bh)_mm512_loadu_si512(kt + p * kKeys);
+    const __m512bh k_hi = Half ? k_lo : (__m512bh)_mm512_loadu_si512(kt + p * kKeys + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh qp = broadcast_pair(qrows[i] + 2 * p);
+      lo[i] = _mm512_dpbf16_ps(lo[i], qp, k_lo);
+      if constexpr (!Half) hi[i] = _mm512_dpbf16_ps(hi[i], qp, k_hi);
+    }
+  }
+  alignas(64) uint32_t prob_pairs[R][kKeys / 2];
+  for (int i = 0; i < R; ++i) {
+    const int64_t visible = std::clamp<int64_t>(keys[i] - k0, 0, kKeys);
+    const uint32_t keep = visible >= kKeys ? 0xFFFFFFFFu : (1u << visible) - 1;
+    const __mmask16 keep_lo = static_cast<__mmask16>(keep), keep_hi = Half ? 0 : static_cast<__mmask16>(keep >> 16);
+    const __m512 none = _mm512_set1_ps(kNoMax), sc = _mm512_set1_ps(scale);
+    const __m512 s_lo = _mm512_mask_mul_ps(none, keep_lo, lo[i], sc);
+    const __m512 s_hi = Half ? none : _mm512_mask_mul_ps(none, keep_hi, hi[i], sc);
+    const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi));
+    if (block_max > st.row_max[i]) {
+      if (st.row_max[i] != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first block)
+        const __m512 correction = _mm512_set1_ps(std::exp(st.row_max[i] - block_max));
+        for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_mul_ps(st.acc[i][l], correction);
+        st.lane_sums[i] = _mm512_mul_ps(st.lane_sums[i], correction);
+      }
+      st.row_max[i] = block_max;
+    }
+    const __m512 m = _mm512_set1_ps(st.row_max[i]);
+    const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, tokenloom::exp_nonpositive(_mm512_sub_ps(s_lo, m)));
+    // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
+    _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));
+    if constexpr (Half) {
+      st.lane_sums[i] = _mm512_add_ps(st.lane_sums[i], p_lo);
+    } else {
+      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, tokenloom::exp_nonpositive(_mm512_sub_ps(s_hi, m)));
+      st.lane_sums[i] = _mm512_add_ps(st.lane_sums[i], _mm512_add_ps(p_lo, p_hi));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i] + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
+    }
+  }
+  for (int j = 0; j < (Half ? kKeys / 4 : kKeys / 2); ++j) {
+    for (int l = 0; l < kLanes; ++l) {
+      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vt + j * HD + l * 16);
+      for (int i = 0; i < R; ++i) st.acc[i][l] = _mm512_dpbf16_ps(st.acc[i][l], broadcast_pair(&prob_pairs[i][j]), vv);
+    }
+  }
+}
+
 // R query rows (token and head pairs) against every key block they see. R independent chains of dot products keep
 // the vector unit busy, and each block of K^T and V is loaded once for R rows. keys[i]: how many keys row i sees.
 template <int HD, int R>
 inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, const uint32_t* packed_k,
                         const uint32_t* packed_v, float scale, c10::BFloat16* const* orows) {
-  constexpr int kPairs = HD / 2;
   constexpr int kLanes = HD / 16;
-  constexpr int64_t kBlockK = kPairs * kKeys, kBlockV = (kKeys / 2) * HD;
+  constexpr int64_t kBlockK = (HD / 2) * kKeys, kBlockV = (kKeys / 2) * HD;
   int64_t most = 0;
   for (int i = 0; i < R; ++i) most = std::max(most, keys[i]);
-  __m512 acc[R][kLanes];
-  __m512 lane_sums[R];
-  float row_max[R];
+  TileState<HD, R> st;
   for (int i = 0; i < R; ++i) {
-    for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_setzero_ps();
-    lane_sums[i] = _mm512_setzero_ps();
-    row_max[i] = kNoMax;
+    for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_setzero_ps();
+    st.lane_sums[i] = _mm512_setzero_ps();
+    st.row_max[i] = kNoMax;
   }
-  alignas(64) uint32_t prob_pairs[R][kKeys / 2];
-  for (int64_t k0 = 0, b = 0; k0 < most; k0 += kKeys, ++b) {
-    const uint32_t* kt = packed_k + b * kBlockK;
-    const uint32_t* vt = packed_v + b * kBlockV;
-    __m512 lo[R], hi[R];
-    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-    for (int p = 0; p < kPairs; ++p) {
-      const __m512bh k_lo = (__m512bh)_mm512_loadu_si512(kt + p * kKeys);
-      const __m512bh k_hi = (__m512bh)_mm512_loadu_si512(kt + p * kKeys + 16);
-      for (int i = 0; i < R; ++i) {
-        const __m512bh qp = broadcast_pair(qrows[i] + 2 * p);
-        lo[i] = _mm512_dpbf16_ps(lo[i], qp, k_lo);
-        hi[i] = _mm512_dpbf16_ps(hi[i], qp, k_hi);
-      }
-    }
-    for (int i = 0; i < R; ++i) {
-      const int64_t visible = std::clamp<int64_t>(keys[i] - k0, 0, kKeys);
-      const uint32_t keep = visible >= kKeys ? 0xFFFFFFFFu : (1u << visible) - 1;
-      const __mmask16 keep_lo = static_cast<__mmask16>(keep), keep_hi = static_cast<__mmask16>(keep >> 16);
-      const __m512 none = _mm512_set1_ps(kNoMax), sc = _mm512_set1_ps(scale);
-      const __m512 s_lo = _mm512_mask_mul_ps(none, keep_lo, lo[i], sc);
-      const __m512 s_hi = _mm512_mask_mul_ps(none, keep_hi, hi[i], sc);
-      const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi));
-      if (block_max > row_max[i]) {
-        if (row_max[i] != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first block)
-          const __m512 correction = _mm512_set1_ps(std::exp(row_max[i] - block_max));
-          for (int l = 0; l < kLanes; ++l) acc[i][l] = _mm512_mul_ps(acc[i][l], correction);
-          lane_sums[i] = _mm512_mul_ps(lane_sums[i], correction);
-        }
-        row_max[i] = block_max;
-      }
-      const __m512 m = _mm512_set1_ps(row_max[i]);
-      const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, tokenloom::exp_nonpositive(_mm512_sub_ps(s_lo, m)));
-      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, tokenloom::exp_nonpositive(_mm512_sub_ps(s_hi, m)));
-      lane_sums[i] = _mm512_add_ps(lane_sums[i], _mm512_add_ps(p_lo, p_hi));
-      // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
-      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i] + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
-    }
-    for (int j = 0; j < kKeys / 2; ++j) {
-      for (int l = 0; l < kLanes; ++l) {
-        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vt + j * HD + l * 16);
-        for (int i = 0; i < R; ++i) acc[i][l] = _mm512_dpbf16_ps(acc[i][l], broadcast_pair(&prob_pairs[i][j]), vv);
-      }
-    }
+  int64_t k0 = 0, b = 0;
+  for (; k0 + kKeys / 2 < most; k0 += kKeys, ++b) {
+    attend_block<HD, R, false>(st, qrows, keys, k0, packed_k + b * kBlockK, packed_v + b * kBlockV, scale);
   }
+  if (k0 < most) attend_block<HD, R, true>(st, qrows, keys, k0, packed_k + b * kBlockK, packed_v + b * kBlockV, scale);
   for (int i = 0; i < R; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lane_sums[i]));
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
     for (int l = 0; l < kLanes; ++l) {
-      const __m256bh x = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[i][l], inv));
+      const __m256bh x = _mm512_cvtneps_pbh(_mm512_mul_ps(st.acc[i][l], inv));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(orows[i] + l * 16), (__m256i)x);
     }
   }
