@@ -44,7 +44,7 @@ async def health_latencies(url: str, stop: asyncio.Event) -> list[float]:
 async def serve_under_watch(url: str, run: Run) -> list[float]:
     stop = asyncio.Event()
     watcher = asyncio.create_task(health_latencies(url, stop))
-    await mixed_64(url, run)
+    await mixed_64(url, run, 0)  # a fresh server each run: nothing cached from an earlier one
     stop.set()
     return await watcher
 
