@@ -2,8 +2,8 @@
 // tokenloom::paged_decode_attention, so it is called, checked and traced like any other torch op.
 //
 // Plain PyTorch must first copy each context out of its scattered blocks (a gather) before it can multiply;
-// this kernel reads every cached row in place, once. Work is split over sequences, or over (sequence, KV head)
-// pairs when there are few: the query heads that share a KV head are served by the same pass over its rows.
+// this kernel reads every cached row in place, once. Work is split over (sequence, KV head) pairs: the query
+// heads that share a KV head are served by the same pass over its rows.
 // Softmax and sums are in float32 whatever the storage dtype. The float32 path (and bfloat16 without AVX-512 BF16)
 // widens rows as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its probabilities rounded to
 // bf16 for the products with V as transformers' bfloat16 attention rounds them.
@@ -147,8 +147,7 @@ inline void group_rows(const c10::BFloat16* cache, const int64_t* table, int64_t
 // A running maximum before any key: finite (the build assumes no infinities), low enough that e^(it - m) is 0.
 constexpr float kNoMax = -1e30f;
 
-// The same attention for bfloat16 with AVX-512 BF16, over `kv_heads` adjacent KV heads of one sequence (their rows
-// are adjacent in the cache, so a unit of several heads reads whole rows). The context streams through in chunks
+// The same attention for bfloat16 with AVX-512 BF16. The context streams through in chunks
 // of kChunk keys with an online softmax: each chunk's scores, then its V rows, so K and V are read in one sweep
 // and the rows that come next can be fetched from memory while the current ones are multiplied (a softmax over
 // the whole context first would leave memory idle through the V pass). q.k with the hardware's bf16 dot product
@@ -157,14 +156,13 @@ constexpr float kNoMax = -1e30f;
 // (one unpack each), against the two keys' probabilities rounded to bf16.
 template <int HD>
 void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
-                        const int64_t* table, int64_t ctx, int64_t kv_heads, int64_t group, int64_t row,
-                        int64_t block_size, float scale, c10::BFloat16* out, std::vector<float>& scratch) {
+                        const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_size,
+                        float scale, c10::BFloat16* out, std::vector<float>& scratch) {
   static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
   constexpr int kChunks = HD / 32;  // bf16 vectors of 32 per row
   constexpr int kMaxGroup = 8;
   constexpr int kChunk = 64;        // keys per step of the online softmax
-  const int64_t heads = kv_heads * group;
-  const int span = static_cast<int>(kv_heads * HD);  // elements of a row this unit reads
+  const int64_t heads = group;  // the query heads that share this KV head
   scratch.resize(heads * (kChunk + kChunk / 2 + HD + 2));
   float* scores = scratch.data();          // [heads][kChunk]: the chunk's scores
   // [heads][kChunk / 2]: its probabilities as bf16 pairs (keys 2i and 2i + 1)
@@ -182,10 +180,9 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
       group_rows(k_cache, table, t0, ctx, row, block_size, rows);
       if (t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half (V lies as K does)
         const c10::BFloat16* v_first = v_cache + (rows[0] - k_cache);
-        prefetch_rows<_MM_HINT_T1>(v_first, row, span, block_size % 16 == 0 ? 16 : 1);
+        prefetch_rows<_MM_HINT_T1>(v_first, row, HD, block_size % 16 == 0 ? 16 : 1);
       }
       for (int64_t h = 0; h < heads; ++h) {
-        const int64_t col = h / group * HD;  // the head's KV head within the row
         __m512bh qv[kChunks];
         for (int c = 0; c < kChunks; ++c) {
           qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + h * HD + c * 32));
@@ -194,7 +191,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
         for (int j = 0; j < 16; ++j) {
           __m512 sum = _mm512_setzero_ps();
           for (int c = 0; c < kChunks; ++c) {
-            const void* k = rows[j] + col + c * 32;
+            const void* k = rows[j] + c * 32;
             sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(k));
           }
           dots[j] = sum;
@@ -235,11 +232,10 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
       }
       run_sum[h] += _mm512_reduce_add_ps(total);
     }
-    // The chunk's V rows, weighted, per KV head and its query heads kMaxGroup at a time (accumulators in
-    // registers). Two keys per bf16 dot product: rows 2i and 2i + 1 interleaved into pairs of dims.
-    for (int64_t h0 = 0; h0 < heads; h0 += std::min<int64_t>(kMaxGroup, group - h0 % group)) {
-      const int64_t n = std::min<int64_t>(kMaxGroup, group - h0 % group);
-      const int64_t col = h0 / group * HD;
+    // The chunk's V rows, weighted, for kMaxGroup query heads at a time (their accumulators live in registers).
+    // Two keys per bf16 dot product: rows 2i and 2i + 1 interleaved into pairs of dims.
+    for (int64_t h0 = 0; h0 < heads; h0 += kMaxGroup) {
+      const int64_t n = std::min<int64_t>(kMaxGroup, heads - h0);
       __m512 lo[kMaxGroup][kChunks], hi[kMaxGroup][kChunks];
       for (int64_t h = 0; h < n; ++h) {
         for (int c = 0; c < kChunks; ++c) {
@@ -253,14 +249,14 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
           // The next chunk's K rows, into L2 while this chunk's V rows are multiplied.
           const c10::BFloat16* next[16];
           group_rows(k_cache, table, t0 + kChunk, ctx, row, block_size, next);
-          prefetch_rows<_MM_HINT_T1>(next[0], row, span, block_size % 16 == 0 ? 16 : 1);
+          prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
         }
         const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
         for (int j = 0; j < live; j += 2) {
           __m512bh pair_lo[kChunks], pair_hi[kChunks];
           for (int c = 0; c < kChunks; ++c) {
-            const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + col + c * 32));
-            const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 1] + col + c * 32));
+            const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + c * 32));
+            const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 1] + c * 32));
             pair_lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
             pair_hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
           }
@@ -299,10 +295,6 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
 }
 #endif
 
-// Sequences per thread from which a unit of work is a whole sequence rather than one of its KV heads: enough units
-// that the longest-first order still evens out the threads' loads.
-constexpr int64_t kSeqsPerThreadForWholeRows = 8;
-
 template <typename T>
 void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
@@ -321,19 +313,9 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   // contexts first (the runner sorts decodes by context length, ascending), so the last units taken are short and
   // the threads finish together.
   const float s = static_cast<float>(scale);
-  // bf16 units take every KV head of a sequence when there are enough sequences to keep the threads busy: whole
-  // cache rows are then read front to back, which the memory system streams better than a third of each row.
-  int64_t kv_per_unit = 1;
-#if defined(__AVX512BF16__)
-  if (std::is_same_v<T, c10::BFloat16> && (head_dim == 64 || head_dim == 128) &&
-      num_seqs >= kSeqsPerThreadForWholeRows * at::get_num_threads()) {
-    kv_per_unit = num_kv_heads;
-  }
-#endif
-  const int64_t units_per_seq = num_kv_heads / kv_per_unit;
   const std::function<void(int64_t)> body = [&](int64_t unit) {
     thread_local std::vector<float> scratch;
-    const int64_t seq = num_seqs - 1 - unit / units_per_seq, kv_head = unit % units_per_seq * kv_per_unit;
+    const int64_t seq = num_seqs - 1 - unit / num_kv_heads, kv_head = unit % num_kv_heads;
     const T* q_head = q_ptr + seq * q_stride + kv_head * group * head_dim;
     T* out_head = out_ptr + seq * out_stride + kv_head * group * head_dim;
     const T* k = k_ptr + kv_head * head_dim;
@@ -342,16 +324,15 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (head_dim == 64) {
-        attend_bf16_avx512<64>(q_head, k, v, table, lens[seq], kv_per_unit, group, row, block_size, s, out_head, scratch);
+        attend_bf16_avx512<64>(q_head, k, v, table, lens[seq], group, row, block_size, s, out_head, scratch);
         return;
       }
       if (head_dim == 128) {
-        attend_bf16_avx512<128>(q_head, k, v, table, lens[seq], kv_per_unit, group, row, block_size, s, out_head, scratch);
+        attend_bf16_avx512<128>(q_head, k, v, table, lens[seq], group, row, block_size, s, out_head, scratch);
         return;
       }
     }
 #endif
-    TORCH_CHECK(kv_per_unit == 1);
     if (head_dim == 64) {
       attend<T, 64>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
     } else if (head_dim == 128) {
@@ -360,7 +341,7 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
       attend<T, 0>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
     }
   };
-  tokenloom::WorkSharing::instance().run(num_seqs * units_per_seq, body);
+  tokenloom::WorkSharing::instance().run(num_seqs * num_kv_heads, body);
 }
 
 // q: [num_seqs, heads, d], rows may be strided (a view into the fused qkv output); out: the same shape, rows may
