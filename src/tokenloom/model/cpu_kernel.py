@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp")]
-HEADERS = [CSRC / "work_sharing.h", CSRC / "avx512_exp.h"]
+HEADERS = [CSRC / "work_sharing.h", CSRC / "avx512_exp.h", CSRC / "bf16_vec.h"]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math
 # vectorises float sums and exp (glibc's SIMD expf is declared only under it); it also assumes no infinities, so
 # the sources use finite sentinels instead of -inf and clamp exponents that real activations can overflow.

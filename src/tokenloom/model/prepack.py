@@ -25,6 +25,7 @@ from tokenloom.model import cpu_kernel
 from tokenloom.model.platform import cpu_has_amx
 
 DECODE_ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for: a full decode step
+PACK_BLOCK = 16  # output features per block of bf16_pack_weight's layout (kBlock in csrc/bf16_linear.cpp)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -41,11 +42,10 @@ def _own_linear_available() -> bool:
 
 def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     out_features, in_features = weight.shape
-    return bias is None and out_features % 16 == 0 and in_features % 2 == 0 and _own_linear_available()
+    return bias is None and out_features % PACK_BLOCK == 0 and in_features % 2 == 0 and _own_linear_available()
 
 
 _packed_weights: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_gated_handles: set[int] = set()
 _handles = itertools.count()
 
 
@@ -54,15 +54,17 @@ def packed_linear(x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_f
     packed = _packed_weights[handle]
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return _own_linear(x, packed, out_features, handle in _gated_handles)
+    return _own_linear(x, packed, out_features)
 
 
-def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, gated: bool) -> torch.Tensor:
+def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x times a weight packed by bf16_pack_weight ([N / 16, K * 16]); a gated [gate; up] weight is the one whose
+    out_features are half its N, and gives silu(gate) * up."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
-    if gated:
+    if 2 * out_features == packed.shape[0] * PACK_BLOCK:
         torch.ops.tokenloom.bf16_linear_silu_and_mul(rows, packed, out)
     else:
         torch.ops.tokenloom.bf16_linear(rows, packed, out)
@@ -76,10 +78,8 @@ def _packed_linear_shape(x: torch.Tensor, handle: int, bias: torch.Tensor | None
 
 def _gate_and_up_interleaved(weight: torch.Tensor) -> torch.Tensor:
     """[gate; up] -> blocks of 16 rows alternating gate, up: the order bf16_linear_silu_and_mul reads them in."""
-    gate, up = weight.chunk(2, dim=0)
-    return torch.stack([gate.reshape(-1, 16, weight.shape[1]), up.reshape(-1, 16, weight.shape[1])], dim=1).reshape(
-        weight.shape
-    )
+    gate, up = (half.reshape(-1, PACK_BLOCK, weight.shape[1]) for half in weight.chunk(2, dim=0))
+    return torch.stack([gate, up], dim=1).reshape(weight.shape)
 
 
 class PackedLinear(nn.Module):
@@ -92,7 +92,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         plain = weight.detach().contiguous()
         self.own = _fits_own_linear(plain, bias)
-        self.gated = gated and self.own and plain.shape[0] % 32 == 0
+        self.gated = gated and self.own and plain.shape[0] % (2 * PACK_BLOCK) == 0
         self.in_features = plain.shape[1]
         self.out_features = plain.shape[0] // 2 if self.gated else plain.shape[0]
         if self.gated:
@@ -103,15 +103,13 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, DECODE_ROWS_HINT)
         self.handle = next(_handles)  # numbered in build order: the same in every start, so compiled graphs cache
         _packed_weights[self.handle] = self.packed
-        if self.gated:
-            _gated_handles.add(self.handle)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, self.out_features)
         if self.own:
-            return _own_linear(x, self.packed, self.out_features, self.gated)
+            return _own_linear(x, self.packed, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

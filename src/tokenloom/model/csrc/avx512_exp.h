@@ -25,7 +25,7 @@ inline __m512 exp_clamped(__m512 x) {
 // e^x for x <= 0 (a softmax's scores less their maximum) when ~4e-5 relative error is enough, as it is for
 // probabilities rounded to bf16: 2^(x log2 e) split into an integer power (scalef) and 2^f, f in [-1/2, 1/2], by a
 // degree-4 polynomial. Four fewer instructions than exp_clamped; no clamp is needed, as x below any real score
-// (the masks' -1e30) comes out 0.
+// (kNoMax, bf16_vec.h) comes out 0.
 inline __m512 exp_nonpositive(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -21,6 +21,7 @@
 #include <functional>
 
 #include "avx512_exp.h"
+#include "bf16_vec.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
@@ -39,12 +40,6 @@ struct TileShape {
   static constexpr int kBlocks = Gated ? 4 : 3;
 };
 
-inline __m512bh pair_broadcast(const c10::BFloat16* at) {
-  float pair;
-  std::memcpy(&pair, at, sizeof(pair));
-  return reinterpret_cast<__m512bh>(_mm512_set1_ps(pair));
-}
-
 inline void store_bf16(c10::BFloat16* at, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
@@ -61,7 +56,7 @@ void tile(const c10::BFloat16* x, int64_t ldx, const __m512bh* w, int64_t pairs,
     __m512bh wv[Blocks];
     for (int b = 0; b < Blocks; ++b) wv[b] = w[b * pairs + p];
     for (int r = 0; r < Rows; ++r) {
-      const __m512bh xv = pair_broadcast(x + r * ldx + 2 * p);
+      const __m512bh xv = tokenloom::broadcast_pair(x + r * ldx + 2 * p);
       for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
   }

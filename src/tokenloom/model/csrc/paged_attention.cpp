@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "avx512_exp.h"
+#include "bf16_vec.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
@@ -27,6 +28,8 @@
 #endif
 
 namespace {
+
+using tokenloom::kNoMax;
 
 inline float widen(float x) { return x; }
 
@@ -107,13 +110,6 @@ inline void prefetch_rows(const c10::BFloat16* first, int64_t row, int elements,
   }
 }
 
-// A pair of bf16 at `at` in every lane, read as one float so the compiler makes it a broadcast load.
-inline __m512bh broadcast_pair(const void* at) {
-  float pair;
-  std::memcpy(&pair, at, sizeof(pair));
-  return (__m512bh)_mm512_castps_si512(_mm512_set1_ps(pair));
-}
-
 // 16 vectors in, one out: lane j holds the sum of v[j]'s 16 lanes. 45 shuffles and adds for 16 sums, where one
 // horizontal reduction per vector would take about 7 each.
 inline __m512 sum_each(const __m512* v) {
@@ -143,9 +139,6 @@ inline void group_rows(const c10::BFloat16* cache, const int64_t* table, int64_t
     for (int j = 0; j < 16; ++j) rows[j] = row_of(std::min(t0 + j, ctx - 1));
   }
 }
-
-// A running maximum before any key: finite (the build assumes no infinities), low enough that e^(it - m) is 0.
-constexpr float kNoMax = -1e30f;
 
 // The same attention for bfloat16 with AVX-512 BF16. The context streams through in chunks
 // of kChunk keys with an online softmax: each chunk's scores, then its V rows, so K and V are read in one sweep
@@ -201,12 +194,14 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
     }
     // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
     const int groups = static_cast<int>((keys + 15) / 16);
+    auto live_keys = [&](int g) {  // the chunk's keys among the 16 of group g
+      return static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
+    };
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kChunk;
       __m512 most = _mm512_set1_ps(kNoMax);
       for (int g = 0; g < groups; ++g) {
-        const __mmask16 live = static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
-        most = _mm512_mask_max_ps(most, live, most, _mm512_loadu_ps(s + 16 * g));
+        most = _mm512_mask_max_ps(most, live_keys(g), most, _mm512_loadu_ps(s + 16 * g));
       }
       const float chunk_max = _mm512_reduce_max_ps(most);
       if (chunk_max > run_max[h]) {
@@ -223,8 +218,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
       const __m512 m = _mm512_set1_ps(run_max[h]);
       __m512 total = _mm512_setzero_ps();
       for (int g = 0; g < groups; ++g) {
-        const __mmask16 live = static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
-        const __m512 p = _mm512_maskz_mov_ps(live, tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
+        const __m512 p = _mm512_maskz_mov_ps(live_keys(g), tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
         // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
         const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
@@ -262,7 +256,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
           }
           const int64_t pair = (t0 - c0 + j) / 2;
           for (int64_t h = 0; h < n; ++h) {
-            const __m512bh w = broadcast_pair(probs + (h0 + h) * (kChunk / 2) + pair);
+            const __m512bh w = tokenloom::broadcast_pair(probs + (h0 + h) * (kChunk / 2) + pair);
             for (int c = 0; c < kChunks; ++c) {
               lo[h][c] = _mm512_dpbf16_ps(lo[h][c], w, pair_lo[c]);
               hi[h][c] = _mm512_dpbf16_ps(hi[h][c], w, pair_hi[c]);

@@ -23,6 +23,7 @@
 #include <memory>
 
 #include "avx512_exp.h"
+#include "bf16_vec.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
@@ -30,24 +31,16 @@
 
 namespace {
 
+using tokenloom::broadcast_pair;
+using tokenloom::kNoMax;
+
 constexpr int kKeys = 32;         // keys per block: two float32 vectors of scores
 constexpr int kQueryTokens = 32;  // query tokens per work item (times the heads sharing a KV head)
-// A row's running max before its first key: finite (the build assumes no infinities) and so low that e^(it - m)
-// is exactly 0 for any real score m.
-constexpr float kNoMax = -1e30f;
 
 inline uint32_t pair_at(const c10::BFloat16* row, int64_t d) {
   uint32_t out;
   std::memcpy(&out, row + d, sizeof(out));
   return out;
-}
-
-// A pair of bf16 at `at` in every lane. Read as one float so the compiler makes it a broadcast load (vbroadcastss
-// from memory: no vector ALU slot), not a scalar load and a register broadcast.
-inline __m512bh broadcast_pair(const void* at) {
-  float pair;
-  std::memcpy(&pair, at, sizeof(pair));
-  return (__m512bh)_mm512_castps_si512(_mm512_set1_ps(pair));
 }
 
 // One KV head's keys and values in the layout the dot products want, block by block of kKeys:
