@@ -277,11 +277,11 @@ def test_request_priority_cannot_jump_above_its_tenant(tiny_chat_model, tmp_path
         finished.append(name)
 
     try:
-        blocker = threading.Thread(target=send, args=("blocker", high, {"prompt": "block", "max_tokens": 300}))
+        blocker = threading.Thread(target=send, args=("blocker", high, {"prompt": "block", "max_tokens": 600}))
         blocker.start()
         assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1, headers=high) == 1
         sneaky = threading.Thread(
-            target=send, args=("low", low, {"prompt": "me first", "max_tokens": 4, "priority": -1000})
+            target=send, args=("low", low, {"prompt": "me first", "max_tokens": 64, "priority": -1000})
         )
         sneaky.start()
         assert proc.wait_for_metric("tokenloom:num_requests_waiting", lambda v: v == 1, headers=high) == 1
@@ -289,8 +289,10 @@ def test_request_priority_cannot_jump_above_its_tenant(tiny_chat_model, tmp_path
         honest.start()
         for thread in (blocker, sneaky, honest):
             thread.join(timeout=120)
-        # Had -1000 counted, "low" would have displaced the blocker and finished first.
-        assert finished == ["blocker", "high", "low"]
+        # Had -1000 counted, "low" would have displaced the blocker, or at least gone before "high". The blocker
+        # and "high" finish a few steps apart, so the order their client threads return in is left open.
+        assert sorted(finished) == ["blocker", "high", "low"]
+        assert finished[-1] == "low"
     finally:
         proc.stop()
 
