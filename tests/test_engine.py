@@ -324,6 +324,29 @@ def test_a_request_is_admitted_while_a_step_runs_and_joins_the_next(tiny_llama):
     assert front.stats().num_steps == 2
 
 
+def test_requests_that_join_the_same_step_queue_in_arrival_order(tiny_llama):
+    """A burst's requests finish validation in worker threads in any order; they are queued by arrival time (as
+    the server stamps it when a request has been read), so first come is first served."""
+    front = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), max_num_seqs=1)))
+    front.start()
+    now = time.monotonic()
+    arrivals = {"r0": now, "r1": now - 2.0, "r2": now - 1.0}  # submitted r0, r1, r2; arrived r1, r2, r0
+
+    async def submit_during_one_step() -> dict[str, float]:
+        front._lock.acquire()  # as a long step would: all three join the next one
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        streams = {rid: await front.submit([5, 6, 7], params, rid, arrival_time=t) for rid, t in arrivals.items()}
+        front._lock.release()
+        finals = {rid: [o async for o in stream][-1] for rid, stream in streams.items()}
+        return {rid: final.metrics.first_scheduled_time for rid, final in finals.items()}
+
+    try:
+        scheduled = asyncio.run(submit_during_one_step())
+    finally:
+        front.shutdown()
+    assert sorted(scheduled, key=scheduled.__getitem__) == ["r1", "r2", "r0"]  # one seat: served one by one
+
+
 def test_compiled_step_gives_the_eager_greedy_tokens(tiny_llama, solo_reference):
     """The torch.compile'd step (chunked prompts, preemption, mixed steps) against the eager solo runs."""
     from torch._dynamo.utils import counters

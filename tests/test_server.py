@@ -366,3 +366,35 @@ def test_queue_timeout_gives_503(tiny_chat_model):
         assert proc.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0) == 0
     finally:
         proc.stop()
+
+
+def test_a_request_arrives_when_its_body_has_been_read():
+    """The guard stamps a request's arrival (what FCFS order and TTFT count from) once the whole body is in, before
+    any handler runs: a request's place in the queue does not depend on how fast its tokenization finished."""
+    import time
+
+    from tokenloom.server.guard import Guard
+    from tokenloom.server.tenants import Tenant
+
+    seen: dict[str, float] = {}
+
+    async def app(scope, receive, send) -> None:
+        seen["arrival"] = scope["state"]["arrival_time"]
+        seen["handler"] = time.monotonic()
+        await receive()
+
+    guard = Guard(app, 1000, [], Tenant(name="default", keys=()), on_reject=lambda reason: None)
+    chunks = [{"type": "http.request", "body": b'{"a":', "more_body": True}, {"type": "http.request", "body": b"1}"}]
+    sent: list[float] = []
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        sent.append(time.monotonic())
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message) -> None:
+        raise AssertionError(f"nothing is sent here: {message}")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(guard(scope, receive, send))
+    assert sent[1] <= seen["arrival"] <= seen["handler"]  # after the last chunk, before the handler

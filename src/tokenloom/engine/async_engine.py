@@ -110,18 +110,20 @@ class AsyncEngine:
         request_id: str,
         priority: int = 0,
         tenant: str = "default",
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admits a request (raising RequestRejected or ValueError if it can't be) and returns its output stream.
 
         The stream yields the request's output after every step that gave it a token; the last one has
         finished=True. If the caller stops iterating (a client disconnected), the request is aborted and its
-        blocks freed within a step.
+        blocks freed within a step. ``arrival_time`` (monotonic; default now) orders it among the requests that
+        join the same step.
         """
         if self.draining:
             raise RequestRejected(Rejection.SERVER_DRAINING, "the server is shutting down")
         if not self.engine.healthy:
             raise RequestRejected(Rejection.ENGINE_UNAVAILABLE, "the engine core is not running")
-        arrival_time = time.monotonic()
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
@@ -208,6 +210,8 @@ class AsyncEngine:
     def _admit_pending(self) -> None:
         with self._admission:
             pending, self._pending = self._pending, []
+        # Validation runs in worker threads, which finish a burst in any order: queue by arrival instead.
+        pending.sort(key=lambda prepared: prepared.request.arrival_time)
         for prepared in pending:
             self.engine.add_prepared(prepared)
 

@@ -493,10 +493,11 @@ async def _admitted(
         metrics.request_max_tokens.observe(q.max_tokens)
     lease = _Lease(lambda: limiter.release(tenant))
     priority = _priority(body.priority, tenant)
+    arrival_time: float | None = getattr(raw.state, "arrival_time", None)
     submitted: list[AsyncGenerator[RequestOutput]] = []
 
     async def submit(prompt: list[int], q: SamplingParams, rid: str) -> AsyncGenerator[RequestOutput]:
-        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority)
+        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority, arrival_time)
         assert isinstance(stream, AsyncGenerator)  # the front's stream: closing it aborts the request
         submitted.append(stream)
         return stream
@@ -683,10 +684,17 @@ def _default_max_tokens(requested: int | None, tenant: Tenant, prompt_len: int, 
 
 
 async def _submit(
-    engine: AsyncEngine, metrics: ServerMetrics, tenant: Tenant, prompt_ids, params, request_id: str, priority: int
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    tenant: Tenant,
+    prompt_ids,
+    params,
+    request_id: str,
+    priority: int,
+    arrival_time: float | None,
 ):
     try:
-        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name)
+        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name, arrival_time)
     except RequestRejected as error:
         metrics.rejected_request(error.reason.value, tenant.name)
         raise _rejected(error) from error

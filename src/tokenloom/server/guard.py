@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -84,6 +85,9 @@ class Guard:
             if body is None:
                 return  # the client left before sending its body
             receive = _replay(body, receive)
+        # A request arrives when it has been read whole; FCFS order and TTFT count from here, not from when its
+        # handler got past tokenization (worker threads finish a burst's requests in any order).
+        scope["state"]["arrival_time"] = time.monotonic()
         await self.app(scope, receive, send)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
