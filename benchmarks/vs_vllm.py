@@ -116,7 +116,7 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: 
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 run.output_tokens += chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            if chunk.get("choices"):  # a token came, its text maybe empty (vLLM's benchmark times TTFT so too)
                 now = time.perf_counter()
                 if last is None:
                     run.ttfts.append(now - sent)

@@ -398,3 +398,27 @@ def test_a_request_arrives_when_its_body_has_been_read():
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
     asyncio.run(guard(scope, receive, send))
     assert sent[1] <= seen["arrival"] <= seen["handler"]  # after the last chunk, before the handler
+
+
+def test_a_completion_stream_sends_a_chunk_for_every_token_even_before_its_text_is_whole():
+    """The first token of "指" is half its UTF-8 bytes, so its text is held back; the chunk still goes out at once
+    (empty text), as vLLM sends it: a client times the first token on it, and the text comes whole after."""
+    from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from tokenloom.server.app import _CompletionShape
+
+    def output(text: str, tokens: list[int], finish_reason: str | None) -> RequestOutput:
+        completion = CompletionOutput(0, text, tokens, finish_reason)
+        metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=0.0, finished_time=None)
+        return RequestOutput("r", None, [1, 2], [completion], finish_reason is not None, metrics)
+
+    async def stream():
+        yield output("", [101], None)  # the first half of a character: nothing to show yet
+        yield output("指", [101, 102], None)
+        yield output("指!", [101, 102, 103], "length")
+
+    async def chunks() -> list[dict]:
+        return [choice async for choice, _ in _CompletionShape(None).chunks(stream(), logprobs=False)]
+
+    sent = asyncio.run(chunks())
+    assert [c["text"] for c in sent] == ["", "指", "!"]
+    assert [c["finish_reason"] for c in sent] == [None, None, "length"]

@@ -255,19 +255,20 @@ class _CompletionShape:
     async def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
     ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
-        """Each chunk carries the logprobs of the tokens that arrived since the last chunk, when asked for."""
+        """A chunk for every step that gave the request a token, as vLLM streams: its text may be empty (the bytes of
+        an unfinished character, or text held back while it may begin a stop string), but the client learns the
+        token came (TTFT is timed on it). Each carries the logprobs of the tokens since the last, when asked for."""
         sent_tokens, text_offset, first = 0, 0, True
         async for delta, finish_reason, output in _text_deltas(stream):
             prefix, lp = "", None
             if first:
                 prefix, lp, text_offset = self._echoed(output, logprobs)
                 first = False
-            if delta or finish_reason or prefix:
-                if logprobs:
-                    new, text_offset = _completion_logprobs(output, self.tokenizer, sent_tokens, text_offset)
-                    lp = _joined(lp, new)
-                    sent_tokens = len(output.outputs[0].token_ids)
-                yield {"index": 0, "text": prefix + delta, "logprobs": lp, "finish_reason": finish_reason}, output
+            if logprobs:
+                new, text_offset = _completion_logprobs(output, self.tokenizer, sent_tokens, text_offset)
+                lp = _joined(lp, new)
+                sent_tokens = len(output.outputs[0].token_ids)
+            yield {"index": 0, "text": prefix + delta, "logprobs": lp, "finish_reason": finish_reason}, output
 
     def _echoed(self, output: RequestOutput, logprobs: bool) -> tuple[str, dict[str, Any] | None, int]:
         """(the prompt's text, its logprobs, the text offset after it) under echo; else nothing."""
