@@ -77,7 +77,9 @@ async def send_one(client: httpx.AsyncClient, model: str | None, request: TraceR
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or []
-                if choices and choices[0].get("delta", {}).get("content"):
+                # A chunk with content carries a token, its text maybe empty (the first half of a character):
+                # TTFT and the gaps are timed on it, as vLLM's benchmark times them.
+                if choices and choices[0].get("delta", {}).get("content") is not None:
                     now = time.perf_counter()
                     if last is None:
                         record.ttft = now - sent
