@@ -11,7 +11,9 @@ has AVX-512 BF16 or AMX, float32 otherwise; both cores on the model), tokenloom 
 
 With --rounds N both servers stay up (one idle while the other is measured) and are measured N times,
 alternating who goes first, then each figure's median is added: this machine's speed drifts by 10-20% over
-minutes, more than the gap between the servers, so one run each can rank them either way.
+minutes, more than the gap between the servers, so one run each can rank them either way. Each measurement starts
+once the cores have been idle for a second (vLLM's worker polls a core for about a second after its last request).
+TTFT and ITL are timed on the chunks that carry a token, text or not, as vLLM's own benchmark times them.
 
 vLLM is installed into its own virtualenv outside the project if it is not there (../shared/PEERS.md explains
 the steps). This is a benchmark, not a test: CI never runs it. Loopback only; bounded in requests and time.
@@ -213,7 +215,34 @@ def vllm_server(venv: Path, dtype: str, extra: list[str]):
         log.close()
 
 
+def cpu_busy_fraction(seconds: float) -> float:
+    """How busy all cores were over the next `seconds` (/proc/stat), 0 to 1."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle and iowait
+        return sum(fields), idle
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_quiet_machine(limit: float = 20.0) -> float:
+    """Waits (at most `limit` seconds) until the cores are idle for a second: vLLM's worker keeps a core busy
+    polling for about a second after its last request, which would slow the start of whoever is measured next."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        if cpu_busy_fraction(0.5) < 0.1 and cpu_busy_fraction(0.5) < 0.1:
+            break
+    return time.monotonic() - started
+
+
 def measure(name: str, url: str, round_: int = 0) -> Run:
+    waited = wait_for_quiet_machine()
+    if waited > 1.5:
+        print(f"(waited {waited:.1f} s for the cores to go idle)", flush=True)
     run = Run(name)
     asyncio.run(mixed_64(url, run, round_))
     asyncio.run(long_prefill(url, run, round_))
