@@ -497,8 +497,10 @@ async def _admitted(
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
     submitted: list[AsyncGenerator[RequestOutput]] = []
 
-    async def submit(prompt: list[int], q: SamplingParams, rid: str) -> AsyncGenerator[RequestOutput]:
-        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority, arrival_time)
+    async def submit(
+        prompt: list[int], q: SamplingParams, rid: str, arrival: float | None = arrival_time
+    ) -> AsyncGenerator[RequestOutput]:
+        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority, arrival)
         assert isinstance(stream, AsyncGenerator)  # the front's stream: closing it aborts the request
         submitted.append(stream)
         return stream
@@ -512,8 +514,9 @@ async def _admitted(
                 streams.append(first)
                 continue
 
+            # The other choices arrive when they are forked, so a queue timeout counts from then.
             async def the_rest(prompt: list[int] = prompt, q: SamplingParams = q, i: int = i) -> list[AsyncGenerator]:
-                return [await submit(prompt, _choice_params(q, j), f"{request_id}-{i}-{j}") for j in range(1, n)]
+                return [await submit(prompt, _choice_params(q, j), f"{request_id}-{i}-{j}", None) for j in range(1, n)]
 
             streams.extend(_Fork(first, the_rest, n).streams)
         yield streams, lease

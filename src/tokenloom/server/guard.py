@@ -32,7 +32,8 @@ PUBLIC_PATHS = frozenset({"/health", "/ready"})
 class Guard:
     """Authenticates (401), bounds the body (413), and turns any unhandled exception into an OpenAI-style 500.
 
-    The tenant a key belongs to is put in ``scope["state"]["tenant"]``; ``on_reject(reason)`` counts refusals.
+    The tenant a key belongs to is put in ``scope["state"]["tenant"]``, and the monotonic time the request was read
+    whole in ``scope["state"]["arrival_time"]``; ``on_reject(reason)`` counts refusals.
     """
 
     def __init__(
