@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 from server_process import TINY_KV_POOL_ARGS, ServerProcess
+
+from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenloom.server.app import _CompletionShape
+from tokenloom.server.guard import Guard
+from tokenloom.server.tenants import Tenant
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -371,11 +377,6 @@ def test_queue_timeout_gives_503(tiny_chat_model):
 def test_a_request_arrives_when_its_body_has_been_read():
     """The guard stamps a request's arrival (what FCFS order and TTFT count from) once the whole body is in, before
     any handler runs: a request's place in the queue does not depend on how fast its tokenization finished."""
-    import time
-
-    from tokenloom.server.guard import Guard
-    from tokenloom.server.tenants import Tenant
-
     seen: dict[str, float] = {}
 
     async def app(scope, receive, send) -> None:
@@ -403,8 +404,6 @@ def test_a_request_arrives_when_its_body_has_been_read():
 def test_a_completion_stream_sends_a_chunk_for_every_token_even_before_its_text_is_whole():
     """The first token of "指" is half its UTF-8 bytes, so its text is held back; the chunk still goes out at once
     (empty text), as vLLM sends it: a client times the first token on it, and the text comes whole after."""
-    from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from tokenloom.server.app import _CompletionShape
 
     def output(text: str, tokens: list[int], finish_reason: str | None) -> RequestOutput:
         completion = CompletionOutput(0, text, tokens, finish_reason)
