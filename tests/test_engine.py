@@ -325,8 +325,8 @@ def test_a_request_is_admitted_while_a_step_runs_and_joins_the_next(tiny_llama):
 
 
 def test_requests_that_join_the_same_step_queue_in_arrival_order(tiny_llama):
-    """A burst's requests finish validation in worker threads in any order; they are queued by arrival time (as
-    the server stamps it when a request has been read), so first come is first served."""
+    """A burst's requests finish validation in worker threads in any order; the FCFS queue takes them by arrival
+    time (as the server stamps it when a request has been read), so first come is first served."""
     front = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), max_num_seqs=1)))
     front.start()
     now = time.monotonic()

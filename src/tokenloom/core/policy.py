@@ -18,7 +18,12 @@ class FCFSPolicy:
     name = "fcfs"
 
     def enqueue(self, waiting: deque[Request], request: Request) -> None:
-        waiting.append(request)
+        """Behind every request that arrived before it: one that reached the engine late (the server validates a
+        burst's requests in worker threads, which finish in any order) still goes before later arrivals."""
+        at = len(waiting)
+        while at > 0 and waiting[at - 1].arrival_time > request.arrival_time:
+            at -= 1
+        waiting.insert(at, request)
 
     def requeue(self, waiting: deque[Request], request: Request) -> None:
         """A preempted request goes back to the head: it was admitted before everyone still waiting."""

@@ -116,8 +116,7 @@ class AsyncEngine:
 
         The stream yields the request's output after every step that gave it a token; the last one has
         finished=True. If the caller stops iterating (a client disconnected), the request is aborted and its
-        blocks freed within a step. ``arrival_time`` (monotonic; default now) orders it among the requests that
-        join the same step.
+        blocks freed within a step. ``arrival_time`` (monotonic; default now) is its place in an FCFS queue.
         """
         if self.draining:
             raise RequestRejected(Rejection.SERVER_DRAINING, "the server is shutting down")
@@ -210,8 +209,6 @@ class AsyncEngine:
     def _admit_pending(self) -> None:
         with self._admission:
             pending, self._pending = self._pending, []
-        # Validation runs in worker threads, which finish a burst in any order: queue by arrival instead.
-        pending.sort(key=lambda prepared: prepared.request.arrival_time)
         for prepared in pending:
             self.engine.add_prepared(prepared)
 
