@@ -5,6 +5,7 @@
       cache: CacheConfig         the paged KV cache and its host swap pool
       scheduler: SchedulerConfig the step's budget and cap, chunking, the policy and the preemption mode
       parallel: ParallelConfig   tensor parallelism: how many processes share each layer
+      structured_outputs: StructuredOutputsConfig  what a request's grammar may cost: cache bytes, size, time
 
 Each part is built from its own config (the scheduler from SchedulerConfig, the KV cache from CacheConfig), so a
 new knob is one field in one class: the CLI flags (one per field, help from the docstring under it),
@@ -136,11 +137,32 @@ class ParallelConfig:
         _require(isinstance(size, int) and size > 0, "tensor_parallel_size must be a positive integer")
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    grammar_cache_bytes: int = 256 << 20
+    """Bytes the grammar compiler's cache of compiled grammars may hold; the least recently used go first (each
+    distinct JSON schema keeps its token-mask tables, ~1 MB per 300 properties on a 49k vocabulary)."""
+    max_grammar_bytes: int = 64 << 10
+    """The longest structured-output spec (JSON schema, regex, grammar, the choices together) a request may send;
+    longer gets 400."""
+    grammar_compile_timeout: float = 10.0
+    """Seconds a request's grammar may take to compile before the request gets 400. Compiles run in worker
+    threads, off the event loop and the engine's step; a compile past its deadline still finishes in its thread
+    (xgrammar cannot be interrupted) and its spec is then refused at once."""
+
+    def __post_init__(self) -> None:
+        for name in ("grammar_cache_bytes", "max_grammar_bytes"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"{name} must be a positive integer")
+        _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be positive")
+
+
 PARTS: dict[str, type] = {
     "model": ModelLoadConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "structured_outputs": StructuredOutputsConfig,
 }
 
 
@@ -150,6 +172,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = dataclasses.field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -150,7 +150,8 @@ class EngineCore:
             preemptor=self.preemptor,
         )
         eos = self.model_config.eos_token_ids
-        self.structured = StructuredOutputManager(GrammarCompiler(loaded.tokenizer, self.model_config.vocab_size, eos))
+        grammars = GrammarCompiler(loaded.tokenizer, self.model_config.vocab_size, eos, config.structured_outputs)
+        self.structured = StructuredOutputManager(grammars)
         self._failed_on_arrival: dict[str, Exception] = {}
         # Prompt logprobs by prompt token index, gathered chunk by chunk until the request's first token.
         self._prompt_logprobs: dict[str, dict[int, SampledToken]] = {}

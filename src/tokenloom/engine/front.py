@@ -47,7 +47,9 @@ class EngineFront(ABC):
     ) -> None:
         self.tokenizer = tokenizer
         eos = self.model_config.eos_token_ids
-        self._grammars = grammars or GrammarCompiler(tokenizer, self.model_config.vocab_size, eos)
+        self._grammars = grammars or GrammarCompiler(
+            tokenizer, self.model_config.vocab_size, eos, self.config.structured_outputs
+        )
         self.processor = OutputProcessor(tokenizer)
         self._limits = limits
         self._ids = itertools.count()

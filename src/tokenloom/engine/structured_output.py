@@ -13,11 +13,17 @@ runs out of tokens, as vLLM's ``disable_any_whitespace`` exists to prevent.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import TYPE_CHECKING, Any
 
+from tokenloom.config import StructuredOutputsConfig
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.sampler import GrammarMask
 from tokenloom.sampling_params import StructuredOutputsParams
@@ -34,35 +40,79 @@ class InvalidGrammar(ValueError):
 
 
 class GrammarCompiler:
-    """Compiles structured-output specs for one tokenizer; thread-safe, cached, xgrammar loaded on first use."""
+    """Compiles structured-output specs for one tokenizer within a budget; thread-safe, xgrammar loaded on first use.
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    What a spec may cost is bounded three ways: its size (``max_grammar_bytes``), its compile time
+    (``grammar_compile_timeout``, in a small pool of worker threads; xgrammar releases the GIL while it compiles),
+    and the memory the compiled grammars keep (xgrammar's cache, least recently used first out, under
+    ``grammar_cache_bytes``). A spec whose compile overran is remembered and refused at once when it comes again.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        budget: StructuredOutputsConfig | None = None,
+    ) -> None:
         self._tokenizer, self._vocab_size, self._stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self.budget = budget or StructuredOutputsConfig()
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._lock = threading.Lock()
+        # Two workers: a runaway compile holds one until it ends, and what waits for a worker waits on its deadline.
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_WORKERS, thread_name_prefix="tokenloom-grammar")
+        self._overran: OrderedDict[str, None] = OrderedDict()  # digests of specs that took too long
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def cache_bytes(self) -> int:
+        """What the compiled grammars kept for reuse take now."""
+        return 0 if self._compiler is None else int(self._compiler.get_cache_size_bytes())
+
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The spec's grammar; ValueError, naming what is wrong, if it does not compile."""
+        """The spec's grammar; InvalidGrammar (a ValueError), naming what is wrong, if it is too large, takes too
+        long, does not compile, or can match no text."""
+        kind, text = _source(spec)
+        size = len(text.encode())
+        if size > self.budget.max_grammar_bytes:
+            raise InvalidGrammar(
+                f"the structured-output {kind} is {size} bytes, over the limit of {self.budget.max_grammar_bytes}"
+            )
+        digest = hashlib.sha256(f"{kind}\0{text}".encode()).hexdigest()
+        timeout = self.budget.grammar_compile_timeout
+        overran = InvalidGrammar(f"the structured-output {kind} takes longer than {timeout:g}s to compile")
+        with self._lock:
+            if digest in self._overran:
+                raise overran
+        future = self._pool.submit(self._compiled, kind, text)
+        try:
+            return future.result(timeout=timeout)
+        except FuturesTimeout:
+            future.cancel()  # not started yet: it never will be
+            self._remember_overrun(digest)
+            raise overran from None
+
+    def _compiled(self, kind: str, text: str) -> xgrammar.CompiledGrammar:
         compiler = self._xgrammar_compiler()
         try:
-            if spec.json is not None:
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                return compiler.compile_json_schema(schema, any_whitespace=False)
-            if spec.json_object:
-                return compiler.compile_json_schema(ANY_JSON_OBJECT, any_whitespace=False)
-            if spec.regex is not None:
-                return compiler.compile_regex(spec.regex)
-            if spec.choice is not None:
-                return compiler.compile_regex("|".join(_regex_literal(c) for c in spec.choice))
-            assert spec.grammar is not None
-            return compiler.compile_grammar(spec.grammar)
+            if kind == "JSON schema":
+                grammar = compiler.compile_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                grammar = compiler.compile_regex(text)
+            else:
+                grammar = compiler.compile_grammar(text)
         except RuntimeError as error:  # xgrammar reports a bad schema, regex or grammar this way
-            kind = "JSON schema" if spec.json is not None else "regex" if spec.regex is not None else "grammar"
             raise InvalidGrammar(f"invalid {kind} for structured output: {_first_line(error)}") from None
+        _require_some_first_token(grammar, kind)
+        return grammar
+
+    def _remember_overrun(self, digest: str) -> None:
+        with self._lock:
+            self._overran[digest] = None
+            while len(self._overran) > OVERRUNS_REMEMBERED:
+                self._overran.popitem(last=False)
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:
@@ -74,8 +124,40 @@ class GrammarCompiler:
                 info = xgrammar.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
                 )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, max_threads=2, cache_limit_bytes=self.budget.grammar_cache_bytes
+                )
             return self._compiler
+
+
+COMPILE_WORKERS = 2
+OVERRUNS_REMEMBERED = 1024
+
+
+def _source(spec: StructuredOutputsParams) -> tuple[str, str]:
+    """(what kind of spec, its text as the compiler takes it)."""
+    if spec.json is not None:
+        return "JSON schema", spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+    if spec.json_object:
+        return "JSON schema", ANY_JSON_OBJECT
+    if spec.regex is not None:
+        return "regex", spec.regex
+    if spec.choice is not None:
+        return "regex", "|".join(_regex_literal(c) for c in spec.choice)
+    assert spec.grammar is not None
+    return "grammar", spec.grammar
+
+
+def _require_some_first_token(grammar: xgrammar.CompiledGrammar, kind: str) -> None:
+    """A grammar that allows no first token (``root ::= root``) can never be met: the caller's error, found here
+    rather than in the engine's step."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(grammar)
+    bitmask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    if not bool(bitmask.any()):
+        raise InvalidGrammar(f"the structured-output {kind} matches no text: no token can begin it")
 
 
 class StructuredOutputManager:
@@ -129,6 +211,12 @@ def _regex_literal(text: str) -> str:
 
 
 def _first_line(error: Exception) -> str:
+    """The error's first line, without the native library's time stamp and source path (internals a client has
+    no use for)."""
     lines = [line for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
-    return text.split("] ", 1)[-1] if text.startswith("[") else text
+    text = text.split("] ", 1)[-1] if text.startswith("[") else text
+    return _SOURCE_LOCATION.sub("", text).strip() or type(error).__name__
+
+
+_SOURCE_LOCATION = re.compile(r"(?:[\w.+-]*/)+[\w.+-]+\.(?:cc|cpp|cxx|h|hpp|py):\d+:?\s*")
