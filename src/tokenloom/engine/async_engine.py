@@ -63,8 +63,10 @@ class AsyncEngine:
         queue_timeout: float | None = None,
         max_num_queued_tokens: int | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
+        on_engine_death: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_engine_death = on_engine_death  # called once, on the engine thread, after in-flight work is failed
         self.max_num_queued_requests = max_num_queued_requests
         self.max_num_queued_tokens = max_num_queued_tokens
         self.queue_timeout = queue_timeout
@@ -221,6 +223,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopping:
+            if not self.engine.healthy:
+                self._after_engine_death()
+                return
             with self._lock:
                 self._admit_pending()  # before aborts: a request's abort may already be queued behind it
                 aborted = self._apply_aborts() + self._expire_queued() + self._cut_after_drain()
@@ -243,6 +248,20 @@ class AsyncEngine:
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+    def _after_engine_death(self) -> None:
+        """The core process or a rank is gone: what is in flight or waiting to join ends with a clear error, new
+        requests are refused (``submit`` checks health), and whoever runs the server is told, so it can exit."""
+        logger.error("the engine is gone (its core process or a tensor-parallel rank died)")
+        dead = RequestRejected(Rejection.ENGINE_UNAVAILABLE, "the engine core is not running")
+        with self._lock:
+            with self._admission:
+                pending, self._pending = self._pending, []
+            for prepared in pending:
+                self._deliver(prepared.request.request_id, dead)
+            self._fail_all(dead)
+        if self.on_engine_death is not None:
+            self.on_engine_death()
 
     def _apply_aborts(self) -> list[RequestOutput]:
         aborted: list[RequestOutput] = []

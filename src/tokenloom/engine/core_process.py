@@ -258,7 +258,9 @@ class CoreProcessEngine(EngineFront):
 
     @property
     def healthy(self) -> bool:
-        return not self._dead and self._process.is_alive()
+        if not self._dead and not self._process.is_alive():
+            self._dead = True  # nothing more is sent to it (a send to a gone peer queues until it blocks)
+        return not self._dead
 
     def stats(self) -> EngineStats:
         if self._stats is None:

@@ -137,8 +137,11 @@ async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(raw: Request) -> JSONResponse:
+    """Liveness: 503 from the moment the engine is gone (the server then exits), as vLLM's /health."""
+    if not _state(raw).engine.healthy:
+        return JSONResponse({"status": "engine_dead"}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/ready")

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +25,8 @@ from tokenloom.server.connections import with_header_timeout
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.tenants import load_tenants
 
+ENGINE_DEATH_GRACE_S = 3.0  # after the engine dies, for the error events of what was in flight to leave
+ENGINE_DIED_EXIT_CODE = 1
 API_KEY_ENV = "TOKENLOOM_API_KEY"  # as vLLM reads VLLM_API_KEY: a key kept out of `ps`
 
 
@@ -97,6 +100,7 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
 
         return serve_on_ray(server, engine_config)
     app, front = build_server(server, engine_config)
+    engine_died = threading.Event()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -128,5 +132,19 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         # time for those events to reach the clients before uvicorn closes the connections.
         timeout_graceful_shutdown=math.ceil(server.drain_timeout + 5.0),
     )
-    DrainingServer(config).run()
+    http_server = DrainingServer(config)
+
+    def exit_after_engine_death() -> None:
+        """As vLLM's API server: a server whose engine died exits non-zero, so a supervisor (Kubernetes' liveness
+        probe, systemd) restarts it. What was in flight has been failed with an error of its own; those errors
+        get a moment to reach their clients before the connections are cut."""
+        engine_died.set()
+        http_server.should_exit = True
+        threading.Timer(ENGINE_DEATH_GRACE_S, lambda: setattr(http_server, "force_exit", True)).start()
+
+    front.on_engine_death = exit_after_engine_death
+    http_server.run()
+    if engine_died.is_set():
+        logging.getLogger(__name__).error("exiting: the engine died")
+        return ENGINE_DIED_EXIT_CODE
     return 0
