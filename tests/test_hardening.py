@@ -439,3 +439,57 @@ def test_idle_and_slowloris_connections_are_closed(server):
         assert closed
     # A well-behaved client on a fresh connection is served.
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def _raw_exchange(port: int, request: bytes, timeout: float = 10.0) -> bytes:
+    """Sends the bytes as they are and reads until the server closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def _status_and_error(response: bytes) -> tuple[int, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body)["error"]
+
+
+COMPLETION = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2}).encode()
+
+
+def test_a_request_with_both_content_length_and_transfer_encoding_is_refused(server):
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(COMPLETION), COMPLETION)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-open\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%s"
+    ) % (len(COMPLETION), chunked)
+    status, error = _status_and_error(_raw_exchange(server.port, request))
+    assert status == 400 and error["code"] == "ambiguous_framing", error
+    # Each framing alone is served.
+    framings = ((b"Content-Length: %d" % len(COMPLETION), COMPLETION), (b"Transfer-Encoding: chunked", chunked))
+    for framing, body in framings:
+        alone = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-open\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n%s\r\n\r\n%s"
+        ) % (framing, body)
+        assert _raw_exchange(server.port, alone).startswith(b"HTTP/1.1 200"), framing
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        [(b"X-Big", b"a" * 100_000)],  # 100 KB in one header, sent whole
+        [(b"X-Many-%d" % i, b"v") for i in range(1000)],  # 1,000 small headers, 11 KB
+        [(b"X-Huge", b"b" * 1_000_000)],  # 1 MB: the client is still sending when the server decides
+    ],
+    ids=["100KB", "1000-headers", "1MB"],
+)
+def test_oversize_headers_get_431_with_an_error_body(server, headers):
+    lines = b"".join(b"%s: %s\r\n" % pair for pair in headers)
+    request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-open\r\n" + lines + b"\r\n"
+    status, error = _status_and_error(_raw_exchange(server.port, request))
+    assert status == 431 and error["code"] == "request_header_fields_too_large", error
+    assert httpx.get(f"{server.url}/v1/models", headers=OPEN, timeout=10).status_code == 200

@@ -228,6 +228,10 @@ class ServerConfig:
     """Seconds in-flight requests get to finish after SIGTERM; then they end with an error event."""
     header_timeout: float = 10.0
     """Seconds a connection has to send a request's headers (idle and slowloris connections are closed)."""
+    max_header_bytes: int = 16 * 1024
+    """The request line and headers over this many bytes get 431."""
+    max_header_count: int = 100
+    """More header fields than this get 431."""
     keep_alive_timeout: float = 5.0
     """Seconds an idle keep-alive connection stays open."""
     chat_template: str | None = None
@@ -256,7 +260,8 @@ class ServerConfig:
     the shorter queue)."""
 
     def __post_init__(self) -> None:
-        _require(self.max_body_bytes > 0, "max_body_bytes must be positive")
+        for name in ("max_body_bytes", "max_header_bytes", "max_header_count"):
+            _require(getattr(self, name) > 0, f"{name} must be positive")
         for name in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
             _require(getattr(self, name) > 0, f"{name} must be positive")
         _require(self.num_replicas >= 0 and self.max_replicas >= 1, "num_replicas >= 0 and max_replicas >= 1")

@@ -21,7 +21,7 @@ from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.core_process import CoreProcessEngine
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.server.app import build_app
-from tokenloom.server.connections import with_header_timeout
+from tokenloom.server.connections import with_header_limits
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.tenants import load_tenants
 
@@ -125,9 +125,9 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         host=server.host,
         port=server.port,
         log_level=server.log_level,
-        http=with_header_timeout(server.header_timeout),
+        http=with_header_limits(server.header_timeout, server.max_header_bytes, server.max_header_count),
         timeout_keep_alive=math.ceil(server.keep_alive_timeout),
-        h11_max_incomplete_event_size=16 * 1024,  # request line plus headers
+        h11_max_incomplete_event_size=server.max_header_bytes + 1,  # ours answers 431 first; h11's closes
         # The engine cuts what is still running at the drain timeout, with a final error event; this leaves
         # time for those events to reach the clients before uvicorn closes the connections.
         timeout_graceful_shutdown=math.ceil(server.drain_timeout + 5.0),
