@@ -16,6 +16,9 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
+from tokenloom.server.protocol import APIError
+from tokenloom.server.tenants import Tenant, TenantLimiter
+
 TENANTS = """
 [[tenant]]
 name = "capped"
@@ -28,12 +31,18 @@ keys = ["sk-single"]
 max_concurrent_requests = 1
 
 [[tenant]]
+name = "pair"
+keys = ["sk-pair"]
+max_concurrent_requests = 2
+
+[[tenant]]
 name = "open"
 keys = ["sk-open"]
 """
 CAPPED = {"Authorization": "Bearer sk-capped"}
 SINGLE = {"Authorization": "Bearer sk-single"}
 OPEN = {"Authorization": "Bearer sk-open"}
+PAIR = {"Authorization": "Bearer sk-pair"}
 HEADER_TIMEOUT_S = 1.0
 
 
@@ -493,3 +502,29 @@ def test_oversize_headers_get_431_with_an_error_body(server, headers):
     status, error = _status_and_error(_raw_exchange(server.port, request))
     assert status == 431 and error["code"] == "request_header_fields_too_large", error
     assert httpx.get(f"{server.url}/v1/models", headers=OPEN, timeout=10).status_code == 200
+
+
+def test_a_concurrency_cap_counts_sequences_not_requests(server):
+    """A cap of 2: n=128 (or 3 prompts) can never fit, a 400 at once; n=2 fits."""
+    plain = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    over = post(server, "/v1/completions", {**plain, "n": 128}, PAIR)
+    assert_openai_error(over, 400, "concurrency_over_cap", "n")
+    assert_openai_error(post(server, "/v1/completions", {**plain, "prompt": ["a", "b", "c"]}, PAIR), 400)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 3}
+    assert_openai_error(post(server, "/v1/chat/completions", chat, PAIR), 400, "concurrency_over_cap")
+    assert len(post(server, "/v1/completions", {**plain, "n": 2}, PAIR).json()["choices"]) == 2
+    assert post(server, "/v1/completions", {**plain, "n": 2}, PAIR).status_code == 200  # both slots came back
+
+
+def test_the_limiter_holds_a_slot_per_sequence_until_released():
+    pair = Tenant(name="pair", keys=("k",), max_concurrent_requests=2)
+    limiter = TenantLimiter()
+    limiter.acquire(pair, tokens=10, sequences=2)
+    with pytest.raises(APIError) as refused:
+        limiter.acquire(pair, tokens=10, sequences=1)
+    assert refused.value.status == 429 and refused.value.code == "concurrency_limit"
+    limiter.release(pair, sequences=2)
+    limiter.acquire(pair, tokens=10, sequences=1)
+    limiter.acquire(pair, tokens=10, sequences=1)
+    with pytest.raises(APIError):
+        limiter.acquire(pair, tokens=10, sequences=1)

@@ -474,6 +474,8 @@ async def _admitted(
 ) -> AsyncIterator[tuple[list[AsyncIterator[RequestOutput]], _Lease]]:
     """Applies the tenant's caps and limits, then admits the request's choices to the engine; yields their streams.
 
+    A tenant's concurrency cap counts sequences (each prompt's n choices), held for the request's whole life.
+
     Caps apply to what the request will really do, after defaults are filled in: a request that leaves out
     max_tokens gets the tenant's cap, not the rest of the context. The tenant's concurrency slot is held until
     the request ends: here for a plain response, or by the streaming response once the lease is transferred.
@@ -485,17 +487,19 @@ async def _admitted(
         _check_context(len(prompt), requested, max_model_len)
     try:
         params = []
+        sequences = len(prompts) * n
         for prompt in prompts:
-            limiter.check_caps(tenant, len(prompt), requested)
+            limiter.check_caps(tenant, len(prompt), requested, sequences)
             max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
             params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
-        limiter.acquire(tenant, sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True)))
+        tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
+        limiter.acquire(tenant, tokens, sequences)
     except APIError as error:
         metrics.rejected_request(error.code or "invalid", tenant.name)
         raise
     for q in params:
         metrics.request_max_tokens.observe(q.max_tokens)
-    lease = _Lease(lambda: limiter.release(tenant))
+    lease = _Lease(lambda: limiter.release(tenant, sequences))
     priority = _priority(body.priority, tenant)
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
     submitted: list[AsyncGenerator[RequestOutput]] = []

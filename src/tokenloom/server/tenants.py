@@ -5,7 +5,7 @@ name = "alice"
 keys = ["sk-alice-1"]
 priority = 0                  # lower runs first under the priority policy
 weight = 1.0                  # share under the fair policy
-max_concurrent_requests = 8
+max_concurrent_requests = 8   # sequences in flight: a request with n = 4 holds 4
 max_tokens = 1024             # cap on a request's max_tokens
 max_input_tokens = 4096
 requests_per_minute = 600
@@ -71,8 +71,16 @@ class TenantLimiter:
         self._requests: dict[str, deque[float]] = {}
         self._tokens: dict[str, deque[tuple[float, int]]] = {}
 
-    def check_caps(self, tenant: Tenant, prompt_tokens: int, max_tokens: int | None) -> None:
+    def check_caps(self, tenant: Tenant, prompt_tokens: int, max_tokens: int | None, sequences: int = 1) -> None:
         """Per-request caps: 400, since sending the same request again cannot succeed."""
+        cap = tenant.max_concurrent_requests
+        if cap is not None and sequences > cap:
+            raise APIError(
+                400,
+                f"the request asks for {sequences} sequences (prompts times n), over this key's cap of {cap} at once",
+                "n",
+                "concurrency_over_cap",
+            )
         if tenant.max_tokens is not None and max_tokens is not None and max_tokens > tenant.max_tokens:
             raise APIError(
                 400,
@@ -88,8 +96,10 @@ class TenantLimiter:
                 "input_over_cap",
             )
 
-    def acquire(self, tenant: Tenant, tokens: int) -> None:
-        """Takes one concurrency slot and charges the rate windows, or raises 429 with a Retry-After."""
+    def acquire(self, tenant: Tenant, tokens: int, sequences: int = 1) -> None:
+        """Takes a concurrency slot per sequence and charges the rate windows, or raises 429 with a Retry-After.
+
+        The cap counts sequences, not HTTP requests: one request with n = 128 runs 128 of them."""
         now = time.monotonic()
         with self._lock:
             requests = self._requests.setdefault(tenant.name, deque())
@@ -99,9 +109,12 @@ class TenantLimiter:
             while charged and now - charged[0][0] > WINDOW_S:
                 charged.popleft()
             active = self._active.get(tenant.name, 0)
-            if tenant.max_concurrent_requests is not None and active >= tenant.max_concurrent_requests:
+            if tenant.max_concurrent_requests is not None and active + sequences > tenant.max_concurrent_requests:
+                cap = tenant.max_concurrent_requests
                 raise _too_many(
-                    f"{active} requests in flight, the cap is {tenant.max_concurrent_requests}", "concurrency_limit", 1
+                    f"{active} sequences in flight, {sequences} more asked for, the cap is {cap}",
+                    "concurrency_limit",
+                    1,
                 )
             if tenant.requests_per_minute is not None and len(requests) >= tenant.requests_per_minute:
                 raise _too_many(
@@ -113,13 +126,13 @@ class TenantLimiter:
             if tenant.tokens_per_minute is not None and used + tokens > tenant.tokens_per_minute:
                 wait = WINDOW_S - (now - charged[0][0]) if charged else WINDOW_S
                 raise _too_many(f"over {tenant.tokens_per_minute} tokens per minute", "token_rate_limit", wait)
-            self._active[tenant.name] = active + 1
+            self._active[tenant.name] = active + sequences
             requests.append(now)
             charged.append((now, tokens))
 
-    def release(self, tenant: Tenant) -> None:
+    def release(self, tenant: Tenant, sequences: int = 1) -> None:
         with self._lock:
-            self._active[tenant.name] -= 1
+            self._active[tenant.name] -= sequences
             assert self._active[tenant.name] >= 0
 
 
