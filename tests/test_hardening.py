@@ -43,6 +43,7 @@ CAPPED = {"Authorization": "Bearer sk-capped"}
 SINGLE = {"Authorization": "Bearer sk-single"}
 OPEN = {"Authorization": "Bearer sk-open"}
 PAIR = {"Authorization": "Bearer sk-pair"}
+OPERATOR = {"Authorization": "Bearer sk-operator"}
 HEADER_TIMEOUT_S = 1.0
 
 
@@ -63,6 +64,8 @@ def server(tiny_chat_model, tmp_path_factory):
         "200000",
         "--header-timeout",
         str(HEADER_TIMEOUT_S),
+        "--api-key",
+        "sk-operator",
     )
     yield proc
     proc.stop()
@@ -528,3 +531,31 @@ def test_the_limiter_holds_a_slot_per_sequence_until_released():
     limiter.acquire(pair, tokens=10, sequences=1)
     with pytest.raises(APIError):
         limiter.acquire(pair, tokens=10, sequences=1)
+
+
+def test_a_tenant_reads_only_its_own_labels_in_metrics_and_the_operator_reads_all(server):
+    over_cap = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 50}, CAPPED)
+    assert_openai_error(over_cap, 400, "max_tokens_over_cap")
+    assert 'tenant="capped"' in httpx.get(f"{server.url}/metrics", headers=OPERATOR, timeout=10).text
+    assert 'tenant="capped"' in httpx.get(f"{server.url}/metrics", headers=CAPPED, timeout=10).text
+    seen_by_other = httpx.get(f"{server.url}/metrics", headers=OPEN, timeout=10).text
+    assert "capped" not in seen_by_other and "tokenloom:generation_tokens_total" in seen_by_other
+
+
+def test_internal_source_paths_stay_out_of_error_bodies(server):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "guided_regex": "(unclosed"}
+    refused = post(server, "/v1/completions", body)
+    assert_openai_error(refused, 400, "invalid_value")
+    message = refused.json()["error"]["message"]
+    assert "invalid regex" in message and ".cc:" not in message and "/cpp/" not in message, message
+
+
+def test_the_access_log_leaves_query_strings_out(tiny_chat_model):
+    proc = ServerProcess("--model", str(tiny_chat_model), log_level="info")
+    try:
+        assert httpx.get(f"{proc.url}/v1/models?api_key=sk-secret-in-a-url", timeout=10).status_code == 200
+        assert proc.terminate() == 0
+        log = proc.process.stdout.read().decode()
+    finally:
+        proc.stop()
+    assert "GET /v1/models HTTP/1.1" in log and "sk-secret-in-a-url" not in log, log[-2000:]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from tokenloom.config import StructuredOutputsConfig
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.sampler import GrammarMask
 from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.utils import without_source_locations
 
 if TYPE_CHECKING:
     import xgrammar
@@ -216,7 +216,4 @@ def _first_line(error: Exception) -> str:
     lines = [line for line in str(error).splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
     text = text.split("] ", 1)[-1] if text.startswith("[") else text
-    return _SOURCE_LOCATION.sub("", text).strip() or type(error).__name__
-
-
-_SOURCE_LOCATION = re.compile(r"(?:[\w.+-]*/)+[\w.+-]+\.(?:cc|cpp|cxx|h|hpp|py):\d+:?\s*")
+    return without_source_locations(text) or type(error).__name__

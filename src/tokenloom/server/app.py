@@ -51,6 +51,7 @@ from tokenloom.server.protocol import (
     Usage,
     _Common,
 )
+from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant, TenantLimiter
 from tokenloom.server.tool_calls import ForcedTool, forced_tool, new_call_id
 
@@ -101,7 +102,7 @@ def build_app(
     app.state.tokenloom = ServerState(
         engine, metrics, model_name, TenantLimiter(), version_info or {}, dict(sampling_defaults or {})
     )
-    default_tenant = Tenant(name="default", keys=tuple(api_keys or ()))
+    default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
@@ -162,7 +163,24 @@ async def version(raw: Request) -> dict[str, Any]:
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus_metrics(raw: Request) -> Response:
-    return Response(_state(raw).metrics.render(), media_type="text/plain; version=0.0.4")
+    """Everything for the operator (an --api-key key, or anyone where no key is set); a tenant's key reads the
+    samples labelled with its own tenant only, so no tenant learns the others' names or traffic."""
+    text = _state(raw).metrics.render()
+    tenant: Tenant | None = raw.state.tenant
+    if tenant is not None and tenant.name != OPERATOR_TENANT:
+        text = only_tenant(text, tenant.name)
+    return Response(text, media_type="text/plain; version=0.0.4")
+
+
+def only_tenant(exposition: bytes, name: str) -> bytes:
+    """The exposition without the samples that carry another tenant's label."""
+    own = f'tenant="{_escaped_label(name)}"'.encode()
+    lines = exposition.split(b"\n")
+    return b"\n".join(line for line in lines if b'tenant="' not in line or own in line)
+
+
+def _escaped_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 @router.get("/v1/models")

@@ -33,6 +33,14 @@ API_KEY_ENV = "TOKENLOOM_API_KEY"  # as vLLM reads VLLM_API_KEY: a key kept out 
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def without_query_string(record: logging.LogRecord) -> bool:
+    """An access-log filter: the path without its query string, where a client may have put a key (?api_key=)."""
+    args = record.args
+    if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):  # uvicorn's (client, method, path...)
+        record.args = (*args[:2], args[2].split("?", 1)[0], *args[3:])
+    return True
+
+
 def read_chat_template(template: str) -> str:
     """A template given inline, or the contents of the file it names."""
     path = Path(template)
@@ -132,6 +140,7 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         # time for those events to reach the clients before uvicorn closes the connections.
         timeout_graceful_shutdown=math.ceil(server.drain_timeout + 5.0),
     )
+    logging.getLogger("uvicorn.access").addFilter(without_query_string)
     http_server = DrainingServer(config)
 
     def exit_after_engine_death() -> None:

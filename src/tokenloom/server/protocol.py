@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tokenloom.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
+from tokenloom.utils import without_source_locations
 
 
 class APIError(Exception):
@@ -32,7 +33,8 @@ class APIError(Exception):
         kind = {401: "authentication_error", 429: "rate_limit_error", 404: "not_found_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error"
         )
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+        message = without_source_locations(self.message) or self.message
+        return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
 
 
 def _valid_utf8(text: str) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from tokenloom.server.protocol import APIError
 
 WINDOW_S = 60.0
+RESERVED_NAME = "default"  # the tenant of the server's own --api-key keys
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ def load_tenants(path: str | Path) -> list[Tenant]:
             raise ValueError(f"tenant #{i + 1}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
         if not entry.get("name") or not entry.get("keys"):
             raise ValueError(f"tenant #{i + 1}: needs a name and at least one key")
+        if entry["name"] == RESERVED_NAME:
+            raise ValueError(f"tenant #{i + 1}: {RESERVED_NAME!r} is the name of the --api-key keys (the operator's)")
         keys = tuple(entry["keys"])
         if seen_keys & set(keys):
             raise ValueError(f"tenant {entry['name']!r}: a key is already used by another tenant")
