@@ -559,3 +559,25 @@ def test_the_access_log_leaves_query_strings_out(tiny_chat_model):
     finally:
         proc.stop()
     assert "GET /v1/models HTTP/1.1" in log and "sk-secret-in-a-url" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unknown_fields_are_refused_and_openais_ignorable_ones_accepted(server, path):
+    base = {"model": "tiny", "max_tokens": 2}
+    base |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    unknown = post(server, path, {**base, "temprature": 0.5})
+    assert_openai_error(unknown, 400, "unknown_field", "temprature")
+    assert "Unrecognized request argument supplied: temprature" in unknown.json()["error"]["message"]
+    ignorable = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"}
+    assert post(server, path, {**base, **ignorable}).status_code == 200
+    functions = post(server, path, {**base, "functions": [{"name": "f", "parameters": {}}]})
+    assert_openai_error(functions, 400, "unsupported", "functions")
+
+
+def test_stop_checks_name_the_real_limit(server):
+    out_of_vocab = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [10**6]})
+    assert_openai_error(out_of_vocab, 400, "invalid_value", "stop_token_ids")
+    many = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["x"] * 1000})
+    assert_openai_error(many, 400, "invalid_value", "stop")
+    assert "64" in many.json()["error"]["message"] and "valid string" not in many.json()["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["x"] * 64}).status_code == 200

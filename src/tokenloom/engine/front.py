@@ -79,6 +79,9 @@ class EngineFront(ABC):
     ) -> PreparedRequest:
         """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
         params = params or SamplingParams()
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         prompt_text, token_ids = self.tokenize(prompt)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),

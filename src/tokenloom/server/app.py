@@ -241,9 +241,7 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeRespons
     state = _state(raw)
     _check_model(body, state.model_name)
     tokenizer = _require_tokenizer(state.engine)
-    vocab = state.engine.vocab_size
-    if any(t >= vocab for t in body.tokens):
-        raise APIError(400, f"token ids must be in [0, {vocab})", "tokens", "invalid_value")
+    _check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
     return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
 
@@ -503,6 +501,7 @@ async def _admitted(
     requested = body.requested_max_tokens()
     for prompt in prompts:
         _check_context(len(prompt), requested, max_model_len)
+    _check_token_ids(body.stop_token_ids or [], state.engine.vocab_size, "stop_token_ids")
     try:
         params = []
         sequences = len(prompts) * n
@@ -608,7 +607,11 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 def _validation_api_error(error: RequestValidationError) -> APIError:
-    first = error.errors()[0] if error.errors() else {}
+    errors = list(error.errors())
+    first = _most_telling(errors) if errors else {}
+    if first.get("type") == "extra_forbidden":
+        name = str(first.get("loc", ("body", "?"))[-1])
+        return APIError(400, f"Unrecognized request argument supplied: {name}", name, "unknown_field")
     if first.get("type") == "json_invalid":
         return APIError(
             400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None, "invalid_json"
@@ -617,6 +620,17 @@ def _validation_api_error(error: RequestValidationError) -> APIError:
     param = location[0] if location else None  # the field, not pydantic's union branch
     message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
     return APIError(400, message, param, "invalid_value")
+
+
+def _most_telling(errors: list[Any]) -> Any:
+    """The error to report: where a field is a union (stop: a string or a list), the branch whose type the value
+    had says what is wrong ("at most 64 items"), not the branches it was never meant for ("should be a string")."""
+    first = errors[0]
+    if not str(first.get("type", "")).endswith("_type"):
+        return first
+    field = tuple(first.get("loc", ()))[:2]
+    same_field = [e for e in errors if tuple(e.get("loc", ()))[:2] == field]
+    return next((e for e in same_field if not str(e.get("type", "")).endswith("_type")), first)
 
 
 def _openapi_with_our_errors(app: FastAPI) -> dict[str, Any]:
@@ -690,6 +704,11 @@ def _template_ids(
         conversation, tools=tools, add_generation_prompt=generation_prompt, tokenize=True
     )
     return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+
+
+def _check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    if any(t >= vocab_size for t in token_ids):
+        raise APIError(400, f"{param}: token ids must be in [0, {vocab_size})", param, "invalid_value")
 
 
 def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:

@@ -52,7 +52,15 @@ MAX_CHOICES = 128  # prompts times n in one request, as OpenAI caps n
 
 
 class _Strict(BaseModel):
+    # Parts of a body (messages, tools) tolerate fields OpenAI's SDKs echo back (an assistant message's "refusal",
+    # "audio", "annotations"); a request body itself refuses what it does not know (_Body).
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+
+class _Body(_Strict):
+    """A request body: an unknown field is a 400 ("Unrecognized request argument"), as OpenAI answers it."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -91,8 +99,13 @@ def _structured(param: str, **fields: Any) -> StructuredOutputsParams:
         raise APIError(400, str(error).removeprefix("StructuredOutputsParams: "), param, "invalid_value") from None
 
 
-class _Common(_Strict):
-    # Unknown fields are tolerated (clients send extras such as "user"); unsupported known ones are refused below.
+# Fields of OpenAI's API a request may carry that change nothing here: accepted and ignored (README, "Bad input").
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+# Fields of OpenAI's API that tokenloom does not implement: refused by name when set, never silently dropped.
+UNSUPPORTED_FIELDS = ("functions", "function_call", "suffix", "audio", "prediction", "web_search_options")
+
+
+class _Common(_Body):
     model: Text | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
@@ -121,15 +134,28 @@ class _Common(_Strict):
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: Text | None = None
+    # Accepted and ignored (IGNORED_FIELDS).
     user: Text | None = None
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None
+    service_tier: Text | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    # Refused when set (UNSUPPORTED_FIELDS); declared so that the refusal names them.
+    functions: list[Any] | None = None
+    function_call: Any = None
+    suffix: Text | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
     def refuse_unsupported(self) -> None:
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", "best_of", "unsupported")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported")
-        for name in ("tools", "tool_choice", "functions", "function_call", "suffix", "echo"):  # where not fields
-            value = (self.model_extra or {}).get(name)
+        for name in UNSUPPORTED_FIELDS:
+            value = getattr(self, name, None)
             if value not in (None, False, "", [], "none"):
                 raise APIError(400, f"{name} is not supported by tokenloom", name, "unsupported")
 
@@ -285,6 +311,7 @@ class ChatCompletionRequest(_Common):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    modalities: list[Literal["text"]] | None = None  # text is what a language model gives
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -294,7 +321,7 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt (completions form) or messages (chat form, through the chat template)."""
 
     model: Text | None = None
@@ -312,7 +339,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: Text | None = None
     tokens: list[TokenId]
 
