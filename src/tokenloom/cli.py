@@ -42,8 +42,8 @@ def add_config_flags(group: argparse._ArgumentGroup, config: type) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
         elif typing.get_origin(hint) is typing.Literal:
             group.add_argument(flag, choices=typing.get_args(hint), default=field.default, help=help_text)
-        elif typing.get_origin(hint) is tuple:
-            group.add_argument(flag, action="append", default=[], help=help_text)
+        elif typing.get_origin(hint) is tuple:  # one or more values, repeatable: --api-key k1 k2 --api-key k3
+            group.add_argument(flag, nargs="+", action="extend", default=[], help=help_text)
         else:
             kind = next((t for t in (int, float) if hint is t or t in typing.get_args(hint)), str)
             group.add_argument(flag, type=kind, default=field.default, help=help_text)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 Batching = Literal["continuous", "static"]
-DType = Literal["auto", "float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]
 SchedulingPolicy = Literal["fcfs", "priority", "fair"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 DTYPES: tuple[str, ...] = get_args(DType)
@@ -211,9 +211,11 @@ class ServerConfig:
     port: int = 8000
     """The TCP port to listen on."""
     api_key: tuple[str, ...] = ()
-    """A bearer key clients must send (repeatable); without one, the TOKENLOOM_API_KEY environment variable."""
-    served_model_name: str | None = None
-    """The model id clients use; None: the checkpoint's name."""
+    """Bearer keys clients must send (one or more, as vLLM takes them: --api-key k1 k2); without one, the
+    TOKENLOOM_API_KEY environment variable."""
+    served_model_name: tuple[str, ...] = ()
+    """The model ids clients use (one or more: the first is the one reported, every one is accepted); none: the
+    checkpoint's name."""
     max_body_bytes: int = 1 << 20
     """Request bodies over this many bytes get 413, counted on the byte stream (chunked bodies too)."""
     tenants: str | None = None
@@ -244,7 +246,27 @@ class ServerConfig:
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization; off by
     default, where it measured no faster on two cores (benchmarks/RESULTS.md)."""
     log_level: str = "info"
-    """uvicorn's and tokenloom's log level."""
+    """tokenloom's log level, and uvicorn's unless --uvicorn-log-level is given."""
+    uvicorn_log_level: str | None = None
+    """uvicorn's log level (its access log is at info), as vLLM's flag; None: --log-level."""
+    enable_log_requests: bool = False
+    """Log each request as it is admitted: its id, tenant, prompt (cut to --max-log-len) and sampling settings."""
+    max_log_len: int | None = None
+    """The most prompt characters (or token ids) a request's log line shows; None: all of them."""
+    root_path: str = ""
+    """The path prefix a proxy serves this under (FastAPI's root_path, as vLLM's flag)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Origins browsers may call from (CORS); '*' for any. None given: no CORS headers."""
+    ssl_keyfile: str | None = None
+    """A PEM private key: serve HTTPS (with --ssl-certfile)."""
+    ssl_certfile: str | None = None
+    """A PEM certificate chain for --ssl-keyfile."""
+    enable_auto_tool_choice: bool = False
+    """Let tool_choice "auto" (the default once tools are given) decide between text and calls, parsed from the
+    model's output by --tool-call-parser, as vLLM's flag."""
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    """The model family's tool-call format: 'hermes' (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes) or
+    'llama3_json' (a bare {"name", "parameters"} object: Llama 3.1, 3.2)."""
     ray: bool = False
     """Serve num_replicas engine replicas behind Ray Serve's HTTP proxy (on host:port), each a whole tokenloom
     server; requests are routed by their prompt's leading text (replicas/routing.py)."""
@@ -260,6 +282,17 @@ class ServerConfig:
     the shorter queue)."""
 
     def __post_init__(self) -> None:
+        for name in ("api_key", "served_model_name", "allowed_origins"):  # one value given as a plain string
+            if isinstance(getattr(self, name), str):
+                object.__setattr__(self, name, (getattr(self, name),))
+        _require(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)",
+        )
+        _require(
+            (self.ssl_keyfile is None) == (self.ssl_certfile is None), "give both --ssl-keyfile and --ssl-certfile"
+        )
+        _require(self.max_log_len is None or self.max_log_len >= 0, "max_log_len must be >= 0")
         for name in ("max_body_bytes", "max_header_bytes", "max_header_count"):
             _require(getattr(self, name) > 0, f"{name} must be positive")
         for name in ("drain_timeout", "header_timeout", "keep_alive_timeout"):

@@ -94,7 +94,10 @@ class OutputProcessor:
         if state.stop_text is not None:
             return state.stop_text
         if finished:
-            return self.decode(state.output_token_ids)
+            # A reply cut inside a multi-byte character ends without its partial bytes, as vLLM's, instead of in
+            # U+FFFD (the incremental text never ends in one unless the model wrote one).
+            text = self.decode(state.output_token_ids)
+            return text if state.detokenizer.text.endswith("\ufffd") else text.rstrip("\ufffd")
         text = state.detokenizer.text
         # While a stop string may still complete, hold back the characters it could start with.
         held = max((len(stop) - 1 for stop in state.params.stop), default=0)

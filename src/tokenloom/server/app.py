@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -54,8 +55,10 @@ from tokenloom.server.protocol import (
 from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant, TenantLimiter
 from tokenloom.server.tool_calls import ForcedTool, forced_tool, new_call_id
+from tokenloom.server.tool_parsers import ToolCallParser, tool_parser
 
 T = TypeVar("T")
+logger = logging.getLogger("tokenloom.requests")
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -81,6 +84,10 @@ class ServerState:
     limiter: TenantLimiter
     version_info: dict[str, Any]
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # from a generation_config.json
+    aliases: tuple[str, ...] = ()  # more names clients may give as `model` (--served-model-name a b)
+    tool_call_parser: ToolCallParser | None = None  # tool_choice "auto" is served only with one
+    log_requests: bool = False
+    max_log_len: int | None = None
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
 
@@ -96,14 +103,29 @@ def build_app(
     max_body_bytes: int = ServerConfig.max_body_bytes,
     version_info: dict[str, Any] | None = None,
     sampling_defaults: dict[str, float] | None = None,
+    aliases: tuple[str, ...] = (),
+    tool_call_parser: str | None = None,
+    log_requests: bool = False,
+    max_log_len: int | None = None,
+    root_path: str = "",
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
-    app = FastAPI(title="tokenloom", version=tokenloom.__version__)
+    app = FastAPI(title="tokenloom", version=tokenloom.__version__, root_path=root_path)
     app.state.tokenloom = ServerState(
-        engine, metrics, model_name, TenantLimiter(), version_info or {}, dict(sampling_defaults or {})
+        engine,
+        metrics,
+        model_name,
+        TenantLimiter(),
+        version_info or {},
+        dict(sampling_defaults or {}),
+        aliases,
+        tool_parser(tool_call_parser) if tool_call_parser else None,
+        log_requests,
+        max_log_len,
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
+    route_paths = frozenset(getattr(route, "path", "") for route in router.routes)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
@@ -113,6 +135,8 @@ def build_app(
         key_owners=key_owners,
         default_tenant=default_tenant,
         on_reject=lambda reason: metrics.rejected_request(reason, ""),
+        on_response=metrics.http_request,
+        handler_of=lambda path: path if path in route_paths else "none",
     )
     app.include_router(router)
     app.openapi = lambda: _openapi_with_our_errors(app)  # type: ignore[method-assign]
@@ -186,14 +210,15 @@ def _escaped_label(value: str) -> str:
 @router.get("/v1/models")
 async def models(raw: Request) -> ModelList:
     state = _state(raw)
-    card = ModelCard(id=state.model_name, created=state.created_at, max_model_len=state.engine.max_model_len)
-    return ModelList(data=[card])
+    names = (state.model_name, *state.aliases)
+    max_len = state.engine.max_model_len
+    return ModelList(data=[ModelCard(id=name, created=state.created_at, max_model_len=max_len) for name in names])
 
 
 @router.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
 async def completions(body: CompletionRequest, raw: Request) -> Response:
     state = _state(raw)
-    _check_model(body, state.model_name)
+    _check_model(body, state)
     body.refuse_unsupported()
     structured = body.structured_output()
     prompts = [await _tokenized(state.engine, prompt) for prompt in body.prompts()]
@@ -204,26 +229,27 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
 @router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
 async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     state = _state(raw)
-    _check_model(body, state.model_name)
+    _check_model(body, state)
     body.refuse_unsupported()
     tokenizer = state.engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    forced = forced_tool(body)
+    forced = forced_tool(body, auto_parsed=state.tool_call_parser is not None)
+    parser = state.tool_call_parser if body.tools and body.tool_choice in (None, "auto") else None
     structured = forced.spec if forced is not None else body.structured_output()
     conversation = [m.for_template() for m in body.messages]
     tools = [tool.model_dump() for tool in body.tools] if body.tools and body.tool_choice != "none" else None
     prompt_ids = await _templated(tokenizer, conversation, tools=tools)
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
-    return await _generate(state, raw, body, [prompt_ids], logprobs, _ChatShape(tokenizer, forced), structured)
+    return await _generate(state, raw, body, [prompt_ids], logprobs, _ChatShape(tokenizer, forced, parser), structured)
 
 
 @router.post("/tokenize", responses=ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
     """As vLLM's: a prompt's tokens (or a conversation's, through the chat template), counted."""
     state = _state(raw)
-    _check_model(body, state.model_name)
+    _check_model(body, state)
     tokenizer = _require_tokenizer(state.engine)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "send exactly one of prompt and messages", "prompt", "invalid_value")
@@ -239,7 +265,7 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
 @router.post("/detokenize", responses=ERROR_RESPONSES)
 async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
     state = _state(raw)
-    _check_model(body, state.model_name)
+    _check_model(body, state)
     tokenizer = _require_tokenizer(state.engine)
     _check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
     return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
@@ -318,9 +344,12 @@ class _ChatShape:
 
     chunk_object, id_prefix = "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, tokenizer: Tokenizer | None, tool: ForcedTool | None = None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, tool: ForcedTool | None = None, parser: ToolCallParser | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.tool = tool
+        self.parser = parser  # tool_choice "auto": calls are read out of the reply
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
@@ -333,6 +362,11 @@ class _ChatShape:
             if calls is not None:
                 message = AssistantMessage(content=None, tool_calls=calls)
                 finish_reason = self.tool.finish_reason if self.tool and finish_reason == "stop" else finish_reason
+            elif self.parser is not None:
+                parsed = self.parser.parse(completion.text)
+                if parsed.calls:
+                    message = AssistantMessage(content=parsed.content, tool_calls=parsed.calls)
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             lp = _chat_logprobs(final, self.tokenizer) if logprobs else None
             choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
@@ -351,8 +385,26 @@ class _ChatShape:
                 sent_tokens = len(output.outputs[0].token_ids)
             return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
-        first = True
+        first, shown, parser = True, 0, self.parser
         async for delta, finish_reason, output in _text_deltas(stream):
+            if parser is not None:  # content as far as it cannot begin a call; the calls once the reply is whole
+                text = output.outputs[0].text
+                parsed = parser.parse(text) if finish_reason else None
+                end = parser.streamable_end(text) if parsed is None or parsed.calls else len(text)
+                delta, shown = text[shown:end], max(shown, end)
+                if first or delta:
+                    yield (
+                        choice({"role": "assistant", "content": delta} if first else {"content": delta}, None, output),
+                        output,
+                    )
+                    first = False
+                if parsed is not None:
+                    if parsed.calls:
+                        calls = [{"index": i, **call.model_dump()} for i, call in enumerate(parsed.calls)]
+                        yield choice({"tool_calls": calls}, None, output), output
+                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    yield choice({}, finish_reason, output), output
+                continue
             if tool is not None and tool.mode == "required":
                 if finish_reason:  # the array is only whole at the end
                     yield choice(_required_delta(tool, output.outputs[0].text), None, output), output
@@ -515,7 +567,12 @@ async def _admitted(
         metrics.rejected_request(error.code or "invalid", tenant.name)
         raise
     for q in params:
-        metrics.request_max_tokens.observe(q.max_tokens)
+        metrics.admitted_request(q.max_tokens, n)
+    if state.log_requests:
+        for prompt, q in zip(prompts, params, strict=True):
+            shown = prompt if state.max_log_len is None else prompt[: state.max_log_len]
+            logger.info("Received request %s (tenant %s, n=%d): prompt_token_ids: %s, params: %s",
+                        request_id, tenant.name, n, shown, q)  # fmt: skip
     lease = _Lease(lambda: limiter.release(tenant, sequences))
     priority = _priority(body.priority, tenant)
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
@@ -610,8 +667,9 @@ def _validation_api_error(error: RequestValidationError) -> APIError:
     errors = list(error.errors())
     first = _most_telling(errors) if errors else {}
     if first.get("type") == "extra_forbidden":
-        name = str(first.get("loc", ("body", "?"))[-1])
-        return APIError(400, f"Unrecognized request argument supplied: {name}", name, "unknown_field")
+        where = [str(part) for part in first.get("loc", ("body", "?"))[1:]]
+        message = f"Unrecognized request argument supplied: {'.'.join(where)}"
+        return APIError(400, message, where[0], "unknown_field")
     if first.get("type") == "json_invalid":
         return APIError(
             400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}", None, "invalid_json"
@@ -646,11 +704,11 @@ def _openapi_with_our_errors(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def _check_model(body: _Common | TokenizeRequest | DetokenizeRequest, model_name: str) -> None:
-    if body.model is not None and body.model != model_name:
+def _check_model(body: _Common | TokenizeRequest | DetokenizeRequest, state: ServerState) -> None:
+    if body.model is not None and body.model != state.model_name and body.model not in state.aliases:
         raise APIError(
             404,
-            f"the model {body.model!r} does not exist; this server serves {model_name!r}",
+            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
             "model",
             "model_not_found",
         )

@@ -43,8 +43,12 @@ class Guard:
         key_owners: list[tuple[bytes, Tenant]],
         default_tenant: Tenant,
         on_reject: Callable[[str], None],
+        on_response: Callable[[str, str, int, float], None] | None = None,
+        handler_of: Callable[[str], str] = lambda path: path,
     ) -> None:
         self.app = app
+        self.on_response = on_response  # (handler, method, status, seconds) of each answered request
+        self.handler_of = handler_of  # a path as a bounded label: the route, or "none" for any unknown path
         self.max_body_bytes = max_body_bytes
         self.key_owners = key_owners
         self.default_tenant = default_tenant
@@ -54,22 +58,27 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started, status, began = False, 500, time.monotonic()
 
         async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started, status = True, message["status"]
             await send(message)
 
         try:
             await self._guarded(scope, receive, tracked_send)
         except APIError as error:
             if not started:
-                await send_error(send, error)
+                await send_error(tracked_send, error)
         except Exception:
             logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
             if not started:  # else the response is cut; the server closes that connection
-                await send_error(send, APIError(500, "internal server error", None, "internal_error"))
+                await send_error(tracked_send, APIError(500, "internal server error", None, "internal_error"))
+        finally:
+            if self.on_response is not None:
+                path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+                self.on_response(self.handler_of(path), scope["method"], status, time.monotonic() - began)
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}

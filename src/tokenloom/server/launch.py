@@ -14,6 +14,7 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from tokenloom.bench.provenance import git_commit
 from tokenloom.config import EngineConfig, ServerConfig
@@ -73,7 +74,7 @@ def build_server(
         raise ValueError("--core-process does not run with --tensor-parallel-size > 1 yet; use one or the other")
     engine: LLMEngine | CoreProcessEngine
     engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
-    model_name = server.served_model_name or engine.model_name
+    model_name, *aliases = server.served_model_name or (engine.model_name,)
     if server.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(server.chat_template)
     metrics = ServerMetrics(engine, model_name, labels=metric_labels)
@@ -96,7 +97,20 @@ def build_server(
         max_body_bytes=server.max_body_bytes,
         version_info={"git_commit": git_commit()},
         sampling_defaults=generation_defaults(server.generation_config, engine.model_path),
+        aliases=tuple(aliases),
+        tool_call_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
+        log_requests=server.enable_log_requests,
+        max_log_len=server.max_log_len,
+        root_path=server.root_path,
     )
+    if server.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials="*" not in server.allowed_origins,
+        )
     return app, front
 
 
@@ -132,7 +146,10 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         app,
         host=server.host,
         port=server.port,
-        log_level=server.log_level,
+        log_level=server.uvicorn_log_level or server.log_level,
+        root_path=server.root_path,
+        ssl_keyfile=server.ssl_keyfile,
+        ssl_certfile=server.ssl_certfile,
         http=with_header_limits(server.header_timeout, server.max_header_bytes, server.max_header_count),
         timeout_keep_alive=math.ceil(server.keep_alive_timeout),
         h11_max_incomplete_event_size=server.max_header_bytes + 1,  # ours answers 431 first; h11's closes

@@ -24,8 +24,15 @@ from tokenloom.outputs import RequestOutput
 
 logger = logging.getLogger("tokenloom.stats")
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
+# vLLM's boundaries, so that its dashboards' quantiles read the same from either server.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)  # fmt: skip
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_PARAM_N_BUCKETS = (1, 2, 5, 10, 20)
+_PREEMPTION_BUCKETS = (0, 1, 2, 5, 10, 20, 50)
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _REQUEST_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 ENGINE_INDEX = "0"  # vLLM labels each engine (data-parallel rank); one engine here
@@ -80,8 +87,13 @@ class ServerMetrics:
         )
         self.success = counter("request_success", "Finished requests.", ("finished_reason",))
         self.rejected = counter("requests_rejected", "Requests refused at admission.", ("reason", "tenant"))
-        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "A finished request's decode time per output token after the first.",
+            _ITL_BUCKETS,
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
         self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
         self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
@@ -98,6 +110,52 @@ class ServerMetrics:
         self.request_max_tokens = histogram(
             "request_params_max_tokens", "The max_tokens each admitted request runs with.", _REQUEST_TOKEN_BUCKETS
         )
+        self.request_max_generation = histogram(
+            "request_max_num_generation_tokens",
+            "The most tokens an admitted request may generate (its max_tokens).",
+            _REQUEST_TOKEN_BUCKETS,
+        )
+        self.request_n = histogram(
+            "request_params_n", "The n (choices per prompt) of each admitted request.", _PARAM_N_BUCKETS
+        )
+        self.request_preemptions = histogram(
+            "request_num_preemptions", "Times each finished request was preempted.", _PREEMPTION_BUCKETS
+        )
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached", "Prompt tokens of admitted requests served from the prefix cache."
+        )
+        waiting_by_reason = Gauge(
+            "tokenloom:num_requests_waiting_by_reason",
+            "Requests waiting, by why: 'capacity' (KV blocks or the batch's limits); 'deferred' (waiting on something "
+            "else, such as a grammar; none here: grammars compile before a request is queued).",
+            ("reason", *names),
+            registry=r,
+        )
+        self.waiting_capacity = waiting_by_reason.labels(reason="capacity", **common)
+        waiting_by_reason.labels(reason="deferred", **common).set(0)
+        cache = engine.config.cache
+        cache_info = Gauge(
+            "tokenloom:cache_config_info",
+            "The KV cache's configuration, as labels (value 1).",
+            ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype", "swap_space", *names),
+            registry=r,
+        )
+        cache_info.labels(
+            block_size=str(cache.block_size),
+            num_gpu_blocks=str(engine.stats().kv_blocks_total),
+            enable_prefix_caching=str(cache.enable_prefix_caching),
+            cache_dtype=str(engine.dtype).removeprefix("torch."),
+            swap_space=str(cache.swap_space),
+            **common,
+        ).set(1)
+        self.http_requests = Counter(
+            "http_requests", "HTTP requests answered, by handler, method and status class.",
+            ("handler", "method", "status"), registry=r,
+        )  # fmt: skip
+        self.http_duration = Histogram(
+            "http_request_duration_seconds", "Time to answer an HTTP request (to its last byte).",
+            ("handler", "method"), buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self._last_token_time: dict[str, float] = {}
         self._last_stats = engine.stats()
         self._lock = threading.Lock()
@@ -110,6 +168,7 @@ class ServerMetrics:
             stats, last = self.engine.stats(), self._last_stats
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)
+            self.waiting_capacity.set(stats.num_waiting)
             self.kv_usage.set(stats.kv_blocks_in_use / stats.kv_blocks_total)
             self.swapped.set(stats.num_swapped)
             self.swap_usage.set(stats.swap_blocks_in_use / max(stats.swap_blocks_total, 1))
@@ -119,6 +178,7 @@ class ServerMetrics:
             self.generation_tokens.inc(stats.generated_tokens - last.generated_tokens)
             self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
             self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+            self.prompt_tokens_cached.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
             step_tokens = stats.computed_tokens - last.computed_tokens
             if step_tokens > 0:
                 self.iteration_tokens.observe(step_tokens)
@@ -164,6 +224,7 @@ class ServerMetrics:
         self.success.labels(finished_reason=output.outputs[0].finish_reason, **self._common).inc()
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
         self.request_generation_tokens.observe(len(output.outputs[0].token_ids))
+        self.request_preemptions.observe(m.num_preemptions)
         if m.first_token_time is None or m.first_scheduled_time is None or m.finished_time is None:
             return
         self.ttft.observe(m.first_token_time - m.arrival_time)
@@ -171,7 +232,18 @@ class ServerMetrics:
         self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
         self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         self.decode_time.observe(m.finished_time - m.first_token_time)
+        if len(output.outputs[0].token_ids) > 1:
+            self.tpot.observe((m.finished_time - m.first_token_time) / (len(output.outputs[0].token_ids) - 1))
         self.inference_time.observe(m.finished_time - m.first_scheduled_time)
+
+    def admitted_request(self, max_tokens: int, n: int) -> None:
+        self.request_max_tokens.observe(max_tokens)
+        self.request_max_generation.observe(max_tokens)
+        self.request_n.observe(n)
+
+    def http_request(self, handler: str, method: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(handler=handler, method=method, status=f"{status // 100}xx").inc()
+        self.http_duration.labels(handler=handler, method=method).observe(seconds)
 
     def rejected_request(self, reason: str, tenant: str) -> None:
         self.rejected.labels(reason=reason, tenant=tenant, **self._common).inc()

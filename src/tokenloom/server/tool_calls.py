@@ -6,8 +6,9 @@
 - ``"required"``: the output is a JSON array of ``{"name", "parameters"}`` objects, one of the tools each (one
   object only when ``parallel_tool_calls`` is false), as vLLM decodes it; finish_reason "tool_calls".
 - ``"none"``: plain text.
-- ``"auto"`` (the default once tools are given) needs a parser of the model's own tool-call format, and
-  tokenloom has none yet: it answers 400, as vLLM does when no tool-call parser is set.
+- ``"auto"`` (the default once tools are given): the model decides, and a parser of its family's format
+  (``--enable-auto-tool-choice --tool-call-parser``, server/tool_parsers.py) reads the calls out of its reply;
+  without one it answers 400, as vLLM does.
 """
 
 from __future__ import annotations
@@ -36,14 +37,16 @@ class ForcedTool:
         return "stop" if self.mode == "named" else "tool_calls"
 
     def calls(self, text: str) -> list[ToolCall] | None:
-        """The tool calls in a finished output; None if it is not a complete call (cut short by max_tokens)."""
+        """The tool calls in a finished output. A named function's output is its call whatever its state (cut
+        short by max_tokens, its arguments are what was written, with finish_reason "length", as vLLM answers);
+        "required" calls are None unless the array is complete."""
+        if self.mode == "named":
+            assert self.name is not None
+            return [ToolCall(id=new_call_id(), function=FunctionCall(name=self.name, arguments=text))]
         try:
             decoded = json.loads(text)
         except ValueError:
             return None
-        if self.mode == "named":
-            assert self.name is not None
-            return [ToolCall(id=new_call_id(), function=FunctionCall(name=self.name, arguments=text))]
         return [
             ToolCall(id=new_call_id(), function=FunctionCall(name=i["name"], arguments=json.dumps(i["parameters"])))
             for i in decoded
@@ -54,8 +57,9 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def forced_tool(body: ChatCompletionRequest) -> ForcedTool | None:
-    """What the request's tools and tool_choice ask the output to be (None: text); 400 for what cannot be met."""
+def forced_tool(body: ChatCompletionRequest, auto_parsed: bool = False) -> ForcedTool | None:
+    """What the request's tools and tool_choice ask the output to be (None: text, or with ``auto_parsed`` text that
+    a tool-call parser reads calls from); 400 for what cannot be met."""
     tools, choice = body.tools or [], body.tool_choice
     if not tools:
         if choice not in (None, "none"):
@@ -63,11 +67,14 @@ def forced_tool(body: ChatCompletionRequest) -> ForcedTool | None:
         return None
     if choice == "none":
         return None
+    if (choice is None or choice == "auto") and auto_parsed:
+        return None
     if choice is None or choice == "auto":
         raise APIError(
             400,
             'tool_choice "auto" (the default once tools are given) needs a parser of the model\'s tool-call format, '
-            'and tokenloom has none for this model; ask for "required", a named function, or "none"',
+            "which this server was not started with (--enable-auto-tool-choice --tool-call-parser hermes|llama3_json); "
+            'ask for "required", a named function, or "none"',
             "tool_choice",
             "unsupported",
         )

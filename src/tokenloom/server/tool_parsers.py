@@ -1,0 +1,130 @@
+"""Tool-call parsers for tool_choice "auto": the model decides between text and calls, in its family's own format.
+
+Chosen as vLLM chooses them (``--enable-auto-tool-choice --tool-call-parser NAME``):
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes): text, then calls each wrapped as ``<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>``, which the checkpoint's chat template teaches the model.
+- ``llama3_json`` (Llama 3.1, 3.2): the whole reply is one or more ``{"name": ..., "parameters": {...}}`` objects
+  (separated by ``;``), perhaps after ``<|python_tag|>``.
+
+A reply whose calls do not all parse (cut by max_tokens, malformed) is returned as text, as vLLM does. While a
+reply streams, text that may begin a call is held back until it is clear, so no half-written call reaches
+``content``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenloom.server.protocol import FunctionCall, ToolCall
+from tokenloom.server.tool_calls import new_call_id
+
+
+@dataclass
+class ParsedReply:
+    content: str | None
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class ToolCallParser(ABC):
+    @abstractmethod
+    def parse(self, text: str) -> ParsedReply:
+        """A finished reply as text and tool calls."""
+
+    @abstractmethod
+    def streamable_end(self, text: str) -> int:
+        """How much of a reply still being written can go out as content now: none of it may begin a call."""
+
+
+class HermesParser(ToolCallParser):
+    START, END = "<tool_call>", "</tool_call>"
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedReply:
+        start = text.find(self.START)
+        if start < 0:
+            return ParsedReply(text)
+        calls = []
+        bodies = self._CALL.findall(text)
+        if len(bodies) != text.count(self.START):
+            return ParsedReply(text)  # a call left open: cut short
+        for body in bodies:
+            call = _call_from(body, arguments_key="arguments")
+            if call is None:
+                return ParsedReply(text)
+            calls.append(call)
+        return ParsedReply(text[:start].strip() or None, calls)
+
+    def streamable_end(self, text: str) -> int:
+        start = text.find(self.START)
+        return start if start >= 0 else len(text) - _held_back(text, self.START)
+
+
+class Llama3JsonParser(ToolCallParser):
+    PYTHON_TAG = "<|python_tag|>"
+
+    def parse(self, text: str) -> ParsedReply:
+        body = text.strip().removeprefix(self.PYTHON_TAG).strip()
+        if not body.startswith("{"):
+            return ParsedReply(text)
+        calls, decoder, at = [], json.JSONDecoder(), 0
+        while at < len(body):
+            try:
+                value, end = decoder.raw_decode(body, at)
+            except ValueError:
+                return ParsedReply(text)
+            call = _call_from(value, arguments_key="parameters")
+            if call is None:
+                return ParsedReply(text)
+            calls.append(call)
+            at = end
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+        return ParsedReply(None, calls)
+
+    def streamable_end(self, text: str) -> int:
+        head = text.lstrip()
+        if not head or head.startswith("{") or head.startswith(self.PYTHON_TAG) or self.PYTHON_TAG.startswith(head):
+            return 0  # it may be a call: held until the reply ends
+        return len(text)
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def tool_parser(name: str) -> ToolCallParser:
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; the parsers are: {', '.join(PARSERS)}")
+    return PARSERS[name]()
+
+
+def _call_from(value: str | Any, arguments_key: str) -> ToolCall | None:
+    """A call from its JSON (text or decoded); None unless it names a function and its arguments are an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=value["name"], arguments=json.dumps(arguments)))
+
+
+def _held_back(text: str, marker: str) -> int:
+    """The length of the longest end of text that is the beginning of marker (it may be a call starting)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
