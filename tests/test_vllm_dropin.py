@@ -237,3 +237,114 @@ def test_chat_template_and_generation_config_flags(tiny_chat_model, tmp_path, mo
         left_out = texts()  # the checkpoint's temperature 0: greedy, so the three choices agree
         assert len(set(left_out)) == 1 and left_out == texts(temperature=0)
         assert len(set(texts(temperature=1.0, seed=3))) > 1  # what a request sets wins over the default
+
+
+def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
+    from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
+    from tokenloom.config import ServerConfig
+
+    argv = [
+        "serve", "some-model", "--api-key", "k1", "k2", "--served-model-name", "a", "b", "--uvicorn-log-level",
+        "warning", "--enable-log-requests", "--max-log-len", "20", "--root-path", "/llm", "--allowed-origins",
+        "https://app.example", "--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem", "--dtype", "half",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    ]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.model_tag == "some-model"
+    server = config_from_args(ServerConfig, args)
+    assert server.api_key == ("k1", "k2") and server.served_model_name == ("a", "b")
+    assert (server.uvicorn_log_level, server.enable_log_requests, server.max_log_len) == ("warning", True, 20)
+    assert (server.root_path, server.allowed_origins) == ("/llm", ("https://app.example",))
+    assert (server.ssl_keyfile, server.ssl_certfile, server.tool_call_parser) == ("key.pem", "cert.pem", "hermes")
+    import torch
+
+    from tokenloom.model.platform import resolve_dtype
+
+    assert resolve_dtype(engine_config_from_args(args).model.dtype, torch.device("cpu")) is torch.float16
+    assert resolve_dtype("float", torch.device("cpu")) is torch.float32
+    with pytest.raises(ValueError, match="tool-call-parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+
+
+@pytest.fixture(scope="module")
+def flagged_server(tiny_chat_model):
+    args = (
+        "--served-model-name", "first", "second", "--api-key", "k1", "k2", "--allowed-origins", "https://app.example",
+        "--enable-log-requests", "--max-log-len", "3", "--uvicorn-log-level", "warning",
+    )  # fmt: skip
+    proc = ServerProcess(str(tiny_chat_model), *args, log_level="info")
+    yield proc
+    proc.stop()
+
+
+def test_every_served_name_and_every_key_is_accepted(flagged_server):
+    url = flagged_server.url
+    names = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer k2"}, timeout=10).json()["data"]
+    assert [m["id"] for m in names] == ["first", "second"]
+    for key, model in (("k1", "first"), ("k2", "second")):
+        reply = httpx.post(
+            f"{url}/v1/completions", json={"model": model, "prompt": "Hello there", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"}, timeout=30,
+        )  # fmt: skip
+        assert reply.status_code == 200 and reply.json()["model"] == "first", reply.text
+
+
+def test_cors_answers_the_allowed_origin_only(flagged_server):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    allowed = httpx.options(f"{flagged_server.url}/v1/completions", headers=preflight, timeout=10)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+    other = httpx.options(
+        f"{flagged_server.url}/v1/completions", headers={**preflight, "Origin": "https://evil.example"}, timeout=10
+    )
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_requests_are_logged_cut_to_max_log_len_and_the_access_log_follows_its_own_level(flagged_server):
+    body = {"model": "first", "prompt": [11, 12, 13, 14, 15, 16], "max_tokens": 2}
+    assert (
+        httpx.post(
+            f"{flagged_server.url}/v1/completions", json=body, headers={"Authorization": "Bearer k1"}, timeout=30
+        ).status_code
+        == 200
+    )
+    flagged_server.terminate()
+    log = flagged_server.process.stdout.read().decode()
+    assert "prompt_token_ids: [11, 12, 13]" in log and "14, 15" not in log, log[-3000:]
+    assert "POST /v1/completions HTTP/1.1" not in log  # uvicorn at warning: no access lines
+
+
+def test_vllms_metric_families_and_time_buckets(server):
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "n": 2, "ignore_eos": True}
+    assert post(server, "/v1/completions", body).status_code == 200
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    for family in (
+        "tokenloom:request_max_num_generation_tokens_bucket", "tokenloom:request_params_n_bucket",
+        "tokenloom:request_num_preemptions_bucket", "tokenloom:prompt_tokens_cached_total",
+        "tokenloom:request_time_per_output_token_seconds_bucket", "tokenloom:num_requests_waiting_by_reason",
+        "tokenloom:cache_config_info", "http_requests_total", "http_request_duration_seconds_bucket",
+    ):  # fmt: skip
+        assert family in text, family
+    assert 'reason="capacity"' in text and 'handler="/v1/completions"' in text and 'status="2xx"' in text
+    assert 'tokenloom:time_to_first_token_seconds_bucket{engine="0",le="0.75"' in text  # vLLM's boundaries
+    assert 'tokenloom:inter_token_latency_seconds_bucket{engine="0",le="0.075"' in text
+    n_two = [
+        line
+        for line in text.splitlines()
+        if line.startswith("tokenloom:request_params_n_bucket") and 'le="2.0"' in line
+    ]
+    assert n_two and float(n_two[0].rsplit(" ", 1)[1]) >= 1
+    httpx.get(f"{server.url}/no/such/path/{time.time()}", timeout=10)
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    assert "/no/such/path" not in text and 'handler="none"' in text  # unknown paths share one label
+
+
+def test_a_completion_cut_inside_a_character_drops_its_partial_bytes(server, tiny_chat_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    text = "日本語"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids[:1]).endswith("\ufffd")  # its first token is part of a character
+    body = {"model": "tiny", "prompt": "Say:", "max_tokens": 1, "guided_choice": [text]}
+    reply = post(server, "/v1/completions", body).json()["choices"][0]
+    assert reply["finish_reason"] == "length" and "\ufffd" not in reply["text"], reply
