@@ -246,3 +246,46 @@ def test_matrix_runs_one_server_per_configuration(tiny_chat_model, tmp_path):
     static = json.loads((tmp_path / "matrix" / "static.json").read_text())
     assert static["provenance"]["server_version"]["engine_config"]["batching"] == "static"
     assert static["scorecard"]["error_rate"] == 0
+
+
+def _records(starts: list[float], finishes: list[float]) -> list[dict]:
+    return [
+        vars(RequestRecord(id=str(i), start=s, status=200, e2e=f - s))
+        for i, (s, f) in enumerate(zip(starts, finishes, strict=True))
+    ]
+
+
+def test_a_sweep_rate_the_server_cannot_keep_up_with_misses_the_limits():
+    """4 req/s offered, 1.14 completed, nothing queued on the server, no errors: saturated, not "met"."""
+    import argparse
+
+    from tokenloom.bench.commands import _missed_limits, keeping_up_rate
+
+    args = argparse.Namespace(min_completed_fraction=0.8, max_error_rate=0.01, max_queue_p95=5.0, slo=None)
+    starts = [i / 4.0 for i in range(40)]
+    saturated = _records(starts, [2.0 + i / 1.14 for i in range(40)])
+    card = {"offered_req_s": 4.0, "completed_req_s": 1.14, "error_rate": 0.0, "queue_time_p95_s": 0.05,
+            "goodput_req_s": 1.14}  # fmt: skip
+    missed = _missed_limits(card, saturated, args)
+    assert len(missed) == 1 and "of 4.00 offered" in missed[0], missed
+    assert keeping_up_rate(saturated) < 2.0  # far below the 4 offered
+    # The same short trace served at the rate it arrives: each request 2 s, the tail no reason to miss.
+    held = _records(starts, [s + 2.0 for s in starts])
+    assert _missed_limits({**card, "completed_req_s": 3.3}, held, args) == []
+    assert keeping_up_rate(held) == pytest.approx(4.0, rel=0.05)
+
+
+def test_a_foreign_servers_memory_is_marked_as_its_api_process_only():
+    from tokenloom.bench.commands import render_table
+    from tokenloom.bench.server_metrics import server_figures
+
+    vllm_like = {"process_resident_memory_bytes": 900 * 2**20}
+    figures = server_figures(vllm_like, vllm_like, [])
+    assert figures["memory_scope"] == "api process only"
+    card = scorecard([], 1.0, 1.0, SLO(), figures)
+    table = render_table([{"label": "vllm", "scorecard": card}], markdown=True)
+    assert "900*" in table and "process answering /metrics only" in table
+    ours = {"tokenloom:process_tree_resident_memory_bytes": 700 * 2**20, "process_resident_memory_bytes": 1.0}
+    card = scorecard([], 1.0, 1.0, SLO(), server_figures(ours, ours, []))
+    assert card["memory_scope"] == "process tree"
+    assert "*" not in render_table([{"label": "ours", "scorecard": card}], markdown=False)

@@ -83,9 +83,9 @@ def scorecard(
     duration: float,
     offered_req_s: float,
     slo: SLO,
-    server: dict[str, float | None] | None = None,
+    server: dict[str, float | str | None] | None = None,
     cost_per_hour: float | None = None,
-) -> dict[str, float | None]:
+) -> dict[str, float | str | None]:
     """One row: throughput, latency percentiles, errors, goodput and cost. Cancelled requests are not errors."""
     server = server or {}
     done = [r for r in records if r.ok and not r.cancelled]
@@ -107,6 +107,7 @@ def scorecard(
         "error_rate": len(errors) / len(records) if records else 0.0,
         "preemptions": server.get("preemptions"),
         "memory_high_water_bytes": server.get("memory_high_water_bytes"),
+        "memory_scope": server.get("memory_scope"),  # what that memory covers (server_metrics)
         "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate"),
         "goodput_req_s": len(accepted) / duration if duration > 0 else 0.0,
         "cost_per_1k_accepted": cost,

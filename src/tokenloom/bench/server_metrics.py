@@ -68,10 +68,14 @@ def math_isinf(x: float) -> bool:
     return x == float("inf")
 
 
-def server_figures(before: dict | None, after: dict | None, samples: list[dict]) -> dict[str, float | None]:
+PROCESS_TREE = "process tree"  # the server and every process it started
+API_PROCESS_ONLY = "api process only"  # the process that answers /metrics; a foreign server's engine not counted
+
+
+def server_figures(before: dict | None, after: dict | None, samples: list[dict]) -> dict[str, float | str | None]:
     if not before or not after:
         return {
-            "queue_time_p95_s": None, "preemptions": None, "memory_high_water_bytes": None,
+            "queue_time_p95_s": None, "preemptions": None, "memory_high_water_bytes": None, "memory_scope": None,
             "prefix_cache_hit_rate": None,
         }  # fmt: skip
     preempt_before, preempt_after = _find(before, "num_preemptions_total"), _find(after, "num_preemptions_total")
@@ -79,8 +83,15 @@ def server_figures(before: dict | None, after: dict | None, samples: list[dict])
         "queue_time_p95_s": histogram_quantile(before, after, "request_queue_time_seconds", 0.95),
         "preemptions": None if preempt_after is None else preempt_after - (preempt_before or 0.0),
         "memory_high_water_bytes": _memory_high_water([before, *samples, after]),
+        "memory_scope": _memory_scope(after),
         "prefix_cache_hit_rate": _prefix_cache_hit_rate(before, after),
     }
+
+
+def _memory_scope(scrape: dict[str, float]) -> str | None:
+    if _find(scrape, "process_tree_resident_memory_bytes") is not None:
+        return PROCESS_TREE
+    return API_PROCESS_ONLY if scrape.get("process_resident_memory_bytes") is not None else None
 
 
 def _memory_high_water(scrapes: list[dict[str, float]]) -> float | None:
