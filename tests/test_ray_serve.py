@@ -177,3 +177,39 @@ def test_prefix_aware_routing_keeps_more_cache_hits_than_rays_default(tiny_chat_
     rates = hit_rate(prefix), hit_rate(default)
     print(f"prefix-cache hit rate: prefix-aware {rates[0]:.1%}, power of two choices {rates[1]:.1%}")
     assert rates[0] > rates[1]
+
+
+def replica_pids() -> list[int]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return [a.pid for a in actors if "EngineReplica" in (a.class_name or "")]
+
+
+def test_requests_in_flight_on_a_replica_that_dies_hear_why(tiny_chat_model, ray_port):
+    import os
+    import signal
+    import threading
+
+    url = deploy(tiny_chat_model, ray_port, "prefix")
+    long = {"model": "tiny", "prompt": "Go on", "max_tokens": 2000, "ignore_eos": True}
+    whole: dict[str, httpx.Response] = {}
+    waiting = threading.Thread(
+        target=lambda: whole.setdefault("r", httpx.post(f"{url}/v1/completions", json=long, timeout=120))
+    )
+    with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=120) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        waiting.start()
+        pids = replica_pids()
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    waiting.join(timeout=120)
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2][len("data: ") :])["error"]
+    assert error["code"] == "engine_unavailable" and error["type"] == "server_error"
+    refused = whole["r"]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable", refused.text

@@ -21,6 +21,7 @@ pickled the class by value, where a string annotation would no longer resolve.
 """
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -48,6 +49,9 @@ METRICS_PUSH_S = 1.0
 METRICS_STALE_S = 5.0  # a replica silent this long is gone from /metrics
 INGRESS_MAX_ONGOING_REQUESTS = 4096
 WAITING_REQUEST_TOKENS = 512  # what a waiting request is counted as in a replica's outstanding tokens
+# What a request in flight on a replica that died hears: the engine was lost under it, as a single server's
+# clients hear it when its engine core dies.
+REPLICA_LOST = APIError(503, "the engine replica serving this request died", None, "engine_unavailable")
 ROUTERS = {
     "prefix": "tokenloom.replicas.routing:PrefixAwareRouter",
     "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
@@ -205,6 +209,20 @@ def _number(value: float) -> str:
     return repr(float(value)) if value == value else "NaN"
 
 
+async def _relayed(messages: Any, event_stream: bool) -> AsyncIterator[bytes]:
+    """The replica's body as it comes. If the replica dies mid-stream, an event stream still ends as the engine's
+    own streams end on a failure: an OpenAI error event, then [DONE]; any other body is cut (the client sees a
+    short read)."""
+    try:
+        async for message in messages:
+            if message.get("body"):
+                yield message["body"]
+    except Exception as error:
+        logger.error("replica failed mid-response: %r", error)
+        if event_stream:
+            yield f"data: {json.dumps(REPLICA_LOST.body())}\n\ndata: [DONE]\n\n".encode()
+
+
 # ---- the deployments (last: Ray pickles them when they are decorated, with what the module holds by then) ----
 
 
@@ -296,12 +314,11 @@ class Ingress:
             "body": bytes(body),
         }
         messages = self.engine.remote(forwarded)
-        start = await messages.__anext__()
+        try:
+            start = await messages.__anext__()
+        except Exception as error:  # the replica died (or could not be reached) before the response began
+            logger.error("replica failed before responding to %s /%s: %r", request.method, path, error)
+            return JSONResponse(REPLICA_LOST.body(), status_code=REPLICA_LOST.status)
         headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
-
-        async def body_chunks() -> AsyncIterator[bytes]:
-            async for message in messages:
-                if message.get("body"):
-                    yield message["body"]
-
-        return StreamingResponse(body_chunks(), status_code=start["status"], headers=headers)
+        event_stream = headers.get("content-type", "").startswith("text/event-stream")
+        return StreamingResponse(_relayed(messages, event_stream), status_code=start["status"], headers=headers)
