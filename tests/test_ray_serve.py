@@ -180,10 +180,26 @@ def test_prefix_aware_routing_keeps_more_cache_hits_than_rays_default(tiny_chat_
 
 
 def replica_pids() -> list[int]:
-    from ray.util.state import list_actors
+    """The engine replicas' worker processes, by the title Ray gives them (ray::ServeReplica:...:EngineReplica)."""
+    from pathlib import Path
 
-    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-    return [a.pid for a in actors if "EngineReplica" in (a.class_name or "")]
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            title = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith("ray::ServeReplica") and "EngineReplica" in title:
+            pids.append(int(entry.name))
+    return pids
+
+
+def running_requests(url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    families = [f for f in text_string_to_metric_families(text) if f.name == "tokenloom:num_requests_running"]
+    return sum(sample.value for family in families for sample in family.samples)
 
 
 def test_requests_in_flight_on_a_replica_that_dies_hear_why(tiny_chat_model, ray_port):
@@ -202,6 +218,8 @@ def test_requests_in_flight_on_a_replica_that_dies_hear_why(tiny_chat_model, ray
         lines = stream.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         waiting.start()
+        running = poll_until(lambda: running_requests(url), lambda n: n >= 2, timeout=30)
+        assert running >= 2  # both requests are on replicas now
         pids = replica_pids()
         assert len(pids) == 2
         for pid in pids:

@@ -51,7 +51,11 @@ INGRESS_MAX_ONGOING_REQUESTS = 4096
 WAITING_REQUEST_TOKENS = 512  # what a waiting request is counted as in a replica's outstanding tokens
 # What a request in flight on a replica that died hears: the engine was lost under it, as a single server's
 # clients hear it when its engine core dies.
-REPLICA_LOST = APIError(503, "the engine replica serving this request died", None, "engine_unavailable")
+# (Its body, not the exception: Ray pickles the deployments with what they use, and an APIError does not unpickle.)
+REPLICA_LOST_STATUS = 503
+REPLICA_LOST = APIError(
+    REPLICA_LOST_STATUS, "the engine replica serving this request died", None, "engine_unavailable"
+).body()
 ROUTERS = {
     "prefix": "tokenloom.replicas.routing:PrefixAwareRouter",
     "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
@@ -220,7 +224,7 @@ async def _relayed(messages: Any, event_stream: bool) -> AsyncIterator[bytes]:
     except Exception as error:
         logger.error("replica failed mid-response: %r", error)
         if event_stream:
-            yield f"data: {json.dumps(REPLICA_LOST.body())}\n\ndata: [DONE]\n\n".encode()
+            yield f"data: {json.dumps(REPLICA_LOST)}\n\ndata: [DONE]\n\n".encode()
 
 
 # ---- the deployments (last: Ray pickles them when they are decorated, with what the module holds by then) ----
@@ -318,7 +322,7 @@ class Ingress:
             start = await messages.__anext__()
         except Exception as error:  # the replica died (or could not be reached) before the response began
             logger.error("replica failed before responding to %s /%s: %r", request.method, path, error)
-            return JSONResponse(REPLICA_LOST.body(), status_code=REPLICA_LOST.status)
+            return JSONResponse(REPLICA_LOST, status_code=REPLICA_LOST_STATUS)
         headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
         event_stream = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_relayed(messages, event_stream), status_code=start["status"], headers=headers)
