@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import os
+
+# Triton kernels run on CPU tensors under its interpreter: Triton reads this when it is imported, so before torch.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pathlib import Path
 
 import pytest
 import torch
 
 from tokenloom.model import platform
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TINY_VOCAB = 512
 

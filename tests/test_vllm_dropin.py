@@ -348,3 +348,56 @@ def test_a_completion_cut_inside_a_character_drops_its_partial_bytes(server, tin
     body = {"model": "tiny", "prompt": "Say:", "max_tokens": 1, "guided_choice": [text]}
     reply = post(server, "/v1/completions", body).json()["choices"][0]
     assert reply["finish_reason"] == "length" and "\ufffd" not in reply["text"], reply
+
+
+def _self_signed(directory) -> tuple[str, str]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256())
+    )  # fmt: skip
+    key_path, cert_path = directory / "key.pem", directory / "cert.pem"
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(key_path), str(cert_path)
+
+
+def test_ssl_flags_serve_https(tiny_chat_model, tmp_path):
+    import subprocess
+    import sys
+
+    from server_process import poll_until
+
+    from tokenloom.bench.local_server import free_port
+
+    key, cert = _self_signed(tmp_path)
+    port = free_port()
+    command = [sys.executable, "-m", "tokenloom.cli", "serve", str(tiny_chat_model), "--port", str(port),
+               "--ssl-keyfile", key, "--ssl-certfile", cert, "--log-level", "warning"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def health() -> int:
+        try:
+            return httpx.get(f"https://127.0.0.1:{port}/health", verify=False, timeout=2).status_code
+        except httpx.HTTPError:
+            return 0
+
+    try:
+        assert poll_until(health, lambda status: status == 200, timeout=120) == 200
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on that port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

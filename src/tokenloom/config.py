@@ -23,6 +23,7 @@ Batching = Literal["continuous", "static"]
 DType = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]
 SchedulingPolicy = Literal["fcfs", "priority", "fair"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
+AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 DTYPES: tuple[str, ...] = get_args(DType)
 POLICY_NAMES: tuple[str, ...] = get_args(SchedulingPolicy)
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
@@ -38,6 +39,11 @@ class ModelLoadConfig:
     bfloat16 or float16."""
     device: str = "cpu"
     """A torch device string, as torch.device takes it (cpu, a CUDA device and its index, mps)."""
+    attention_backend: AttentionBackend = "auto"
+    """Paged attention: 'triton' (one Triton launch per layer for the whole batch, K/V read in place; CUDA, or CPU
+    tensors under TRITON_INTERPRET=1), 'cpu' (our C++ operators: attention, norms, rotary), 'torch' (plain
+    PyTorch, the reference), or 'auto' (triton on CUDA where Triton is installed, cpu on a CPU whose operators
+    build, else torch)."""
     enforce_eager: bool | None = None
     """True: run the model eagerly; False: compile the step with torch.compile (inductor), once per size class,
     warmed up at start and cached under $TOKENLOOM_CACHE; None (auto): compile on an accelerator, eager on CPU,
@@ -54,6 +60,8 @@ class ModelLoadConfig:
         for name in ("num_threads", "max_model_len"):
             _require_positive_or_none(self, name)
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
+        backends = get_args(AttentionBackend)
+        _require(self.attention_backend in backends, f"attention_backend must be one of {', '.join(backends)}")
         _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
 
     def compiles_step(self, device_type: str) -> bool:

@@ -169,6 +169,7 @@ class EngineCore:
                 self.config.model.seed,
                 self.num_swap_blocks,
                 compile_step=self.config.compiles_step(device.type),
+                attention_backend=self.config.model.attention_backend,
             )
         spec = WorkerSpec(
             model=self.config.model.model,
@@ -183,6 +184,7 @@ class EngineCore:
             init_method=self.config.parallel.distributed_init_method or free_local_init_method(),
             backend=backend_for(self.config.model.device, size),
             num_threads=torch.get_num_threads(),
+            attention_backend=self.config.model.attention_backend,
         )
         return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device)
 

@@ -10,6 +10,9 @@ Attention runs per KV head as batched matmuls over strided views, so grouped-que
 
     queries of the heads sharing KV head i   [.., group, d]  @  K[:, i*d:(i+1)*d]^T   ->  scores [.., group, ctx]
 
+With the Triton backend (triton_attention.py) the whole flat batch is one launch per layer instead, reading K and V
+in place through the block tables, and the cache write is one launch for K and V.
+
 Decode queries (one new token each) go to the C++ operator in cpu_kernel.py where it can be had, which reads
 each context in place; otherwise they are attended a group at a time, each group over its contexts padded to the
 longest. A prefill chunk goes to torch's scaled_dot_product_attention (its fused CPU kernel): causal with no mask
@@ -23,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model import cpu_kernel
+from tokenloom.model import cpu_kernel, triton_attention
+from tokenloom.model.triton_attention import FlatBatch
 
 
 @dataclass
@@ -62,11 +66,49 @@ class AttentionMetadata:
     workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace())
     use_cpu_kernel: bool = False  # the C++ operators (cpu_kernel.py): decode attention, norms, rotary, SiLU
     prefill_op: bool = False  # prefill attention through the bf16 C++ operator (csrc/prefill_attention.cpp)
+    # The Triton backend's view of the whole batch (triton_attention.py); set, it replaces decodes and prefills.
+    flat: FlatBatch | None = None
+    num_splits: int = 1  # split-K shares for the Triton kernel (few long decodes)
 
 
-def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+def write_kv(
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    meta: AttentionMetadata | None = None,
+):
+    if meta is not None and meta.flat is not None:  # both caches in one launch
+        triton_attention.write_kv(cache_k, cache_v, k, v, slots)
+        return
     cache_k.index_copy_(0, slots, k.reshape(k.shape[0], -1))
     cache_v.index_copy_(0, slots, v.reshape(v.shape[0], -1))
+
+
+BACKENDS = ("torch", "cpu", "triton")
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The attention backend a config's choice means on this device; ValueError for one that cannot run here."""
+    if name == "auto":
+        if device.type == "cuda" and triton_attention.available(device):
+            return "triton"
+        return "cpu" if cpu_kernel.usable_for(device, dtype) else "torch"
+    if name == "cpu" and not cpu_kernel.usable_for(device, dtype):
+        raise ValueError(
+            f"--attention-backend cpu runs our C++ operators, which need a CPU device and float32 or bfloat16 "
+            f"(here: {device.type}, {dtype}) and a C++ toolchain to build them"
+        )
+    if name == "triton" and not triton_attention.available(device):
+        where = "Triton is not installed" if triton_attention.triton is None else f"the device is {device.type}"
+        raise ValueError(
+            f"--attention-backend triton needs Triton on a CUDA device, or CPU tensors under TRITON_INTERPRET=1 "
+            f"(set before start); {where}"
+        )
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; the backends: auto, {', '.join(BACKENDS)}")
+    return name
 
 
 class GatherWorkspace:
@@ -103,6 +145,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads * d] (this step's, already in the cache). Returns [T, heads, d]."""
     out = torch.empty_like(q)
+    if meta.flat is not None:
+        return triton_attention.unified_attention(
+            q, cache_k, cache_v, meta.flat, meta.block_size, scale, out, num_splits=meta.num_splits
+        )
     ws, block_size = meta.workspace, meta.block_size
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.num_rows)

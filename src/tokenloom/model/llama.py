@@ -89,7 +89,7 @@ class Attention(nn.Module):
                     q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping
                 )
             else:
-                write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+                write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, meta)
             out = paged_attention(q, k.reshape(num_tokens, self.kv_size), v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 

@@ -64,6 +64,7 @@ class WorkerSpec:
     init_method: str
     backend: str
     num_threads: int
+    attention_backend: str = "auto"
 
 
 def free_local_init_method() -> str:
@@ -174,8 +175,9 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, model: CausalLM, workers: TensorParallelWorkers, device: torch.device) -> None:
         spec = workers.spec
         super().__init__(
-            model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks
-        )
+            model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
+            attention_backend=spec.attention_backend,
+        )  # fmt: skip
         self.workers = workers
 
     def execute(self, scheduled: list[ScheduledRequest], grammar: GrammarMask | None = None) -> StepResult:
@@ -230,8 +232,9 @@ def _build_rank(spec: WorkerSpec, rank: int) -> ModelRunner:
     group = TensorParallelGroup(rank, spec.world_size)
     loaded = load_model(spec.model, spec.max_model_len, spec.dtype, device, group)
     return ModelRunner(
-        loaded.model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks
-    )
+        loaded.model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
+        attention_backend=spec.attention_backend,
+    )  # fmt: skip
 
 
 def _serve(runner: ModelRunner, inputs: zmq.Socket[bytes]) -> None:

@@ -15,13 +15,20 @@ import torch
 
 from tokenloom.core.scheduler import ScheduledRequest
 from tokenloom.model import cpu_kernel
-from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
+from tokenloom.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    GatherWorkspace,
+    PrefillSegment,
+    resolve_backend,
+)
 from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.forward_context import forward_context
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
+from tokenloom.model.triton_attention import FlatBatch, split_count
 from tokenloom.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,7 @@ class ModelRunner:
         seed: int = 0,
         num_swap_blocks: int = 0,
         compile_step: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -84,7 +92,10 @@ class ModelRunner:
         ]
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()
-        self.use_cpu_kernel = cpu_kernel.usable_for(device, dtype)
+        self.attention_backend = resolve_backend(attention_backend, device, dtype)
+        self.use_cpu_kernel = self.attention_backend == "cpu"
+        # Programs that fill the device: split-K shares are added only where a step has fewer (few long decodes).
+        self._target_programs = 4 * _multiprocessors(device)
         self.use_prefill_op = (
             self.use_cpu_kernel
             and dtype == torch.bfloat16
@@ -163,6 +174,9 @@ class ModelRunner:
                 use_cpu_kernel=self.use_cpu_kernel,
                 prefill_op=self.use_prefill_op,
             )
+            if self.attention_backend == "triton":
+                meta.prefills = []
+                meta.flat = self._flat_batch([(num_tokens, num_tokens, [0])])
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             self._forward(ModelInputs(ids, torch.arange(num_tokens, device=self.device), meta, ids[:0], []))
         logger.info("compiled the step in %.1fs", time.monotonic() - started)
@@ -237,10 +251,14 @@ class ModelRunner:
             use_cpu_kernel=self.use_cpu_kernel,
             prefill_op=self.use_prefill_op,
         )
-        for first, last in group_by_context_length([s.start + 1 for s in decodes]):
-            meta.decodes.append(self._decode_group(decodes[first:last], first))
-        for s, end in zip(ordered[len(decodes) :], ends[len(decodes) :], strict=True):
-            meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
+        if self.attention_backend == "triton":  # one launch per layer over the flat batch
+            meta.flat = self._flat_batch([(s.num_tokens, s.start + s.num_tokens, s.block_ids) for s in ordered])
+            meta.num_splits = split_count(meta.flat, self.model.config.num_kv_heads, 32, self._target_programs)
+        else:
+            for first, last in group_by_context_length([s.start + 1 for s in decodes]):
+                meta.decodes.append(self._decode_group(decodes[first:last], first))
+            for s, end in zip(ordered[len(decodes) :], ends[len(decodes) :], strict=True):
+                meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
         return ModelInputs(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
@@ -248,6 +266,21 @@ class ModelRunner:
             sample_rows=self._tensor(np.array(sample_rows, dtype=np.int64)),
             sampled_items=[s for s in ordered if s.sample],
             prompt_chunks=prompt_chunks,
+        )
+
+    def _flat_batch(self, sequences: list[tuple[int, int, list[int]]]) -> FlatBatch:
+        """(query tokens, context length, block ids) of each sequence in flat order -> the Triton kernel's view."""
+        q_lens = np.array([q for q, _, _ in sequences], dtype=np.int32)
+        ctx_lens = np.array([c for _, c, _ in sequences], dtype=np.int32)
+        width = max(cdiv(int(c), self.block_size) for c in ctx_lens)
+        tables = np.zeros((len(sequences), width), dtype=np.int32)
+        for row, (_, ctx, block_ids) in enumerate(sequences):
+            used = block_ids[: cdiv(ctx, self.block_size)]
+            tables[row, : len(used)] = used
+        loc = np.zeros(len(sequences) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=loc[1:])
+        return FlatBatch(
+            self._tensor(loc), self._tensor(ctx_lens), self._tensor(tables), int(q_lens.max()), int(ctx_lens.max())
         )
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
@@ -323,3 +356,10 @@ def group_by_context_length(
         groups.append((first, last))
         last = first
     return groups[::-1]
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (1 where it has none: the CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 1

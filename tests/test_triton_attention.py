@@ -1,0 +1,196 @@
+"""The Triton paged-attention kernel against a plain-PyTorch reference, under Triton's interpreter on CPU tensors.
+
+float32 only (the interpreter's bf16 dot is not exact); conftest.py sets TRITON_INTERPRET=1 before any import.
+Small shapes: decode rows, prefill chunks with and without a past, a mixed batch, grouped-query heads (a power of
+two per KV head and not), split-K, several block sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton_attention = pytest.importorskip("tokenloom.model.triton_attention")
+if triton_attention.triton is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+FlatBatch = triton_attention.FlatBatch
+
+
+def reference(q, cache_k, cache_v, seqs, block_tables, block_size, scale):
+    """Each sequence's queries over its context, gathered slot by slot, causal from the context's end."""
+    _, num_heads, head_dim = q.shape
+    num_kv = cache_k.shape[1] // head_dim
+    group = num_heads // num_kv
+    out = torch.zeros_like(q)
+    for s, (q_start, q_len, ctx) in enumerate(seqs):
+        pos = torch.arange(ctx)
+        slots = block_tables[s, pos // block_size].long() * block_size + pos % block_size
+        k = cache_k[slots].view(ctx, num_kv, head_dim)
+        v = cache_v[slots].view(ctx, num_kv, head_dim)
+        for h in range(num_heads):
+            scores = q[q_start : q_start + q_len, h] @ k[:, h // group].T * scale
+            query_pos = torch.arange(ctx - q_len, ctx)[:, None]
+            scores = scores.masked_fill(pos[None, :] > query_pos, float("-inf"))
+            out[q_start : q_start + q_len, h] = torch.softmax(scores, -1) @ v[:, h // group]
+    return out
+
+
+def make_batch(shape, block_size, num_heads, num_kv, head_dim, seed=0):
+    """shape: [(q_len, ctx_len)] per sequence. Blocks are handed out shuffled, so tables are not in order."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-ctx // block_size) for _, ctx in shape]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=g)[: sum(blocks_per_seq)]
+    max_blocks = max(blocks_per_seq)
+    tables = torch.zeros(len(shape), max_blocks, dtype=torch.int32)
+    at = 0
+    for s, n in enumerate(blocks_per_seq):
+        tables[s, :n] = order[at : at + n].to(torch.int32)
+        at += n
+    cache_k = torch.randn(num_blocks * block_size, num_kv * head_dim, generator=g)
+    cache_v = torch.randn(num_blocks * block_size, num_kv * head_dim, generator=g)
+    total = sum(q_len for q_len, _ in shape)
+    q = torch.randn(total, num_heads, head_dim, generator=g)
+    seqs, loc = [], [0]
+    for q_len, ctx in shape:
+        seqs.append((loc[-1], q_len, ctx))
+        loc.append(loc[-1] + q_len)
+    batch = FlatBatch(
+        query_start_loc=torch.tensor(loc, dtype=torch.int32),
+        context_lens=torch.tensor([ctx for _, ctx in shape], dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(q_len for q_len, _ in shape),
+        max_context_len=max(ctx for _, ctx in shape),
+    )
+    return q, cache_k, cache_v, seqs, batch
+
+
+CASES = {
+    "decode": [(1, 1), (1, 17), (1, 64), (1, 5)],
+    "prefill-whole": [(23, 23), (40, 40)],
+    "prefill-with-past": [(5, 40), (16, 70)],
+    "mixed": [(1, 33), (1, 9), (7, 7), (12, 50), (1, 100)],
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(("num_heads", "num_kv", "head_dim"), [(4, 2, 16), (6, 2, 32), (4, 4, 24)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_one_launch_matches_the_reference(case, num_heads, num_kv, head_dim, block_size):
+    q, cache_k, cache_v, seqs, batch = make_batch(CASES[case], block_size, num_heads, num_kv, head_dim)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    triton_attention.unified_attention(q, cache_k, cache_v, batch, block_size, scale, out, block_n=16)
+    torch.testing.assert_close(out, reference(q, cache_k, cache_v, seqs, batch.block_tables, block_size, scale))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_k_decode_matches_one_share(num_splits):
+    """Shares that see no key at all (8 shares of a 5-token context) must not disturb the combination."""
+    q, cache_k, cache_v, seqs, batch = make_batch([(1, 130), (1, 5), (1, 64)], 16, 8, 2, 32, seed=3)
+    scale = 32**-0.5
+    out = torch.full_like(q, float("nan"))
+    triton_attention.unified_attention(q, cache_k, cache_v, batch, 16, scale, out, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(out, reference(q, cache_k, cache_v, seqs, batch.block_tables, 16, scale))
+
+
+def test_queries_read_in_place_from_a_strided_qkv_output():
+    """q as the fused qkv matmul leaves it: a strided view, never copied."""
+    q, cache_k, cache_v, seqs, batch = make_batch(CASES["mixed"], 16, 4, 2, 16, seed=5)
+    qkv = torch.randn(q.shape[0], (4 + 2 * 2) * 16)
+    qkv[:, : 4 * 16] = q.reshape(q.shape[0], -1)
+    strided_q = qkv[:, : 4 * 16].view(q.shape[0], 4, 16)
+    assert not strided_q.is_contiguous()
+    out = torch.empty_like(q)
+    triton_attention.unified_attention(strided_q, cache_k, cache_v, batch, 16, 0.25, out, block_n=16)
+    torch.testing.assert_close(out, reference(q, cache_k, cache_v, seqs, batch.block_tables, 16, 0.25))
+
+
+def test_the_cache_write_puts_each_token_in_its_slot():
+    cache_k, cache_v = torch.zeros(64, 32), torch.zeros(64, 32)
+    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slots = torch.tensor([3, 40, 17, 0, 63])
+    triton_attention.write_kv(cache_k, cache_v, k, v, slots)
+    torch.testing.assert_close(cache_k[slots], k.reshape(5, 32))
+    torch.testing.assert_close(cache_v[slots], v.reshape(5, 32))
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert cache_k[untouched].abs().sum() == 0 and cache_v[untouched].abs().sum() == 0
+
+
+def test_split_count_fills_the_device_only_for_few_long_decodes():
+    def batch(q_lens, ctxs):
+        return FlatBatch(torch.zeros(1), torch.tensor(ctxs), torch.zeros(1), max(q_lens), max(ctxs))
+
+    assert triton_attention.split_count(batch([1, 1], [4096, 4096]), 8, 32, target_programs=132) == 8
+    assert triton_attention.split_count(batch([1] * 64, [4096] * 64), 8, 32, target_programs=132) == 1
+    assert triton_attention.split_count(batch([1], [40]), 8, 32, target_programs=132) == 2  # no more than tiles
+    assert triton_attention.split_count(batch([16, 1], [4096, 4096]), 8, 32, target_programs=132) == 1
+
+
+# ---- the engine with the Triton backend: float32 greedy equals transformers' -------------------------------
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(500) for _ in range(24)]  # a common prefix: later prompts hit the prefix cache
+    return [shared + [rng.randrange(500) for _ in range(rng.randint(2, 30))] for _ in range(n)]
+
+
+def _hf_greedy(path, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from conftest import hf_oracle
+
+    model = hf_oracle(path)
+    outputs = []
+    for ids in prompt_ids:
+        tokens = torch.tensor([ids])
+        generated = model.generate(tokens, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
+        outputs.append(generated[0, len(ids) :].tolist())
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=14, block_size=8),  # chunks and preemption
+        dict(max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=14, block_size=8, preemption_mode="swap",
+             num_swap_blocks=64),
+        dict(max_num_seqs=8, max_num_batched_tokens=512, block_size=16),  # whole prompts, prefix-cache hits
+    ],
+    ids=["recompute", "swap", "prefix"],
+)  # fmt: skip
+def test_the_engine_on_triton_attention_matches_transformers(tiny_checkpoints, arch, config):
+    from tokenloom import LLM, SamplingParams
+
+    path = tiny_checkpoints[arch]
+    prompts = _prompts(6, seed=7)
+    llm = LLM(str(path), dtype="float32", attention_backend="triton", **config)
+    assert llm.engine.core.runner.attention_backend == "triton"
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # The first prompt alone, then the rest: they find the shared prefix's blocks in the cache.
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], greedy, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + rest] == _hf_greedy(path, prompts, 8)
+    stats = llm.stats()
+    assert stats.kv_blocks_in_use == 0
+    if "num_kv_blocks" in config:
+        assert stats.num_preemptions > 0  # the pressure was real
+    else:
+        assert stats.prefix_cache_hits > 0
+
+
+def test_a_backend_that_cannot_run_here_is_refused_at_start(tiny_llama, monkeypatch):
+    from tokenloom import LLM
+    from tokenloom.model import triton_attention
+
+    monkeypatch.setattr(triton_attention, "available", lambda device: False)
+    with pytest.raises(ValueError, match="attention-backend triton needs Triton"):
+        LLM(str(tiny_llama), attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(str(tiny_llama), attention_backend="flash")
+    llm = LLM(str(tiny_llama), attention_backend="torch")
+    assert llm.engine.core.runner.attention_backend == "torch" and not llm.engine.core.runner.use_cpu_kernel
