@@ -151,7 +151,6 @@ def test_disconnect_mid_stream_frees_everything(server):
         "max_tokens": 400,
         "stream": True,
         "ignore_eos": True,
-        "max_model_len": 512,
     }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
         lines = response.iter_lines()

@@ -21,6 +21,7 @@ SCORECARD_KEYS = (
     "goodput_req_s",
     "cost_per_1k_accepted",
 )
+SCORECARD_NOTES = ("memory_scope",)  # what a figure covers, beside the figures
 
 
 @dataclass

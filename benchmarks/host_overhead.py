@@ -1,0 +1,131 @@
+"""What the host spends per decode step, with the model's forward replaced by a stub.
+
+    .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30]
+
+On a GPU a small model's forward takes 1-3 ms a step; whatever the host spends around it (scheduling, building the
+step's inputs, sampling, turning tokens into text and outputs) is time the device may sit idle. This runs the real
+engine (scheduler, KV cache manager, runner's input preparation, sampler, output processor, detokenizer with the
+SmolLM2 tokenizer) on a tiny random model whose forward is a stub returning zeros, with every request decoding,
+and prints microseconds per step in all and by phase. The logits the sampler reads are a real [rows, 49152]
+float32 tensor (greedy argmax over it on this CPU is part of "sample": on a GPU it runs on the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+
+from tokenloom import SamplingParams
+from tokenloom.bench.provenance import git_commit, machine_info
+from tokenloom.config import EngineConfig
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.model.loader import resolve_checkpoint_dir
+
+VOCAB = 49152
+
+
+def tiny_model_with_the_real_tokenizer(directory: Path) -> Path:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=2,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    real = resolve_checkpoint_dir(None)[1]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(real / name, directory / name)
+    return directory
+
+
+class Phases:
+    """Wall time per phase, summed over the timed steps."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.timing = False
+
+    def wrap(self, owner: object, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if self.timing:
+                    self.seconds[phase] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+
+def stub_forward(engine: LLMEngine) -> None:
+    """The forward returns zeros of the hidden size; the LM head returns a fixed random logits tensor."""
+    runner = engine.core.runner
+    hidden_size = runner.model.config.hidden_size
+    logits = torch.randn(4096, VOCAB)
+    runner._forward = lambda inputs: torch.zeros(inputs.input_ids.shape[0], hidden_size)
+    runner.model.compute_logits = lambda hidden: logits[: hidden.shape[0]].clone()
+
+
+def measure(model: Path, running: int, steps: int) -> dict[str, float]:
+    config = EngineConfig.from_kwargs(
+        model=str(model), dtype="float32", max_num_seqs=running, max_num_batched_tokens=max(2048, running * 40),
+        num_kv_blocks=running * 24, block_size=16, attention_backend="torch",
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    stub_forward(engine)
+    phases = Phases()
+    core, runner = engine.core, engine.core.runner
+    phases.wrap(core.scheduler, "schedule", "schedule")
+    phases.wrap(runner, "prepare_inputs", "prepare inputs")
+    phases.wrap(runner, "_forward", "forward (stub)")
+    phases.wrap(runner, "sampler", "sample")
+    phases.wrap(core.scheduler, "update_from_output", "update scheduler")
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(running):
+        engine.add_request([(7 * i + j) % 1000 + 10 for j in range(32)], params, request_id=f"r{i}")
+    while engine.stats().num_waiting > 0:  # every prompt prefilled
+        engine.step()
+    for _ in range(3):  # a few decode steps to warm up
+        engine.step()
+    phases.timing = True
+    started = time.perf_counter()
+    for _ in range(steps):
+        outputs = engine.step()
+        assert len(outputs) == running, (len(outputs), running)
+    total = time.perf_counter() - started
+    phases.timing = False
+    per_step = {phase: 1e6 * seconds / steps for phase, seconds in phases.seconds.items()}
+    per_step["all"] = 1e6 * total / steps
+    per_step["other (outputs, detokenize)"] = per_step["all"] - sum(v for k, v in per_step.items() if k not in ("all",))
+    return per_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--running", default="64,256,1024")
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    print(f"commit {git_commit()}, {machine_info().get('cpu', '')}, load {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_model_with_the_real_tokenizer(Path(tmp))
+        for running in (int(n) for n in args.running.split(",")):
+            figures = measure(model, running, args.steps)
+            parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
+            print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"
+                  f"  [{parts}]")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
