@@ -30,3 +30,25 @@ def test_streamed_deltas_add_up_to_the_full_decode(tokenizer, text):
     deltas = [detokenizer.add(t) for t in token_ids]
     assert "".join(deltas) == tokenizer.decode(token_ids) == detokenizer.text
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_the_rust_stream_and_the_window_give_the_same_deltas(tokenizer):
+    text = "Café 北京 🎉 code: def f(x):\n    return x"
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    streamed = IncrementalDetokenizer(tokenizer)
+    assert streamed._stream is not None  # a fast tokenizer: its own incremental decoder
+    windowed = IncrementalDetokenizer(tokenizer)
+    windowed._stream = None
+    assert [streamed.add(t) for t in token_ids] == [windowed.add(t) for t in token_ids]
+
+
+def test_a_stream_that_raises_falls_back_to_the_window(tokenizer):
+    class Broken:
+        def step(self, backend, token_id):
+            raise RuntimeError("unknown id")
+
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    text = "".join(detokenizer.add(t) for t in tokenizer.encode(" before", add_special_tokens=False))
+    detokenizer._stream = Broken()
+    text += "".join(detokenizer.add(t) for t in tokenizer.encode(" and after", add_special_tokens=False))
+    assert detokenizer._stream is None and text == " before and after" == detokenizer.text

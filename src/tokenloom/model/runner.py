@@ -235,8 +235,7 @@ class ModelRunner:
         decodes = sorted((s for s in scheduled if s.num_tokens == 1), key=lambda s: s.start)
         ordered = decodes + [s for s in scheduled if s.num_tokens > 1]
         input_ids = np.fromiter((t for s in ordered for t in s.token_ids), dtype=np.int64)
-        positions = np.concatenate([np.arange(s.start, s.start + s.num_tokens) for s in ordered])
-        slot_mapping = np.concatenate([self._slots(s.block_ids, s.start, s.start + s.num_tokens) for s in ordered])
+        positions, slot_mapping = self._positions_and_slots(ordered, len(input_ids))
         ends = np.cumsum([s.num_tokens for s in ordered])
         sample_rows = [int(end) - 1 for s, end in zip(ordered, ends, strict=True) if s.sample]
         prompt_chunks = [
@@ -283,10 +282,27 @@ class ModelRunner:
             self._tensor(loc), self._tensor(ctx_lens), self._tensor(tables), int(q_lens.max()), int(ctx_lens.max())
         )
 
+    def _positions_and_slots(self, ordered: list[ScheduledRequest], num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each token's position and cache slot. A decode token's are two integers, computed as such: converting
+        its whole block table to an array cost more than the rest of its inputs (benchmarks/host_overhead.py)."""
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
+        at, size = 0, self.block_size
+        for s in ordered:
+            if s.num_tokens == 1:
+                positions[at] = s.start
+                slots[at] = s.block_ids[s.start // size] * size + s.start % size
+            else:
+                positions[at : at + s.num_tokens] = np.arange(s.start, s.start + s.num_tokens)
+                slots[at : at + s.num_tokens] = self._slots(s.block_ids, s.start, s.start + s.num_tokens)
+            at += s.num_tokens
+        return positions, slots
+
     def _slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
+        first = start // self.block_size
         positions = np.arange(start, end)
-        table = np.asarray(block_ids, dtype=np.int64)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+        table = np.asarray(block_ids[first : cdiv(end, self.block_size)], dtype=np.int64)
+        return table[positions // self.block_size - first] * self.block_size + positions % self.block_size
 
     def _decode_group(self, decodes: list[ScheduledRequest], row_start: int) -> DecodeGroup:
         context_lens = np.array([s.start + 1 for s in decodes], dtype=np.int64)
