@@ -1,16 +1,24 @@
-"""The engine on a CUDA device: greedy tokens against transformers in float32, and offline speed, eager vs compiled.
+"""The engine on a CUDA device: greedy tokens against transformers in float32, and offline speed.
 
     python benchmarks/gpu_check.py --device cuda [--out gpu.md] [--quick] [--tensor-parallel 2] [--skip-speed]
+        [--models smollm2,llama8b] [--backends torch,triton]
 
-Needs only torch, transformers, safetensors, numpy and rich (what a GPU image has), with ``src`` on PYTHONPATH;
-no weights: the correctness cases use tiny random checkpoints of two architectures, and the speed runs a random
-model of SmolLM2-135M's shape (speed does not depend on the values of the weights). CI never runs it.
+Needs only torch, transformers, safetensors, numpy, rich and Triton (what a GPU image has), with ``src`` on
+PYTHONPATH; no weights: the correctness cases use tiny random checkpoints of two architectures (every attention
+backend, eager and compiled), and the speed runs random models of SmolLM2-135M's and Llama-3.1-8B's shapes in
+bf16 (speed does not depend on the values of the weights) on mixed-64 and nano-vllm's workload (256 requests,
+input and output lengths uniform in 100-1,024), plus batch-1 decode of the 8B shape against the HBM roofline (weight
+bytes over the measured copy bandwidth) and the host's time per step. CI never runs it; on CPU tensors it runs
+as a smoke test with ``TRITON_INTERPRET=1 --device cpu --quick``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +42,12 @@ SMOLLM2_135M = dict(
     num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
     tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
 )  # fmt: skip
+LLAMA_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=False, eos_token_id=128001, bos_token_id=128000,
+)  # fmt: skip
+MODELS = {"smollm2": SMOLLM2_135M, "llama8b": LLAMA_8B}
 ENGINE_CASES = {
     "roomy": dict(max_num_seqs=16, max_num_batched_tokens=1024),
     "chunked + preempted": dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8),
@@ -107,61 +121,146 @@ def check_tensor_parallel(root: Path, device: str, size: int, lines: list[str]) 
     return all_ok
 
 
-def check_correctness(root: Path, device: str, lines: list[str]) -> bool:
+def check_correctness(root: Path, device: str, backends: list[str], lines: list[str]) -> bool:
     rng = random.Random(0)
     prompts = [[rng.randrange(511) for _ in range(rng.randint(3, 60))] for _ in range(10)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     all_ok = True
-    lines += ["| architecture | engine case | step | tokens equal transformers' |", "|---|---|---|---|"]
+    lines += ["| architecture | engine case | attention | step | tokens equal transformers' |", "|---|---|---|---|---|"]
     for arch in ("llama", "qwen3"):
         path = save_random_checkpoint(arch, TINY, root / arch, torch.float32)
         expected = oracle_tokens(path, prompts, 12, device)
         for case, knobs in ENGINE_CASES.items():
-            for eager in (True, False):
-                llm = LLM(str(path), device=device, dtype="float32", enforce_eager=eager, **knobs)
-                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-                got = [o.outputs[0].token_ids for o in outputs]
-                same = sum(g == e for g, e in zip(got, expected, strict=True))
-                all_ok &= same == len(prompts)
-                step = "eager" if eager else "compiled"
-                emit(lines, f"| {arch} | {case} | {step} | {same}/{len(prompts)} |")
+            for backend in backends:
+                for eager in (True, False):
+                    llm = LLM(str(path), device=device, dtype="float32", enforce_eager=eager,
+                              attention_backend=backend, **knobs)  # fmt: skip
+                    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+                    got = [o.outputs[0].token_ids for o in outputs]
+                    same = sum(g == e for g, e in zip(got, expected, strict=True))
+                    all_ok &= same == len(prompts)
+                    step = "eager" if eager else "compiled"
+                    emit(lines, f"| {arch} | {case} | {backend} | {step} | {same}/{len(prompts)} |")
     return all_ok
 
 
-def measure_speed(root: Path, device: str, quick: bool, lines: list[str]) -> None:
-    config = dict(SMOLLM2_135M, num_hidden_layers=4) if quick else SMOLLM2_135M
-    path = save_random_checkpoint("llama", config, root / "smollm2-shape", torch.bfloat16)
+def nano_vllm_workload(num_requests: int, seed: int, vocab: int):
+    """nano-vllm's benchmark: input and output lengths uniform in 100-1,024 tokens."""
+    from offline_throughput import Workload
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(100, 1024))] for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(100, 1024) for _ in range(num_requests)])
+
+
+def measure_speed(root: Path, device: str, quick: bool, models: list[str], backends: list[str], lines: list[str]):
     lines += [
         "",
-        "| workload | engine | step | start-up s | seconds | output tok/s | prompt tok |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| model shape | workload | attention | step | start-up s | seconds | output tok/s | prompt tok |",
+        "|---|---|---|---|---:|---:|---:|---:|",
     ]
-    for num_requests, seqs, budget in ((64, 64, 2048), (256, 256, 8192)):
-        if quick and num_requests > 64:
-            continue
-        work = mixed_workload(num_requests, 0, config["vocab_size"])
-        if quick:
-            work.prompts, work.max_tokens = work.prompts[:8], [8] * 8
-        for eager in (True, False):
-            started = time.perf_counter()
-            llm = LLM(str(path), device=device, dtype="bfloat16", enforce_eager=eager,
-                      max_num_seqs=seqs, max_num_batched_tokens=budget)  # fmt: skip
-            warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-            llm.generate([{"prompt_token_ids": [7] * 40}] * 2, warm, use_tqdm=False)
-            startup = time.perf_counter() - started
-            params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
-            seconds = time.perf_counter() - started
-            step = "eager" if eager else "compiled"
-            emit(
-                lines,
-                f"| mixed-{num_requests} | max_num_seqs {seqs}, budget {budget} | {step} | {startup:.1f} | "
-                f"{seconds:.2f} | {work.output_tokens / seconds:.0f} | {work.prompt_tokens} |",
-            )
-            del llm
+    for name in models:
+        config = dict(MODELS[name], num_hidden_layers=2) if quick else MODELS[name]
+        path = save_random_checkpoint("llama", config, root / f"{name}-shape", torch.bfloat16)
+        workloads = [("mixed-64", mixed_workload(64, 0, config["vocab_size"]), 64, 2048)]
+        workloads.append(("nano-vllm-256", nano_vllm_workload(256, 0, config["vocab_size"]), 256, 8192))
+        for label, work, seqs, budget in workloads:
+            if quick:
+                work.prompts, work.max_tokens = [p[:64] for p in work.prompts[:4]], [4] * 4
+            for backend in backends:
+                for eager in (True, False):
+                    run_one(lines, device, path, name, label, work, seqs, budget, backend, eager)
+        if name == "llama8b" and not quick:
+            batch_one_roofline(lines, device, path, config)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_one(lines, device, path, name, label, work, seqs, budget, backend, eager) -> None:
+    started = time.perf_counter()
+    llm = LLM(str(path), device=device, dtype="bfloat16", enforce_eager=eager, attention_backend=backend,
+              max_num_seqs=seqs, max_num_batched_tokens=budget)  # fmt: skip
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [7] * 40}] * 2, warm, use_tqdm=False)
+    startup = time.perf_counter() - started
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
+    synchronize(device)
+    started = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    step = "eager" if eager else "compiled"
+    emit(
+        lines,
+        f"| {name} | {label} | {backend} | {step} | {startup:.1f} | {seconds:.2f} | "
+        f"{work.output_tokens / seconds:.0f} | {work.prompt_tokens} |",
+    )
+    del llm
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def batch_one_roofline(lines: list[str], device: str, path: Path, config: dict) -> None:
+    """One request decoding 256 tokens: weight bytes read per token over the copy bandwidth this device measures."""
+    weights = checkpoint_bytes(path)
+    bandwidth = copy_bandwidth(device)
+    llm = LLM(str(path), device=device, dtype="bfloat16", enforce_eager=False, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [7] * 32}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    synchronize(device)
+    started = time.perf_counter()
+    llm.generate([{"prompt_token_ids": [9] * 32}], params, use_tqdm=False)
+    synchronize(device)
+    per_token = (time.perf_counter() - started) / 256
+    ideal = weights / bandwidth
+    emit(lines, f"\nbatch-1 decode, 8B shape: {1e3 * per_token:.2f} ms/token; roofline {1e3 * ideal:.2f} ms "
+                f"({weights / 2**30:.1f} GiB of weights at {bandwidth / 1e12:.2f} TB/s measured): "
+                f"{100 * ideal / per_token:.0f}% of it")  # fmt: skip
+    del llm
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """The bytes of every tensor in the checkpoint, from the safetensors headers (nothing is loaded)."""
+    from safetensors import safe_open
+
+    sizes = {"BF16": 2, "F16": 2, "F32": 4}
+    total = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - a safe_open handle has keys(), it does not iterate
+                tensor = f.get_slice(key)
+                total += math.prod(tensor.get_shape()) * sizes[tensor.get_dtype()]
+    return total
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB (read plus write counted once: what decode reads)."""
+    if not device.startswith("cuda"):
+        return 20e9
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * 10 * src.numel() / (time.perf_counter() - started)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def host_overhead(lines: list[str]) -> None:
+    """benchmarks/host_overhead.py on this machine's CPU (the forward stubbed)."""
+    import subprocess
+
+    script = Path(__file__).with_name("host_overhead.py")
+    done = subprocess.run([sys.executable, str(script), "--running", "64,256"], capture_output=True, text=True)
+    emit(lines, "\nhost overhead (forward stubbed):\n" + done.stdout.strip())
 
 
 def main() -> None:
@@ -171,17 +270,26 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run: a 4-layer model, 8 short requests")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="also check this many ranks' tokens")
     parser.add_argument("--skip-speed", action="store_true", help="correctness only")
+    parser.add_argument("--models", default="smollm2,llama8b", help=f"speed on these shapes: {', '.join(MODELS)}")
+    parser.add_argument("--backends", default="torch,triton", help="attention backends to check and time")
     args = parser.parse_args()
     global OUT
     OUT = args.out
+    # Every engine here compiles the same model class anew; dynamo's default limit of recompilations per code
+    # object (8) is reached after a few engines in one process.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
     name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "CPU"
     lines = [f"device: {name}; torch {torch.__version__}", ""]
     with tempfile.TemporaryDirectory() as tmp:
-        ok = check_correctness(Path(tmp), args.device, lines)
+        backends = args.backends.split(",")
+        ok = check_correctness(Path(tmp), args.device, backends, lines)
         if args.tensor_parallel > 1:
             ok &= check_tensor_parallel(Path(tmp), args.device, args.tensor_parallel, lines)
         if not args.skip_speed:
-            measure_speed(Path(tmp), args.device, args.quick, lines)
+            measure_speed(Path(tmp), args.device, args.quick, args.models.split(","), backends, lines)
+            host_overhead(lines)
     emit(lines, f"\ncorrectness: {'all equal' if ok else 'MISMATCH'}")
     sys.exit(0 if ok else 1)
 

@@ -376,3 +376,28 @@ def test_enforce_eager_flag_reads_as_vllms():
     assert engine_config_from_args(parser.parse_args([])).model.enforce_eager is None
     assert engine_config_from_args(parser.parse_args(["--enforce-eager"])).model.enforce_eager is True
     assert engine_config_from_args(parser.parse_args(["--no-enforce-eager"])).model.enforce_eager is False
+
+
+def test_kv_cache_on_an_accelerator_takes_what_gpu_memory_utilization_leaves(tiny_llama, monkeypatch):
+    """The arithmetic, and the engine's use of it with the device's readings stood in (no GPU here)."""
+    from tokenloom.engine.core import kv_blocks_that_fit
+
+    gib = 2**30
+    # 80 GiB, 90% of it allowed, 17 GiB in use (weights and the rest), a 3 GiB activation peak: 52 GiB of KV.
+    assert kv_blocks_that_fit(80 * gib, 17 * gib, 3 * gib, 0.9, gib) == 52
+    assert kv_blocks_that_fit(80 * gib, 75 * gib, 3 * gib, 0.9, gib) == 0  # nothing left
+    llm = LLM(str(tiny_llama), max_num_seqs=4)
+    core = llm.engine.core
+    monkeypatch.setattr(core.runner, "profile_peak_activation_bytes", lambda tokens: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (63 * gib, 80 * gib))
+    per_block = core.kv_bytes_per_block()
+    assert (
+        core._kv_blocks_from_device_memory(torch.device("cpu"))
+        == (int(80 * gib * 0.9) - 17 * gib - 3 * gib) // per_block
+    )
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 * gib, 80 * gib))
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        core._kv_blocks_from_device_memory(torch.device("cpu"))
+    # On a CPU the cache is sized by bytes, as before: the device's memory is never asked.
+    assert not core._sizes_kv_from_device_memory(torch.device("cpu"))
+    assert core._sizes_kv_from_device_memory(torch.device("cuda"))

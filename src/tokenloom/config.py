@@ -77,7 +77,12 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     """The size of the KV cache in blocks; overrides kv_cache_memory."""
     kv_cache_memory: int | None = None
-    """The size of the KV cache in bytes; by default 2 GiB, or less when max_num_seqs full-length requests need less."""
+    """The size of the KV cache in bytes; by default on an accelerator what gpu_memory_utilization leaves, on a CPU
+    2 GiB (or less when max_num_seqs full-length requests need less)."""
+    gpu_memory_utilization: float = 0.9
+    """The share of an accelerator's memory this engine may take (weights, the activations of a profiling step at
+    max_num_batched_tokens, the KV cache), as vLLM's flag: the KV cache gets what is left. Unused on a CPU or when
+    num_kv_blocks or kv_cache_memory is given."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of identical prompt prefixes."""
     swap_space: float = 4.0
@@ -90,6 +95,7 @@ class CacheConfig:
         for name in ("num_kv_blocks", "kv_cache_memory", "num_swap_blocks"):
             _require_positive_or_none(self, name)
         _require(isinstance(self.swap_space, int | float) and self.swap_space >= 0, "swap_space must be >= 0 GiB")
+        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -125,15 +125,25 @@ class QueueState:
     backlog_tokens: int
 
 
+def kv_blocks_that_fit(total: int, in_use: int, activation_peak: int, utilization: float, per_block: int) -> int:
+    """KV blocks in the share of a device's memory the engine may take, less what is already in use (the weights,
+    the allocator's cache, other processes) and the activations of the largest step."""
+    return max(0, int(total * utilization) - in_use - activation_peak) // per_block
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> None:
         self.config = config
         self.model_config: ModelConfig = loaded.config
         self.dtype = dtype
         self.max_model_len = max_model_len_for(config, loaded.config)
-        self.num_kv_blocks = self._num_kv_blocks()
+        sized_by_device = self._sizes_kv_from_device_memory(device)
+        self.num_kv_blocks = 1 if sized_by_device else self._num_kv_blocks()
         self.num_swap_blocks = self._num_swap_blocks()
         self.runner = self._make_runner(loaded, device)
+        if sized_by_device:
+            self.num_kv_blocks = self._kv_blocks_from_device_memory(device)
+            self.runner.allocate_kv_cache(self.num_kv_blocks)
         if self.runner.compiled is not None:
             self.runner.warm_up()
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -219,6 +229,38 @@ class EngineCore:
         # By default, no more than max_num_seqs full-length requests could ever use.
         blocks_for_batch = self.config.scheduler.max_num_seqs * cdiv(self.max_model_len, self.config.cache.block_size)
         return min(blocks_for_memory, blocks_for_batch)
+
+    def _sizes_kv_from_device_memory(self, device: torch.device) -> bool:
+        """On CUDA with no size given, the KV cache takes what --gpu-memory-utilization leaves (single rank; with
+        tensor parallelism each rank's share is still sized by bytes)."""
+        cache = self.config.cache
+        return (
+            device.type == "cuda"
+            and cache.num_kv_blocks is None
+            and cache.kv_cache_memory is None
+            and self.config.parallel.tensor_parallel_size == 1
+        )
+
+    def _kv_blocks_from_device_memory(self, device: torch.device) -> int:
+        """Profiles a step at the token budget, then gives the KV cache the rest of the allowed memory."""
+        peak = self.runner.profile_peak_activation_bytes(self.config.scheduler.max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info(device)
+        per_block = self.kv_bytes_per_block()
+        blocks = kv_blocks_that_fit(total, total - free, peak, self.config.cache.gpu_memory_utilization, per_block)
+        if blocks < 1:
+            raise ValueError(
+                f"no KV block fits in {self.config.cache.gpu_memory_utilization:.0%} of the device's "
+                f"{total / 2**30:.1f} GiB with {(total - free) / 2**30:.1f} GiB in use and {peak / 2**30:.2f} GiB of "
+                "activations: raise --gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        logger.info(
+            "KV cache: %d blocks, %d tokens (%.2f GiB) in %.0f%% of %.1f GiB (in use before it: %.2f GiB, profiled "
+            "activations at %d tokens: %.2f GiB)",
+            blocks, blocks * self.config.cache.block_size, blocks * per_block / 2**30,
+            100 * self.config.cache.gpu_memory_utilization, total / 2**30, (total - free) / 2**30,
+            self.config.scheduler.max_num_batched_tokens, peak / 2**30,
+        )  # fmt: skip
+        return blocks
 
     def _num_swap_blocks(self) -> int:
         if self.config.scheduler.preemption_mode == "recompute":

@@ -72,16 +72,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         cfg = model.config
-        num_slots = num_kv_blocks * block_size
         row = cfg.num_kv_heads * cfg.head_dim
-        # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison the output.
-        self.kv_caches = [
-            (
-                torch.zeros(num_slots, row, dtype=dtype, device=device),
-                torch.zeros(num_slots, row, dtype=dtype, device=device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocate_kv_cache(num_kv_blocks)
         # The swap pool is host memory even when the device is the CPU: a pool of its own, never the KV cache's.
         # Empty, not zeroed: a slot is only ever copied in after a whole device block was copied out to it, and
         # untouched pages of a large pool cost no memory until swapping reaches them.
@@ -106,6 +99,50 @@ class ModelRunner:
         if can_prepack(device, dtype):
             model.prepack_weights()
         self._generators: dict[str, torch.Generator] = {}
+
+    def allocate_kv_cache(self, num_kv_blocks: int) -> None:
+        """(Re)allocates every layer's K and V cache for this many blocks; what was in the old one is gone."""
+        cfg = self.model.config
+        num_slots, row = num_kv_blocks * self.block_size, cfg.num_kv_heads * cfg.head_dim
+        self.kv_caches = []  # the old cache is freed before the new one is taken
+        # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison the output.
+        self.kv_caches = [
+            (
+                torch.zeros(num_slots, row, dtype=self.dtype, device=self.device),
+                torch.zeros(num_slots, row, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def profile_peak_activation_bytes(self, num_tokens: int) -> int:
+        """Runs one prefill of num_tokens through the model (into the cache's first block, a scratch write) and
+        returns the device memory it needed beyond what was allocated before (0 where the device cannot tell)."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=positions % self.block_size,
+            block_size=self.block_size,
+            prefills=[PrefillSegment(0, num_tokens, num_tokens, None, None)],
+            workspace=self.workspace,
+            use_cpu_kernel=self.use_cpu_kernel,
+            prefill_op=self.use_prefill_op,
+        )
+        if self.attention_backend == "triton":
+            meta.prefills = []
+            meta.flat = self._flat_batch([(num_tokens, num_tokens, [0] * cdiv(num_tokens, self.block_size))])
+        hidden = self.model(ids, positions, self.kv_caches, meta)  # eager: the compiled step is not built yet
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del hidden
+        torch.cuda.empty_cache()  # what the step took goes back, so the free memory read next does not count it twice
+        return int(peak)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], grammar: GrammarMask | None = None) -> StepResult:
