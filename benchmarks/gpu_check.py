@@ -139,7 +139,7 @@ def check_correctness(root: Path, device: str, backends: list[str], lines: list[
                     got = [o.outputs[0].token_ids for o in outputs]
                     same = sum(g == e for g, e in zip(got, expected, strict=True))
                     all_ok &= same == len(prompts)
-                    step = "eager" if eager else "compiled"
+                    step = "eager" if eager else ("compiled + decode graphs" if backend == "triton" else "compiled")
                     emit(lines, f"| {arch} | {case} | {backend} | {step} | {same}/{len(prompts)} |")
     return all_ok
 
@@ -188,7 +188,7 @@ def run_one(lines, device, path, name, label, work, seqs, budget, backend, eager
     llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
     synchronize(device)
     seconds = time.perf_counter() - started
-    step = "eager" if eager else "compiled"
+    step = "eager" if eager else ("compiled + decode graphs" if backend == "triton" else "compiled")
     emit(
         lines,
         f"| {name} | {label} | {backend} | {step} | {startup:.1f} | {seconds:.2f} | "

@@ -194,3 +194,48 @@ def test_a_backend_that_cannot_run_here_is_refused_at_start(tiny_llama, monkeypa
         LLM(str(tiny_llama), attention_backend="flash")
     llm = LLM(str(tiny_llama), attention_backend="torch")
     assert llm.engine.core.runner.attention_backend == "torch" and not llm.engine.core.runner.use_cpu_kernel
+
+
+# ---- decode graphs: padded static buffers (replayed as CUDA graphs on a GPU, run eagerly here) ---------------
+
+
+def test_capture_sizes_pad_every_batch_up_to_max_num_seqs():
+    from tokenloom.model.cuda_graphs import capture_sizes, padded_size
+
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(60)[-1] == 64  # the first size that holds max_num_seqs
+    sizes = capture_sizes(300)
+    assert sizes[sizes.index(248) :] == [248, 256, 272, 288, 304]  # every 8 up to 256, then every 16
+    assert [padded_size(n, capture_sizes(64)) for n in (1, 3, 5, 9, 17, 64)] == [1, 4, 8, 16, 24, 64]
+    assert padded_size(65, capture_sizes(64)) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_steps_through_the_padded_buffers_match_transformers(tiny_checkpoints, arch):
+    """Every decode step runs on the static buffers, its batch padded to a captured size (3 rows in 4, 5 in 8):
+    the padded rows must neither write the cache nor change a real row."""
+    from tokenloom import LLM, SamplingParams
+
+    path = tiny_checkpoints[arch]
+    prompts = _prompts(5, seed=7)
+    llm = LLM(str(path), dtype="float32", attention_backend="triton", max_num_seqs=8, max_num_batched_tokens=64,
+              num_kv_blocks=40, block_size=8)  # fmt: skip
+    runner = llm.engine.core.runner
+    graphs = runner.enable_decode_graphs(max_num_seqs=8, max_model_len=256)
+    replayed = []
+    original_run = graphs.run
+    graphs.run = lambda step: replayed.append(step.input_ids.shape[0]) or original_run(step)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == _hf_greedy(path, prompts, 8)
+    assert replayed and max(replayed) == 5  # decode steps went through the buffers, padded to 8
+    assert llm.stats().kv_blocks_in_use == 0
+
+
+def test_a_padded_row_writes_no_kv():
+    from tokenloom.model.triton_attention import write_kv
+
+    cache_k, cache_v = torch.zeros(16, 8), torch.zeros(16, 8)
+    write_kv(cache_k, cache_v, torch.ones(3, 8), torch.ones(3, 8), torch.tensor([2, -1, 5]))
+    assert cache_k.sum() == 16 and cache_k[2].sum() == 8 and cache_k[5].sum() == 8 and cache_v.sum() == 16

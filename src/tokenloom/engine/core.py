@@ -146,6 +146,12 @@ class EngineCore:
             self.runner.allocate_kv_cache(self.num_kv_blocks)
         if self.runner.compiled is not None:
             self.runner.warm_up()
+        if self._uses_decode_graphs(device):
+            graphs = self.runner.enable_decode_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+            logger.info(
+                "captured %d CUDA graphs for decode steps of up to %d rows in %.1fs; their pool: %.1f MiB",
+                len(graphs.sizes), graphs.sizes[-1], graphs.capture_seconds, graphs.pool_bytes / 2**20,
+            )  # fmt: skip
         self.kv_cache = KVCacheManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.preemptor = Preemptor(config.scheduler.preemption_mode, self.kv_cache, SwapSpace(self.num_swap_blocks))
         self._swap_copy_seconds = 0.0
@@ -241,9 +247,23 @@ class EngineCore:
             and self.config.parallel.tensor_parallel_size == 1
         )
 
+    def _uses_decode_graphs(self, device: torch.device) -> bool:
+        """CUDA graphs for decode steps: on CUDA, with the Triton backend, unless --enforce-eager."""
+        return (
+            device.type == "cuda"
+            and self.runner.attention_backend == "triton"
+            and self.config.model.enforce_eager is not True
+            and self.config.parallel.tensor_parallel_size == 1
+        )
+
     def _kv_blocks_from_device_memory(self, device: torch.device) -> int:
-        """Profiles a step at the token budget, then gives the KV cache the rest of the allowed memory."""
+        """Profiles a step at the token budget (and, where decode graphs will be captured, their memory pool: they
+        are captured once here over a one-block cache and dropped), then gives the KV cache the rest."""
         peak = self.runner.profile_peak_activation_bytes(self.config.scheduler.max_num_batched_tokens)
+        if self._uses_decode_graphs(device):
+            peak += self.runner.enable_decode_graphs(self.config.scheduler.max_num_seqs, self.max_model_len).pool_bytes
+            self.runner.graphs = None
+            torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         per_block = self.kv_bytes_per_block()
         blocks = kv_blocks_that_fit(total, total - free, peak, self.config.cache.gpu_memory_utilization, per_block)

@@ -23,6 +23,7 @@ from tokenloom.model.attention import (
     resolve_backend,
 )
 from tokenloom.model.compiled import CompiledForward, compile_model
+from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count
@@ -96,6 +97,7 @@ class ModelRunner:
             and cpu_kernel.has_prefill_op()
         )
         self.compiled: CompiledForward | None = compile_model(model, device) if compile_step else None
+        self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
         if can_prepack(device, dtype):
             model.prepack_weights()
         self._generators: dict[str, torch.Generator] = {}
@@ -218,7 +220,33 @@ class ModelRunner:
             self._forward(ModelInputs(ids, torch.arange(num_tokens, device=self.device), meta, ids[:0], []))
         logger.info("compiled the step in %.1fs", time.monotonic() - started)
 
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> DecodeGraphs:
+        """Decode-only steps of up to max_num_seqs rows run through static buffers, replayed as CUDA graphs on a
+        CUDA device (captured here, once) or eagerly on the same buffers elsewhere. Needs the Triton backend."""
+        assert self.attention_backend == "triton", "decode graphs read the batch through the Triton kernel's tensors"
+        self.graphs = DecodeGraphs(self._graph_forward, max_num_seqs, max_model_len, self.block_size, self.device)
+        if capture and self.device.type == "cuda":
+            self.graphs.capture()
+        return self.graphs
+
+    def _graph_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, batch: FlatBatch
+    ) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=slot_mapping, block_size=self.block_size, flat=batch)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        flat = inputs.meta.flat
+        if (
+            self.graphs is not None
+            and flat is not None
+            and flat.max_query_len == 1
+            and self.graphs.covers(flat.context_lens.shape[0])
+        ):
+            step = DecodeInputs(
+                inputs.input_ids, inputs.positions, inputs.meta.slot_mapping, flat.context_lens, flat.block_tables
+            )
+            return self.graphs.run(step)
         if self.compiled is None:
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         with forward_context(self.kv_caches, inputs.meta):

@@ -239,7 +239,8 @@ if triton is not None:
     def _write_kv_kernel(K, V, CK, CV, SLOTS, stride_k, stride_v, stride_c, row, ROW_P: tl.constexpr):
         token = tl.program_id(0)
         slot = tl.load(SLOTS + token).to(tl.int64)
-        cols = tl.arange(0, ROW_P)
-        ok = cols < row
-        tl.store(CK + slot * stride_c + cols, tl.load(K + token * stride_k + cols, mask=ok), mask=ok)
-        tl.store(CV + slot * stride_c + cols, tl.load(V + token * stride_v + cols, mask=ok), mask=ok)
+        if slot >= 0:  # slot -1: a padded row of a CUDA graph, nothing to write
+            cols = tl.arange(0, ROW_P)
+            ok = cols < row
+            tl.store(CK + slot * stride_c + cols, tl.load(K + token * stride_k + cols, mask=ok), mask=ok)
+            tl.store(CV + slot * stride_c + cols, tl.load(V + token * stride_v + cols, mask=ok), mask=ok)
