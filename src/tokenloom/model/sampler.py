@@ -89,8 +89,17 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) draws from p.
         noise = torch.empty_like(probs)
+        # Rows with a seed of their own draw from it; the others in one launch from the engine's generator (a
+        # launch per row cost a GPU step hundreds of launches at large batches).
+        unseeded = [row for row, generator in enumerate(batch.generators) if generator is None]
+        if len(unseeded) == len(batch.generators):
+            noise.exponential_(generator=self.generator)
+        elif unseeded:
+            rows = torch.tensor(unseeded, device=probs.device)
+            noise[rows] = torch.empty_like(probs[rows]).exponential_(generator=self.generator)
         for row, generator in enumerate(batch.generators):
-            noise[row].exponential_(generator=generator or self.generator)
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
         sampled = row_argmax(probs / noise)
         return torch.where(greedy, greedy_tokens, sampled)
 
