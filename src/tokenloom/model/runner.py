@@ -127,17 +127,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=positions % self.block_size,
-            block_size=self.block_size,
-            prefills=[PrefillSegment(0, num_tokens, num_tokens, None, None)],
-            workspace=self.workspace,
-            use_cpu_kernel=self.use_cpu_kernel,
-            prefill_op=self.use_prefill_op,
-        )
-        if self.attention_backend == "triton":
-            meta.prefills = []
-            meta.flat = self._flat_batch([(num_tokens, num_tokens, [0] * cdiv(num_tokens, self.block_size))])
+        meta = self._scratch_prefill(num_tokens)
         hidden = self.model(ids, positions, self.kv_caches, meta)  # eager: the compiled step is not built yet
         self.model.compute_logits(hidden[-1:])
         torch.cuda.synchronize(self.device)
@@ -205,17 +195,7 @@ class ModelRunner:
         started = time.monotonic()
         for num_tokens in (1, 2):
             assert num_tokens <= self.block_size
-            meta = AttentionMetadata(
-                slot_mapping=torch.arange(num_tokens, device=self.device),
-                block_size=self.block_size,
-                prefills=[PrefillSegment(0, num_tokens, num_tokens, None, None)],
-                workspace=self.workspace,
-                use_cpu_kernel=self.use_cpu_kernel,
-                prefill_op=self.use_prefill_op,
-            )
-            if self.attention_backend == "triton":
-                meta.prefills = []
-                meta.flat = self._flat_batch([(num_tokens, num_tokens, [0])])
+            meta = self._scratch_prefill(num_tokens)
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             self._forward(ModelInputs(ids, torch.arange(num_tokens, device=self.device), meta, ids[:0], []))
         logger.info("compiled the step in %.1fs", time.monotonic() - started)
@@ -228,6 +208,23 @@ class ModelRunner:
         if capture and self.device.type == "cuda":
             self.graphs.capture()
         return self.graphs
+
+    def _scratch_prefill(self, num_tokens: int) -> AttentionMetadata:
+        """A prompt of num_tokens written into block 0's slots (over and over), for warming up and profiling: any
+        request that gets block 0 overwrites them before it reads them."""
+        slots = torch.arange(num_tokens, device=self.device) % self.block_size
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_size=self.block_size,
+            prefills=[PrefillSegment(0, num_tokens, num_tokens, None, None)],
+            workspace=self.workspace,
+            use_cpu_kernel=self.use_cpu_kernel,
+            prefill_op=self.use_prefill_op,
+        )
+        if self.attention_backend == "triton":
+            meta.prefills = []
+            meta.flat = self._flat_batch([(num_tokens, num_tokens, [0] * cdiv(num_tokens, self.block_size))])
+        return meta
 
     def _graph_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, batch: FlatBatch
