@@ -166,7 +166,9 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         get a moment to reach their clients before the connections are cut."""
         engine_died.set()
         http_server.should_exit = True
-        threading.Timer(ENGINE_DEATH_GRACE_S, lambda: setattr(http_server, "force_exit", True)).start()
+        cut = threading.Timer(ENGINE_DEATH_GRACE_S, lambda: setattr(http_server, "force_exit", True))
+        cut.daemon = True  # a server already down need not wait for it
+        cut.start()
 
     front.on_engine_death = exit_after_engine_death
     http_server.run()
