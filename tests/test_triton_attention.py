@@ -239,3 +239,14 @@ def test_a_padded_row_writes_no_kv():
     cache_k, cache_v = torch.zeros(16, 8), torch.zeros(16, 8)
     write_kv(cache_k, cache_v, torch.ones(3, 8), torch.ones(3, 8), torch.tensor([2, -1, 5]))
     assert cache_k.sum() == 16 and cache_k[2].sum() == 8 and cache_k[5].sum() == 8 and cache_v.sum() == 16
+
+
+def test_half_precision_inputs_keep_float32_softmax_and_accumulators():
+    """float16 K/V/q (the interpreter runs float16 exactly as numpy does; its bfloat16 dot is not exact, so bf16 is
+    checked on a GPU by benchmarks/gpu_check.py): within half precision's error of the float32 reference."""
+    q, cache_k, cache_v, seqs, batch = make_batch(CASES["mixed"], 16, 4, 2, 16, seed=9)
+    q, cache_k, cache_v = q.half(), cache_k.half(), cache_v.half()
+    out = torch.empty_like(q)
+    triton_attention.unified_attention(q, cache_k, cache_v, batch, 16, 0.25, out, block_n=16)
+    expected = reference(q.float(), cache_k.float(), cache_v.float(), seqs, batch.block_tables, 16, 0.25)
+    torch.testing.assert_close(out.float(), expected, rtol=0, atol=2e-3)
