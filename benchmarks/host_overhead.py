@@ -110,7 +110,7 @@ def measure(model: Path, running: int, steps: int) -> dict[str, float]:
     phases.timing = False
     per_step = {phase: 1e6 * seconds / steps for phase, seconds in phases.seconds.items()}
     per_step["all"] = 1e6 * total / steps
-    per_step["other"] = per_step["all"] - sum(v for k, v in per_step.items() if k not in ("all",))
+    per_step["other"] = per_step["all"] - sum(v for k, v in per_step.items() if k != "all")
     return per_step
 
 

@@ -14,11 +14,11 @@ import re
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from server_process import poll_until
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_URL = "http://127.0.0.1:8000"
@@ -44,14 +44,13 @@ def _port_free(port: int) -> bool:
 
 
 def _wait_for_health(process: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def status() -> int:
         assert process.poll() is None, "make serve exited"
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{SERVE_URL}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError("make serve did not answer /health")
+            return httpx.get(f"{SERVE_URL}/health", timeout=1).status_code
+        return 0
+
+    assert poll_until(status, lambda code: code == 200, timeout=timeout) == 200, "make serve did not answer /health"
 
 
 def _run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:

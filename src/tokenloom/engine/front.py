@@ -25,6 +25,14 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
 
+class InvalidField(ValueError):
+    """A request that can never be served because of one of its fields, named so a server can say which."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class PreparedRequest:
     """A request tokenized and validated, ready to be queued by the engine thread."""
@@ -81,7 +89,7 @@ class EngineFront(ABC):
         params = params or SamplingParams()
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+            raise InvalidField("stop_token_ids", f"stop_token_ids must be in [0, {vocab})")
         prompt_text, token_ids = self.tokenize(prompt)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),

@@ -39,6 +39,7 @@ from ray.serve.config import AutoscalingConfig, HTTPOptions, RequestRouterConfig
 
 from tokenloom.config import EngineConfig, ServerConfig
 from tokenloom.server.launch import build_server
+from tokenloom.server.metrics import escape_label_value
 from tokenloom.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -197,16 +198,12 @@ def merge_expositions(texts: dict[str, str]) -> str:
             entry = families.setdefault(name, (family.documentation, family.type, []))
             for sample in family.samples:
                 labels = {**sample.labels, "replica": sample.labels.get("replica", replica)}
-                rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
+                rendered = ",".join(f'{k}="{escape_label_value(v)}"' for k, v in sorted(labels.items()))
                 entry[2].append(f"{sample.name}{{{rendered}}} {_number(sample.value)}")
     lines = []
     for name, (doc, kind, samples) in families.items():
-        lines += [f"# HELP {name} {_escape(doc)}", f"# TYPE {name} {kind}", *samples]
+        lines += [f"# HELP {name} {escape_label_value(doc)}", f"# TYPE {name} {kind}", *samples]
     return "\n".join(lines) + "\n"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _number(value: float) -> str:

@@ -32,7 +32,7 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.guard import Guard, Receive, until_disconnected
-from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.metrics import ServerMetrics, escape_label_value
 from tokenloom.server.protocol import (
     APIError,
     AssistantMessage,
@@ -198,13 +198,9 @@ async def prometheus_metrics(raw: Request) -> Response:
 
 def only_tenant(exposition: bytes, name: str) -> bytes:
     """The exposition without the samples that carry another tenant's label."""
-    own = f'tenant="{_escaped_label(name)}"'.encode()
+    own = f'tenant="{escape_label_value(name)}"'.encode()
     lines = exposition.split(b"\n")
     return b"\n".join(line for line in lines if b'tenant="' not in line or own in line)
-
-
-def _escaped_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 @router.get("/v1/models")
@@ -267,7 +263,9 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> DetokenizeRespons
     state = _state(raw)
     _check_model(body, state)
     tokenizer = _require_tokenizer(state.engine)
-    _check_token_ids(body.tokens, state.engine.vocab_size, "tokens")
+    vocab = state.engine.vocab_size
+    if any(t >= vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", "tokens", "invalid_value")
     return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
 
@@ -553,7 +551,6 @@ async def _admitted(
     requested = body.requested_max_tokens()
     for prompt in prompts:
         _check_context(len(prompt), requested, max_model_len)
-    _check_token_ids(body.stop_token_ids or [], state.engine.vocab_size, "stop_token_ids")
     try:
         params = []
         sequences = len(prompts) * n
@@ -764,11 +761,6 @@ def _template_ids(
     return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
 
 
-def _check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
-    if any(t >= vocab_size for t in token_ids):
-        raise APIError(400, f"{param}: token ids must be in [0, {vocab_size})", param, "invalid_value")
-
-
 def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
     wanted = prompt_len + (max_tokens or 1)
     if wanted > max_model_len:
@@ -809,7 +801,7 @@ async def _submit(
         raise APIError(400, str(error), "response_format", "invalid_value") from error
     except ValueError as error:
         metrics.rejected_request("invalid", tenant.name)
-        raise APIError(400, str(error), "prompt", "invalid_value") from error
+        raise APIError(400, str(error), getattr(error, "field", "prompt"), "invalid_value") from error
 
 
 _REJECTION_STATUS = {

@@ -253,6 +253,11 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def escape_label_value(value: str) -> str:
+    """A Prometheus label value as the text exposition writes it."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def process_tree_rss(pid: int) -> int:
     """Resident bytes of a process and all its descendants, from /proc (0 where /proc is not there)."""
     page = os.sysconf("SC_PAGE_SIZE")
