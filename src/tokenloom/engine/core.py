@@ -186,6 +186,7 @@ class EngineCore:
                 self.num_swap_blocks,
                 compile_step=self.config.compiles_step(device.type),
                 attention_backend=self.config.model.attention_backend,
+                kv_cache_dtype=self.config.cache.kv_cache_dtype,
             )
         spec = WorkerSpec(
             model=self.config.model.model,
@@ -201,6 +202,7 @@ class EngineCore:
             backend=backend_for(self.config.model.device, size),
             num_threads=torch.get_num_threads(),
             attention_backend=self.config.model.attention_backend,
+            kv_cache_dtype=self.config.cache.kv_cache_dtype,
         )
         return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device)
 
@@ -220,7 +222,8 @@ class EngineCore:
 
     def kv_bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.config.cache.block_size * self.model_config.kv_bytes_per_token(element)
+        per_token = self.model_config.kv_bytes_per_token(element, self.config.cache.kv_cache_dtype)
+        return self.config.cache.block_size * per_token
 
     def _num_kv_blocks(self) -> int:
         if self.config.cache.num_kv_blocks is not None:

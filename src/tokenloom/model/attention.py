@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model import cpu_kernel, triton_attention
+from tokenloom.model import cpu_kernel, kv_quant, triton_attention
+from tokenloom.model.kv_quant import KVFormat
 from tokenloom.model.triton_attention import FlatBatch
 
 
@@ -69,6 +70,7 @@ class AttentionMetadata:
     # The Triton backend's view of the whole batch (triton_attention.py); set, it replaces decodes and prefills.
     flat: FlatBatch | None = None
     num_splits: int = 1  # split-K shares for the Triton kernel (few long decodes)
+    kv_format: KVFormat | None = None  # an 8-bit cache (kv_quant.py); None: the cache holds the model's dtype
 
 
 def write_kv(
@@ -78,7 +80,15 @@ def write_kv(
     v: torch.Tensor,
     slots: torch.Tensor,
     meta: AttentionMetadata | None = None,
+    head_dim: int = 0,
 ):
+    """This step's K and V ([T, kv_heads, d] or [T, kv_heads * d]) into their slots; quantized into an 8-bit cache,
+    which needs head_dim."""
+    if meta is not None and meta.kv_format is not None:
+        assert head_dim > 0, "an 8-bit cache quantizes per head"
+        kv_quant.write(cache_k, k, slots, meta.kv_format, head_dim)
+        kv_quant.write(cache_v, v, slots, meta.kv_format, head_dim)
+        return
     if meta is not None and meta.flat is not None:  # both caches in one launch
         triton_attention.write_kv(cache_k, cache_v, k, v, slots)
         return
@@ -149,26 +159,33 @@ def paged_attention(
         return triton_attention.unified_attention(
             q, cache_k, cache_v, meta.flat, meta.block_size, scale, out, num_splits=meta.num_splits
         )
-    ws, block_size = meta.workspace, meta.block_size
+    ws, block_size, fmt = meta.workspace, meta.block_size, meta.kv_format
+    head_dim = q.shape[-1]
+
+    def gathered(name: str, cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+        rows = ws.gather(name, cache, tables, block_size)[..., :length, :]
+        return rows if fmt is None else kv_quant.dequantize(rows, fmt, head_dim, q.dtype)
+
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.num_rows)
         if meta.use_cpu_kernel:
             cpu_kernel.paged_decode_attention(
-                q[rows], cache_k, cache_v, group.block_tables, group.context_lens, block_size, scale, out[rows]
-            )
+                q[rows], cache_k, cache_v, group.block_tables, group.context_lens, block_size, scale, out[rows],
+                kv_kind=0 if fmt is None else fmt.kind,
+            )  # fmt: skip
             continue
         assert group.bias is not None, "the plain path masks each decode group's padding"
         max_ctx = group.bias.shape[-1]
-        group_k = ws.gather("k", cache_k, group.block_tables, block_size)[:, :max_ctx]
-        group_v = ws.gather("v", cache_v, group.block_tables, block_size)[:, :max_ctx]
+        group_k = gathered("k", cache_k, group.block_tables, max_ctx)
+        group_v = gathered("v", cache_v, group.block_tables, max_ctx)
         out[rows] = _decode_attention(q[rows], group_k, group_v, group.bias, scale)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.block_table is None:
             seg_k, seg_v = k[rows], v[rows]
         else:
-            seg_k = ws.gather("k", cache_k, seg.block_table, block_size)[: seg.ctx_len]
-            seg_v = ws.gather("v", cache_v, seg.block_table, block_size)[: seg.ctx_len]
+            seg_k = gathered("k", cache_k, seg.block_table, seg.ctx_len)
+            seg_v = gathered("v", cache_v, seg.block_table, seg.ctx_len)
         if meta.prefill_op:
             torch.ops.tokenloom.prefill_attention(q[rows], seg_k, seg_v, scale, out[rows])
         else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+SCALE_BYTES = 4  # an 8-bit KV cache's float32 scale per (token, KV head): kv_quant.py
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -34,11 +36,14 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
 
-    def kv_bytes_per_token(self, element_bytes: int) -> int:
-        """K and V of one token across all layers: layers x 2 x KV heads x head dim x element size.
+    def kv_bytes_per_token(self, element_bytes: int, kv_cache_dtype: str = "auto") -> int:
+        """K and V of one token across all layers: layers x 2 x KV heads x head dim x element size, or for an
+        8-bit cache (kv_cache_dtype other than 'auto') x (head dim + 4): a byte per value and a float32 scale per head.
 
         The engine sizes its KV pool with this, and so does `tokenloom plan`.
         """
+        if kv_cache_dtype != "auto":
+            return self.num_layers * 2 * self.num_kv_heads * (self.head_dim + SCALE_BYTES)
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_bytes
 
     def shard(self, world_size: int) -> ModelConfig:

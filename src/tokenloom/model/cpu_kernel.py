@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp")]
-HEADERS = [CSRC / "work_sharing.h", CSRC / "avx512_exp.h", CSRC / "bf16_vec.h"]
+HEADERS = [CSRC / name for name in ("work_sharing.h", "avx512_exp.h", "bf16_vec.h", "kv_codes.h")]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math
 # vectorises float sums and exp (glibc's SIMD expf is declared only under it); it also assumes no infinities, so
 # the sources use finite sentinels instead of -inf and clamp exponents that real activations can overflow.
@@ -111,11 +111,15 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_kind: int = 0,
 ) -> torch.Tensor:
     """q: [D, heads, d]; block_tables: [D, max_blocks] int64; context_lens: [D] int64. Returns [D, heads, d]: `out`
     when given (a slice of the step's output, written in place: no copy), else a new tensor. q's and out's rows may
-    be strided, as views into the fused qkv output and the step's output are."""
+    be strided, as views into the fused qkv output and the step's output are. kv_kind: an 8-bit cache's
+    KVFormat.kind (kv_quant.py), 0 for a cache of q's dtype."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    torch.ops.tokenloom.paged_decode_attention(q, cache_k, cache_v, block_tables, context_lens, block_size, scale, out)
+    torch.ops.tokenloom.paged_decode_attention(
+        q, cache_k, cache_v, block_tables, context_lens, block_size, scale, out, kv_kind
+    )
     return out

@@ -52,7 +52,7 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_ind
     """
     context = current_forward_context()
     cache_k, cache_v = context.kv_caches[layer_index]
-    write_kv(cache_k, cache_v, k, v, context.meta.slot_mapping, context.meta)
+    write_kv(cache_k, cache_v, k, v, context.meta.slot_mapping, context.meta, q.shape[-1])
     return paged_attention(q, k, v, cache_k, cache_v, context.meta, scale)
 
 

@@ -85,11 +85,12 @@ class Attention(nn.Module):
             assert kv_cache is not None, "the eager step passes each layer its cache"
             if fused:  # in place on views into the qkv output, and k and v into their cache slots: no copies
                 positions, cos, sin = rope
+                kind = 0 if meta.kv_format is None else meta.kv_format.kind
                 torch.ops.tokenloom.rotary_embedding_and_cache(
-                    q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping
+                    q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, kind
                 )
             else:
-                write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, meta)
+                write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, meta, self.head_dim)
             out = paged_attention(q, k.reshape(num_tokens, self.kv_size), v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 

@@ -65,6 +65,7 @@ class WorkerSpec:
     backend: str
     num_threads: int
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
 
 
 def free_local_init_method() -> str:
@@ -176,7 +177,7 @@ class TensorParallelRunner(ModelRunner):
         spec = workers.spec
         super().__init__(
             model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
-            attention_backend=spec.attention_backend,
+            attention_backend=spec.attention_backend, kv_cache_dtype=spec.kv_cache_dtype,
         )  # fmt: skip
         self.workers = workers
 
@@ -234,6 +235,7 @@ def _build_rank(spec: WorkerSpec, rank: int) -> ModelRunner:
     return ModelRunner(
         loaded.model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
         attention_backend=spec.attention_backend,
+        kv_cache_dtype=spec.kv_cache_dtype,
     )  # fmt: skip
 
 

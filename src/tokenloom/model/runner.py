@@ -25,6 +25,7 @@ from tokenloom.model.attention import (
 from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
+from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count
 from tokenloom.model.prepack import can_prepack
@@ -67,13 +68,17 @@ class ModelRunner:
         num_swap_blocks: int = 0,
         compile_step: bool = False,
         attention_backend: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         cfg = model.config
-        row = cfg.num_kv_heads * cfg.head_dim
+        self.attention_backend = resolve_backend(attention_backend, device, dtype)
+        self.kv_format = kv_format(kv_cache_dtype)
+        check_kv_format(self.kv_format, self.attention_backend)
+        row, cache_dtype = self._cache_row()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_kv_cache(num_kv_blocks)
         # The swap pool is host memory even when the device is the CPU: a pool of its own, never the KV cache's.
@@ -81,12 +86,11 @@ class ModelRunner:
         # untouched pages of a large pool cost no memory until swapping reaches them.
         pin = accelerator_count(device.type) > 0  # pinned host memory: faster copies to and from an accelerator
         self.swap_caches = [
-            tuple(torch.empty(num_swap_blocks * block_size, row, dtype=dtype, pin_memory=pin) for _ in range(2))
+            tuple(torch.empty(num_swap_blocks * block_size, row, dtype=cache_dtype, pin_memory=pin) for _ in range(2))
             for _ in range(cfg.num_layers if num_swap_blocks else 0)
         ]
         self.sampler = Sampler(device, seed)
         self.workspace = GatherWorkspace()
-        self.attention_backend = resolve_backend(attention_backend, device, dtype)
         self.use_cpu_kernel = self.attention_backend == "cpu"
         # Programs that fill the device: split-K shares are added only where a step has fewer (few long decodes).
         self._target_programs = 4 * _multiprocessors(device)
@@ -102,18 +106,25 @@ class ModelRunner:
             model.prepack_weights()
         self._generators: dict[str, torch.Generator] = {}
 
+    def _cache_row(self) -> tuple[int, torch.dtype]:
+        """A cache slot's row: its elements and their dtype (an 8-bit cache: bytes, codes then scales)."""
+        cfg = self.model.config
+        if self.kv_format is None:
+            return cfg.num_kv_heads * cfg.head_dim, self.dtype
+        return self.kv_format.row_bytes(cfg.num_kv_heads, cfg.head_dim), torch.uint8
+
     def allocate_kv_cache(self, num_kv_blocks: int) -> None:
         """(Re)allocates every layer's K and V cache for this many blocks; what was in the old one is gone."""
-        cfg = self.model.config
-        num_slots, row = num_kv_blocks * self.block_size, cfg.num_kv_heads * cfg.head_dim
+        num_slots, (row, dtype) = num_kv_blocks * self.block_size, self._cache_row()
         self.kv_caches = []  # the old cache is freed before the new one is taken
-        # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison the output.
+        # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison the output (an 8-bit
+        # slot of zeros is codes 0 with scale 0: the value 0).
         self.kv_caches = [
             (
-                torch.zeros(num_slots, row, dtype=self.dtype, device=self.device),
-                torch.zeros(num_slots, row, dtype=self.dtype, device=self.device),
+                torch.zeros(num_slots, row, dtype=dtype, device=self.device),
+                torch.zeros(num_slots, row, dtype=dtype, device=self.device),
             )
-            for _ in range(cfg.num_layers)
+            for _ in range(self.model.config.num_layers)
         ]
 
     @torch.inference_mode()
@@ -220,6 +231,7 @@ class ModelRunner:
             workspace=self.workspace,
             use_cpu_kernel=self.use_cpu_kernel,
             prefill_op=self.use_prefill_op,
+            kv_format=self.kv_format,
         )
         if self.attention_backend == "triton":
             meta.prefills = []
@@ -229,7 +241,9 @@ class ModelRunner:
     def _graph_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, batch: FlatBatch
     ) -> torch.Tensor:
-        meta = AttentionMetadata(slot_mapping=slot_mapping, block_size=self.block_size, flat=batch)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, block_size=self.block_size, flat=batch, kv_format=self.kv_format
+        )
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -311,6 +325,7 @@ class ModelRunner:
             workspace=self.workspace,
             use_cpu_kernel=self.use_cpu_kernel,
             prefill_op=self.use_prefill_op,
+            kv_format=self.kv_format,
         )
         if self.attention_backend == "triton":  # one launch per layer over the flat batch
             meta.flat = self._flat_batch([(s.num_tokens, s.start + s.num_tokens, s.block_ids) for s in ordered])
@@ -439,6 +454,15 @@ def group_by_context_length(
         groups.append((first, last))
         last = first
     return groups[::-1]
+
+
+def check_kv_format(fmt: KVFormat | None, backend: str) -> None:
+    """An 8-bit cache needs kernels that read it: refused at start, never a silent fallback to another path."""
+    if fmt is not None and backend == "triton":
+        raise ValueError(
+            f"--kv-cache-dtype {fmt.name}: the Triton attention kernels read only a cache of the model's dtype; "
+            "use --kv-cache-dtype auto, or --attention-backend torch or cpu"
+        )
 
 
 def _multiprocessors(device: torch.device) -> int:

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kv_codes.h"
 #include "work_sharing.h"
 
 namespace {
@@ -126,10 +127,11 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 // Rotate-half rotary embedding, in place on q [T, heads, d] and k [T, kv_heads, d] (views into the fused qkv
 // output: rows may be strided, heads and dims contiguous), then this step's rotated k and its v [T, kv_heads * d]
 // stored into their cache slots: one pass over each token's rows instead of a rotary op and two index copies.
-// cos and sin: [max_len, d] float32 tables; cache_k and cache_v: [num_slots, kv_heads * d], contiguous.
+// cos and sin: [max_len, d] float32 tables; cache_k and cache_v: [num_slots, kv_heads * d], contiguous, or with
+// kv_kind > 0 an 8-bit cache (kv_codes.h): uint8 [num_slots, kv_heads * (d + 4)], each head quantized as it is stored.
 void rotary_embedding_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& cache_k, at::Tensor& cache_v,
-                                const at::Tensor& slots) {
+                                const at::Tensor& slots, int64_t kv_kind) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
               "rotary_embedding_and_cache: q [T, heads, d] and k [T, kv_heads, d]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() &&
@@ -148,10 +150,16 @@ void rotary_embedding_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(v.dim() == 2 && v.size(0) == tokens && v.size(1) == row && v.stride(1) == 1 &&
                   v.scalar_type() == k.scalar_type(),
               "rotary_embedding_and_cache: v must be [T, kv_heads * d] of k's dtype, its rows contiguous");
-  TORCH_CHECK(cache_k.dim() == 2 && cache_k.size(1) == row && cache_k.is_contiguous() &&
+  TORCH_CHECK(kv_kind == tokenloom::kPlain || tokenloom::is_kv_kind(kv_kind),
+              "rotary_embedding_and_cache: kv_kind must be 0, 1, 2 or 3");
+  const bool coded = kv_kind != tokenloom::kPlain;
+  const int64_t cache_row = coded ? k.size(1) * (d + 4) : row;
+  const at::ScalarType cache_type = coded ? at::kByte : k.scalar_type();
+  TORCH_CHECK(cache_k.dim() == 2 && cache_k.size(1) == cache_row && cache_k.is_contiguous() &&
                   cache_v.sizes() == cache_k.sizes() && cache_v.is_contiguous() &&
-                  cache_k.scalar_type() == k.scalar_type() && cache_v.scalar_type() == k.scalar_type(),
-              "rotary_embedding_and_cache: the caches must be contiguous [num_slots, kv_heads * d] of k's dtype");
+                  cache_k.scalar_type() == cache_type && cache_v.scalar_type() == cache_type,
+              coded ? "rotary_embedding_and_cache: an 8-bit cache must be contiguous uint8 [num_slots, kv_heads * (d + 4)]"
+                    : "rotary_embedding_and_cache: the caches must be contiguous [num_slots, kv_heads * d] of k's dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() && slots.size(0) == tokens,
               "rotary_embedding_and_cache: slots must be int64 [T]");
   const int64_t* pos = positions.const_data_ptr<int64_t>();
@@ -167,8 +175,9 @@ void rotary_embedding_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& 
     scalar_t* qp = q.mutable_data_ptr<scalar_t>();
     scalar_t* kp = k.mutable_data_ptr<scalar_t>();
     const scalar_t* vp = v.const_data_ptr<scalar_t>();
-    scalar_t* ck = cache_k.mutable_data_ptr<scalar_t>();
-    scalar_t* cv = cache_v.mutable_data_ptr<scalar_t>();
+    auto* ck = static_cast<uint8_t*>(cache_k.data_ptr());
+    auto* cv = static_cast<uint8_t*>(cache_v.data_ptr());
+    const int64_t slot_bytes = coded ? cache_row : row * static_cast<int64_t>(sizeof(scalar_t));
     const float* cp = cos.const_data_ptr<float>();
     const float* sp = sin.const_data_ptr<float>();
     auto rotate = [&](scalar_t* x, const float* c, const float* s) {
@@ -184,8 +193,13 @@ void rotary_embedding_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& 
       for (int64_t h = 0; h < q_heads; ++h) rotate(qp + t * q.stride(0) + h * d, c, s);
       scalar_t* kt = kp + t * k.stride(0);
       for (int64_t h = 0; h < k_heads; ++h) rotate(kt + h * d, c, s);
-      std::memcpy(ck + slot[t] * row, kt, row * sizeof(scalar_t));
-      std::memcpy(cv + slot[t] * row, vp + t * v.stride(0), row * sizeof(scalar_t));
+      if (coded) {
+        tokenloom::quantize_heads(kv_kind, kt, k_heads, d, ck + slot[t] * slot_bytes);
+        tokenloom::quantize_heads(kv_kind, vp + t * v.stride(0), k_heads, d, cv + slot[t] * slot_bytes);
+      } else {
+        std::memcpy(ck + slot[t] * slot_bytes, kt, slot_bytes);
+        std::memcpy(cv + slot[t] * slot_bytes, vp + t * v.stride(0), slot_bytes);
+      }
     });
   });
 }
@@ -221,7 +235,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(
       "rotary_embedding_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
-      "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots) -> ()");
+      "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots, int kv_kind=0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 

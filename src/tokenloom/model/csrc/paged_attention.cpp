@@ -21,6 +21,7 @@
 
 #include "avx512_exp.h"
 #include "bf16_vec.h"
+#include "kv_codes.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512BF16__)
@@ -61,10 +62,30 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
   }
 }
 
+// One KV head's rows of a plain (float32 or bfloat16) cache, widened to float32 one slot at a time.
+template <typename T>
+struct PlainRows {
+  const T* head;  // the head's first element in slot 0
+  int64_t row;    // elements per slot
+  void widen(int64_t slot, float* dst, int64_t hd) const { widen_row(head + slot * row, dst, hd); }
+};
+
+// One KV head's rows of an 8-bit cache (kv_codes.h): its codes, times its scale.
+template <int64_t Kind>
+struct CodeRows {
+  const uint8_t* head;   // the head's first code in slot 0
+  int64_t row;           // bytes per slot
+  int64_t scale_offset;  // from the head's codes to its scale, in bytes
+  void widen(int64_t slot, float* dst, int64_t hd) const {
+    const uint8_t* codes = head + slot * row;
+    tokenloom::decode_codes<Kind>(codes, tokenloom::read_scale(codes + scale_offset), dst, hd);
+  }
+};
+
 // One sequence, one KV head: the `group` query heads that share it, over `ctx` tokens of context.
-template <typename T, int HD>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t group,
-            int64_t row, int64_t head_dim, int64_t block_size, float scale, T* out, std::vector<float>& scratch) {
+template <typename T, int HD, typename Rows>
+void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* table, int64_t ctx, int64_t group,
+            int64_t head_dim, int64_t block_size, float scale, T* out, std::vector<float>& scratch) {
   const int64_t hd = HD ? HD : head_dim;
   scratch.resize(group * hd * 2 + group * ctx + hd);
   float* qf = scratch.data();             // [group, hd]
@@ -76,8 +97,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
   }
   std::fill(acc, acc + group * hd, 0.0f);
   for (int64_t t = 0; t < ctx; ++t) {
-    const T* k = k_cache + (table[t / block_size] * block_size + t % block_size) * row;
-    widen_row(k, kv, hd);
+    k_rows.widen(table[t / block_size] * block_size + t % block_size, kv, hd);
     for (int64_t h = 0; h < group; ++h) {
       float dot = 0.0f;
       for (int64_t d = 0; d < hd; ++d) dot += qf[h * hd + d] * kv[d];
@@ -86,8 +106,7 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
   }
   softmax_rows(scores, group, ctx);
   for (int64_t t = 0; t < ctx; ++t) {
-    const T* v = v_cache + (table[t / block_size] * block_size + t % block_size) * row;
-    widen_row(v, kv, hd);
+    v_rows.widen(table[t / block_size] * block_size + t % block_size, kv, hd);
     for (int64_t h = 0; h < group; ++h) {
       const float w = scores[h * ctx + t];
       float* a = acc + h * hd;
@@ -101,10 +120,11 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* table
 // `rows` rows of `elements` each, into cache level Hint. The loop over keys is faster than memory, and a block's
 // successor is elsewhere in memory where the hardware's prefetcher cannot see it coming. At 64 sequences x 340
 // tokens, 30 layers of cold cache, a layer took 977 us with the kernel's two prefetches and 1,354 us without.
-template <int Hint>
-inline void prefetch_rows(const c10::BFloat16* first, int64_t row, int elements, int64_t rows) {
+template <int Hint, typename Elem>
+inline void prefetch_rows(const Elem* first, int64_t row, int elements, int64_t rows) {
+  constexpr int kLine = 64 / sizeof(Elem);  // elements per cache line
   for (int64_t j = 0; j < rows; ++j) {
-    for (int d = 0; d < elements; d += 32) {
+    for (int d = 0; d < elements; d += kLine) {
       _mm_prefetch(reinterpret_cast<const char*>(first + j * row + d), static_cast<_mm_hint>(Hint));
     }
   }
@@ -127,13 +147,30 @@ inline __m512 sum_each(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88), _mm512_shuffle_f32x4(q01, q23, 0xDD));
 }
 
+// A cache element: bf16, or an 8-bit cache's byte.
+template <int64_t Kind>
+using KVElem = std::conditional_t<Kind == tokenloom::kPlain, c10::BFloat16, uint8_t>;
+
+// 16 rows of HD codes -> 16 rows of bf16 in `widened`, and `rows` pointing at them (the scales are applied apart).
+template <int HD, int64_t Kind>
+inline void widen_rows(const uint8_t* const* raw, c10::BFloat16* widened, const c10::BFloat16** rows) {
+  for (int j = 0; j < 16; ++j) {
+    for (int d = 0; d < HD; d += 32) {
+      const __m512 lo = tokenloom::widen16<Kind>(raw[j] + d), hi = tokenloom::widen16<Kind>(raw[j] + d + 16);
+      _mm512_storeu_si512(reinterpret_cast<void*>(widened + j * HD + d), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    rows[j] = widened + j * HD;
+  }
+}
+
 // The 16 rows of keys t0 .. t0 + 15 (past the end of the context: its last row, repeated), with one table lookup
 // when they lie in one block.
-inline void group_rows(const c10::BFloat16* cache, const int64_t* table, int64_t t0, int64_t ctx, int64_t row,
-                       int64_t block_size, const c10::BFloat16** rows) {
+template <typename Elem>
+inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int64_t ctx, int64_t row,
+                       int64_t block_size, const Elem** rows) {
   auto row_of = [&](int64_t t) { return cache + (table[t / block_size] * block_size + t % block_size) * row; };
   if (block_size % 16 == 0 && t0 + 16 <= ctx) {
-    const c10::BFloat16* first = row_of(t0);
+    const Elem* first = row_of(t0);
     for (int j = 0; j < 16; ++j) rows[j] = first + j * row;
   } else {
     for (int j = 0; j < 16; ++j) rows[j] = row_of(std::min(t0 + j, ctx - 1));
@@ -147,10 +184,15 @@ inline void group_rows(const c10::BFloat16* cache, const int64_t* table, int64_t
 // (exact products, float32 sums), 16 keys at a time so their sums come out as one vector; no widening of K at all.
 // V too goes through the bf16 dot product, two keys at a time: rows 2i and 2i + 1 interleaved into pairs of dims
 // (one unpack each), against the two keys' probabilities rounded to bf16.
-template <int HD>
-void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+//
+// From an 8-bit cache (Kind != kPlain), each group of 16 rows is widened to bf16 once, into a buffer the query heads
+// share (int8 and both fp8 codes are exact in bf16), and the scales go where they cancel out of the products: K's
+// onto the 16 scores, V's onto the probabilities (after the running sum, which must not see them).
+template <int HD, int64_t Kind>
+void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache,
                         const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_size,
-                        float scale, c10::BFloat16* out, std::vector<float>& scratch) {
+                        int64_t scale_offset, float scale, c10::BFloat16* out, std::vector<float>& scratch) {
+  using Elem = KVElem<Kind>;
   static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
   constexpr int kChunks = HD / 32;  // bf16 vectors of 32 per row
   constexpr int kMaxGroup = 8;
@@ -167,13 +209,28 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
   std::fill(run_max, run_max + heads, kNoMax);
   std::fill(run_sum, run_sum + heads, 0.0f);
   const c10::BFloat16* rows[16];
+  const Elem* raw[16];
+  alignas(64) c10::BFloat16 widened[16 * HD];  // an 8-bit cache's 16 rows, as bf16
+  alignas(64) float k_scales[16];
+  alignas(64) float v_scales[kChunk];  // the chunk's
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
     for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-      group_rows(k_cache, table, t0, ctx, row, block_size, rows);
+      group_rows(k_cache, table, t0, ctx, row, block_size, raw);
       if (t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half (V lies as K does)
-        const c10::BFloat16* v_first = v_cache + (rows[0] - k_cache);
+        const Elem* v_first = v_cache + (raw[0] - k_cache);
         prefetch_rows<_MM_HINT_T1>(v_first, row, HD, block_size % 16 == 0 ? 16 : 1);
+      }
+      if constexpr (Kind == tokenloom::kPlain) {
+        std::copy(raw, raw + 16, rows);
+      } else {
+        widen_rows<HD, Kind>(raw, widened, rows);
+        for (int j = 0; j < 16; ++j) {
+          k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
+          const int64_t t = t0 - c0 + j;
+          if (t < kChunk) v_scales[t] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
+                                        tokenloom::code_unit(Kind);
+        }
       }
       for (int64_t h = 0; h < heads; ++h) {
         __m512bh qv[kChunks];
@@ -189,7 +246,9 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
           }
           dots[j] = sum;
         }
-        _mm512_storeu_ps(scores + h * kChunk + (t0 - c0), _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale)));
+        __m512 scaled = _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale));
+        if constexpr (Kind != tokenloom::kPlain) scaled = _mm512_mul_ps(scaled, _mm512_load_ps(k_scales));
+        _mm512_storeu_ps(scores + h * kChunk + (t0 - c0), scaled);
       }
     }
     // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
@@ -220,7 +279,9 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
       for (int g = 0; g < groups; ++g) {
         const __m512 p = _mm512_maskz_mov_ps(live_keys(g), tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
         // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
-        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
+        __m512 weight = p;
+        if constexpr (Kind != tokenloom::kPlain) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weight);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
         total = _mm512_add_ps(total, p);
       }
@@ -238,10 +299,15 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
         }
       }
       for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-        group_rows(v_cache, table, t0, ctx, row, block_size, rows);
+        group_rows(v_cache, table, t0, ctx, row, block_size, raw);
+        if constexpr (Kind == tokenloom::kPlain) {
+          std::copy(raw, raw + 16, rows);
+        } else {
+          widen_rows<HD, Kind>(raw, widened, rows);
+        }
         if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
           // The next chunk's K rows, into L2 while this chunk's V rows are multiplied.
-          const c10::BFloat16* next[16];
+          const Elem* next[16];
           group_rows(k_cache, table, t0 + kChunk, ctx, row, block_size, next);
           prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
         }
@@ -289,17 +355,65 @@ void attend_bf16_avx512(const c10::BFloat16* q, const c10::BFloat16* k_cache, co
 }
 #endif
 
-template <typename T>
+// Where one sequence's KV head lies in a cache: its first element in slot 0, the slot's stride (elements of the
+// cache's dtype), and for an 8-bit cache the bytes from the head's codes to its scale.
+struct HeadLayout {
+  int64_t offset, row, scale_offset;
+};
+
+inline HeadLayout head_layout(int64_t kind, int64_t row, int64_t num_kv_heads, int64_t head_dim, int64_t kv_head) {
+  if (kind == tokenloom::kPlain) return {kv_head * head_dim, row, 0};
+  return {kv_head * head_dim, row, num_kv_heads * head_dim + 4 * kv_head - kv_head * head_dim};
+}
+
+// One (sequence, KV head) unit of decode attention, from a cache of kind Kind.
+template <typename T, int64_t Kind>
+void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v_cache, HeadLayout at,
+                 const int64_t* table, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size, float s,
+                 T* out_head, std::vector<float>& scratch) {
+  using Elem = std::conditional_t<Kind == tokenloom::kPlain, T, uint8_t>;
+  const Elem* k = k_cache.const_data_ptr<Elem>() + at.offset;
+  const Elem* v = v_cache.const_data_ptr<Elem>() + at.offset;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (head_dim == 64) {
+      attend_bf16_avx512<64, Kind>(q_head, k, v, table, ctx, group, at.row, block_size, at.scale_offset, s, out_head,
+                                   scratch);
+      return;
+    }
+    if (head_dim == 128) {
+      attend_bf16_avx512<128, Kind>(q_head, k, v, table, ctx, group, at.row, block_size, at.scale_offset, s,
+                                    out_head, scratch);
+      return;
+    }
+  }
+#endif
+  auto rows = [&](const Elem* head) {
+    if constexpr (Kind == tokenloom::kPlain) {
+      return PlainRows<T>{head, at.row};
+    } else {
+      return CodeRows<Kind>{head, at.row, at.scale_offset};
+    }
+  };
+  const auto k_rows = rows(k), v_rows = rows(v);
+  if (head_dim == 64) {
+    attend<T, 64>(q_head, k_rows, v_rows, table, ctx, group, head_dim, block_size, s, out_head, scratch);
+  } else if (head_dim == 128) {
+    attend<T, 128>(q_head, k_rows, v_rows, table, ctx, group, head_dim, block_size, s, out_head, scratch);
+  } else {
+    attend<T, 0>(q_head, k_rows, v_rows, table, ctx, group, head_dim, block_size, s, out_head, scratch);
+  }
+}
+
+template <typename T, int64_t Kind>
 void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
-                at::Tensor& out) {
+                int64_t num_kv_heads, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
-  const int64_t row = k_cache.size(1), num_kv_heads = row / head_dim, group = num_heads / num_kv_heads;
+  const int64_t row = k_cache.size(1), group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const T* q_ptr = q.const_data_ptr<T>();
-  const T* k_ptr = k_cache.const_data_ptr<T>();
-  const T* v_ptr = v_cache.const_data_ptr<T>();
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
@@ -310,46 +424,50 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const std::function<void(int64_t)> body = [&](int64_t unit) {
     thread_local std::vector<float> scratch;
     const int64_t seq = num_seqs - 1 - unit / num_kv_heads, kv_head = unit % num_kv_heads;
-    const T* q_head = q_ptr + seq * q_stride + kv_head * group * head_dim;
-    T* out_head = out_ptr + seq * out_stride + kv_head * group * head_dim;
-    const T* k = k_ptr + kv_head * head_dim;
-    const T* v = v_ptr + kv_head * head_dim;
-    const int64_t* table = tables + seq * max_blocks;
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (head_dim == 64) {
-        attend_bf16_avx512<64>(q_head, k, v, table, lens[seq], group, row, block_size, s, out_head, scratch);
-        return;
-      }
-      if (head_dim == 128) {
-        attend_bf16_avx512<128>(q_head, k, v, table, lens[seq], group, row, block_size, s, out_head, scratch);
-        return;
-      }
-    }
-#endif
-    if (head_dim == 64) {
-      attend<T, 64>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
-    } else if (head_dim == 128) {
-      attend<T, 128>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
-    } else {
-      attend<T, 0>(q_head, k, v, table, lens[seq], group, row, head_dim, block_size, s, out_head, scratch);
-    }
+    attend_unit<T, Kind>(q_ptr + seq * q_stride + kv_head * group * head_dim, k_cache, v_cache,
+                         head_layout(Kind, row, num_kv_heads, head_dim, kv_head), tables + seq * max_blocks,
+                         lens[seq], group, head_dim, block_size, s, out_ptr + seq * out_stride + kv_head * group * head_dim,
+                         scratch);
   };
   tokenloom::WorkSharing::instance().run(num_seqs * num_kv_heads, body);
 }
 
+template <typename T>
+void decode_any_kind(int64_t kind, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
+                     int64_t num_kv_heads, at::Tensor& out) {
+  switch (kind) {
+    case tokenloom::kPlain:
+      return decode_all<T, tokenloom::kPlain>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+                                              num_kv_heads, out);
+    case tokenloom::kInt8:
+      return decode_all<T, tokenloom::kInt8>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+                                             num_kv_heads, out);
+    case tokenloom::kFp8E4M3:
+      return decode_all<T, tokenloom::kFp8E4M3>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+                                                num_kv_heads, out);
+    default:
+      return decode_all<T, tokenloom::kFp8E5M2>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+                                                num_kv_heads, out);
+  }
+}
+
 // q: [num_seqs, heads, d], rows may be strided (a view into the fused qkv output); out: the same shape, rows may
-// be strided (a slice of the step's output). Both have their heads and dims contiguous.
+// be strided (a slice of the step's output). Both have their heads and dims contiguous. kv_kind 0: the caches are
+// [num_slots, kv_heads * d] of q's dtype; else they are 8-bit (kv_codes.h), uint8 [num_slots, kv_heads * (d + 4)].
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                            double scale, at::Tensor out) {
+                            double scale, at::Tensor out, int64_t kv_kind) {
   TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must be shaped as q, its dtype");
   TORCH_CHECK(k_cache.dim() == 2 && v_cache.sizes() == k_cache.sizes(),
-              "k_cache and v_cache must be [num_slots, num_kv_heads * head_dim], the same shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q, k_cache and v_cache must share a dtype");
+              "k_cache and v_cache must be [num_slots, row], the same shape");
+  TORCH_CHECK(kv_kind == tokenloom::kPlain || tokenloom::is_kv_kind(kv_kind), "kv_kind must be 0, 1, 2 or 3");
+  const at::ScalarType cache_type = kv_kind == tokenloom::kPlain ? q.scalar_type() : at::kByte;
+  TORCH_CHECK(k_cache.scalar_type() == cache_type && v_cache.scalar_type() == cache_type,
+              kv_kind == tokenloom::kPlain ? "q, k_cache and v_cache must share a dtype"
+                                           : "an 8-bit cache (kv_kind > 0) must be uint8");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_decode_attention: float32 or bfloat16 only");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
@@ -362,9 +480,10 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t num_seqs = q.size(0), head_dim = q.size(2);
   TORCH_CHECK(block_tables.size(0) == num_seqs && context_lens.size(0) == num_seqs,
               "one block table and one context length per sequence");
-  TORCH_CHECK(block_size > 0 && head_dim > 0 && k_cache.size(1) % head_dim == 0,
+  const int64_t head_bytes = kv_kind == tokenloom::kPlain ? head_dim : head_dim + 4;  // an 8-bit head's codes and scale
+  TORCH_CHECK(block_size > 0 && head_dim > 0 && k_cache.size(1) % head_bytes == 0,
               "the cache row must hold whole heads");
-  const int64_t num_kv_heads = k_cache.size(1) / head_dim;
+  const int64_t num_kv_heads = k_cache.size(1) / head_bytes;
   TORCH_CHECK(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   // Every block a context reaches must exist: a bad table would read outside the cache.
   const int64_t num_blocks = k_cache.size(0) / block_size;
@@ -379,9 +498,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     }
   }
   if (q.scalar_type() == at::kFloat) {
-    decode_all<float>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+    decode_any_kind<float>(kv_kind, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, num_kv_heads,
+                           out);
   } else {
-    decode_all<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, out);
+    decode_any_kind<c10::BFloat16>(kv_kind, q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
+                                   num_kv_heads, out);
   }
 }
 
@@ -390,7 +511,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 TORCH_LIBRARY(tokenloom, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-      "int block_size, float scale, Tensor(a!) out) -> ()");
+      "int block_size, float scale, Tensor(a!) out, int kv_kind=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
