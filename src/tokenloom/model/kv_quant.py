@@ -60,8 +60,10 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     num_tokens, heads, head_dim = x.shape
     values = x.float()
     amax = values.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / fmt.max_code, torch.ones_like(amax))
-    scaled = (values / scale).clamp(-fmt.max_code, fmt.max_code)
+    # Products of float32 reciprocals, not divisions: what the C++ writer (csrc/kv_codes.h) computes, bit for bit.
+    inv_max = torch.tensor(1.0 / fmt.max_code, dtype=torch.float32)
+    scale = torch.where(amax > 0, amax * inv_max, torch.ones_like(amax))
+    scaled = (values * torch.reciprocal(scale)).clamp(-fmt.max_code, fmt.max_code)
     codes = scaled.round().to(torch.int8) if fmt.code_dtype == torch.int8 else scaled.to(fmt.code_dtype)
     rows = torch.empty(num_tokens, fmt.row_bytes(heads, head_dim), dtype=torch.uint8, device=x.device)
     rows[:, : heads * head_dim] = codes.reshape(num_tokens, -1).view(torch.uint8)

@@ -396,10 +396,14 @@ class ModelRunner:
 
     def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
         ctx_len = s.start + s.num_tokens
-        if s.start == 0:  # the chunk is its whole context: plain causal attention, no mask at all
+        if s.start == 0 and self.kv_format is None:  # the chunk is its whole context: plain causal, no mask at all
             return PrefillSegment(q_start, s.num_tokens, ctx_len, None, None)
-        visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
         table = self._tensor(np.asarray(s.block_ids[: cdiv(ctx_len, self.block_size)], dtype=np.int64))
+        if s.start == 0:
+            # From an 8-bit cache all attention reads the cached values, this chunk's too, so a request's output does
+            # not depend on how its prompt was chunked, batched or recomputed.
+            return PrefillSegment(q_start, s.num_tokens, ctx_len, table, None)
+        visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
         return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self._tensor(visible))
 
     def _bias(self, visible: np.ndarray) -> torch.Tensor:

@@ -47,19 +47,22 @@ inline float read_scale(const uint8_t* at) {
 inline float widen_value(float x) { return x; }
 inline float widen_value(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// x: `heads` heads of `d` values -> dst: their codes, then their scales (one row of the cache). Scale = amax / the
-// largest code, code = x / scale rounded to nearest even, as kv_quant.quantize computes it in PyTorch.
+// x: `heads` heads of `d` values -> dst: their codes, then their scales (one row of the cache). Scale = amax times
+// 1 / the largest code, code = x times 1 / scale rounded to nearest even: products of reciprocals, as
+// kv_quant.quantize computes them, because the build's -ffast-math would make divisions such products anyway.
 template <typename T>
 void quantize_heads(int64_t kind, const T* x, int64_t heads, int64_t d, uint8_t* dst) {
   const float top = max_code(kind);
+  const float inv_top = 1.0f / top;
   for (int64_t h = 0; h < heads; ++h) {
     const T* xh = x + h * d;
     uint8_t* codes = dst + h * d;
     float amax = 0.0f;
     for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(widen_value(xh[i])));
-    const float scale = amax > 0.0f ? amax / top : 1.0f;
+    const float scale = amax > 0.0f ? amax * inv_top : 1.0f;
+    const float inv_scale = 1.0f / scale;
     for (int64_t i = 0; i < d; ++i) {
-      const float c = std::clamp(widen_value(xh[i]) / scale, -top, top);
+      const float c = std::clamp(widen_value(xh[i]) * inv_scale, -top, top);
       if (kind == kInt8) {
         codes[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(c)));
       } else if (kind == kFp8E4M3) {

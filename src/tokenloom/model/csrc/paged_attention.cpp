@@ -24,7 +24,7 @@
 #include "kv_codes.h"
 #include "work_sharing.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -116,7 +116,7 @@ void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* t
   for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 // `rows` rows of `elements` each, into cache level Hint. The loop over keys is faster than memory, and a block's
 // successor is elsewhere in memory where the hardware's prefetcher cannot see it coming. At 64 sequences x 340
 // tokens, 30 layers of cold cache, a layer took 977 us with the kernel's two prefetches and 1,354 us without.
@@ -147,6 +147,23 @@ inline __m512 sum_each(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88), _mm512_shuffle_f32x4(q01, q23, 0xDD));
 }
 
+// The 16 rows of keys t0 .. t0 + 15 (past the end of the context: its last row, repeated), with one table lookup
+// when they lie in one block.
+template <typename Elem>
+inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int64_t ctx, int64_t row,
+                       int64_t block_size, const Elem** rows) {
+  auto row_of = [&](int64_t t) { return cache + (table[t / block_size] * block_size + t % block_size) * row; };
+  if (block_size % 16 == 0 && t0 + 16 <= ctx) {
+    const Elem* first = row_of(t0);
+    for (int j = 0; j < 16; ++j) rows[j] = first + j * row;
+  } else {
+    for (int j = 0; j < 16; ++j) rows[j] = row_of(std::min(t0 + j, ctx - 1));
+  }
+}
+
+#endif  // __AVX512F__
+
+#if defined(__AVX512BF16__)
 // A cache element: bf16, or an 8-bit cache's byte.
 template <int64_t Kind>
 using KVElem = std::conditional_t<Kind == tokenloom::kPlain, c10::BFloat16, uint8_t>;
@@ -160,20 +177,6 @@ inline void widen_rows(const uint8_t* const* raw, c10::BFloat16* widened, const 
       _mm512_storeu_si512(reinterpret_cast<void*>(widened + j * HD + d), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
     rows[j] = widened + j * HD;
-  }
-}
-
-// The 16 rows of keys t0 .. t0 + 15 (past the end of the context: its last row, repeated), with one table lookup
-// when they lie in one block.
-template <typename Elem>
-inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int64_t ctx, int64_t row,
-                       int64_t block_size, const Elem** rows) {
-  auto row_of = [&](int64_t t) { return cache + (table[t / block_size] * block_size + t % block_size) * row; };
-  if (block_size % 16 == 0 && t0 + 16 <= ctx) {
-    const Elem* first = row_of(t0);
-    for (int j = 0; j < 16; ++j) rows[j] = first + j * row;
-  } else {
-    for (int j = 0; j < 16; ++j) rows[j] = row_of(std::min(t0 + j, ctx - 1));
   }
 }
 
@@ -355,6 +358,211 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 16 int32 vectors in, one out: lane j holds the sum of v[j]'s 16 lanes (sum_each, in integers).
+inline __m512i sum_each_epi32(const __m512i* v) {
+  __m512i pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    quads[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * i], pairs[2 * i + 1]),
+                                _mm512_unpackhi_epi64(pairs[2 * i], pairs[2 * i + 1]));
+  }
+  const __m512i q01 = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[0], quads[1], 0x44), _mm512_shuffle_i32x4(quads[0], quads[1], 0xEE));
+  const __m512i q23 = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[2], quads[3], 0x44), _mm512_shuffle_i32x4(quads[2], quads[3], 0xEE));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(q01, q23, 0x88), _mm512_shuffle_i32x4(q01, q23, 0xDD));
+}
+
+// Decode attention over an int8 cache with AVX-512 VNNI: integer dot products of 64 bytes per instruction, twice
+// the multiplies of a bf16 dot product in less time on the CPUs measured (benchmarks/RESULTS.md), so the 8-bit
+// cache is read faster than a bf16 one, not just in fewer bytes. As llama.cpp does for its q8_0 cache:
+//   q.k: each query head is quantized once per call in two int8 parts, q = s (q1 + q2 / 256) (one part alone cost
+//        up to 5% of an output's norm: a score's error grows with K's outlier channels), so each row takes two
+//        integer dot products, combined as 256 q1.k + q2.k in int32; K's codes go in as unsigned (code + 128, one
+//        XOR per row, shared by the heads) and the 128 * sum(q) that adds is taken off again;
+//   p.v: per 16 keys, each head's probabilities times V's scales are quantized to 0..255 against their largest, and
+//        4 keys' weights meet 4 keys' codes interleaved per dimension; each 16 keys' integer sums are then added,
+//        scaled, into float32 accumulators under the running softmax (as attend_bf16_avx512 streams its chunks).
+// Accumulators hold the dimensions in the order the interleave leaves them (see the end).
+template <typename T, int HD>
+void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table, int64_t ctx,
+                      int64_t group, int64_t row, int64_t block_size, int64_t scale_offset, float scale, T* out,
+                      std::vector<float>& scratch) {
+  static_assert(HD % 64 == 0, "whole 64-byte vectors of codes");
+  constexpr int kVecs = HD / 64;
+  constexpr int kChunk = 64;
+  constexpr int kPass = 256 / HD;  // query heads whose integer accumulators fit in registers at once
+  const int64_t heads = group;
+  // float scratch: scores [heads][kChunk], acc [heads][HD], run_max, run_sum, q_mul, w_mul [heads][kChunk / 16];
+  // then bytes: q8 [heads][2][HD] (each head's two parts), w8 [heads][kChunk].
+  const int64_t floats = heads * (kChunk + HD + 3 + kChunk / 16);
+  scratch.resize(floats + heads * (2 * HD + kChunk) / 4 + 16);
+  float* scores = scratch.data();
+  float* acc = scores + heads * kChunk;
+  float* run_max = acc + heads * HD;
+  float* run_sum = run_max + heads;
+  float* q_mul = run_sum + heads;  // each head's q scale x the softmax scale
+  float* w_mul = q_mul + heads;    // [heads][kChunk / 16]: each 16 keys' weight scale
+  int8_t* q8 = reinterpret_cast<int8_t*>(scratch.data() + floats);
+  uint8_t* w8 = reinterpret_cast<uint8_t*>(q8 + 2 * heads * HD);
+  std::vector<int32_t> q_offset(heads);  // 128 x the sum of 256 q1 + q2
+  for (int64_t h = 0; h < heads; ++h) {
+    float amax = 0.0f;
+    for (int d = 0; d < HD; ++d) amax = std::max(amax, std::fabs(widen(q[h * HD + d])));
+    const float qs = amax > 0.0f ? amax / 127.0f : 1.0f;
+    int32_t sum = 0;
+    int8_t* q1 = q8 + 2 * h * HD;
+    int8_t* q2 = q1 + HD;
+    for (int d = 0; d < HD; ++d) {
+      const float x = widen(q[h * HD + d]) / qs;
+      const float first = std::nearbyint(x);
+      q1[d] = static_cast<int8_t>(first);
+      q2[d] = static_cast<int8_t>(std::clamp(std::nearbyint((x - first) * 256.0f), -127.0f, 127.0f));
+      sum += 256 * q1[d] + q2[d];
+    }
+    q_offset[h] = 128 * sum;
+    q_mul[h] = qs / 256.0f * scale;
+  }
+  std::fill(acc, acc + heads * HD, 0.0f);
+  std::fill(run_max, run_max + heads, kNoMax);
+  std::fill(run_sum, run_sum + heads, 0.0f);
+  const uint8_t* raw[16];
+  alignas(64) uint8_t unsigned_rows[16 * HD];  // 16 K rows, code + 128
+  alignas(64) float k_scales[16];
+  alignas(64) float v_scales[kChunk];
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
+    for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+      group_rows(k_cache, table, t0, ctx, row, block_size, raw);
+      if (t0 + 16 <= ctx) prefetch_rows<_MM_HINT_T1>(v_cache + (raw[0] - k_cache), row, HD, block_size % 16 == 0 ? 16 : 1);
+      for (int j = 0; j < 16; ++j) {
+        for (int c = 0; c < kVecs; ++c) {
+          const __m512i codes = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j] + 64 * c));
+          _mm512_store_si512(reinterpret_cast<void*>(unsigned_rows + j * HD + 64 * c), _mm512_xor_si512(codes, flip));
+        }
+        k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset);
+        v_scales[t0 - c0 + j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset);
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        __m512i q1[kVecs], q2[kVecs];
+        for (int c = 0; c < kVecs; ++c) {
+          q1[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(q8 + 2 * h * HD + 64 * c));
+          q2[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(q8 + 2 * h * HD + HD + 64 * c));
+        }
+        __m512i dots[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
+          for (int c = 0; c < kVecs; ++c) {
+            const __m512i k = _mm512_load_si512(reinterpret_cast<const void*>(unsigned_rows + j * HD + 64 * c));
+            first = _mm512_dpbusd_epi32(first, k, q1[c]);
+            second = _mm512_dpbusd_epi32(second, k, q2[c]);
+          }
+          dots[j] = _mm512_add_epi32(_mm512_slli_epi32(first, 8), second);
+        }
+        const __m512i exact = _mm512_sub_epi32(sum_each_epi32(dots), _mm512_set1_epi32(q_offset[h]));
+        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_set1_ps(q_mul[h]), _mm512_load_ps(k_scales)));
+        _mm512_storeu_ps(scores + h * kChunk + (t0 - c0), s);
+      }
+    }
+    // Online softmax, as attend_bf16_avx512; then each 16 keys' weights (p x V's scale) as bytes.
+    const int groups = static_cast<int>((keys + 15) / 16);
+    auto live_keys = [&](int g) {
+      return static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
+    };
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores + h * kChunk;
+      __m512 most = _mm512_set1_ps(kNoMax);
+      for (int g = 0; g < groups; ++g) most = _mm512_mask_max_ps(most, live_keys(g), most, _mm512_loadu_ps(s + 16 * g));
+      const float chunk_max = _mm512_reduce_max_ps(most);
+      if (chunk_max > run_max[h]) {
+        if (run_max[h] != kNoMax) {
+          const float correction = std::exp(run_max[h] - chunk_max);
+          for (int d = 0; d < HD; d += 16) {
+            float* at = acc + h * HD + d;
+            _mm512_storeu_ps(at, _mm512_mul_ps(_mm512_loadu_ps(at), _mm512_set1_ps(correction)));
+          }
+          run_sum[h] *= correction;
+        }
+        run_max[h] = chunk_max;
+      }
+      const __m512 m = _mm512_set1_ps(run_max[h]);
+      __m512 total = _mm512_setzero_ps();
+      for (int g = 0; g < groups; ++g) {
+        const __m512 p = _mm512_maskz_mov_ps(live_keys(g), tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
+        total = _mm512_add_ps(total, p);
+        const __m512 w = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
+        const float w_max = _mm512_reduce_max_ps(w);
+        const float to_byte = w_max > 0.0f ? 255.0f / w_max : 0.0f;
+        w_mul[h * (kChunk / 16) + g] = w_max / 255.0f;
+        const __m512i bytes = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(to_byte)));  // rounded to nearest
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + h * kChunk + 16 * g), _mm512_cvtusepi32_epi8(bytes));
+      }
+      run_sum[h] += _mm512_reduce_add_ps(total);
+    }
+    // p.v, kPass heads at a time: per 16 keys, 4 keys per integer dot product (their codes interleaved per dim).
+    for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
+      const int64_t n = std::min<int64_t>(kPass, heads - h0);
+      for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+        group_rows(v_cache, table, t0, ctx, row, block_size, raw);
+        if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
+          const uint8_t* next[16];
+          group_rows(k_cache, table, t0 + kChunk, ctx, row, block_size, next);
+          prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
+        }
+        __m512i sums[kPass][4 * kVecs];
+        for (int64_t h = 0; h < n; ++h) {
+          for (int i = 0; i < 4 * kVecs; ++i) sums[h][i] = _mm512_setzero_si512();
+        }
+        const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: weight 0
+        for (int j = 0; j < live; j += 4) {
+          __m512i quads[4 * kVecs];
+          for (int c = 0; c < kVecs; ++c) {
+            const __m512i r0 = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j] + 64 * c));
+            const __m512i r1 = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j + 1] + 64 * c));
+            const __m512i r2 = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j + 2] + 64 * c));
+            const __m512i r3 = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j + 3] + 64 * c));
+            const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
+            const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
+            quads[4 * c + 0] = _mm512_unpacklo_epi16(lo01, lo23);
+            quads[4 * c + 1] = _mm512_unpackhi_epi16(lo01, lo23);
+            quads[4 * c + 2] = _mm512_unpacklo_epi16(hi01, hi23);
+            quads[4 * c + 3] = _mm512_unpackhi_epi16(hi01, hi23);
+          }
+          for (int64_t h = 0; h < n; ++h) {
+            int32_t four;
+            std::memcpy(&four, w8 + (h0 + h) * kChunk + (t0 - c0 + j), sizeof(four));
+            const __m512i w = _mm512_set1_epi32(four);
+            for (int i = 0; i < 4 * kVecs; ++i) sums[h][i] = _mm512_dpbusd_epi32(sums[h][i], w, quads[i]);
+          }
+        }
+        const int g = static_cast<int>((t0 - c0) / 16);
+        for (int64_t h = 0; h < n; ++h) {
+          const __m512 f = _mm512_set1_ps(w_mul[(h0 + h) * (kChunk / 16) + g]);
+          float* a = acc + (h0 + h) * HD;
+          for (int i = 0; i < 4 * kVecs; ++i) {
+            _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h][i]), f, _mm512_loadu_ps(a + 16 * i)));
+          }
+        }
+      }
+    }
+  }
+  // Accumulator 4c + m, lane 4L + r holds dim 64c + 16L + 4m + r (the unpacks work within 128-bit lanes).
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.0f / run_sum[h];
+    for (int c = 0; c < kVecs; ++c) {
+      for (int m = 0; m < 4; ++m) {
+        for (int lane = 0; lane < 16; ++lane) {
+          const int dim = 64 * c + 16 * (lane / 4) + 4 * m + lane % 4;
+          out[h * HD + dim] = static_cast<T>(acc[h * HD + 16 * (4 * c + m) + lane] * inv);
+        }
+      }
+    }
+  }
+}
+#endif
+
 // Where one sequence's KV head lies in a cache: its first element in slot 0, the slot's stride (elements of the
 // cache's dtype), and for an 8-bit cache the bytes from the head's codes to its scale.
 struct HeadLayout {
@@ -374,6 +582,19 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
   using Elem = std::conditional_t<Kind == tokenloom::kPlain, T, uint8_t>;
   const Elem* k = k_cache.const_data_ptr<Elem>() + at.offset;
   const Elem* v = v_cache.const_data_ptr<Elem>() + at.offset;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (Kind == tokenloom::kInt8) {
+    if (head_dim == 64) {
+      attend_int8_vnni<T, 64>(q_head, k, v, table, ctx, group, at.row, block_size, at.scale_offset, s, out_head, scratch);
+      return;
+    }
+    if (head_dim == 128) {
+      attend_int8_vnni<T, 128>(q_head, k, v, table, ctx, group, at.row, block_size, at.scale_offset, s, out_head,
+                               scratch);
+      return;
+    }
+  }
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (head_dim == 64) {

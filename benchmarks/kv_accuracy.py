@@ -1,0 +1,106 @@
+"""Top-1 agreement with transformers' float32 logits, per --kv-cache-dtype, on the real model (issue 24).
+
+    .venv/bin/python benchmarks/kv_accuracy.py [--dtypes bfloat16 float32] [--new-tokens 64] [--chats 3]
+
+Teacher-forced: each prompt is extended by transformers' own greedy continuation; our engine then runs the prompt
+as one chunk and every following token as a single-token decode step, so each position counted reads the whole
+context from the paged cache (in its 8-bit form where one is chosen) through the decode operator. A second pass
+runs the same sequence as chunks of 16 tokens, where each chunk reads its past from the cache through the prefill
+path. Agreement is counted over the positions after the prompt. Then a few chat prompts are answered greedily with
+each cache dtype, printed to be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokenloom import LLM, EngineConfig, LLMEngine, SamplingParams
+from tokenloom.core.request import Request
+from tokenloom.core.scheduler import ScheduledRequest
+from tokenloom.model.loader import resolve_checkpoint_dir
+from tokenloom.utils import cdiv
+
+# The prompts of the bf16 test (tests/test_dtype.py).
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The dog",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Paris is the capital of France. Berlin is the capital of",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The three primary colors are red, yellow and",
+    "In mathematics, a prime number is a natural number greater than 1 that",
+]
+CHATS = [
+    "What is the capital of Japan? Answer in one sentence.",
+    "Write a Python function that reverses a string.",
+    "Give me three tips for sleeping better.",
+]
+KV_DTYPES = tuple(os.environ.get("KV_DTYPES", "auto int8 fp8_e4m3 fp8_e5m2").split())
+
+
+def step_logits(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
+    """Logits of positions [start, end), run as one scheduled chunk over the cache the earlier chunks filled."""
+    blocks = list(range(cdiv(end, engine.config.cache.block_size)))
+    item = ScheduledRequest(request, start, request.all_token_ids[start:end], blocks, sample=True)
+    runner = engine.core.runner
+    inputs = runner.prepare_inputs([item])
+    with torch.inference_mode():
+        hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        return runner.model.compute_logits(hidden)
+
+
+def agreement(engine: LLMEngine, sequences: list[tuple[list[int], int, torch.Tensor]], chunk: int) -> float:
+    agree = total = 0
+    for ids, prompt_len, reference in sequences:
+        request = Request("x", ids, SamplingParams())
+        bounds = [0, *range(prompt_len, len(ids), chunk), len(ids)]
+        ours = torch.cat([step_logits(engine, request, a, b) for a, b in itertools.pairwise(bounds)])
+        agree += int((ours[prompt_len:].argmax(-1) == reference[prompt_len:]).sum())
+        total += len(ids) - prompt_len
+    return agree / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--chats", type=int, default=3)
+    args = parser.parse_args()
+    path = resolve_checkpoint_dir(None)[1]
+    oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    sequences = []
+    engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64))
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            generated = oracle.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False)[0]
+            reference = oracle(generated[None]).logits[0].argmax(-1)
+        sequences.append((generated.tolist(), len(ids), reference))
+    engine.shutdown()
+    positions = sum(len(ids) - n for ids, n, _ in sequences)
+    print(f"top-1 agreement with transformers float32, over {positions} positions after the prompts")
+    print("| model dtype | --kv-cache-dtype | decode steps | chunks of 16 |")
+    print("|---|---|---|---|")
+    for dtype in args.dtypes:
+        for kv in KV_DTYPES:
+            engine = LLMEngine(EngineConfig.from_kwargs(dtype=dtype, kv_cache_dtype=kv, num_kv_blocks=64))
+            decode, chunked = agreement(engine, sequences, 1), agreement(engine, sequences, 16)
+            print(f"| {dtype} | {kv} | {decode:.1%} | {chunked:.1%} |", flush=True)
+            engine.shutdown()
+    for kv in KV_DTYPES:
+        llm = LLM(kv_cache_dtype=kv, num_kv_blocks=64)
+        outputs = llm.chat([[{"role": "user", "content": c}] for c in CHATS[: args.chats]],
+                           SamplingParams(max_tokens=60, temperature=0))  # fmt: skip
+        for chat, output in zip(CHATS, outputs, strict=False):
+            print(f"\n[{kv}] {chat}\n  -> {output.outputs[0].text.strip()!r}")
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
