@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
+import openai
 import pytest
 import torch
+from server_process import ServerProcess
 from test_attention import needs_operator
 from test_core_process import collect
 
@@ -260,3 +263,21 @@ def test_cpu_kernel_module_reads_every_format():
         cpu_kernel.paged_decode_attention(
             q, cache_k.float(), cache_v.float(), tables, torch.tensor([5]), BLOCK, 0.1, kv_kind=1
         )
+
+
+def test_a_server_says_its_8_bit_cache_and_forks_n_choices_over_it(tiny_chat_model):
+    proc = ServerProcess("--model", str(tiny_chat_model), "--kv-cache-dtype", "int8", "--num-kv-blocks", "64")
+    try:
+        version = httpx.get(f"{proc.url}/version", timeout=10).json()
+        assert version["engine_config"]["kv_cache_dtype"] == "int8"
+        assert version["kv_cache"]["dtype"] == "int8" and version["kv_cache"]["num_tokens"] == 64 * 16
+        assert proc.metric('tokenloom:cache_config_info{cache_dtype="int8",num_gpu_blocks="64"}') == 1
+        assert proc.metric("tokenloom:kv_cache_capacity_tokens") == 64 * 16
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=60)
+        result = client.completions.create(model=client.models.list().data[0].id, prompt="Once upon a time",
+                                           max_tokens=8, temperature=0, n=3)  # fmt: skip
+        texts = [c.text for c in result.choices]
+        assert len(texts) == 3 and texts[0] and texts.count(texts[0]) == 3, texts
+        assert proc.metric("tokenloom:kv_cache_usage_perc") == 0
+    finally:
+        proc.stop()

@@ -60,7 +60,8 @@ def test_plan_figures_by_hand():
     too_many = make_plan(cfg, "llama", 8192, 200, device, "bf16", "fp16", utilization=1.0)
     assert not too_many.fits
     fp8 = make_plan(cfg, "llama", 8192, 16, device, "bf16", "fp8", utilization=1.0)
-    assert fp8.kv_bytes_per_token == 64 * 1024 and fp8.max_concurrency > plan.max_concurrency
+    # 32 layers x K and V x 8 KV heads x (128 one-byte codes + a float32 scale), as the engine allocates it
+    assert fp8.kv_bytes_per_token == 32 * 2 * 8 * (128 + 4) and fp8.max_concurrency > plan.max_concurrency
 
 
 def test_engine_sizes_its_kv_pool_with_the_plan(tiny_llama):
@@ -70,6 +71,22 @@ def test_engine_sizes_its_kv_pool_with_the_plan(tiny_llama):
     llm = LLM(str(tiny_llama), kv_cache_memory=10 * 2**20, block_size=16)
     _, cfg = load_model_config(str(tiny_llama))
     assert llm.stats().kv_blocks_total == 10 * 2**20 // (16 * cfg.kv_bytes_per_token(4))
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e5m2"])
+def test_plan_kv_dtype_gives_the_pool_the_engine_allocates(tiny_llama, kv):
+    from tokenloom import LLM
+    from tokenloom.tools.plan import load_model_config
+
+    _, cfg = load_model_config(str(tiny_llama))
+    device = Accelerator("box", 2**30, 1e11, 0)
+    plan = make_plan(cfg, "tiny", 1024, 4, device, "fp32", kv, utilization=1.0)
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype=kv, kv_cache_memory=10 * 2**20, block_size=16)
+    layer = llm.engine.core.runner.kv_caches[0]
+    assert plan.kv_bytes_per_token == cfg.num_layers * sum(t.shape[1] * t.element_size() for t in layer)
+    assert llm.stats().kv_blocks_total == 10 * 2**20 // (16 * plan.kv_bytes_per_token)
+    kv_info = llm.engine.kv_cache()
+    assert kv_info.dtype == kv and kv_info.bytes_per_token == plan.kv_bytes_per_token
 
 
 def test_replicas_for_a_target_rate_come_from_the_measured_capacity(tmp_path, real_model_dir, capsys):
@@ -185,6 +202,16 @@ def test_kv_pressure_suggests_swap_only_when_requests_were_recomputed():
 
     assert "--preemption-mode swap" in kv_action(preemptions=12, recompute_preemptions=12, kv_usage=0.97)
     assert "--preemption-mode swap" not in kv_action(preemptions=12, recompute_preemptions=0, kv_usage=0.97)
+
+
+def test_kv_pressure_says_what_an_8_bit_cache_would_hold():
+    def kv_action(kv_cache: dict) -> str:
+        return next(f for f in diagnose(window(preemptions=3, kv_cache=kv_cache)) if f.rule == "kv_pressure").action
+
+    bf16 = {"dtype": "bfloat16", "num_tokens": 93_000, "tokens_with_8_bit": 175_058}
+    assert "--kv-cache-dtype int8 holds 175,058 tokens in the same memory instead of 93,000" in kv_action(bf16)
+    already = {"dtype": "int8", "num_tokens": 175_058, "tokens_with_8_bit": 175_058}
+    assert "--kv-cache-dtype" not in kv_action(already)
 
 
 def test_healthy_snapshot_says_so():

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from tokenloom.engine.core import EngineStats
 from tokenloom.engine.front import EngineFront, PreparedRequest
@@ -175,6 +175,7 @@ class AsyncEngine:
             "dtype": dtype_name(self.engine.dtype),  # what dtype "auto" resolved to on this machine
             "device": str(self.engine.device),
             "engine_config": self.engine.config.to_dict(),
+            "kv_cache": asdict(self.engine.kv_cache()),  # its dtype and the tokens it holds
         }
 
     def stats(self) -> EngineStats:

@@ -159,11 +159,15 @@ class CoreProcessEngine(EngineFront):
         core_info = self._wait_until_ready()
         self.max_model_len = core_info.max_model_len
         self._init_front(info.tokenizer, core_info.admission_limits)
+        kv = self.kv_cache()
         logger.info(
-            "engine core process %d ready in %.1fs (%s step)",
+            "engine core process %d ready in %.1fs (%s step): KV cache in %s, %d tokens (%d blocks)",
             self._process.pid,
             time.monotonic() - started,
             "compiled" if core_info.compiled else "eager",
+            kv.dtype,
+            kv.num_tokens,
+            kv.num_blocks,
         )
 
     def _wait_until_ready(self) -> CoreInfo:

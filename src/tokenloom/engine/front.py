@@ -21,6 +21,7 @@ from tokenloom.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.engine.structured_output import GrammarCompiler
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import Tokenizer
+from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -31,6 +32,31 @@ class InvalidField(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """The KV pool as /version, /metrics, the start-up log and `tokenloom diagnose` describe it."""
+
+    dtype: str  # what each value is stored as: the model's dtype, or an 8-bit format (--kv-cache-dtype)
+    num_blocks: int
+    num_tokens: int
+    bytes_per_token: int  # every layer's K and V, scales included
+    tokens_with_8_bit: int  # what the same memory would hold with --kv-cache-dtype int8
+
+
+def kv_cache_info(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, num_blocks: int) -> KVCacheInfo:
+    kv = config.cache.kv_cache_dtype
+    element = torch.empty((), dtype=dtype).element_size()
+    per_token = model_config.kv_bytes_per_token(element, kv)
+    tokens = num_blocks * config.cache.block_size
+    return KVCacheInfo(
+        dtype=dtype_name(dtype) if kv == "auto" else kv,
+        num_blocks=num_blocks,
+        num_tokens=tokens,
+        bytes_per_token=per_token,
+        tokens_with_8_bit=tokens * per_token // model_config.kv_bytes_per_token(1, "int8"),
+    )
 
 
 @dataclass
@@ -49,6 +75,9 @@ class EngineFront(ABC):
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
+
+    def kv_cache(self) -> KVCacheInfo:
+        return kv_cache_info(self.config, self.model_config, self.dtype, self.stats().kv_blocks_total)
 
     def _init_front(
         self, tokenizer: Tokenizer | None, limits: AdmissionLimits, grammars: GrammarCompiler | None = None

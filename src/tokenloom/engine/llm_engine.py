@@ -31,15 +31,18 @@ class LLMEngine(EngineFront):
         self.core = EngineCore(config, loaded, self.dtype, self.device)
         self.max_model_len = self.core.max_model_len
         self._init_front(loaded.tokenizer, self.core.admission_limits(), self.core.structured.compiler)
+        kv = self.kv_cache()
         logger.info(
-            "loaded %s in %.1fs on %s in %s (dtype=%s, %s): %d KV blocks of %d tokens (%d swap blocks), "
-            "max_model_len %d",
+            "loaded %s in %.1fs on %s in %s (dtype=%s, %s): KV cache in %s, %d tokens (%d blocks of %d, %d swap "
+            "blocks), max_model_len %d",
             loaded.name,
             time.monotonic() - started,
             self.device,
             dtype_name(self.dtype),
             config.model.dtype,
             "eager" if self.core.runner.compiled is None else "compiled",
+            kv.dtype,
+            kv.num_tokens,
             self.core.num_kv_blocks,
             config.cache.block_size,
             self.core.num_swap_blocks,

@@ -140,14 +140,18 @@ class ServerMetrics:
             ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype", "swap_space", *names),
             registry=r,
         )
+        kv = engine.kv_cache()
         cache_info.labels(
             block_size=str(cache.block_size),
-            num_gpu_blocks=str(engine.stats().kv_blocks_total),
+            num_gpu_blocks=str(kv.num_blocks),
             enable_prefix_caching=str(cache.enable_prefix_caching),
-            cache_dtype=str(engine.dtype).removeprefix("torch."),
+            cache_dtype=kv.dtype,
             swap_space=str(cache.swap_space),
             **common,
         ).set(1)
+        gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size), in its dtype.").set(
+            kv.num_tokens
+        )
         self.http_requests = Counter(
             "http_requests", "HTTP requests answered, by handler, method and status class.",
             ("handler", "method", "status"), registry=r,

@@ -46,6 +46,7 @@ class Window:
     error_rate: float | None = None
     max_num_seqs: int | None = None
     recompute_preemptions: float = 0.0  # of the preemptions, those whose KV was dropped to be computed again
+    kv_cache: dict[str, Any] | None = None  # /version's kv_cache: its dtype, tokens, and tokens in 8 bits
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -53,7 +54,9 @@ def _value(samples: dict[str, float], name: str) -> float:
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
 
 
-def window_from_metrics(before: dict[str, float], after: dict[str, float], seconds: float, config=None) -> Window:
+def window_from_metrics(
+    before: dict[str, float], after: dict[str, float], seconds: float, config=None, kv_cache=None
+) -> Window:
     def delta(name: str) -> float:
         return _value(after, name) - _value(before, name)
 
@@ -72,13 +75,15 @@ def window_from_metrics(before: dict[str, float], after: dict[str, float], secon
         queue_p95=histogram_quantile(before, after, "request_queue_time_seconds", 0.95),
         e2e_p95=histogram_quantile(before, after, "e2e_request_latency_seconds", 0.95),
         max_num_seqs=(config or {}).get("max_num_seqs"),
+        kv_cache=kv_cache,
     )
 
 
 def window_from_run(run: dict[str, Any]) -> Window:
     card = run["scorecard"]
     records = run.get("records", [])
-    config = ((run.get("provenance") or {}).get("server_version") or {}).get("engine_config") or {}
+    server = (run.get("provenance") or {}).get("server_version") or {}
+    config = server.get("engine_config") or {}
     return Window(
         seconds=0.0,
         waiting_before=0.0,
@@ -94,6 +99,7 @@ def window_from_run(run: dict[str, Any]) -> Window:
         e2e_p95=card.get("e2e_p95_s"),
         error_rate=card.get("error_rate"),
         max_num_seqs=config.get("max_num_seqs"),
+        kv_cache=server.get("kv_cache"),
     )
 
 
@@ -166,6 +172,13 @@ def kv_pressure(w: Window) -> Finding | None:
         "KV cache at its limit: lower --max-num-seqs or --max-model-len, give it more memory "
         "(--kv-cache-memory / --num-kv-blocks), or a smaller KV dtype"
     )
+    kv = w.kv_cache or {}
+    if kv.get("tokens_with_8_bit", 0) > kv.get("num_tokens", 0):
+        evidence.update(kv_cache_dtype=kv.get("dtype"), kv_tokens=kv["num_tokens"])
+        action += (
+            f"; --kv-cache-dtype int8 holds {kv['tokens_with_8_bit']:,} tokens in the same memory instead of "
+            f"{kv['num_tokens']:,}"
+        )
     if w.recompute_preemptions > 0:
         action += "; --preemption-mode swap keeps a preempted request's KV in host memory instead of recomputing it"
     return Finding("kv_pressure", "critical" if w.preemptions > 0 else "warning", evidence, action)
@@ -224,8 +237,10 @@ def run_diagnose(args) -> int:
             time.sleep(args.interval)  # the window the rules read; the user chose its length
             after = parse(client.get("/metrics").text)
             version = client.get("/version")
-            config = version.json().get("engine_config") if version.status_code == 200 else None
-        window = window_from_metrics(before, after, args.interval, config)
+            described = version.json() if version.status_code == 200 else {}
+        window = window_from_metrics(
+            before, after, args.interval, described.get("engine_config"), described.get("kv_cache")
+        )
     findings = diagnose(window)
     if args.json:
         print(json.dumps([asdict(f) for f in findings], indent=2))

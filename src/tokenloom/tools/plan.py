@@ -16,6 +16,16 @@ from tokenloom.model.config import ModelConfig
 GiB = 1024**3
 
 ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
+# The engine's 8-bit KV formats (--kv-cache-dtype): a byte per value and a float32 scale per token and KV head.
+KV_8_BIT = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPES = sorted({*ELEMENT_BYTES, *KV_8_BIT})
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
+    """What the engine allocates per token for this KV dtype: the same ModelConfig method, scales included."""
+    if kv_dtype in KV_8_BIT:
+        return cfg.kv_bytes_per_token(1, kv_dtype)
+    return cfg.kv_bytes_per_token(ELEMENT_BYTES[kv_dtype])
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,7 @@ class Plan:
     max_num_batched_tokens: int
     num_kv_blocks: int
     decode_tokens_per_s: float  # bandwidth-bound estimate at the target concurrency and context
+    kv_dtype: str = "fp32"
 
 
 def make_plan(
@@ -118,8 +129,10 @@ def make_plan(
     max_num_batched_tokens: int | None = None,
     block_size: int = 16,
 ) -> Plan:
-    if kv_dtype not in ELEMENT_BYTES or weights_dtype not in ELEMENT_BYTES:
-        raise ValueError(f"dtypes are one of {', '.join(ELEMENT_BYTES)}")
+    if kv_dtype not in KV_DTYPES or weights_dtype not in ELEMENT_BYTES:
+        raise ValueError(
+            f"weight dtypes are one of {', '.join(ELEMENT_BYTES)}; KV dtypes one of {', '.join(KV_DTYPES)}"
+        )
     if not 0 < utilization <= 1 or tensor_parallel < 1 or context < 1 or concurrency < 1:
         raise ValueError("utilization in (0, 1], tensor_parallel, context and concurrency >= 1")
     budget = max_num_batched_tokens or 2048  # the engine's default step budget
@@ -127,7 +140,7 @@ def make_plan(
     margin = int(memory * (1 - utilization))
     usable = memory - margin - device.runtime_overhead_bytes * tensor_parallel
     weights = parameter_count(cfg) * ELEMENT_BYTES[weights_dtype]
-    per_token = cfg.kv_bytes_per_token(ELEMENT_BYTES[kv_dtype])
+    per_token = kv_bytes_per_token(cfg, kv_dtype)
     overhead = overhead_bytes(cfg, budget, min(concurrency, 256), ELEMENT_BYTES[weights_dtype]) * tensor_parallel
     kv_room = max(0, usable - weights - overhead)
     kv_total = per_token * context * concurrency
@@ -152,6 +165,7 @@ def make_plan(
         max_num_batched_tokens=budget,
         num_kv_blocks=int(kv_room // (per_token * block_size)),
         decode_tokens_per_s=concurrency * device.bandwidth_bytes_s * tensor_parallel / step_bytes,
+        kv_dtype=kv_dtype,
     )
 
 
@@ -170,7 +184,8 @@ def render(plan: Plan) -> str:
             f"  largest concurrency at this context: {plan.max_concurrency}; longest context at this concurrency: "
             f"{plan.max_context}",
             f"  start with: --max-num-seqs {plan.max_num_seqs} --max-num-batched-tokens {plan.max_num_batched_tokens} "
-            f"--num-kv-blocks {plan.num_kv_blocks}",
+            f"--num-kv-blocks {plan.num_kv_blocks}"
+            + (f" --kv-cache-dtype {plan.kv_dtype}" if plan.kv_dtype in KV_8_BIT else ""),
             f"  decode-bound estimate: {plan.decode_tokens_per_s:.0f} tokens/s in all at the target",
         ]
     )
@@ -193,7 +208,10 @@ def add_plan_command(commands) -> None:
     plan.add_argument("--model", default=None, help="a checkpoint dir, a GGUF, a config.json (default: embedded)")
     plan.add_argument("--context", type=int, default=4096)
     plan.add_argument("--concurrency", type=int, default=64)
-    plan.add_argument("--kv-dtype", default=None, choices=sorted(ELEMENT_BYTES), help="default: the weights' dtype")
+    plan.add_argument(
+        "--kv-dtype", default=None, choices=KV_DTYPES,
+        help="default: the weights' dtype; int8, fp8, fp8_e4m3, fp8_e5m2: the engine's --kv-cache-dtype (scales too)",
+    )  # fmt: skip
     plan.add_argument(
         "--weights-dtype",
         default=None,
