@@ -167,7 +167,7 @@ def queueing_dominates_latency(w: Window) -> Finding | None:
 def kv_pressure(w: Window) -> Finding | None:
     if w.preemptions <= 0 and w.kv_usage < 0.9:
         return None
-    evidence = {"preemptions": w.preemptions, "kv_usage": round(w.kv_usage, 3)}
+    evidence: dict[str, Any] = {"preemptions": w.preemptions, "kv_usage": round(w.kv_usage, 3)}
     action = (
         "KV cache at its limit: lower --max-num-seqs or --max-model-len, give it more memory "
         "(--kv-cache-memory / --num-kv-blocks), or a smaller KV dtype"
