@@ -1,13 +1,21 @@
 """tokenloom against vLLM on the same CPU, in the same sitting: one server after the other, the same requests.
 
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
-        [--tokenloom-args "--max-num-seqs 32"] [--vllm-args "--enable-logging-iteration-details"] [--rounds 3]
+        [--tokenloom-args "--max-num-seqs 32"]... [--vllm-args "--kv-cache-dtype fp8"]... [--rounds 3]
+        [--workload mixed-64|long-decode]
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
 max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
 sampling, so both servers generate exactly the same number of tokens. Then one 4,000-token prompt alone
 (max_tokens 1): its prefill rate. vLLM runs with its best configuration for the CPU at hand (bfloat16 where the CPU
 has AVX-512 BF16 or AMX, float32 otherwise; both cores on the model), tokenloom with its default flags.
+
+Workload long-decode (--workload long-decode): 16 requests at t=0 with prompts of 1,800-5,200 token ids and
+max_tokens 300-700 (seed 0), so decode steps read contexts of 2-6k tokens, where attention is most of a step and
+the KV cache's dtype matters most; the 4k-prompt probe follows as for mixed-64.
+
+Each --tokenloom-args (or --vllm-args) given starts one more server of that kind with those flags, so
+configurations of both engines compare in one sitting (the default: one of each, with no extra flags).
 
 With --rounds N both servers stay up (one idle while the other is measured) and are measured N times,
 alternating who goes first, then each figure's median is added: this machine's speed drifts by 10-20% over
@@ -27,6 +35,7 @@ import contextlib
 import datetime
 import json
 import os
+import random
 import shlex
 import signal
 import statistics
@@ -148,6 +157,31 @@ async def mixed_64(url: str, run: Run, round_: int) -> None:
     assert run.output_tokens == work.output_tokens or run.errors, (run.output_tokens, work.output_tokens)
 
 
+LONG_DECODE_REQUESTS = 16
+
+
+def long_decode_workload(seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Prompts of 1,800-5,200 token ids and max_tokens 300-700: decode over contexts of 2-6k tokens."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(1800, 5200))] for _ in range(LONG_DECODE_REQUESTS)]
+    return prompts, [rng.randint(300, 700) for _ in prompts]
+
+
+async def long_decode(url: str, run: Run, round_: int) -> None:
+    prompts, max_tokens = long_decode_workload()
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        await one_request(client, [7] * 40, 4, Run("warm-up"))
+        start = time.perf_counter()
+        salted_prompts = [salted(p, round_) for p in prompts]
+        await asyncio.gather(*(one_request(client, p, m, run) for p, m in zip(salted_prompts, max_tokens, strict=True)))
+        run.wall = time.perf_counter() - start
+    assert run.output_tokens == sum(max_tokens) or run.errors, (run.output_tokens, sum(max_tokens))
+
+
+WORKLOADS = {"mixed-64": mixed_64, "long-decode": long_decode}
+
+
 async def long_prefill(url: str, run: Run, round_: int) -> None:
     prompt = salted([100 + (i * 7919) % 40000 for i in range(LONG_PROMPT_TOKENS)], round_)
     probe = Run("long")
@@ -239,12 +273,12 @@ def wait_for_quiet_machine(limit: float = 20.0) -> float:
     return time.monotonic() - started
 
 
-def measure(name: str, url: str, round_: int = 0) -> Run:
+def measure(name: str, url: str, round_: int = 0, workload: str = "mixed-64") -> Run:
     waited = wait_for_quiet_machine()
     if waited > 1.5:
         print(f"(waited {waited:.1f} s for the cores to go idle)", flush=True)
     run = Run(name)
-    asyncio.run(mixed_64(url, run, round_))
+    asyncio.run(WORKLOADS[workload](url, run, round_))
     asyncio.run(long_prefill(url, run, round_))
     print(run.row(), flush=True)
     return run
@@ -254,8 +288,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["tokenloom", "vllm"], default=None)
     parser.add_argument("--vllm-venv", type=Path, default=Path(os.environ.get("VLLM_VENV", "~/venv-vllm")).expanduser())
-    parser.add_argument("--tokenloom-args", default="", help="extra flags for tokenloom serve (default: none)")
-    parser.add_argument("--vllm-args", default="", help="extra flags for vllm serve (default: none)")
+    parser.add_argument(
+        "--tokenloom-args", action="append", default=None, help="flags for one tokenloom server (repeatable)"
+    )
+    parser.add_argument("--vllm-args", action="append", default=None, help="flags for one vLLM server (repeatable)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed-64")
     parser.add_argument(
         "--rounds", type=int, default=1, help="measure each server this many times, alternating, and add medians"
     )
@@ -272,20 +309,20 @@ def main() -> None:
     rows: list[str] = []
     with contextlib.ExitStack() as stack:
         servers = []  # (label, url): both stay up, idle while the other is measured
-        if args.only in (None, "vllm"):
-            url = stack.enter_context(vllm_server(args.vllm_venv, vllm_dtype, shlex.split(args.vllm_args)))
-            servers.append((f"vLLM 0.32 CPU, --dtype {vllm_dtype}", url))
-        if args.only in (None, "tokenloom"):
-            extra = shlex.split(args.tokenloom_args)
+        for flags in args.vllm_args or [""] if args.only in (None, "vllm") else []:
+            url = stack.enter_context(vllm_server(args.vllm_venv, vllm_dtype, shlex.split(flags)))
+            servers.append((f"vLLM 0.32 CPU, --dtype {vllm_dtype} {flags}".rstrip(), url))
+        for flags in args.tokenloom_args or [""] if args.only in (None, "tokenloom") else []:
+            extra = shlex.split(flags)
             serve_flags = ("--served-model-name", MODEL_NAME, "--max-model-len", "8192", *extra)
             server = stack.enter_context(LocalServer(*serve_flags))
             dtype = httpx.get(f"{server.url}/version", timeout=10).json().get("dtype", "?")
-            servers.append((f"tokenloom {' '.join(extra) or 'default flags'} (dtype {dtype})", server.url))
+            servers.append((f"tokenloom {flags or 'default flags'} (dtype {dtype})", server.url))
         runs: dict[str, list[Run]] = {label: [] for label, _ in servers}
         for round_ in range(args.rounds):
             # Who goes first alternates, so neither always meets the machine in the same state.
             for label, url in servers if round_ % 2 == 0 else servers[::-1]:
-                run = measure(label, url, round_)
+                run = measure(label, url, round_, args.workload)
                 runs[label].append(run)
                 rows.append(run.row())
     if args.rounds > 1:
@@ -296,7 +333,10 @@ def main() -> None:
     print(footer)
     if args.write_results:
         stamp = datetime.date.today().isoformat()
-        text = [f"\n### vs_vllm, mixed-64 — {stamp} (commit {git_commit()})\n", "`" + " ".join(sys.argv) + "`\n"]
+        text = [
+            f"\n### vs_vllm, {args.workload} — {stamp} (commit {git_commit()})\n",
+            "`" + shlex.join(sys.argv) + "`\n",
+        ]
         text += [header[0], "", *header[1:], *rows, "", footer, ""]
         with RESULTS.open("a") as out:
             out.write("\n".join(text) + "\n")

@@ -42,6 +42,8 @@ def add_config_flags(group: argparse._ArgumentGroup, config: type) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
         elif typing.get_origin(hint) is typing.Literal:
             group.add_argument(flag, choices=typing.get_args(hint), default=field.default, help=help_text)
+        elif literal := next((a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal), None):
+            group.add_argument(flag, choices=typing.get_args(literal), default=field.default, help=help_text)
         elif typing.get_origin(hint) is tuple:  # one or more values, repeatable: --api-key k1 k2 --api-key k3
             group.add_argument(flag, nargs="+", action="extend", default=[], help=help_text)
         else:

@@ -25,6 +25,7 @@ SchedulingPolicy = Literal["fcfs", "priority", "fair"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
+Quantization = Literal["int8", "fp8"]
 DTYPES: tuple[str, ...] = get_args(DType)
 POLICY_NAMES: tuple[str, ...] = get_args(SchedulingPolicy)
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
@@ -54,6 +55,10 @@ class ModelLoadConfig:
     """Threads torch uses for intra-op work on CPU; None leaves torch's default (the number of cores)."""
     max_model_len: int | None = None
     """The longest sequence (prompt plus output); None takes the model's own context length."""
+    quantization: Quantization | None = None
+    """8-bit weights for every linear of the decoder layers, quantized at load time per output channel, activations
+    per token on the fly: 'int8' (CPU: oneDNN's int8 matmul) or 'fp8' (CUDA, Hopper or later: torch._scaled_mm).
+    The LM head and embeddings keep the model's dtype. None: the checkpoint's weights in the model's dtype."""
     seed: int = 0
     """Seeds the sampler of requests that give no seed of their own."""
 
@@ -64,6 +69,8 @@ class ModelLoadConfig:
         backends = get_args(AttentionBackend)
         _require(self.attention_backend in backends, f"attention_backend must be one of {', '.join(backends)}")
         _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
+        methods = get_args(Quantization)
+        _require(self.quantization in (None, *methods), f"quantization must be one of {', '.join(methods)}")
 
     def compiles_step(self, device_type: str) -> bool:
         if self.enforce_eager is None:

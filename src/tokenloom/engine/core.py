@@ -187,6 +187,7 @@ class EngineCore:
                 compile_step=self.config.compiles_step(device.type),
                 attention_backend=self.config.model.attention_backend,
                 kv_cache_dtype=self.config.cache.kv_cache_dtype,
+                quantization=self.config.model.quantization,
             )
         spec = WorkerSpec(
             model=self.config.model.model,
@@ -203,6 +204,7 @@ class EngineCore:
             num_threads=torch.get_num_threads(),
             attention_backend=self.config.model.attention_backend,
             kv_cache_dtype=self.config.cache.kv_cache_dtype,
+            quantization=self.config.model.quantization,
         )
         return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device)
 

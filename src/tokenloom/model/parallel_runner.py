@@ -66,6 +66,7 @@ class WorkerSpec:
     num_threads: int
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
 
 def free_local_init_method() -> str:
@@ -178,6 +179,7 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(
             model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
             attention_backend=spec.attention_backend, kv_cache_dtype=spec.kv_cache_dtype,
+            quantization=spec.quantization,
         )  # fmt: skip
         self.workers = workers
 
@@ -236,6 +238,7 @@ def _build_rank(spec: WorkerSpec, rank: int) -> ModelRunner:
         loaded.model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
         attention_backend=spec.attention_backend,
         kv_cache_dtype=spec.kv_cache_dtype,
+        quantization=spec.quantization,
     )  # fmt: skip
 
 

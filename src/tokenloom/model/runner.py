@@ -29,6 +29,7 @@ from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count
 from tokenloom.model.prepack import can_prepack
+from tokenloom.model.quantization import check_quantization, quantize_linears
 from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
 from tokenloom.model.triton_attention import FlatBatch, split_count
 from tokenloom.utils import cdiv
@@ -69,6 +70,7 @@ class ModelRunner:
         compile_step: bool = False,
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -102,8 +104,12 @@ class ModelRunner:
         )
         self.compiled: CompiledForward | None = compile_model(model, device) if compile_step else None
         self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
+        self.quantization = quantization
+        if quantization is not None:
+            check_quantization(quantization, device)
+            quantize_linears(model.layers, quantization)
         if can_prepack(device, dtype):
-            model.prepack_weights()
+            model.prepack_weights(layers=quantization is None)
         self._generators: dict[str, torch.Generator] = {}
 
     def _cache_row(self) -> tuple[int, torch.dtype]:

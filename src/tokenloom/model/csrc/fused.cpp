@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
 
 #include "kv_codes.h"
 #include "work_sharing.h"
@@ -31,6 +33,25 @@ inline float load(const c10::BFloat16* p) {
 }
 inline void store(float* p, float v) { *p = v; }
 inline void store(c10::BFloat16* p, float v) { *p = static_cast<c10::BFloat16>(v); }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 values as float32, and back (bf16 rounded to nearest even, as c10::BFloat16 rounds).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+  return;
+#endif
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);
+}
+#endif
 
 // The ops take float32 or bfloat16 (checked before this is reached).
 template <typename F>
@@ -228,6 +249,86 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Per-token int8 activations for the int8 linears (--quantization int8, quantization.py): x [M, K] -> codes int8
+// [M, K] and scales float32 [M, 1], scale = a row's largest |x| times 1 / 127, code = x times 1 / scale rounded to
+// nearest even (as kv_codes.h quantizes KV heads).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  check_rows(x, "quantize_rows_int8");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor codes = at::empty({rows, n}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  int8_t* c = codes.mutable_data_ptr<int8_t>();
+  float* sc = scales.mutable_data_ptr<float>();
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    for_rows(rows, n, [&](int64_t r) {
+      const scalar_t* xr = in + r * stride;
+      int8_t* cr = c + r * n;
+      int64_t i = 0;
+      float amax = 0.0f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      __m512 most = _mm512_setzero_ps();
+      for (; i + 16 <= n; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(load16(xr + i)));
+      amax = _mm512_reduce_max_ps(most);
+#endif
+      for (; i < n; ++i) amax = std::max(amax, std::fabs(load(xr + i)));
+      const float scale = amax > 0.0f ? amax * (1.0f / 127.0f) : 1.0f;
+      const float inv = 1.0f / scale;
+      i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      const __m512 v_inv = _mm512_set1_ps(inv);
+      for (; i + 16 <= n; i += 16) {  // |x| * inv <= 127: no clamp; rounded to nearest even by the conversion
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + i), v_inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(cr + i), _mm512_cvtsepi32_epi8(q));
+      }
+#endif
+      for (; i < n; ++i) {
+        cr[i] = static_cast<int8_t>(std::nearbyint(std::clamp(load(xr + i) * inv, -127.0f, 127.0f)));
+      }
+      sc[r] = scale;
+    });
+  });
+  return {codes, scales};
+}
+
+// y [M, N] float32 (sums already times each column's weight scale) -> y * row_scales [M, 1] + bias [N], in dtype.
+at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const std::optional<at::Tensor>& bias,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous(),
+              "scale_rows: y must be contiguous float32 [M, N]");
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == y.size(0) && row_scales.is_contiguous(),
+              "scale_rows: row_scales must be float32 [M, 1]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "scale_rows: float32 or bfloat16 out");
+  const int64_t rows = y.size(0), n = y.size(1);
+  const float* b = nullptr;
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "scale_rows: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+    b = bias_f.const_data_ptr<float>();
+  }
+  at::Tensor out = at::empty({rows, n}, y.options().dtype(dtype));
+  const float* in = y.const_data_ptr<float>();
+  const float* s = row_scales.const_data_ptr<float>();
+  dispatch(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* o = out.mutable_data_ptr<scalar_t>();
+    for_rows(rows, n, [&](int64_t r) {
+      int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      const __m512 scale = _mm512_set1_ps(s[r]);
+      for (; i + 16 <= n; i += 16) {
+        const __m512 add = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
+        store16(o + r * n + i, _mm512_fmadd_ps(_mm512_loadu_ps(in + r * n + i), scale, add));
+      }
+#endif
+      for (; i < n; ++i) store(o + r * n + i, in[r * n + i] * s[r] + (b ? b[i] : 0.0f));
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
@@ -237,6 +338,8 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
       "rotary_embedding_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots, int kv_kind=0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def("scale_rows(Tensor y, Tensor row_scales, Tensor? bias, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
@@ -244,4 +347,6 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("scale_rows", &scale_rows);
 }

@@ -1,0 +1,113 @@
+"""8-bit weights (``--quantization int8 | fp8``): every linear of the decoder layers, quantized at load time.
+
+Weights are symmetric per output channel (one float32 scale per row of the weight, its largest |w| over the largest
+code), made from whatever the checkpoint held (GGUF dequantized, or safetensors) after tensor-parallel sharding, so
+each rank quantizes its own slice. Activations are quantized per token on the fly, so one request's outlier token
+never coarsens another's rows: a request's output does not depend on the batch it ran in. The product of the codes
+is summed exactly in int32, then scaled back by the row's and the column's scales:
+
+    y[m, n] = x_scale[m] * w_scale[n] * sum_k xq[m, k] * wq[n, k]   (+ bias[n])
+
+int8 (the CPU): oneDNN's int8 matmul through torch (``onednn::qlinear_pointwise`` on a weight packed once at load
+time; AMX-INT8 or AVX-512 VNNI where the CPU has them), with the activation scale left at 1 inside it and applied per
+row after (``tokenloom::scale_rows``), since oneDNN takes one activation scale per tensor. fp8 (CUDA): e4m3 codes and
+``torch._scaled_mm`` with row-wise scales (Hopper and later).
+
+The LM head and the embeddings stay in the model's dtype: the head's logits decide every token (and bf16 logits are
+already refined in float32 for the top candidates, llama.py), and the embedding is a lookup, not a matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenloom.model import cpu_kernel
+
+QUANTIZATIONS = ("int8", "fp8")
+ROWS_HINT = 64  # the batch size oneDNN packs the weight for: a full decode step
+
+
+def int8_available() -> bool:
+    return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise") and cpu_kernel.load_kernel()
+
+
+def check_quantization(name: str | None, device: torch.device) -> None:
+    """ValueError at start for a method this device cannot run: never a silent fallback to the unquantized model."""
+    if name is None:
+        return
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {name!r}; the methods: {', '.join(QUANTIZATIONS)}")
+    if name == "int8" and (device.type != "cpu" or not int8_available()):
+        raise ValueError(
+            "--quantization int8 runs oneDNN's int8 matmul and our C++ operators on a CPU; "
+            f"here the device is {device.type}" + ("" if device.type != "cpu" else " and they are not available")
+        )
+    if name == "fp8" and (device.type != "cuda" or not hasattr(torch, "_scaled_mm")):
+        raise ValueError(
+            f"--quantization fp8 runs torch._scaled_mm on a CUDA GPU (Hopper or later); here: {device.type}"
+        )
+
+
+def per_channel(weight: torch.Tensor, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> codes (as float32, rounded for int8) and scales [N], each row's largest |w| over max_code."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / max_code
+    return w / scale[:, None], scale
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        scaled, scale = per_channel(weight, 127.0)
+        codes = scaled.round().clamp(-127, 127).to(torch.int8)
+        self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features])
+        self.weight_scale = scale
+        self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.long, device=weight.device)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(rows)
+        sums = torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, 0, self.packed, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32,
+            "none", [], "",
+        )  # fmt: skip
+        out = torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        top = torch.finfo(torch.float8_e4m3fn).max
+        scaled, scale = per_channel(weight, top)
+        self.codes = scaled.clamp(-top, top).to(torch.float8_e4m3fn)  # [N, K]; _scaled_mm takes its transpose
+        self.weight_scale = scale[None, :].contiguous()
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        top = torch.finfo(torch.float8_e4m3fn).max
+        row_scales = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / top
+        codes = (rows / row_scales).clamp(-top, top).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(
+            codes, self.codes.t(), scale_a=row_scales, scale_b=self.weight_scale, bias=self.bias, out_dtype=x.dtype
+        )
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Replaces every nn.Linear under `model` (the decoder layers) by its 8-bit form; returns how many."""
+    make = Int8Linear if method == "int8" else Fp8Linear
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child.weight, child.bias))
+                count += 1
+    return count

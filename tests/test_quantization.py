@@ -1,0 +1,111 @@
+"""8-bit weights (--quantization int8): per-channel codes, per-token activations, oneDNN's int8 matmul; the engine's
+tokens stay those of the same model alone whatever the batch; a method the device cannot run is refused at start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention import needs_operator
+from torch import nn
+
+from tokenloom import LLM, SamplingParams
+from tokenloom.model.quantization import Int8Linear, int8_available, per_channel, quantize_linears
+
+
+@pytest.fixture(autouse=True)
+def int8_matmul():
+    needs_operator()
+    if not int8_available():
+        pytest.skip("this torch build has no oneDNN int8 matmul")
+
+
+def per_token_codes(x: torch.Tensor) -> torch.Tensor:
+    """What tokenloom::quantize_rows_int8 makes of each row, in its float32 arithmetic (scale = amax x (1 / 127),
+    code = x x (1 / scale)), scaled back, in float64."""
+    x = x.float()
+    scale = x.abs().amax(dim=1, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
+    codes = (x * torch.reciprocal(scale)).round().clamp(-127, 127)
+    return codes.double() * scale.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True)])
+def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, out_features, bias):
+    g = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g) * 0.05)
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=g))
+    x = torch.randn(rows, in_features, generator=g)
+    x[0, 3] = 40.0  # an outlier in one token: only its own row's scale grows
+    quantized = Int8Linear(linear.weight.to(dtype), None if linear.bias is None else linear.bias.to(dtype))
+    ours = quantized(x.to(dtype)).float()
+    # What the codes mean, in float64: per-token activations times per-channel weights.
+    scaled, scale = per_channel(linear.weight.detach().to(dtype), 127.0)  # the weight's codes, in float32
+    w = scaled.round().clamp(-127, 127).double() * scale.double()[:, None]
+    reference = per_token_codes(x.to(dtype)) @ w.T
+    if bias:
+        reference += linear.bias.detach().to(dtype).double()
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    torch.testing.assert_close(ours.double(), reference, rtol=tolerance, atol=tolerance)
+    # And close to the float product itself (int8's error, relative to the output's size), but for the outlier's
+    # own row, whose scale it coarsened.
+    exact = x.double() @ linear.weight.detach().double().T + (linear.bias.detach().double() if bias else 0)
+    if rows > 1:
+        assert ((ours[1:].double() - exact[1:]).norm() / exact[1:].norm()) < 0.02
+
+
+def test_a_rows_output_does_not_depend_on_the_other_rows():
+    linear = nn.Linear(128, 64, bias=False)
+    x = torch.randn(5, 128)
+    quantized = Int8Linear(linear.weight.detach(), None)
+    alone = quantized(x[2:3])
+    crowd = torch.cat([x, 100 * torch.randn(3, 128)])  # large rows beside it
+    assert torch.equal(quantized(crowd)[2:3], alone)
+
+
+def test_every_decoder_linear_is_quantized_and_the_head_is_not(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int8")
+    model = llm.engine.core.runner.model
+    linears = [m for m in model.layers.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 4 * len(model.layers)  # qkv, o, gate_up, down
+    assert not any(isinstance(m, nn.Linear) for m in model.layers.modules())
+    assert quantize_linears(nn.Sequential(), "int8") == 0
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int8", max_num_seqs=1)
+    return [greedy_one(llm, p) for p in PROMPTS]
+
+
+PROMPTS = [[*range(20, 52), 5], list(range(60, 130)), [3] * 17, [7, 8]]
+
+
+def greedy_one(llm: LLM, prompt: list[int]) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_batches_chunks_and_preemption_keep_each_requests_tokens(tiny_llama, alone):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int8", max_num_batched_tokens=24, block_size=8,
+              num_kv_blocks=14, max_num_seqs=4)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == alone
+    assert llm.stats().num_preemptions > 0
+
+
+def test_int8_weights_and_an_int8_cache_together(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
+def test_a_method_the_device_cannot_run_is_refused_at_start(tiny_llama):
+    with pytest.raises(ValueError, match=r"fp8 runs torch\._scaled_mm on a CUDA GPU"):
+        LLM(str(tiny_llama), dtype="float32", quantization="fp8")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(str(tiny_llama), quantization="int4")
