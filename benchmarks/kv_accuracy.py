@@ -1,6 +1,7 @@
 """Top-1 agreement with transformers' float32 logits, per --kv-cache-dtype, on the real model (issue 24).
 
     .venv/bin/python benchmarks/kv_accuracy.py [--dtypes bfloat16 float32] [--new-tokens 64] [--chats 3]
+        [--kv-dtypes auto int8 fp8_e4m3 fp8_e5m2] [--quantization int8]
 
 Teacher-forced: each prompt is extended by transformers' own greedy continuation; our engine then runs the prompt
 as one chunk and every following token as a single-token decode step, so each position counted reads the whole
@@ -41,7 +42,7 @@ CHATS = [
     "Write a Python function that reverses a string.",
     "Give me three tips for sleeping better.",
 ]
-KV_DTYPES = tuple(os.environ.get("KV_DTYPES", "auto int8 fp8_e4m3 fp8_e5m2").split())
+KV_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 
 
 def step_logits(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
@@ -71,6 +72,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--chats", type=int, default=3)
+    parser.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES))
+    parser.add_argument("--quantization", default=None, help="8-bit weights for every engine measured (int8)")
     args = parser.parse_args()
     path = resolve_checkpoint_dir(None)[1]
     oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
@@ -85,20 +88,22 @@ def main() -> None:
     engine.shutdown()
     positions = sum(len(ids) - n for ids, n, _ in sequences)
     print(f"top-1 agreement with transformers float32, over {positions} positions after the prompts")
-    print("| model dtype | --kv-cache-dtype | decode steps | chunks of 16 |")
-    print("|---|---|---|---|")
+    print("| model dtype | --quantization | --kv-cache-dtype | decode steps | chunks of 16 |")
+    print("|---|---|---|---|---|")
+    weights = {} if args.quantization is None else {"quantization": args.quantization}
     for dtype in args.dtypes:
-        for kv in KV_DTYPES:
-            engine = LLMEngine(EngineConfig.from_kwargs(dtype=dtype, kv_cache_dtype=kv, num_kv_blocks=64))
+        for kv in args.kv_dtypes:
+            engine = LLMEngine(EngineConfig.from_kwargs(dtype=dtype, kv_cache_dtype=kv, num_kv_blocks=64, **weights))
             decode, chunked = agreement(engine, sequences, 1), agreement(engine, sequences, 16)
-            print(f"| {dtype} | {kv} | {decode:.1%} | {chunked:.1%} |", flush=True)
+            print(f"| {dtype} | {args.quantization or '-'} | {kv} | {decode:.1%} | {chunked:.1%} |", flush=True)
             engine.shutdown()
-    for kv in KV_DTYPES:
-        llm = LLM(kv_cache_dtype=kv, num_kv_blocks=64)
+    for kv in args.kv_dtypes:
+        llm = LLM(kv_cache_dtype=kv, num_kv_blocks=64, **weights)
         outputs = llm.chat([[{"role": "user", "content": c}] for c in CHATS[: args.chats]],
                            SamplingParams(max_tokens=60, temperature=0))  # fmt: skip
         for chat, output in zip(CHATS, outputs, strict=False):
-            print(f"\n[{kv}] {chat}\n  -> {output.outputs[0].text.strip()!r}")
+            answer = output.outputs[0].text.strip()
+            print(f"\n[{args.quantization or 'weights as loaded'}, KV {kv}] {chat}\n  -> {answer!r}")
         llm.shutdown()
 
 

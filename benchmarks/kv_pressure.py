@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/kv_pressure.py [--requests 16] [--rate 1.0] [--kv-blocks 96]
         [--prompt-tokens 100-300] [--output-tokens 128-256] [--prefix-caching both|on|off] [--modes ...]
+        [--kv-cache-dtypes auto,int8]
 
 The embedded SmolLM2-135M serves `--requests` requests (prompts of 100-300 tokens, 128-256 output tokens,
 distinct, so no prefix is shared between requests) arriving as a Poisson process of `--rate` requests per
@@ -10,11 +11,15 @@ as many prompts as fit, and as they grow it must preempt. Each mode gets the sam
 caching (a recompute victim's freed blocks stay findable until they are handed out again) and once without.
 It reports generated tokens per second, p50/p95 end-to-end latency, preemptions by mode, tokens computed more
 than once, and blocks copied to and from the host pool with the time the copies took.
+
+With --kv-cache-dtypes auto,int8 each run is repeated per KV cache dtype with the same KV memory: the memory of
+--kv-blocks blocks in the model's dtype, which an 8-bit cache divides into more blocks.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import time
@@ -37,13 +42,14 @@ def workload(
     return requests
 
 
-def run(mode: str, requests: list[tuple[float, list[int], int]], kv_blocks: int, prefix_caching: bool) -> dict:
+def run(
+    mode: str, requests: list[tuple[float, list[int], int]], kv_blocks: int, prefix_caching: bool, kv: str = "auto"
+) -> dict:
+    common = dict(max_num_seqs=16, max_num_batched_tokens=512, preemption_mode=mode)
+    sizing = EngineConfig.from_kwargs(**common, num_kv_blocks=kv_blocks)
+    memory = kv_blocks * LLMEngine(sizing).core.kv_bytes_per_block()  # of the model's dtype
     config = EngineConfig.from_kwargs(
-        max_num_seqs=16,
-        max_num_batched_tokens=512,
-        num_kv_blocks=kv_blocks,
-        preemption_mode=mode,
-        enable_prefix_caching=prefix_caching,
+        **common, kv_cache_memory=memory, kv_cache_dtype=kv, enable_prefix_caching=prefix_caching
     )
     engine = LLMEngine(config)
     pending = list(enumerate(requests))
@@ -78,6 +84,7 @@ def run(mode: str, requests: list[tuple[float, list[int], int]], kv_blocks: int,
         "blocks_found_cached": stats.swap_in_cached_blocks,
         "copy_seconds": stats.swap_copy_seconds,
         "costs": engine.core.preemption_costs,
+        "blocks": engine.core.num_kv_blocks,
     }
 
 
@@ -95,22 +102,26 @@ def main() -> None:
     parser.add_argument("--output-tokens", default="128-256", help="the range of max_tokens, min-max")
     parser.add_argument("--prefix-caching", choices=["both", "on", "off"], default="both")
     parser.add_argument("--modes", default="recompute,swap,auto")
+    parser.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated; the same KV memory for each")
     args = parser.parse_args()
     requests = workload(args.requests, args.rate, span(args.prompt_tokens), span(args.output_tokens))
     print(f"load average: {os.getloadavg()[0]:.2f}")
     for prefix_caching in {"both": (True, False), "on": (True,), "off": (False,)}[args.prefix_caching]:
         print(f"prefix caching {'on' if prefix_caching else 'off'}:")
         results = {}
-        for mode in args.modes.split(","):
-            r = results[mode] = run(mode, requests, args.kv_blocks, prefix_caching)
+        for mode, kv in itertools.product(args.modes.split(","), args.kv_cache_dtypes.split(",")):
+            r = results[mode if kv == "auto" else f"{mode}+{kv}"] = run(
+                mode, requests, args.kv_blocks, prefix_caching, kv
+            )
             print(
-                f"{mode:>9}: {r['tok_s']:5.1f} tok/s, e2e p50 {r['e2e_p50']:5.1f} s p95 {r['e2e_p95']:5.1f} s, "
+                f"{mode:>9} KV {kv} ({r['blocks']} blocks): {r['tok_s']:5.1f} tok/s, "
+                f"e2e p50 {r['e2e_p50']:5.1f} s p95 {r['e2e_p95']:5.1f} s, "
                 f"preemptions recompute {r['recompute']:3d} swap {r['swap']:3d}, "
                 f"tokens computed again {r['recomputed_tokens']:5d}, blocks copied {r['blocks_copied']:4d} "
                 f"in {r['copy_seconds']:.2f} s (+{r['blocks_found_cached']} found cached at swap-in) "
                 f"({r['seconds']:.0f} s; load average {os.getloadavg()[0]:.2f})"
             )
-            if mode == "auto":
+            if mode == "auto" and kv == "auto":
                 c = r["costs"]
                 print(
                     f"           auto's measured costs at the end: {c.seconds_per_token * 1e3:.2f} ms per token "

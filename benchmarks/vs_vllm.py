@@ -10,9 +10,9 @@ sampling, so both servers generate exactly the same number of tokens. Then one 4
 (max_tokens 1): its prefill rate. vLLM runs with its best configuration for the CPU at hand (bfloat16 where the CPU
 has AVX-512 BF16 or AMX, float32 otherwise; both cores on the model), tokenloom with its default flags.
 
-Workload long-decode (--workload long-decode): 16 requests at t=0 with prompts of 1,800-5,200 token ids and
-max_tokens 300-700 (seed 0), so decode steps read contexts of 2-6k tokens, where attention is most of a step and
-the KV cache's dtype matters most; the 4k-prompt probe follows as for mixed-64.
+Workload long-decode (--workload long-decode): 12 requests at t=0 with prompts of 1,500-4,500 token ids and
+max_tokens 500-1,000 (seed 0), so decode steps read contexts of 2-5.5k tokens, where attention is most of a step and
+the KV cache's dtype matters most, and decode takes most of the run; the 4k-prompt probe follows as for mixed-64.
 
 Each --tokenloom-args (or --vllm-args) given starts one more server of that kind with those flags, so
 configurations of both engines compare in one sitting (the default: one of each, with no extra flags).
@@ -157,14 +157,14 @@ async def mixed_64(url: str, run: Run, round_: int) -> None:
     assert run.output_tokens == work.output_tokens or run.errors, (run.output_tokens, work.output_tokens)
 
 
-LONG_DECODE_REQUESTS = 16
+LONG_DECODE_REQUESTS = 12
 
 
 def long_decode_workload(seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """Prompts of 1,800-5,200 token ids and max_tokens 300-700: decode over contexts of 2-6k tokens."""
+    """Prompts of 1,500-4,500 token ids and max_tokens 500-1,000: decode over contexts of 2-5.5k tokens."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(1800, 5200))] for _ in range(LONG_DECODE_REQUESTS)]
-    return prompts, [rng.randint(300, 700) for _ in prompts]
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(1500, 4500))] for _ in range(LONG_DECODE_REQUESTS)]
+    return prompts, [rng.randint(500, 1000) for _ in prompts]
 
 
 async def long_decode(url: str, run: Run, round_: int) -> None:

@@ -41,9 +41,9 @@ def test_codes_round_trip_within_the_formats_error(name):
     fmt = kv_quant.kv_format(name)
     assert fmt is not None
     x = heads(40, 3, 64)
-    rows = kv_quant.quantize(x, fmt)
-    assert rows.dtype == torch.uint8 and rows.shape == (40, 3 * (64 + 4))
-    back = kv_quant.dequantize(rows, fmt, 64, torch.float32).view(40, 3, 64)
+    entries = kv_quant.encode(x, fmt)
+    assert entries.dtype == torch.uint8 and entries.shape == (40, 3, 64 + 4)
+    back = kv_quant.decode(entries, fmt, torch.float32).view(40, 3, 64)
     amax = x.abs().amax(-1, keepdim=True)
     if name in RELATIVE_TO_AMAX:
         bound = RELATIVE_TO_AMAX[name] * amax
@@ -75,13 +75,18 @@ def test_fused_rotary_op_writes_the_bytes_the_pytorch_path_writes(name, dtype):
     positions, slots = torch.arange(tokens) * 3, torch.arange(tokens) * 2 + 1
     cache_k = torch.zeros(32, fmt.row_bytes(kv_heads, head_dim), dtype=torch.uint8)
     cache_v = torch.zeros_like(cache_k)
-    torch.ops.tokenloom.rotary_embedding_and_cache(q, k, v, positions, cos, sin, cache_k, cache_v, slots, fmt.kind)
-    # k was rotated in place; the cache holds its codes and scales, and v's, byte for byte as PyTorch makes them.
-    assert torch.equal(cache_k[slots], kv_quant.quantize(k, fmt))
-    assert torch.equal(cache_v[slots], kv_quant.quantize(v.view(tokens, kv_heads, head_dim), fmt))
-    untouched = torch.ones(32, dtype=torch.bool)
-    untouched[slots] = False
-    assert not cache_k[untouched].any() and not cache_v[untouched].any()
+    torch.ops.tokenloom.rotary_embedding_and_cache(
+        q, k, v, positions, cos, sin, cache_k, cache_v, slots, fmt.kind, BLOCK
+    )
+    # k was rotated in place; the caches hold its entries and v's, byte for byte where PyTorch puts them, and
+    # nothing anywhere else.
+    for cache, x in ((cache_k, k), (cache_v, v)):
+        reference = torch.zeros_like(cache)
+        kv_quant.write(reference, x, slots, fmt, head_dim, BLOCK)
+        assert torch.equal(cache, reference)
+        assert torch.equal(kv_quant.read(cache, slots, fmt, head_dim, BLOCK, torch.float32),
+                           kv_quant.decode(kv_quant.encode(x.reshape(tokens, kv_heads, head_dim), fmt), fmt,
+                                           torch.float32))  # fmt: skip
 
 
 def quantized_case(name: str, num_heads: int, kv_heads: int, head_dim: int, lens: list[int]):
@@ -96,8 +101,11 @@ def quantized_case(name: str, num_heads: int, kv_heads: int, head_dim: int, lens
         used = -(-n // BLOCK)
         tables[i, :used] = order[at : at + used]
         at += used
-    cache_k = kv_quant.quantize(heads(num_blocks * BLOCK, kv_heads, head_dim, seed=3), fmt)
-    cache_v = kv_quant.quantize(heads(num_blocks * BLOCK, kv_heads, head_dim, seed=4), fmt)
+    slots = torch.arange(num_blocks * BLOCK)
+    cache_k = torch.zeros(num_blocks * BLOCK, fmt.row_bytes(kv_heads, head_dim), dtype=torch.uint8)
+    cache_v = torch.zeros_like(cache_k)
+    kv_quant.write(cache_k, heads(num_blocks * BLOCK, kv_heads, head_dim, seed=3), slots, fmt, head_dim, BLOCK)
+    kv_quant.write(cache_v, heads(num_blocks * BLOCK, kv_heads, head_dim, seed=4), slots, fmt, head_dim, BLOCK)
     q = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(5))
     return fmt, q, cache_k, cache_v, tables
 
@@ -148,8 +156,8 @@ def test_prefill_over_an_8_bit_past_matches_dense_attention_over_dequantized_val
     )  # fmt: skip
     out = paged_attention(q, None, None, cache_k, cache_v, meta, 0.125)
     slots = tables[0, torch.arange(40) // BLOCK] * BLOCK + torch.arange(40) % BLOCK
-    k = kv_quant.dequantize(cache_k[slots], fmt, 64, torch.float32).view(40, 2, 64).repeat_interleave(2, 1)
-    v = kv_quant.dequantize(cache_v[slots], fmt, 64, torch.float32).view(40, 2, 64).repeat_interleave(2, 1)
+    k = kv_quant.read(cache_k, slots, fmt, 64, BLOCK, torch.float32).view(40, 2, 64).repeat_interleave(2, 1)
+    v = kv_quant.read(cache_v, slots, fmt, 64, BLOCK, torch.float32).view(40, 2, 64).repeat_interleave(2, 1)
     scores = torch.einsum("qhd,chd->hqc", q, k) * 0.125
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
     torch.testing.assert_close(out, torch.einsum("hqc,chd->qhd", weights, v), rtol=1e-4, atol=1e-5)

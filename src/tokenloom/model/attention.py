@@ -86,8 +86,8 @@ def write_kv(
     which needs head_dim."""
     if meta is not None and meta.kv_format is not None:
         assert head_dim > 0, "an 8-bit cache quantizes per head"
-        kv_quant.write(cache_k, k, slots, meta.kv_format, head_dim)
-        kv_quant.write(cache_v, v, slots, meta.kv_format, head_dim)
+        kv_quant.write(cache_k, k, slots, meta.kv_format, head_dim, meta.block_size)
+        kv_quant.write(cache_v, v, slots, meta.kv_format, head_dim, meta.block_size)
         return
     if meta is not None and meta.flat is not None:  # both caches in one launch
         triton_attention.write_kv(cache_k, cache_v, k, v, slots)
@@ -163,8 +163,10 @@ def paged_attention(
     head_dim = q.shape[-1]
 
     def gathered(name: str, cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-        rows = ws.gather(name, cache, tables, block_size)[..., :length, :]
-        return rows if fmt is None else kv_quant.dequantize(rows, fmt, head_dim, q.dtype)
+        rows = ws.gather(name, cache, tables, block_size)
+        if fmt is not None:  # whole blocks, head by head inside (kv_quant.py), before they are cut to length
+            rows = kv_quant.dequantize_blocks(rows, fmt, head_dim, block_size, q.dtype)
+        return rows[..., :length, :]
 
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_start + group.num_rows)

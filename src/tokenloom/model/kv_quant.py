@@ -1,15 +1,19 @@
-"""An 8-bit KV cache (``--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2``): codes and their scales in one row per slot.
+"""An 8-bit KV cache (``--kv-cache-dtype int8 | fp8_e4m3 | fp8_e5m2``): codes and their scales, head by head.
 
 Each (token, KV head) gets one float32 scale, its largest |value| over the largest code (127, 448 or 57344), and
 the codes are value / scale rounded to nearest even; both are written once, when the token's K or V enters the
-cache. A slot's row holds every KV head's codes, then their scales:
+cache. A layer's K (or V) cache stays one uint8 tensor of [num_slots, kv_heads * (d + 4)] bytes, so whatever moves
+whole blocks (swap out and in, block copies) moves the scales with the codes; but inside a block the bytes are laid
+out head by head, each head's slots one after the other, an *entry* of d codes and then the scale:
 
-    [ head 0 codes (d bytes) | ... | head H-1 codes | scale 0 (4 bytes) | ... | scale H-1 ]
+    block b:  [ head 0: slot 0 entry | slot 1 entry | ... | slot B-1 entry ] [ head 1: ... ] ... [ head H-1: ... ]
+    entry:    [ d codes | 4-byte float32 scale ]
 
-so a layer's cache stays two uint8 tensors, K and V, and whatever moves rows (swap out and in, block copies) moves
-the scales with them. The C++ operators (csrc/kv_codes.h) write and read the same layout; this module is the plain
-PyTorch path, the reference they are tested against. Per-(token, head) scales need no calibration and bound each
-code's error by its own head's range: one outlier token cannot coarsen the rest of the cache.
+so the decode operator, which attends one (sequence, KV head) at a time, reads each block's share of a head as
+B * (d + 4) contiguous bytes (17 cache lines at d = 64, B = 16) instead of picking 64 codes and a scale out of every
+slot's row of all heads (~40 lines). The C++ operators (csrc/kv_codes.h) write and read the same layout; this
+module is the plain PyTorch path, the reference they are tested against. Per-(token, head) scales need no
+calibration and bound each code's error by its own head's range: one outlier token cannot coarsen the rest.
 """
 
 from __future__ import annotations
@@ -55,8 +59,8 @@ def kv_bytes_per_element(name: str, model_element_bytes: int, head_dim: int) -> 
     return fmt.row_bytes(1, head_dim) / head_dim
 
 
-def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """x: [T, H, d] -> [T, H * (d + 4)] uint8 rows: codes, then scales."""
+def encode(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """x: [T, H, d] -> [T, H, d + 4] uint8 entries: each head's codes, then its scale."""
     num_tokens, heads, head_dim = x.shape
     values = x.float()
     amax = values.abs().amax(dim=-1, keepdim=True)
@@ -65,22 +69,41 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     scale = torch.where(amax > 0, amax * inv_max, torch.ones_like(amax))
     scaled = (values * torch.reciprocal(scale)).clamp(-fmt.max_code, fmt.max_code)
     codes = scaled.round().to(torch.int8) if fmt.code_dtype == torch.int8 else scaled.to(fmt.code_dtype)
-    rows = torch.empty(num_tokens, fmt.row_bytes(heads, head_dim), dtype=torch.uint8, device=x.device)
-    rows[:, : heads * head_dim] = codes.reshape(num_tokens, -1).view(torch.uint8)
-    rows[:, heads * head_dim :] = scale.reshape(num_tokens, heads).view(torch.uint8)
-    return rows
+    entries = torch.empty(num_tokens, heads, head_dim + SCALE_BYTES, dtype=torch.uint8, device=x.device)
+    entries[..., :head_dim] = codes.view(torch.uint8)
+    entries[..., head_dim:] = scale.view(torch.uint8)
+    return entries
 
 
-def dequantize(rows: torch.Tensor, fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """[..., H * (d + 4)] uint8 rows -> [..., H * d] values in dtype."""
-    heads = rows.shape[-1] // (head_dim + SCALE_BYTES)
-    assert rows.shape[-1] == fmt.row_bytes(heads, head_dim), "a row holds whole heads and their scales"
-    codes = rows[..., : heads * head_dim].view(fmt.code_dtype).float()
-    scales = rows[..., heads * head_dim :].contiguous().view(torch.float32)
-    values = codes.unflatten(-1, (heads, head_dim)) * scales.unsqueeze(-1)
-    return values.flatten(-2).to(dtype)
+def decode(entries: torch.Tensor, fmt: KVFormat, dtype: torch.dtype) -> torch.Tensor:
+    """[..., H, d + 4] uint8 entries -> [..., H * d] values in dtype."""
+    head_dim = entries.shape[-1] - SCALE_BYTES
+    codes = entries[..., :head_dim].view(fmt.code_dtype).float()
+    scales = entries[..., head_dim:].contiguous().view(torch.float32)
+    return (codes * scales).flatten(-2).to(dtype)
 
 
-def write(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, fmt: KVFormat, head_dim: int) -> None:
+def blocks_view(cache: torch.Tensor, head_dim: int, block_size: int) -> torch.Tensor:
+    """A cache's (or a gathered copy's) [..., slots, H * (d + 4)] bytes as [..., blocks, H, B, d + 4]."""
+    heads = cache.shape[-1] // (head_dim + SCALE_BYTES)
+    return cache.reshape(*cache.shape[:-2], -1, heads, block_size, head_dim + SCALE_BYTES)
+
+
+def write(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, fmt: KVFormat, head_dim: int, block_size: int):
     """This step's K or V ([T, H * d] or [T, H, d]) into its slots, quantized."""
-    cache.index_copy_(0, slots, quantize(x.reshape(x.shape[0], -1, head_dim), fmt))
+    entries = encode(x.reshape(x.shape[0], -1, head_dim), fmt)
+    blocks_view(cache, head_dim, block_size)[slots // block_size, :, slots % block_size] = entries
+
+
+def read(cache: torch.Tensor, slots: torch.Tensor, fmt: KVFormat, head_dim: int, block_size: int, dtype: torch.dtype):
+    """The values at these slots: [len(slots), H * d]."""
+    return decode(blocks_view(cache, head_dim, block_size)[slots // block_size, :, slots % block_size], fmt, dtype)
+
+
+def dequantize_blocks(
+    gathered: torch.Tensor, fmt: KVFormat, head_dim: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Whole blocks copied out of the cache ([..., blocks * B, H * (d + 4)] bytes) -> [..., blocks * B, H * d]."""
+    by_slot = blocks_view(gathered, head_dim, block_size).transpose(-3, -2)  # [..., blocks, B, H, d + 4]
+    values = decode(by_slot, fmt, dtype)
+    return values.reshape(*gathered.shape[:-1], values.shape[-1])

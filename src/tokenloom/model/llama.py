@@ -87,7 +87,7 @@ class Attention(nn.Module):
                 positions, cos, sin = rope
                 kind = 0 if meta.kv_format is None else meta.kv_format.kind
                 torch.ops.tokenloom.rotary_embedding_and_cache(
-                    q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, kind
+                    q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, kind, meta.block_size
                 )
             else:
                 write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, meta, self.head_dim)

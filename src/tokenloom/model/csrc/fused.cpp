@@ -149,10 +149,11 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 // output: rows may be strided, heads and dims contiguous), then this step's rotated k and its v [T, kv_heads * d]
 // stored into their cache slots: one pass over each token's rows instead of a rotary op and two index copies.
 // cos and sin: [max_len, d] float32 tables; cache_k and cache_v: [num_slots, kv_heads * d], contiguous, or with
-// kv_kind > 0 an 8-bit cache (kv_codes.h): uint8 [num_slots, kv_heads * (d + 4)], each head quantized as it is stored.
+// kv_kind > 0 an 8-bit cache (kv_codes.h): uint8 [num_slots, kv_heads * (d + 4)] in blocks of block_size slots laid
+// out head by head, each head quantized as it is stored.
 void rotary_embedding_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor& cache_k, at::Tensor& cache_v,
-                                const at::Tensor& slots, int64_t kv_kind) {
+                                const at::Tensor& slots, int64_t kv_kind, int64_t block_size) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
               "rotary_embedding_and_cache: q [T, heads, d] and k [T, kv_heads, d]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() &&
@@ -176,6 +177,8 @@ void rotary_embedding_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& 
   const bool coded = kv_kind != tokenloom::kPlain;
   const int64_t cache_row = coded ? k.size(1) * (d + 4) : row;
   const at::ScalarType cache_type = coded ? at::kByte : k.scalar_type();
+  TORCH_CHECK(!coded || (block_size > 0 && cache_k.size(0) % block_size == 0),
+              "rotary_embedding_and_cache: an 8-bit cache needs its block_size, which must divide its slots");
   TORCH_CHECK(cache_k.dim() == 2 && cache_k.size(1) == cache_row && cache_k.is_contiguous() &&
                   cache_v.sizes() == cache_k.sizes() && cache_v.is_contiguous() &&
                   cache_k.scalar_type() == cache_type && cache_v.scalar_type() == cache_type,
@@ -215,8 +218,12 @@ void rotary_embedding_and_cache(at::Tensor& q, at::Tensor& k, const at::Tensor& 
       scalar_t* kt = kp + t * k.stride(0);
       for (int64_t h = 0; h < k_heads; ++h) rotate(kt + h * d, c, s);
       if (coded) {
-        tokenloom::quantize_heads(kv_kind, kt, k_heads, d, ck + slot[t] * slot_bytes);
-        tokenloom::quantize_heads(kv_kind, vp + t * v.stride(0), k_heads, d, cv + slot[t] * slot_bytes);
+        const int64_t block = slot[t] / block_size, offset = slot[t] % block_size;
+        for (int64_t h = 0; h < k_heads; ++h) {
+          const int64_t at = tokenloom::entry_offset(block, h, offset, k_heads, block_size, d);
+          tokenloom::quantize_head(kv_kind, kt + h * d, d, ck + at);
+          tokenloom::quantize_head(kv_kind, vp + t * v.stride(0) + h * d, d, cv + at);
+        }
       } else {
         std::memcpy(ck + slot[t] * slot_bytes, kt, slot_bytes);
         std::memcpy(cv + slot[t] * slot_bytes, vp + t * v.stride(0), slot_bytes);
@@ -336,7 +343,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def(
       "rotary_embedding_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
-      "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots, int kv_kind=0) -> ()");
+      "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots, int kv_kind=0, int block_size=0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor row_scales, Tensor? bias, ScalarType dtype) -> Tensor");

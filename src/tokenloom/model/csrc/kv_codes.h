@@ -1,9 +1,10 @@
 // The 8-bit KV cache's codes (--kv-cache-dtype): int8, fp8 e4m3 and fp8 e5m2, each (token, KV head) with one
-// float32 scale. A cache row is every KV head's codes, then their scales (kv_quant.py draws it):
+// float32 scale. Inside a block of B slots the bytes lie head by head, each head's slots one after the other, an
+// entry of d codes then the scale (kv_quant.py draws it):
 //
-//     [ head 0 codes (d bytes) | ... | head H-1 codes | scale 0 (4 bytes) | ... | scale H-1 ]
+//     block b: [ head 0: entry of slot 0 | ... | entry of slot B-1 ] ... [ head H-1: ... ],  entry: [ d codes | scale ]
 //
-// Writing (quantize_heads) is scalar: a step writes only its new tokens. Reading is per row in the attention
+// Writing (quantize_head) is scalar: a step writes only its new tokens. Reading is per entry in the attention
 // kernels, vectorised here (decode_codes) for AVX-512 and AVX2 with F16C, scalar elsewhere.
 //
 // Both fp8 formats widen exactly through float16: e5m2 is float16's top byte, and e4m3's 7 magnitude bits placed at
@@ -47,16 +48,21 @@ inline float read_scale(const uint8_t* at) {
 inline float widen_value(float x) { return x; }
 inline float widen_value(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// x: `heads` heads of `d` values -> dst: their codes, then their scales (one row of the cache). Scale = amax times
-// 1 / the largest code, code = x times 1 / scale rounded to nearest even: products of reciprocals, as
-// kv_quant.quantize computes them, because the build's -ffast-math would make divisions such products anyway.
+// Where slot `offset` of block `block` keeps head `head`'s entry, in bytes from the cache's start.
+inline int64_t entry_offset(int64_t block, int64_t head, int64_t offset, int64_t heads, int64_t block_size,
+                            int64_t d) {
+  return ((block * heads + head) * block_size + offset) * (d + 4);
+}
+
+// x: one head's d values -> entry: their codes, then their scale. Scale = amax times 1 / the largest code, code =
+// x times 1 / scale rounded to nearest even: products of reciprocals, as kv_quant.encode computes them, because the
+// build's -ffast-math would make divisions such products anyway.
 template <typename T>
-void quantize_heads(int64_t kind, const T* x, int64_t heads, int64_t d, uint8_t* dst) {
+void quantize_head(int64_t kind, const T* xh, int64_t d, uint8_t* entry) {
   const float top = max_code(kind);
   const float inv_top = 1.0f / top;
-  for (int64_t h = 0; h < heads; ++h) {
-    const T* xh = x + h * d;
-    uint8_t* codes = dst + h * d;
+  uint8_t* codes = entry;
+  {
     float amax = 0.0f;
     for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(widen_value(xh[i])));
     const float scale = amax > 0.0f ? amax * inv_top : 1.0f;
@@ -71,7 +77,7 @@ void quantize_heads(int64_t kind, const T* x, int64_t heads, int64_t d, uint8_t*
         codes[i] = c10::Float8_e5m2(c).x;
       }
     }
-    std::memcpy(dst + heads * d + h * 4, &scale, sizeof(scale));
+    std::memcpy(entry + d, &scale, sizeof(scale));
   }
 }
 

@@ -65,19 +65,23 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
 // One KV head's rows of a plain (float32 or bfloat16) cache, widened to float32 one slot at a time.
 template <typename T>
 struct PlainRows {
-  const T* head;  // the head's first element in slot 0
-  int64_t row;    // elements per slot
-  void widen(int64_t slot, float* dst, int64_t hd) const { widen_row(head + slot * row, dst, hd); }
+  const T* head;         // the head's first element in block 0, slot 0
+  int64_t row;           // elements from one slot's row to the next
+  int64_t block_stride;  // elements from one block to the next
+  void widen(int64_t block, int64_t offset, float* dst, int64_t hd) const {
+    widen_row(head + block * block_stride + offset * row, dst, hd);
+  }
 };
 
-// One KV head's rows of an 8-bit cache (kv_codes.h): its codes, times its scale.
+// One KV head's entries of an 8-bit cache (kv_codes.h): its codes, times its scale.
 template <int64_t Kind>
 struct CodeRows {
-  const uint8_t* head;   // the head's first code in slot 0
-  int64_t row;           // bytes per slot
-  int64_t scale_offset;  // from the head's codes to its scale, in bytes
-  void widen(int64_t slot, float* dst, int64_t hd) const {
-    const uint8_t* codes = head + slot * row;
+  const uint8_t* head;   // the head's entry in block 0, slot 0
+  int64_t row;           // bytes from one slot's entry to the next
+  int64_t block_stride;  // bytes from one block to the next
+  int64_t scale_offset;  // from the entry's codes to its scale, in bytes
+  void widen(int64_t block, int64_t offset, float* dst, int64_t hd) const {
+    const uint8_t* codes = head + block * block_stride + offset * row;
     tokenloom::decode_codes<Kind>(codes, tokenloom::read_scale(codes + scale_offset), dst, hd);
   }
 };
@@ -97,7 +101,7 @@ void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* t
   }
   std::fill(acc, acc + group * hd, 0.0f);
   for (int64_t t = 0; t < ctx; ++t) {
-    k_rows.widen(table[t / block_size] * block_size + t % block_size, kv, hd);
+    k_rows.widen(table[t / block_size], t % block_size, kv, hd);
     for (int64_t h = 0; h < group; ++h) {
       float dot = 0.0f;
       for (int64_t d = 0; d < hd; ++d) dot += qf[h * hd + d] * kv[d];
@@ -106,7 +110,7 @@ void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* t
   }
   softmax_rows(scores, group, ctx);
   for (int64_t t = 0; t < ctx; ++t) {
-    v_rows.widen(table[t / block_size] * block_size + t % block_size, kv, hd);
+    v_rows.widen(table[t / block_size], t % block_size, kv, hd);
     for (int64_t h = 0; h < group; ++h) {
       const float w = scores[h * ctx + t];
       float* a = acc + h * hd;
@@ -151,8 +155,8 @@ inline __m512 sum_each(const __m512* v) {
 // when they lie in one block.
 template <typename Elem>
 inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int64_t ctx, int64_t row,
-                       int64_t block_size, const Elem** rows) {
-  auto row_of = [&](int64_t t) { return cache + (table[t / block_size] * block_size + t % block_size) * row; };
+                       int64_t block_stride, int64_t block_size, const Elem** rows) {
+  auto row_of = [&](int64_t t) { return cache + table[t / block_size] * block_stride + (t % block_size) * row; };
   if (block_size % 16 == 0 && t0 + 16 <= ctx) {
     const Elem* first = row_of(t0);
     for (int j = 0; j < 16; ++j) rows[j] = first + j * row;
@@ -193,8 +197,9 @@ inline void widen_rows(const uint8_t* const* raw, c10::BFloat16* widened, const 
 // onto the 16 scores, V's onto the probabilities (after the running sum, which must not see them).
 template <int HD, int64_t Kind>
 void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache,
-                        const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_size,
-                        int64_t scale_offset, float scale, c10::BFloat16* out, std::vector<float>& scratch) {
+                        const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_stride,
+                        int64_t block_size, int64_t scale_offset, float scale, c10::BFloat16* out,
+                        std::vector<float>& scratch) {
   using Elem = KVElem<Kind>;
   static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
   constexpr int kChunks = HD / 32;  // bf16 vectors of 32 per row
@@ -219,7 +224,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
     for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-      group_rows(k_cache, table, t0, ctx, row, block_size, raw);
+      group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
       if (t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half (V lies as K does)
         const Elem* v_first = v_cache + (raw[0] - k_cache);
         prefetch_rows<_MM_HINT_T1>(v_first, row, HD, block_size % 16 == 0 ? 16 : 1);
@@ -302,7 +307,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
         }
       }
       for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-        group_rows(v_cache, table, t0, ctx, row, block_size, raw);
+        group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
         if constexpr (Kind == tokenloom::kPlain) {
           std::copy(raw, raw + 16, rows);
         } else {
@@ -311,7 +316,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
         if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
           // The next chunk's K rows, into L2 while this chunk's V rows are multiplied.
           const Elem* next[16];
-          group_rows(k_cache, table, t0 + kChunk, ctx, row, block_size, next);
+          group_rows(k_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, next);
           prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
         }
         const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
@@ -387,8 +392,8 @@ inline __m512i sum_each_epi32(const __m512i* v) {
 // Accumulators hold the dimensions in the order the interleave leaves them (see the end).
 template <typename T, int HD>
 void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table, int64_t ctx,
-                      int64_t group, int64_t row, int64_t block_size, int64_t scale_offset, float scale, T* out,
-                      std::vector<float>& scratch) {
+                      int64_t group, int64_t row, int64_t block_stride, int64_t block_size, int64_t scale_offset,
+                      float scale, T* out, std::vector<float>& scratch) {
   static_assert(HD % 64 == 0, "whole 64-byte vectors of codes");
   constexpr int kVecs = HD / 64;
   constexpr int kChunk = 64;
@@ -435,7 +440,7 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
     for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-      group_rows(k_cache, table, t0, ctx, row, block_size, raw);
+      group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
       if (t0 + 16 <= ctx) prefetch_rows<_MM_HINT_T1>(v_cache + (raw[0] - k_cache), row, HD, block_size % 16 == 0 ? 16 : 1);
       for (int j = 0; j < 16; ++j) {
         for (int c = 0; c < kVecs; ++c) {
@@ -505,10 +510,10 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
     for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
       const int64_t n = std::min<int64_t>(kPass, heads - h0);
       for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-        group_rows(v_cache, table, t0, ctx, row, block_size, raw);
+        group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
         if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
           const uint8_t* next[16];
-          group_rows(k_cache, table, t0 + kChunk, ctx, row, block_size, next);
+          group_rows(k_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, next);
           prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
         }
         __m512i sums[kPass][4 * kVecs];
@@ -566,12 +571,15 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
 // Where one sequence's KV head lies in a cache: its first element in slot 0, the slot's stride (elements of the
 // cache's dtype), and for an 8-bit cache the bytes from the head's codes to its scale.
 struct HeadLayout {
-  int64_t offset, row, scale_offset;
+  int64_t offset, row, block_stride, scale_offset;
 };
 
-inline HeadLayout head_layout(int64_t kind, int64_t row, int64_t num_kv_heads, int64_t head_dim, int64_t kv_head) {
-  if (kind == tokenloom::kPlain) return {kv_head * head_dim, row, 0};
-  return {kv_head * head_dim, row, num_kv_heads * head_dim + 4 * kv_head - kv_head * head_dim};
+inline HeadLayout head_layout(int64_t kind, int64_t row, int64_t num_kv_heads, int64_t head_dim, int64_t kv_head,
+                              int64_t block_size) {
+  if (kind == tokenloom::kPlain) return {kv_head * head_dim, row, block_size * row, 0};
+  const int64_t entry = head_dim + 4;  // kv_codes.h: a block's entries, head by head
+  return {tokenloom::entry_offset(0, kv_head, 0, num_kv_heads, block_size, head_dim), entry, block_size * row,
+          head_dim};
 }
 
 // One (sequence, KV head) unit of decode attention, from a cache of kind Kind.
@@ -585,12 +593,13 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if constexpr (Kind == tokenloom::kInt8) {
     if (head_dim == 64) {
-      attend_int8_vnni<T, 64>(q_head, k, v, table, ctx, group, at.row, block_size, at.scale_offset, s, out_head, scratch);
+      attend_int8_vnni<T, 64>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, at.scale_offset, s,
+                              out_head, scratch);
       return;
     }
     if (head_dim == 128) {
-      attend_int8_vnni<T, 128>(q_head, k, v, table, ctx, group, at.row, block_size, at.scale_offset, s, out_head,
-                               scratch);
+      attend_int8_vnni<T, 128>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, at.scale_offset,
+                               s, out_head, scratch);
       return;
     }
   }
@@ -598,22 +607,22 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (head_dim == 64) {
-      attend_bf16_avx512<64, Kind>(q_head, k, v, table, ctx, group, at.row, block_size, at.scale_offset, s, out_head,
-                                   scratch);
+      attend_bf16_avx512<64, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size,
+                                   at.scale_offset, s, out_head, scratch);
       return;
     }
     if (head_dim == 128) {
-      attend_bf16_avx512<128, Kind>(q_head, k, v, table, ctx, group, at.row, block_size, at.scale_offset, s,
-                                    out_head, scratch);
+      attend_bf16_avx512<128, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size,
+                                    at.scale_offset, s, out_head, scratch);
       return;
     }
   }
 #endif
   auto rows = [&](const Elem* head) {
     if constexpr (Kind == tokenloom::kPlain) {
-      return PlainRows<T>{head, at.row};
+      return PlainRows<T>{head, at.row, at.block_stride};
     } else {
-      return CodeRows<Kind>{head, at.row, at.scale_offset};
+      return CodeRows<Kind>{head, at.row, at.block_stride, at.scale_offset};
     }
   };
   const auto k_rows = rows(k), v_rows = rows(v);
@@ -646,7 +655,7 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
     thread_local std::vector<float> scratch;
     const int64_t seq = num_seqs - 1 - unit / num_kv_heads, kv_head = unit % num_kv_heads;
     attend_unit<T, Kind>(q_ptr + seq * q_stride + kv_head * group * head_dim, k_cache, v_cache,
-                         head_layout(Kind, row, num_kv_heads, head_dim, kv_head), tables + seq * max_blocks,
+                         head_layout(Kind, row, num_kv_heads, head_dim, kv_head, block_size), tables + seq * max_blocks,
                          lens[seq], group, head_dim, block_size, s, out_ptr + seq * out_stride + kv_head * group * head_dim,
                          scratch);
   };
