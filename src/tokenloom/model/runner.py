@@ -113,7 +113,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     def _cache_row(self) -> tuple[int, torch.dtype]:
-        """A cache slot's row: its elements and their dtype (an 8-bit cache: bytes, codes then scales)."""
+        """A cache slot's row: its elements and their dtype (an 8-bit cache: bytes, each head's codes and scale)."""
         cfg = self.model.config
         if self.kv_format is None:
             return cfg.num_kv_heads * cfg.head_dim, self.dtype

@@ -61,24 +61,21 @@ template <typename T>
 void quantize_head(int64_t kind, const T* xh, int64_t d, uint8_t* entry) {
   const float top = max_code(kind);
   const float inv_top = 1.0f / top;
-  uint8_t* codes = entry;
-  {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(widen_value(xh[i])));
-    const float scale = amax > 0.0f ? amax * inv_top : 1.0f;
-    const float inv_scale = 1.0f / scale;
-    for (int64_t i = 0; i < d; ++i) {
-      const float c = std::clamp(widen_value(xh[i]) * inv_scale, -top, top);
-      if (kind == kInt8) {
-        codes[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(c)));
-      } else if (kind == kFp8E4M3) {
-        codes[i] = c10::Float8_e4m3fn(c).x;
-      } else {
-        codes[i] = c10::Float8_e5m2(c).x;
-      }
+  float amax = 0.0f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(widen_value(xh[i])));
+  const float scale = amax > 0.0f ? amax * inv_top : 1.0f;
+  const float inv_scale = 1.0f / scale;
+  for (int64_t i = 0; i < d; ++i) {
+    const float c = std::clamp(widen_value(xh[i]) * inv_scale, -top, top);
+    if (kind == kInt8) {
+      entry[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(c)));
+    } else if (kind == kFp8E4M3) {
+      entry[i] = c10::Float8_e4m3fn(c).x;
+    } else {
+      entry[i] = c10::Float8_e5m2(c).x;
     }
-    std::memcpy(entry + d, &scale, sizeof(scale));
   }
+  std::memcpy(entry + d, &scale, sizeof(scale));
 }
 
 // One code's value (without the vector readers' unit).
