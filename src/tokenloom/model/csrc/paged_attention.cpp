@@ -165,6 +165,19 @@ inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int6
   }
 }
 
+// The online softmax meeting a chunk whose largest score is chunk_max: what one query head summed under a lower
+// running maximum (its HD accumulators and its sum) is rescaled to the new one; nothing is summed before the first.
+template <int HD>
+inline void raise_running_max(float chunk_max, float& run_max, float& run_sum, float* acc) {
+  if (chunk_max <= run_max) return;
+  if (run_max != kNoMax) {
+    const float correction = std::exp(run_max - chunk_max);
+    const __m512 factor = _mm512_set1_ps(correction);
+    for (int d = 0; d < HD; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), factor));
+    run_sum *= correction;
+  }
+  run_max = chunk_max;
+}
 #endif  // __AVX512F__
 
 #if defined(__AVX512BF16__)
@@ -271,17 +284,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
         most = _mm512_mask_max_ps(most, live_keys(g), most, _mm512_loadu_ps(s + 16 * g));
       }
       const float chunk_max = _mm512_reduce_max_ps(most);
-      if (chunk_max > run_max[h]) {
-        if (run_max[h] != kNoMax) {  // nothing summed yet on the first chunk
-          const float correction = std::exp(run_max[h] - chunk_max);
-          for (int d = 0; d < HD; d += 16) {
-            float* at = acc + h * HD + d;
-            _mm512_storeu_ps(at, _mm512_mul_ps(_mm512_loadu_ps(at), _mm512_set1_ps(correction)));
-          }
-          run_sum[h] *= correction;
-        }
-        run_max[h] = chunk_max;
-      }
+      raise_running_max<HD>(chunk_max, run_max[h], run_sum[h], acc + h * HD);
       const __m512 m = _mm512_set1_ps(run_max[h]);
       __m512 total = _mm512_setzero_ps();
       for (int g = 0; g < groups; ++g) {
@@ -481,17 +484,7 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
       __m512 most = _mm512_set1_ps(kNoMax);
       for (int g = 0; g < groups; ++g) most = _mm512_mask_max_ps(most, live_keys(g), most, _mm512_loadu_ps(s + 16 * g));
       const float chunk_max = _mm512_reduce_max_ps(most);
-      if (chunk_max > run_max[h]) {
-        if (run_max[h] != kNoMax) {
-          const float correction = std::exp(run_max[h] - chunk_max);
-          for (int d = 0; d < HD; d += 16) {
-            float* at = acc + h * HD + d;
-            _mm512_storeu_ps(at, _mm512_mul_ps(_mm512_loadu_ps(at), _mm512_set1_ps(correction)));
-          }
-          run_sum[h] *= correction;
-        }
-        run_max[h] = chunk_max;
-      }
+      raise_running_max<HD>(chunk_max, run_max[h], run_sum[h], acc + h * HD);
       const __m512 m = _mm512_set1_ps(run_max[h]);
       __m512 total = _mm512_setzero_ps();
       for (int g = 0; g < groups; ++g) {
