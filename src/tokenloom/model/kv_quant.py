@@ -51,14 +51,6 @@ def kv_format(name: str) -> KVFormat | None:
     return FORMATS[ALIASES.get(name, name)]
 
 
-def kv_bytes_per_element(name: str, model_element_bytes: int, head_dim: int) -> float:
-    """Bytes one K or V element takes in the cache, its share of the head's scale included."""
-    fmt = kv_format(name)
-    if fmt is None:
-        return float(model_element_bytes)
-    return fmt.row_bytes(1, head_dim) / head_dim
-
-
 def encode(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """x: [T, H, d] -> [T, H, d + 4] uint8 entries: each head's codes, then its scale."""
     num_tokens, heads, head_dim = x.shape

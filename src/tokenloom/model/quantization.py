@@ -26,6 +26,7 @@ from tokenloom.model import cpu_kernel
 
 QUANTIZATIONS = ("int8", "fp8")
 ROWS_HINT = 64  # the batch size oneDNN packs the weight for: a full decode step
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def int8_available() -> bool:
@@ -84,17 +85,15 @@ class Fp8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        top = torch.finfo(torch.float8_e4m3fn).max
-        scaled, scale = per_channel(weight, top)
-        self.codes = scaled.clamp(-top, top).to(torch.float8_e4m3fn)  # [N, K]; _scaled_mm takes its transpose
+        scaled, scale = per_channel(weight, FP8_MAX)
+        self.codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [N, K]; _scaled_mm takes its transpose
         self.weight_scale = scale[None, :].contiguous()
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        top = torch.finfo(torch.float8_e4m3fn).max
-        row_scales = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / top
-        codes = (rows / row_scales).clamp(-top, top).to(torch.float8_e4m3fn)
+        row_scales = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+        codes = (rows / row_scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         out = torch._scaled_mm(
             codes, self.codes.t(), scale_a=row_scales, scale_b=self.weight_scale, bias=self.bias, out_dtype=x.dtype
         )

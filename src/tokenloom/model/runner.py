@@ -104,7 +104,6 @@ class ModelRunner:
         )
         self.compiled: CompiledForward | None = compile_model(model, device) if compile_step else None
         self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
-        self.quantization = quantization
         if quantization is not None:
             check_quantization(quantization, device)
             quantize_linears(model.layers, quantization)

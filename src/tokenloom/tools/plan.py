@@ -10,14 +10,16 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import get_args
 
+from tokenloom.config import KVCacheDType
 from tokenloom.model.config import ModelConfig
 
 GiB = 1024**3
 
 ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 # The engine's 8-bit KV formats (--kv-cache-dtype): a byte per value and a float32 scale per token and KV head.
-KV_8_BIT = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_8_BIT = tuple(name for name in get_args(KVCacheDType) if name != "auto")
 KV_DTYPES = sorted({*ELEMENT_BYTES, *KV_8_BIT})
 
 
