@@ -105,7 +105,7 @@ def run_step(scheduler: Scheduler) -> SchedulerOutput:
         context = kv.read(item.block_ids, item.start + item.num_tokens)
         assert context == request.all_token_ids[: len(context)], f"{request.request_id}'s KV is corrupt"
         if item.sample:
-            sampled[request.request_id] = fake_next_token(context)
+            sampled[request.request_id] = [fake_next_token(context)]
     scheduler.update_from_output(output, sampled)
     scheduler.check_invariants()
     return output
@@ -605,3 +605,82 @@ def test_cost_fit_separates_overhead_from_per_unit_cost():
     assert same.slope() == pytest.approx(0.1), "alike samples: the whole time is charged per unit"
     costs = PreemptionCosts(seconds_per_token=0.01, seconds_per_copy=0.5, seconds_per_block_copy=0.01)
     assert not costs.prefers_swap(50, 4) and costs.prefers_swap(200, 13)  # 1.08 > 0.5; 1.26 < 2.0
+
+
+def run_speculative_step(scheduler: Scheduler, rng: random.Random) -> SchedulerOutput:
+    """A step where each decoding request first gets 0-5 drafts, each right (the fake model's next token) with
+    probability 0.6; the fake model then verifies them as the sampler does at temperature 0."""
+    for request in scheduler.running:
+        if request.num_tokens - request.num_computed_tokens == 1:
+            tokens, drafts = list(request.all_token_ids), []
+            for _ in range(rng.randint(0, 5)):
+                right = fake_next_token(tokens)
+                drafts.append(right if rng.random() < 0.6 else (right + 1) % (VOCAB - 1))
+                tokens.append(drafts[-1])
+            request.spec_token_ids = drafts
+    output = scheduler.schedule()
+    kv = scheduler.fake_kv
+    kv.swap(output)
+    sampled = {}
+    for item in output.scheduled:
+        request = item.request
+        assert item.start == request.num_computed_tokens
+        assert (
+            item.token_ids
+            == request.all_token_ids[item.start : item.start + item.num_tokens - len(item.draft_token_ids)]
+            + item.draft_token_ids
+        )
+        assert len(item.block_ids) * scheduler.kv.block_size >= item.start + item.num_tokens, "slots for the drafts"
+        kv.write(item.block_ids, item.start, item.token_ids)
+        context = kv.read(item.block_ids, item.start + item.num_tokens - len(item.draft_token_ids))
+        assert context == request.all_token_ids[: len(context)], f"{request.request_id}'s KV is corrupt"
+        if item.sample:
+            kept, sequence = [], list(context)
+            for draft in [*item.draft_token_ids, None]:
+                kept.append(fake_next_token(sequence))
+                if kept[-1] != draft:
+                    break
+                sequence.append(draft)
+            sampled[request.request_id] = kept
+    scheduler.update_from_output(output, sampled)
+    scheduler.check_invariants()
+    for request in scheduler.running:  # the blocks of rejected drafts went back: only what its tokens need
+        assert len(scheduler.kv.block_ids(request.request_id)) <= -(-request.num_tokens // scheduler.kv.block_size)
+    return output
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        dict(),
+        dict(num_blocks=14, budget=12),  # preempts; drafts cut to the budget
+        dict(num_blocks=14, preemption="swap", swap_slots=32),
+        dict(budget=8, long_prefill=3, partial=1),
+        dict(policy="fair", budget=10),
+    ],
+)
+def test_speculative_steps_keep_outputs_budgets_and_blocks(setup):
+    rng = random.Random(0)
+    scheduler = make_scheduler(**setup)
+    requests = [
+        Request(
+            f"r{i}",
+            [rng.randrange(VOCAB - 1) for _ in range(rng.randint(1, 20))],
+            SamplingParams(max_tokens=12, ignore_eos=True),
+        )
+        for i in range(8)
+    ]
+    for request in requests:
+        scheduler.add_request(request)
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        run_speculative_step(scheduler, rng)
+        steps += 1
+        assert steps < 1000
+    for request in requests:
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, 12)
+    spec = scheduler.stats.spec
+    assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+    assert scheduler.kv.num_used_blocks == 0
+    if "num_blocks" in setup:
+        assert scheduler.stats.num_preemptions > 0

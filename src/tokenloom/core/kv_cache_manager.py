@@ -109,6 +109,17 @@ class KVCacheManager:
             self.pool.cache_full_block(blocks[i], hashes[i], self._block_tokens(tokens, i))
         self._num_registered[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Gives back the request's blocks beyond the first num_tokens tokens (slots taken for drafts it rejected).
+
+        Those blocks hold no computed token, so none is in the prefix cache index."""
+        blocks = self._blocks.get(request.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        assert keep >= self._num_registered.get(request.request_id, 0), "a registered block would be given back"
+        if len(blocks) > keep:
+            self.pool.release(reversed(blocks[keep:]))
+            del blocks[keep:]
+
     def num_shared_prefix_tokens(self, request: Request) -> int:
         """Computed tokens in the request's leading blocks that other requests hold too."""
         num_shared = 0

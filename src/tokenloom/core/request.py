@@ -57,6 +57,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     stop_reason: int | str | None = None
+    # Draft tokens proposed for the next step (speculative decoding); the scheduler takes them when it schedules it.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

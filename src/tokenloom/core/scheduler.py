@@ -37,10 +37,19 @@ class ScheduledRequest:
     token_ids: list[int]
     block_ids: list[int]
     sample: bool  # the chunk reaches the request's last token, so this step yields its next token
+    # Proposed tokens after the request's last one, verified in this step: token_ids ends with them, and the step
+    # yields 1 to len(draft_token_ids) + 1 tokens.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """The chunk computes prompt (or recomputed) tokens: more than the last token and its drafts, or not up to
+        the last token."""
+        return not self.sample or self.num_tokens > 1 + len(self.draft_token_ids)
 
 
 @dataclass
@@ -93,6 +102,26 @@ class AdmissionLimits:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters, as vLLM names them: drafts verified, their tokens, the tokens accepted, and
+    the tokens accepted at each draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+@dataclass
 class SchedulerStats:
     num_steps: int = 0
     preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
@@ -103,6 +132,7 @@ class SchedulerStats:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     swap_in_cached_blocks: int = 0  # blocks of swapped-in requests found in the prefix cache, so not copied back
+    spec: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats())
 
     @property
     def num_preemptions(self) -> int:
@@ -224,7 +254,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._stall_free(request, request.num_tokens - request.num_computed_tokens, budget, output)
+            remaining = request.num_tokens - request.num_computed_tokens
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if remaining == 1 and drafts:  # a decode with proposals: its last token and as many drafts as fit
+                drafts = drafts[: min(budget, self.max_model_len - request.num_tokens) - 1]
+                remaining += len(drafts)
+            else:
+                drafts = []
+            num_new = self._stall_free(request, remaining, budget, output, len(drafts))
             if num_new == 0 or (
                 not self.enable_chunked_prefill and request.num_computed_tokens + num_new < request.num_tokens
             ):
@@ -235,7 +272,7 @@ class Scheduler:
                 self._preempt(victim, output)
                 if victim is request:
                     return budget
-            output.scheduled.append(self._scheduled(request, num_new))
+            output.scheduled.append(self._scheduled(request, num_new, drafts))
             budget -= num_new
             i += 1
         return budget
@@ -269,17 +306,20 @@ class Scheduler:
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
-    def _stall_free(self, request: Request, remaining: int, budget: int, output: SchedulerOutput) -> int:
+    def _stall_free(
+        self, request: Request, remaining: int, budget: int, output: SchedulerOutput, num_drafts: int = 0
+    ) -> int:
         """How many of a request's remaining tokens this step gives it, under the stall-free prefill limits.
 
-        A prompt (more than one token left to compute) takes at most long_prefill_token_threshold tokens, and
-        only max_num_partial_prefills prompts are prefilled per step, so decode tokens are never starved.
+        A prompt (more than one token left to compute, not counting draft tokens) takes at most
+        long_prefill_token_threshold tokens, and only max_num_partial_prefills prompts are prefilled per step, so
+        decode tokens are never starved.
         """
         num_new = min(remaining, budget)
-        if remaining <= 1:
+        if remaining <= 1 + num_drafts:
             return num_new
         if self.max_num_partial_prefills:
-            prefills = sum(1 for s in output.scheduled if s.num_tokens > 1 or not s.sample)
+            prefills = sum(1 for s in output.scheduled if s.is_prefill)
             if prefills >= self.max_num_partial_prefills:
                 return 0
         if self.long_prefill_token_threshold:
@@ -306,6 +346,7 @@ class Scheduler:
         else:
             self.preemptor.drop(request)
         request.num_preemptions += 1
+        request.spec_token_ids = []
         self.stats.preemptions[mode] += 1
         output.preempted.append(request)
         self.policy.requeue(self.waiting, request)
@@ -323,23 +364,27 @@ class Scheduler:
         self.stats.swap_in_cached_blocks += num_still_cached
         self.running.append(request)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
         self.policy.charge(request, num_new)
         start = request.num_computed_tokens
+        drafts = drafts or []
+        assert not drafts or start + num_new == request.num_tokens + len(drafts), "drafts follow the last token"
         return ScheduledRequest(
             request=request,
             start=start,
-            token_ids=request.token_ids_slice(start, start + num_new),
+            token_ids=request.token_ids_slice(start, start + num_new - len(drafts)) + drafts,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new - len(drafts) == request.num_tokens,
+            draft_token_ids=drafts,
         )
 
     # ---- after the step ----------------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances each scheduled request, appends its sampled token, and finishes it if a stop condition holds.
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
+        """Advances each scheduled request, appends its sampled tokens (one, or with drafts the accepted ones and
+        one more), and finishes it if a stop condition holds at one of them (the tokens after it are dropped).
 
-        Returns the requests that received a token this step.
+        Returns the requests that received tokens this step, each with how many it kept.
         """
         now = time.monotonic()
         advanced = []
@@ -347,19 +392,40 @@ class Scheduler:
             request = item.request
             if request.finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_tokens
-            self.kv.register_computed_blocks(request)
             if not item.sample:
+                request.num_computed_tokens += item.num_tokens
+                self.kv.register_computed_blocks(request)
                 continue
-            request.output_token_ids.append(sampled[request.request_id])
-            self.stats.generated_tokens += 1
+            tokens = sampled[request.request_id]
+            num_accepted = len(tokens) - 1
+            assert 0 <= num_accepted <= len(item.draft_token_ids), "more tokens than drafts + 1"
+            assert tokens[:num_accepted] == item.draft_token_ids[:num_accepted], "accepted tokens are the drafts"
+            if item.draft_token_ids:
+                self.stats.spec.observe(len(item.draft_token_ids), num_accepted)
             if request.first_token_time is None:
                 request.first_token_time = now
-            advanced.append(request)
-            status = self._stop_status(request)
+            num_before = request.num_tokens
+            status = self._append_until_stop(request, tokens)
+            # The rejected drafts' KV is not computed, nor that of tokens after a stop: only the tokens before count.
+            computed = request.num_computed_tokens + item.num_tokens - len(item.draft_token_ids) + num_accepted
+            request.num_computed_tokens = min(computed, request.num_tokens)
+            self.kv.register_computed_blocks(request)
+            advanced.append((request, request.num_tokens - num_before))
             if status is not None:
                 self.finish_request(request, status)
+            elif item.draft_token_ids:
+                self.kv.trim(request, request.num_tokens)  # blocks held only for rejected drafts go back
         return advanced
+
+    def _append_until_stop(self, request: Request, tokens: list[int]) -> RequestStatus | None:
+        """Appends tokens one by one up to the first that meets a stop condition; returns that condition, if any."""
+        for token in tokens:
+            request.output_token_ids.append(token)
+            self.stats.generated_tokens += 1
+            status = self._stop_status(request)
+            if status is not None:
+                return status
+        return None
 
     def _stop_status(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params

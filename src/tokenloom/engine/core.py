@@ -22,7 +22,8 @@ from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import FairPolicy
 from tokenloom.core.preemption import PreemptionCosts, Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
-from tokenloom.core.scheduler import AdmissionLimits, Scheduler
+from tokenloom.core.scheduler import AdmissionLimits, Scheduler, SchedulerOutput
+from tokenloom.core.spec_decode import Proposer, SpeculationGate, make_proposer
 from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import LoadedModel, load_model
@@ -104,6 +105,17 @@ class EngineStats:
     num_running: int
     num_waiting: int  # swapped-out requests not counted
     num_swapped: int
+    spec_decode_num_drafts: int = 0  # requests' draft runs verified (speculative decoding), as vLLM counts them
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ...
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float | None:
+        """Accepted draft tokens over draft tokens; None before any draft."""
+        if not self.spec_decode_num_draft_tokens:
+            return None
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
 
     @property
     def num_preemptions(self) -> int:
@@ -113,7 +125,12 @@ class EngineStats:
     def empty(cls, kv_blocks_total: int) -> EngineStats:
         """Before the first step: every counter and gauge 0."""
         values: dict[str, Any] = {f.name: 0 for f in fields(cls)}
-        values.update(computed_tokens_by_tenant={}, swap_copy_seconds=0.0, kv_blocks_total=kv_blocks_total)
+        values.update(
+            computed_tokens_by_tenant={},
+            swap_copy_seconds=0.0,
+            kv_blocks_total=kv_blocks_total,
+            spec_decode_num_accepted_tokens_per_pos=(),
+        )
         return cls(**values)
 
 
@@ -169,6 +186,9 @@ class EngineCore:
         grammars = GrammarCompiler(loaded.tokenizer, self.model_config.vocab_size, eos, config.structured_outputs)
         self.structured = StructuredOutputManager(grammars)
         self._failed_on_arrival: dict[str, Exception] = {}
+        spec = config.speculative.speculative_config
+        self.proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        self.gate = SpeculationGate(spec is None or spec.dynamic)
         # Prompt logprobs by prompt token index, gathered chunk by chunk until the request's first token.
         self._prompt_logprobs: dict[str, dict[int, SampledToken]] = {}
 
@@ -379,42 +399,83 @@ class EngineCore:
         result = self.runner.execute(output.scheduled, grammar)
         seconds = time.perf_counter() - started
         self.preemptor.observe_step(output.num_batched_tokens, seconds)
+        self.gate.observe_step(output.num_batched_tokens, seconds)
         outputs += [self.fail(rid, error) for rid, error in result.failed.items() if rid in self.scheduler.requests]
         for request_id, entries in result.prompt_logprobs.items():
             if request_id in self.scheduler.requests:  # a recomputed chunk overwrites; a failed request keeps none
                 self._prompt_logprobs.setdefault(request_id, {}).update(entries)
         sampled = result.sampled
-        advanced = self.scheduler.update_from_output(output, {rid: s.token_id for rid, s in sampled.items()})
-        outputs += [self._advanced(request, sampled[request.request_id]) for request in advanced]
-        decode_tokens = sum(1 for s in output.scheduled if s.num_tokens == 1)
+        tokens = {rid: [t.token_id for t in new] for rid, new in sampled.items()}
+        advanced = self.scheduler.update_from_output(output, tokens)
+        self._observe_verifications(output, tokens)
+        outputs += [self._advanced(request, sampled[request.request_id][:kept]) for request, kept in advanced]
+        if self.proposer is not None:
+            self._propose_drafts(output.num_batched_tokens)
+        decode_tokens = sum(s.num_tokens for s in output.scheduled if not s.is_prefill)  # drafts too
         stats = StepStats(output.num_batched_tokens - decode_tokens, decode_tokens, len(output.preempted), seconds)
         return EngineCoreOutputs(outputs, stats)
 
-    def _advanced(self, request: Request, new_token: SampledToken) -> EngineCoreOutput:
-        """The output of a request that got a token: its grammar advanced (and finished, if done), its prompt
+    # ---- speculative decoding -------------------------------------------------------------------------------
+
+    def _observe_verifications(self, output: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
+        for item in output.scheduled:
+            request_id = item.request.request_id
+            if item.draft_token_ids and request_id in tokens:
+                self.gate.observe_verification(request_id, len(item.draft_token_ids), len(tokens[request_id]) - 1)
+
+    def _propose_drafts(self, num_step_tokens: int) -> None:
+        """Draft tokens for each running request whose next step is a decode, where speculating may pay."""
+        assert self.proposer is not None
+        for request in self.scheduler.running:
+            limit = self._draft_limit(request)
+            if limit > 0 and self.gate.allows(request.request_id, num_step_tokens):
+                prompt, output = request.prompt_token_ids, request.output_token_ids
+                request.spec_token_ids = self.proposer.propose(request.request_id, prompt, output, limit)
+
+    def _draft_limit(self, request: Request) -> int:
+        """How many drafts a request may verify next step: none while it prefills, or when its grammar, penalties
+        or a sequence cap would make a later draft's row depend on an unverified one; never past max_tokens or
+        max_model_len."""
+        params = request.sampling_params
+        if (
+            request.num_tokens - request.num_computed_tokens != 1
+            or request.request_id in self.structured
+            or params.uses_penalties
+        ):
+            return 0
+        return min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+
+    def _advanced(self, request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:
+        """The output of a request that got tokens: its grammar advanced (and finished, if done), its prompt
         logprobs attached with its first token, and what it held released if it finished."""
         if request.request_id in self.structured and not request.finished:
+            assert len(new_tokens) == 1, "a structured request gets no drafts"
             try:
-                if self.structured.accept(request.request_id, new_token.token_id):
+                if self.structured.accept(request.request_id, new_tokens[0].token_id):
                     self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
             except Exception as error:
                 return self.fail(request.request_id, error)
-        output = self._output_of(request, [new_token])
+        output = self._output_of(request, new_tokens)
         if request.request_id in self._prompt_logprobs:
             output.prompt_logprobs = self._gathered_prompt_logprobs(request)
         if request.finished:
-            self._release(request.request_id)
+            self._release(request)
         return output
 
     def _ended(self, request: Request) -> EngineCoreOutput:
-        self._release(request.request_id)
+        self._release(request)
         return self._output_of(request, [])
 
-    def _release(self, request_id: str) -> None:
-        """Drops what the runner, the grammar matcher and the prompt logprobs keep of a finished request."""
+    def _release(self, request: Request) -> None:
+        """Drops what the runner, the grammar matcher, the prompt logprobs and the proposer keep of a finished
+        request (a suffix proposer keeps its output for the requests that follow)."""
+        request_id = request.request_id
         self.runner.release(request_id)
         self.structured.remove(request_id)
         self._prompt_logprobs.pop(request_id, None)
+        self.gate.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.finished(request_id, request.output_token_ids)
 
     def _gathered_prompt_logprobs(self, request: Request) -> list[SampledToken]:
         entries = self._prompt_logprobs.pop(request.request_id)
@@ -482,6 +543,10 @@ class EngineCore:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) - swap.num_swapped_requests,
             num_swapped=swap.num_swapped_requests,
+            spec_decode_num_drafts=s.spec.num_drafts,
+            spec_decode_num_draft_tokens=s.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(s.spec.accepted_per_position),
         )
 
 

@@ -48,14 +48,18 @@ class OutputProcessor:
         state = self._states[output.request_id]
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = [None, *(_logprob_entry(token) for token in output.prompt_logprobs)]
+        # Token by token: a step may bring several (speculative decoding), and a stop string completed by one of
+        # them ends the request there, its later tokens dropped, as if they had come one step at a time.
         for token in output.new_tokens:
             state.output_token_ids.append(token.token_id)
             state.detokenizer.add(token.token_id)
             if state.logprobs is not None and token.logprob is not None:
                 state.logprobs.append(_logprob_entry(token))
-        if output.finished or not state.params.stop:
-            return None
-        return self._completed_stop(state)
+            if not output.finished and state.params.stop:
+                stop = self._completed_stop(state)
+                if stop is not None:
+                    return stop
+        return None
 
     def make_output(self, output: EngineCoreOutput) -> RequestOutput:
         """The request's RequestOutput after this core output; a finished request's state is dropped."""

@@ -44,14 +44,14 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # the row of each sampled request's last token
+    sample_rows: torch.Tensor  # the rows of each sampled request's last token and its drafts, request by request
     sampled_items: list[ScheduledRequest]
     prompt_chunks: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # (chunk, its first row)
 
 
 @dataclass
 class StepResult:
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)  # one token, or with drafts those kept
     failed: dict[str, Exception] = field(default_factory=dict)  # requests whose sampling raised
     # Per request asking for prompt logprobs: prompt token index -> that token's logprob and the top alternatives.
     prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
@@ -172,21 +172,33 @@ class ModelRunner:
         if not inputs.sampled_items:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        items = inputs.sampled_items
+        first_rows = np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])
         if grammar is not None:
-            row_of = {item.request.request_id: row for row, item in enumerate(inputs.sampled_items)}
+            row_of = {item.request.request_id: int(row) for item, row in zip(items, first_rows, strict=False)}
+            drafted = {item.request.request_id for item in items if item.draft_token_ids}
+            assert not drafted & set(grammar.request_ids), "a structured request gets no drafts: its mask is one row"
             mask_disallowed(logits, [row_of[rid] for rid in grammar.request_ids], grammar.bitmask)
         try:
-            tokens = self.sampler(logits, self._sampling_batch(inputs.sampled_items))
-            result.sampled = {item.request.request_id: t for item, t in zip(inputs.sampled_items, tokens, strict=True)}
+            result.sampled = dict(
+                zip((item.request.request_id for item in items), self._sample(logits, items), strict=True)
+            )
         except Exception:
-            # Something in the batch raised: sample row by row to find whose it was.
-            for row, item in enumerate(inputs.sampled_items):
+            # Something in the batch raised: sample request by request to find whose it was.
+            for item, lo, hi in zip(items, first_rows[:-1], first_rows[1:], strict=True):
                 request_id = item.request.request_id
                 try:
-                    result.sampled[request_id] = self.sampler(logits[row : row + 1], self._sampling_batch([item]))[0]
+                    result.sampled[request_id] = self._sample(logits[int(lo) : int(hi)], [item])[0]
                 except Exception as error:
                     result.failed[request_id] = error
         return result
+
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> list[list[SampledToken]]:
+        """Each request's new tokens: one sampled, or its drafts verified (the accepted ones and one more)."""
+        batch = self._sampling_batch(items)
+        if any(item.draft_token_ids for item in items):
+            return self.sampler.verify(logits, batch, [item.draft_token_ids for item in items])
+        return [[token] for token in self.sampler(logits, batch)]
 
     @torch.inference_mode()
     def forward_only(self, scheduled: list[ScheduledRequest]) -> None:
@@ -318,7 +330,12 @@ class ModelRunner:
         input_ids = np.fromiter((t for s in ordered for t in s.token_ids), dtype=np.int64)
         positions, slot_mapping = self._positions_and_slots(ordered, len(input_ids))
         ends = np.cumsum([s.num_tokens for s in ordered])
-        sample_rows = [int(end) - 1 for s, end in zip(ordered, ends, strict=True) if s.sample]
+        sample_rows = [
+            row
+            for s, end in zip(ordered, ends, strict=True)
+            if s.sample
+            for row in range(int(end) - 1 - len(s.draft_token_ids), int(end))
+        ]
         prompt_chunks = [
             (s, int(end) - s.num_tokens)
             for s, end in zip(ordered, ends, strict=True)

@@ -88,20 +88,102 @@ class Sampler:
         logits = filter_top_k_top_p_min_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
         # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) draws from p.
-        noise = torch.empty_like(probs)
-        # Rows with a seed of their own draw from it; the others in one launch from the engine's generator (a
-        # launch per row cost a GPU step hundreds of launches at large batches).
-        unseeded = [row for row, generator in enumerate(batch.generators) if generator is None]
-        if len(unseeded) == len(batch.generators):
+        sampled = row_argmax(probs / self._exponential_noise(probs, batch.generators))
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    def _exponential_noise(self, like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Exp(1) noise per row: rows with a seed of their own draw from it, the others in one launch from the
+        engine's generator (a launch per row cost a GPU step hundreds of launches at large batches)."""
+        noise = torch.empty_like(like)
+        unseeded = [row for row, generator in enumerate(generators) if generator is None]
+        if len(unseeded) == len(generators):
             noise.exponential_(generator=self.generator)
         elif unseeded:
-            rows = torch.tensor(unseeded, device=probs.device)
-            noise[rows] = torch.empty_like(probs[rows]).exponential_(generator=self.generator)
-        for row, generator in enumerate(batch.generators):
+            rows = torch.tensor(unseeded, device=like.device)
+            noise[rows] = torch.empty_like(like[rows]).exponential_(generator=self.generator)
+        for row, generator in enumerate(generators):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
-        sampled = row_argmax(probs / noise)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return noise
+
+    @torch.no_grad()
+    def verify(self, logits: torch.Tensor, batch: SamplingBatch, drafts: list[list[int]]) -> list[list[SampledToken]]:
+        """Verifies each request's draft tokens against the model and returns the tokens it keeps: the accepted
+        drafts and one more (the correction at the first rejection, or a bonus token after the last draft).
+
+        ``logits`` has len(drafts[i]) + 1 rows per request, in order: row j predicts the token after draft j - 1.
+        Greedy rows accept a draft that is the argmax, so their tokens are those of plain decoding. Other rows use
+        rejection sampling (Leviathan et al., 2023) with a draft distribution that is one point (the proposers are
+        deterministic): draft d is accepted with probability p(d), and a rejected one is replaced by a draw from p
+        without d, renormalised; so every kept token is distributed as p, the distribution plain sampling draws
+        from (temperature, top-k, top-p and min-p applied). Penalties are not applied here: requests that use them
+        get no drafts.
+        """
+        counts = [len(d) + 1 for d in drafts]
+        assert sum(counts) == logits.shape[0], "one row per draft token and one more per request"
+        assert not any(p.uses_penalties for p in batch.params), "penalties depend on the tokens before each row"
+        rows = _expand_batch(batch, counts)
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if rows.max_logprobs is not None else None
+        row_drafts = [token for d in drafts for token in (*d, -1)]  # -1: the row after the last draft
+        draft_ids = torch.tensor(row_drafts, device=logits.device)
+        tokens = row_argmax(logits)
+        accepted = tokens == draft_ids
+        if not rows.all_greedy:
+            tokens, accepted = self._rejection_sample(logits, rows, draft_ids, tokens, accepted)
+        token_list, accepted_list = tokens.tolist(), accepted.tolist()
+        kept_rows: list[list[int]] = []
+        first = 0
+        for d in drafts:
+            run = 0
+            while run < len(d) and accepted_list[first + run]:
+                run += 1
+            kept_rows.append(list(range(first, first + run + 1)))
+            first += len(d) + 1
+        kept_tokens = [[*d[: len(r) - 1], token_list[r[-1]]] for d, r in zip(drafts, kept_rows, strict=True)]
+        flat_rows = [row for r in kept_rows for row in r]
+        flat_tokens = [t for ts in kept_tokens for t in ts]
+        results = self._results(
+            torch.tensor(flat_tokens, device=logits.device),
+            None if raw_logprobs is None else raw_logprobs[torch.tensor(flat_rows, device=logits.device)],
+            _select_rows(rows, flat_rows),
+        )
+        grouped, at = [], 0
+        for r in kept_rows:
+            grouped.append(results[at : at + len(r)])
+            at += len(r)
+        return grouped
+
+    def _rejection_sample(
+        self,
+        logits: torch.Tensor,
+        rows: SamplingBatch,
+        draft_ids: torch.Tensor,
+        greedy_tokens: torch.Tensor,
+        greedy_accepted: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token if its draft is rejected (or its bonus token), and whether its draft is accepted."""
+        params = rows.params
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+        probs = torch.softmax(filter_top_k_top_p_min_p(logits / temperature.unsqueeze(1), params), dim=-1)
+        has_draft = draft_ids >= 0
+        index = draft_ids.clamp(min=0).unsqueeze(1)
+        draft_prob = probs.gather(1, index).squeeze(1) * has_draft
+        uniform = self._uniform(len(params), rows.generators, logits.device)
+        accepted = uniform < draft_prob
+        # p without the draft token: argmax(p / E) draws from p renormalised, whatever the scale.
+        residual = probs.scatter(1, index, torch.zeros_like(draft_prob).unsqueeze(1))
+        residual = torch.where(has_draft.unsqueeze(1), residual, probs)  # a bonus row draws from p itself
+        sampled = row_argmax(residual / self._exponential_noise(residual, rows.generators))
+        return torch.where(greedy, greedy_tokens, sampled), torch.where(greedy, greedy_accepted, accepted)
+
+    def _uniform(self, num_rows: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+        values = torch.rand(num_rows, generator=self.generator, device=device)
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                values[row] = torch.rand((), generator=generator, device=device)
+        return values
 
     def _results(
         self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch
@@ -168,3 +250,20 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams])
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+_BATCH_FIELDS = ("params", "generators", "prompt_token_ids", "output_token_ids")
+
+
+def _select_rows(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
+    return SamplingBatch(*([getattr(batch, f)[row] for row in rows] for f in _BATCH_FIELDS))
+
+
+def _expand_batch(batch: SamplingBatch, counts: list[int]) -> SamplingBatch:
+    """One entry per logits row: each request's settings repeated over its rows."""
+    return SamplingBatch(
+        *(
+            [value for value, count in zip(getattr(batch, f), counts, strict=True) for _ in range(count)]
+            for f in _BATCH_FIELDS
+        )
+    )
