@@ -12,7 +12,15 @@ import pytest
 from server_process import ServerProcess
 
 from tokenloom.bench.loadgen import arrival_offsets, burst_aligned
-from tokenloom.bench.scorecard import SCORECARD_KEYS, SCORECARD_NOTES, SLO, RequestRecord, percentile, scorecard
+from tokenloom.bench.scorecard import (
+    SCORECARD_KEYS,
+    SCORECARD_NOTES,
+    SCORECARD_SPECULATION,
+    SLO,
+    RequestRecord,
+    percentile,
+    scorecard,
+)
 from tokenloom.bench.server_metrics import histogram_quantile, parse
 from tokenloom.bench.trace import make_trace, read_trace, write_trace
 
@@ -73,7 +81,7 @@ def test_percentile_and_goodput_arithmetic():
         RequestRecord("d", 0, 200, ttft=0.2, e2e=0.5, output_tokens=5, cancelled=True),
     ]
     card = scorecard(records, duration=10.0, offered_req_s=0.4, slo=SLO.parse("ttft=1,e2e=5"), cost_per_hour=3.6)
-    assert set(card) == {*SCORECARD_KEYS, *SCORECARD_NOTES}
+    assert set(card) == {*SCORECARD_KEYS, *SCORECARD_NOTES, *SCORECARD_SPECULATION}
     assert card["completed_req_s"] == pytest.approx(0.2)  # a and b; d was cancelled
     assert card["output_tok_s"] == pytest.approx(3.5)
     assert card["error_rate"] == pytest.approx(0.25)
@@ -144,7 +152,7 @@ def test_a_real_run_fills_the_scorecard_and_cancels_server_side(bench_server, tm
     assert result.returncode == 0, result.stderr
     run = json.loads(out.read_text())
     card = run["scorecard"]
-    assert set(card) == {*SCORECARD_KEYS, *SCORECARD_NOTES}
+    assert set(card) == {*SCORECARD_KEYS, *SCORECARD_NOTES, *SCORECARD_SPECULATION}
     assert all(card[key] is not None for key in SCORECARD_KEYS), card
     assert card["error_rate"] == 0 and card["completed_req_s"] > 0
     assert len(run["records"]) == 16 and sum(r["cancelled"] for r in run["records"]) == cancelled

@@ -7,6 +7,7 @@ position, the bonus token) then runs often. The real proposers are tested on the
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -278,3 +279,36 @@ def test_ngram_speculation_on_the_real_model_copies_a_passage_with_the_same_toke
     stats = spec.stats()
     assert stats.spec_decode_num_accepted_tokens > 0.5 * stats.spec_decode_num_draft_tokens
     assert stats.num_steps < 48 / 2
+
+
+def test_the_server_speculates_through_the_core_process_and_counts_it_in_metrics(tiny_chat_model):
+    """The tiny chat model repeats itself, so n-gram drafts are accepted; replies equal those of plain decoding,
+    streamed chunks carry the usage so far (vLLM's continuous_usage_stats), and /metrics counts the drafts."""
+    import json
+
+    import httpx
+    import openai
+    from server_process import ServerProcess
+
+    messages = [{"role": "user", "content": "Say time time time time time"}]
+    (plain,) = LLM(str(tiny_chat_model), dtype="float32").chat([messages], SamplingParams(temperature=0, max_tokens=30))
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2, "dynamic": False})
+    args = ("--model", str(tiny_chat_model), "--served-model-name", "tiny", "--core-process")
+    with ServerProcess(*args, "--speculative-config", spec) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0, n=2)
+        assert [c.message.content for c in reply.choices] == [plain.outputs[0].text] * 2
+        body = {
+            "messages": messages, "max_tokens": 30, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }  # fmt: skip
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+            chunks = [json.loads(line[5:]) for line in response.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert text == plain.outputs[0].text
+        counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+        assert counts == sorted(counts) and counts[-1] == chunks[-1]["usage"]["completion_tokens"] == 30
+        assert max(b - a for a, b in itertools.pairwise(counts)) > 1, "a chunk carried several tokens"
+        accepted = server.metric("tokenloom:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted <= server.metric("tokenloom:spec_decode_num_draft_tokens_total")
+        assert server.metric('tokenloom:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0

@@ -28,6 +28,7 @@ COLUMNS = [
     ("output_tok_s", "out tok/s", "{:.1f}"),
     ("ttft_p50_s", "TTFT p50", "{:.2f}"),
     ("ttft_p95_s", "TTFT p95", "{:.2f}"),
+    ("itl_p50_s", "ITL p50", "{:.3f}"),
     ("itl_p95_s", "ITL p95", "{:.3f}"),
     ("e2e_p95_s", "E2E p95", "{:.2f}"),
     ("queue_time_p95_s", "queue p95", "{:.2f}"),

@@ -52,7 +52,8 @@ async def send_one(client: httpx.AsyncClient, model: str | None, request: TraceR
         "messages": request.messages,
         "max_tokens": request.max_tokens,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # Usage in every chunk (vLLM's option): a chunk may carry several tokens (speculative decoding).
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "temperature": 0,
     }
     if model:
@@ -60,7 +61,7 @@ async def send_one(client: httpx.AsyncClient, model: str | None, request: TraceR
     if request.priority:
         body["priority"] = request.priority
     sent = time.perf_counter()
-    last = None
+    last, tokens_seen = None, 0
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             record.status = response.status_code
@@ -74,19 +75,23 @@ async def send_one(client: httpx.AsyncClient, model: str | None, request: TraceR
                 if "error" in chunk:
                     record.error = chunk["error"].get("message", "error")
                     break
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or []
                 # A chunk with content carries a token, its text maybe empty (the first half of a character):
-                # TTFT and the gaps are timed on it, as vLLM's benchmark times them.
+                # TTFT and the gaps are timed on it, as vLLM's benchmark times them. A chunk that carries k tokens
+                # (its usage says so) counts k inter-token gaps of a k-th of its wait each: the latency per token.
                 if choices and choices[0].get("delta", {}).get("content") is not None:
                     now = time.perf_counter()
+                    carried = max(1, (chunk.get("usage") or {}).get("completion_tokens", tokens_seen + 1) - tokens_seen)
+                    tokens_seen += carried
                     if last is None:
                         record.ttft = now - sent
-                    else:
-                        record.token_gaps.append(now - last)
+                        carried -= 1
+                    if carried and last is not None:
+                        record.token_gaps.extend([(now - last) / carried] * carried)
                     last = now
-                    record.output_tokens = max(record.output_tokens, len(record.token_gaps) + 1)
+                    record.output_tokens = max(record.output_tokens, tokens_seen)
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
                     if request.cancel_after_tokens and len(record.token_gaps) + 1 >= request.cancel_after_tokens:
                         record.cancelled = True
                         break

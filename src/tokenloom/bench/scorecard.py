@@ -11,6 +11,7 @@ SCORECARD_KEYS = (
     "output_tok_s",
     "ttft_p50_s",
     "ttft_p95_s",
+    "itl_p50_s",
     "itl_p95_s",
     "e2e_p95_s",
     "queue_time_p95_s",
@@ -22,6 +23,8 @@ SCORECARD_KEYS = (
     "cost_per_1k_accepted",
 )
 SCORECARD_NOTES = ("memory_scope",)  # what a figure covers, beside the figures
+# Figures only some runs have (None otherwise): speculative decoding's, from the server's counters.
+SCORECARD_SPECULATION = ("spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length")
 
 
 @dataclass
@@ -102,6 +105,7 @@ def scorecard(
         "output_tok_s": sum(r.output_tokens for r in records if r.ok) / duration if duration > 0 else 0.0,
         "ttft_p50_s": percentile([r.ttft for r in done if r.ttft is not None], 50),
         "ttft_p95_s": percentile([r.ttft for r in done if r.ttft is not None], 95),
+        "itl_p50_s": percentile(gaps, 50),
         "itl_p95_s": percentile(gaps, 95),
         "e2e_p95_s": percentile([r.e2e for r in done if r.e2e is not None], 95),
         "queue_time_p95_s": server.get("queue_time_p95_s"),
@@ -112,4 +116,5 @@ def scorecard(
         "prefix_cache_hit_rate": server.get("prefix_cache_hit_rate"),
         "goodput_req_s": len(accepted) / duration if duration > 0 else 0.0,
         "cost_per_1k_accepted": cost,
+        **{key: server.get(key) for key in SCORECARD_SPECULATION},
     }

@@ -76,7 +76,7 @@ def server_figures(before: dict | None, after: dict | None, samples: list[dict])
     if not before or not after:
         return {
             "queue_time_p95_s": None, "preemptions": None, "memory_high_water_bytes": None, "memory_scope": None,
-            "prefix_cache_hit_rate": None,
+            "prefix_cache_hit_rate": None, **_speculation({}, {}),
         }  # fmt: skip
     preempt_before, preempt_after = _find(before, "num_preemptions_total"), _find(after, "num_preemptions_total")
     return {
@@ -85,6 +85,22 @@ def server_figures(before: dict | None, after: dict | None, samples: list[dict])
         "memory_high_water_bytes": _memory_high_water([before, *samples, after]),
         "memory_scope": _memory_scope(after),
         "prefix_cache_hit_rate": _prefix_cache_hit_rate(before, after),
+        **_speculation(before, after),
+    }
+
+
+def _speculation(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Speculative decoding over the run (vLLM's counters): accepted draft tokens over drafted ones, and the
+    tokens a verified draft run yields on average (its accepted drafts and one more); None where none ran."""
+
+    def delta(name: str) -> float:
+        return (_find(after, name) or 0.0) - (_find(before, name) or 0.0)
+
+    drafts, tokens = delta("spec_decode_num_drafts_total"), delta("spec_decode_num_draft_tokens_total")
+    accepted = delta("spec_decode_num_accepted_tokens_total")
+    return {
+        "spec_decode_acceptance_rate": accepted / tokens if tokens > 0 else None,
+        "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts > 0 else None,
     }
 
 

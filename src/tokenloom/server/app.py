@@ -47,6 +47,7 @@ from tokenloom.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    StreamOptions,
     TokenizeRequest,
     TokenizeResponse,
     Usage,
@@ -462,9 +463,9 @@ async def _generate(
     prompt_tokens = sum(len(p) for p in prompts)
     async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, lease):
         if body.stream:
-            usage = body.stream_options.include_usage if body.stream_options else False
+            options = body.stream_options or StreamOptions()
             chunks = _envelopes(
-                shape, streams, logprobs is not None, request_id, created, state.model_name, prompt_tokens, usage
+                shape, streams, logprobs is not None, request_id, created, state.model_name, prompt_tokens, options
             )
             return await _sse(chunks, lease.transfer(), raw.receive)
         finals = await _collect(streams, raw.receive)
@@ -481,14 +482,16 @@ async def _envelopes(
     created: int,
     model: str,
     prompt_tokens: int,
-    include_usage: bool,
+    options: StreamOptions,
 ) -> AsyncGenerator[dict[str, Any]]:
-    """Each chunk of every choice as it comes; then, if asked, the usage of all of them."""
+    """Each chunk of every choice as it comes (with the usage so far, under continuous_usage_stats); then, if asked,
+    the usage of all of them."""
     latest: dict[int, RequestOutput] = {}
     async for index, choice, output in _merged(shape, streams, logprobs):
         latest[index] = output
-        yield _envelope(request_id, shape.chunk_object, created, model, [{**choice, "index": index}])
-    if include_usage and latest:
+        usage = _usage(prompt_tokens, list(latest.values())).model_dump() if options.continuous_usage_stats else None
+        yield _envelope(request_id, shape.chunk_object, created, model, [{**choice, "index": index}], usage)
+    if options.include_usage and latest:
         usage = _usage(prompt_tokens, list(latest.values())).model_dump()
         yield _envelope(request_id, shape.chunk_object, created, model, [], usage)
 

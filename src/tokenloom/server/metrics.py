@@ -85,6 +85,12 @@ class ServerMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed per engine step.", buckets=_STEP_TOKEN_BUCKETS
         )
+        self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (speculative decoding).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.", ("position",)
+        )
         self.success = counter("request_success", "Finished requests.", ("finished_reason",))
         self.rejected = counter("requests_rejected", "Requests refused at admission.", ("reason", "tenant"))
         self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
@@ -183,6 +189,7 @@ class ServerMetrics:
             self.prefix_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
             self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
             self.prompt_tokens_cached.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+            self._count_speculation(stats, last)
             step_tokens = stats.computed_tokens - last.computed_tokens
             if step_tokens > 0:
                 self.iteration_tokens.observe(step_tokens)
@@ -192,6 +199,16 @@ class ServerMetrics:
                 self._observe(output, now)
             if now - self._last_log[0] >= self._log_every:
                 self._log_throughput(now, stats)
+
+    def _count_speculation(self, stats: EngineStats, last: EngineStats) -> None:
+        self.spec_drafts.inc(stats.spec_decode_num_drafts - last.spec_decode_num_drafts)
+        self.spec_draft_tokens.inc(stats.spec_decode_num_draft_tokens - last.spec_decode_num_draft_tokens)
+        self.spec_accepted.inc(stats.spec_decode_num_accepted_tokens - last.spec_decode_num_accepted_tokens)
+        before = last.spec_decode_num_accepted_tokens_per_pos
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            previous = before[position] if position < len(before) else 0
+            if count > previous:
+                self.spec_accepted_per_pos.labels(position=str(position), **self._common).inc(count - previous)
 
     def _log_throughput(self, now: float, stats: EngineStats) -> None:
         """The periodic line an operator reads, as vLLM prints it; quiet while nothing happens."""
@@ -205,7 +222,7 @@ class ServerMetrics:
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
             "Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
-            "Preemptions: %d",
+            "Preemptions: %d%s",
             (stats.prompt_tokens - before.prompt_tokens) / elapsed,
             (stats.generated_tokens - before.generated_tokens) / elapsed,
             stats.num_running,
@@ -214,6 +231,7 @@ class ServerMetrics:
             100 * stats.kv_blocks_in_use / stats.kv_blocks_total,
             100 * hits / queries if queries else 0.0,
             stats.num_preemptions,
+            _speculation_line(stats, before),
         )
 
     def _observe(self, output: RequestOutput, now: float) -> None:
@@ -255,6 +273,17 @@ class ServerMetrics:
     def render(self) -> bytes:
         self.tree_memory.set(process_tree_rss(os.getpid()))
         return generate_latest(self.registry)
+
+
+def _speculation_line(stats: EngineStats, before: EngineStats) -> str:
+    """The log line's tail under speculative decoding, as vLLM's: acceptance rate and mean accepted length."""
+    drafts = stats.spec_decode_num_drafts - before.spec_decode_num_drafts
+    if not drafts:
+        return ""
+    tokens = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    rate, length = 100 * accepted / tokens, 1 + accepted / drafts
+    return f", SpecDecoding: acceptance rate {rate:.1f}%, mean acceptance length {length:.2f}"
 
 
 def escape_label_value(value: str) -> str:

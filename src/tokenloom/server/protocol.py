@@ -65,6 +65,7 @@ class _Body(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk (a chunk may carry several tokens)
 
 
 class JSONSchemaFormat(_Strict):
