@@ -187,6 +187,7 @@ def window(**changes) -> Window:
         (dict(preemptions=12, kv_usage=0.97), "kv_pressure"),
         (dict(waiting_after=3, waiting_before=3, iteration_tokens=0, running=0), "idle_while_waiting"),
         (dict(error_rate=0.2), "errors"),
+        (dict(spec_draft_tokens=1000, spec_accepted_tokens=120), "speculation_rarely_accepted"),
     ],
 )
 def test_each_rule_fires_on_its_symptom(changes, rule):
@@ -216,6 +217,7 @@ def test_kv_pressure_says_what_an_8_bit_cache_would_hold():
 
 def test_healthy_snapshot_says_so():
     assert [f.rule for f in diagnose(window())] == ["healthy"]
+    assert [f.rule for f in diagnose(window(spec_draft_tokens=1000, spec_accepted_tokens=700))] == ["healthy"]
     at_cap = next(f for f in diagnose(window(waiting_before=1, waiting_after=4, running=8)))
     assert "--max-num-seqs" in at_cap.action
 

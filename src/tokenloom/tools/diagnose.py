@@ -47,6 +47,8 @@ class Window:
     max_num_seqs: int | None = None
     recompute_preemptions: float = 0.0  # of the preemptions, those whose KV was dropped to be computed again
     kv_cache: dict[str, Any] | None = None  # /version's kv_cache: its dtype, tokens, and tokens in 8 bits
+    spec_draft_tokens: float = 0.0  # speculative decoding: draft tokens verified, and of them accepted
+    spec_accepted_tokens: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -76,6 +78,8 @@ def window_from_metrics(
         e2e_p95=histogram_quantile(before, after, "e2e_request_latency_seconds", 0.95),
         max_num_seqs=(config or {}).get("max_num_seqs"),
         kv_cache=kv_cache,
+        spec_draft_tokens=delta("tokenloom:spec_decode_num_draft_tokens_total"),
+        spec_accepted_tokens=delta("tokenloom:spec_decode_num_accepted_tokens_total"),
     )
 
 
@@ -84,6 +88,7 @@ def window_from_run(run: dict[str, Any]) -> Window:
     records = run.get("records", [])
     server = (run.get("provenance") or {}).get("server_version") or {}
     config = server.get("engine_config") or {}
+    rate = card.get("spec_decode_acceptance_rate")
     return Window(
         seconds=0.0,
         waiting_before=0.0,
@@ -100,6 +105,9 @@ def window_from_run(run: dict[str, Any]) -> Window:
         error_rate=card.get("error_rate"),
         max_num_seqs=config.get("max_num_seqs"),
         kv_cache=server.get("kv_cache"),
+        # The run's acceptance rate, as accepted tokens per one draft token (the rules read only the rate).
+        spec_draft_tokens=0.0 if rate is None else 1.0,
+        spec_accepted_tokens=rate or 0.0,
     )
 
 
@@ -195,6 +203,25 @@ def idle_while_waiting(w: Window) -> Finding | None:
     return Finding("idle_while_waiting", "critical", evidence, action)
 
 
+POOR_ACCEPTANCE = 0.25
+
+
+def speculation_rarely_accepted(w: Window) -> Finding | None:
+    """Draft tokens cost a step's time whether accepted or not; few accepted means the traffic does not repeat
+    its context (n-gram lookup) or earlier outputs (suffix)."""
+    if w.spec_draft_tokens <= 0:
+        return None
+    rate = w.spec_accepted_tokens / w.spec_draft_tokens
+    if rate >= POOR_ACCEPTANCE:
+        return None
+    action = (
+        f"only {rate:.0%} of draft tokens were accepted: lower num_speculative_tokens in --speculative-config, "
+        "try the other method (suffix for repeated agent traffic, ngram for text that quotes its prompt), or "
+        "serve without speculation"
+    )
+    return Finding("speculation_rarely_accepted", "warning", {"acceptance_rate": round(rate, 3)}, action)
+
+
 def errors(w: Window) -> Finding | None:
     if w.error_rate is None or w.error_rate <= 0.01:
         return None
@@ -212,6 +239,7 @@ RULES = [
     queueing_dominates_latency,
     kv_pressure,
     idle_while_waiting,
+    speculation_rarely_accepted,
     errors,
 ]
 
