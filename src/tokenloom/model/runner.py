@@ -324,9 +324,11 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
-        # Decodes go first, shortest context first, so each decode group is one contiguous block of rows.
-        decodes = sorted((s for s in scheduled if s.num_tokens == 1), key=lambda s: s.start)
-        ordered = decodes + [s for s in scheduled if s.num_tokens > 1]
+        # Decodes go first, shortest context first, so each decode group is one contiguous block of rows. A request
+        # verifying drafts is a decode of several rows, row j reading the context up to its own token (all of the
+        # step's K and V are in the cache before any query reads it, so the rows see exactly a causal prefix).
+        decodes = sorted((s for s in scheduled if _is_decode(s)), key=lambda s: s.start)
+        ordered = decodes + [s for s in scheduled if not _is_decode(s)]
         input_ids = np.fromiter((t for s in ordered for t in s.token_ids), dtype=np.int64)
         positions, slot_mapping = self._positions_and_slots(ordered, len(input_ids))
         ends = np.cumsum([s.num_tokens for s in ordered])
@@ -353,8 +355,9 @@ class ModelRunner:
             meta.flat = self._flat_batch([(s.num_tokens, s.start + s.num_tokens, s.block_ids) for s in ordered])
             meta.num_splits = split_count(meta.flat, self.model.config.num_kv_heads, 32, self._target_programs)
         else:
-            for first, last in group_by_context_length([s.start + 1 for s in decodes]):
-                meta.decodes.append(self._decode_group(decodes[first:last], first))
+            rows = [(s.start + j + 1, s.block_ids) for s in decodes for j in range(s.num_tokens)]
+            for first, last in group_by_context_length([context for context, _ in rows]):
+                meta.decodes.append(self._decode_group(rows[first:last], first))
             for s, end in zip(ordered[len(decodes) :], ends[len(decodes) :], strict=True):
                 meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
         return ModelInputs(
@@ -403,18 +406,19 @@ class ModelRunner:
         table = np.asarray(block_ids[first : cdiv(end, self.block_size)], dtype=np.int64)
         return table[positions // self.block_size - first] * self.block_size + positions % self.block_size
 
-    def _decode_group(self, decodes: list[ScheduledRequest], row_start: int) -> DecodeGroup:
-        context_lens = np.array([s.start + 1 for s in decodes], dtype=np.int64)
+    def _decode_group(self, rows: list[tuple[int, list[int]]], row_start: int) -> DecodeGroup:
+        """Decode rows, each (its context length, its request's block ids), attended together."""
+        context_lens = np.array([context for context, _ in rows], dtype=np.int64)
         max_ctx = int(context_lens.max())
         num_blocks = cdiv(max_ctx, self.block_size)
-        tables = np.zeros((len(decodes), num_blocks), dtype=np.int64)
-        for row, s in enumerate(decodes):
-            used = s.block_ids[:num_blocks]
+        tables = np.zeros((len(rows), num_blocks), dtype=np.int64)
+        for row, (context, block_ids) in enumerate(rows):
+            used = block_ids[: cdiv(context, self.block_size)]
             tables[row, : len(used)] = used
         bias = None
         if not self.use_cpu_kernel:  # the operator reads exactly each context; the plain path pads and masks
             bias = self._bias(np.arange(max_ctx)[None, None, :] < context_lens[:, None, None])
-        return DecodeGroup(row_start, len(decodes), self._tensor(tables), self._tensor(context_lens), bias)
+        return DecodeGroup(row_start, len(rows), self._tensor(tables), self._tensor(context_lens), bias)
 
     def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
         ctx_len = s.start + s.num_tokens
@@ -480,6 +484,11 @@ def group_by_context_length(
         groups.append((first, last))
         last = first
     return groups[::-1]
+
+
+def _is_decode(s: ScheduledRequest) -> bool:
+    """One new token, or the last token and its drafts: rows that each attend to a context ending at themselves."""
+    return s.num_tokens == 1 + len(s.draft_token_ids)
 
 
 def check_kv_format(fmt: KVFormat | None, backend: str) -> None:
