@@ -12,7 +12,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-KINDS = ("chat", "long", "agent", "mixed")
+KINDS = ("chat", "long", "agent", "mixed", "rag")
 TOKENS_PER_WORD = 1.3
 
 _WORD_TEXT = """
@@ -116,6 +116,26 @@ def agent_requests(rng: random.Random, n: int, start: int = 0, num_prefixes: int
     return out
 
 
+def rag_requests(rng: random.Random, n: int, start: int = 0) -> list[TraceRequest]:
+    """Retrieval-augmented questions whose answers quote their passages: the text speculative decoding copies."""
+    system = {"role": "system", "content": "Answer from the passages. Quote the passage you use word for word."}
+    out = []
+    for i in range(n):
+        passages = [_text(rng, rng.randint(60, 160)) for _ in range(rng.randint(2, 4))]
+        chosen = rng.randrange(len(passages))
+        numbered = "\n\n".join(f"Passage {j + 1}: {p}" for j, p in enumerate(passages))
+        question = f"Quote passage {chosen + 1} exactly, then say in one sentence what it is about."
+        out.append(
+            TraceRequest(
+                id=f"rag-{start + i}",
+                kind="rag",
+                messages=[system, {"role": "user", "content": f"{numbered}\n\n{question}"}],
+                max_tokens=rng.randint(80, 200),
+            )
+        )
+    return out
+
+
 def make_trace(kind: str, num_requests: int, seed: int, mix: tuple[float, float, float] = (0.6, 0.2, 0.2)):
     """The same kind, size and seed give the same requests, byte for byte."""
     if kind not in KINDS:
@@ -127,6 +147,8 @@ def make_trace(kind: str, num_requests: int, seed: int, mix: tuple[float, float,
         return long_requests(rng, num_requests)
     if kind == "agent":
         return agent_requests(rng, num_requests)
+    if kind == "rag":
+        return rag_requests(rng, num_requests)
     counts = [round(num_requests * share / sum(mix)) for share in mix]
     counts[0] += num_requests - sum(counts)
     requests = chat_requests(rng, counts[0]) + long_requests(rng, counts[1]) + agent_requests(rng, counts[2])
