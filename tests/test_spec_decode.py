@@ -146,12 +146,37 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_there(tiny_chat_mode
     assert spec.stats().spec_decode_num_accepted_tokens > 0
 
 
-def test_structured_and_penalised_requests_get_no_drafts(tiny_llama, reference):
+def test_penalised_requests_get_no_drafts(tiny_llama, reference):
     work, _, answers = reference
     llm = with_proposer(LLM(str(tiny_llama), max_num_seqs=8), KnowingProposer(answers))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, presence_penalty=0.5)
     llm.generate(work, params, use_tqdm=False)
     assert llm.stats().spec_decode_num_drafts == 0
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"regex": r"[a-f]{3}-[0-9]{2,4}( [a-z]{1,6}){3}"},
+        {"json": {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                  "required": ["name", "n"]}},
+    ],
+)  # fmt: skip
+def test_structured_output_keeps_its_tokens_under_speculation(tiny_chat_model, spec):
+    """Each verification row is masked by the grammar's state after the drafts before it, and drafts the grammar
+    refuses are cut at proposal: the same greedy tokens as without speculation, and every reply matches."""
+    from tokenloom.sampling_params import StructuredOutputsParams
+
+    prompts = ["Give me a code", "Describe a cat", "List three words"]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(**spec))
+    plain = LLM(str(tiny_chat_model), max_num_seqs=4).generate(prompts, params, use_tqdm=False)
+    answers = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain}
+    llm = with_proposer(LLM(str(tiny_chat_model), max_num_seqs=4), KnowingProposer(answers, num_tokens=5))
+    fast = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(fast) == token_ids(plain)
+    assert [o.outputs[0].finish_reason for o in fast] == [o.outputs[0].finish_reason for o in plain]
+    stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.kv_blocks_in_use == 0
 
 
 def test_sampled_tokens_keep_the_distribution_at_temperature_one():

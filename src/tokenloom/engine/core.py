@@ -392,7 +392,7 @@ class EngineCore:
             return EngineCoreOutputs(outputs)
         started = time.perf_counter()
         grammar, grammar_failed = self.structured.grammar_mask(
-            [s.request.request_id for s in output.scheduled if s.sample]
+            [(s.request.request_id, s.draft_token_ids) for s in output.scheduled if s.sample]
         )
         # A request whose grammar failed is finished before the step; the step still computes its tokens, unused.
         outputs += [self.fail(request_id, error) for request_id, error in grammar_failed.items()]
@@ -430,18 +430,17 @@ class EngineCore:
             limit = self._draft_limit(request)
             if limit > 0 and self.gate.allows(request.request_id, num_step_tokens):
                 prompt, output = request.prompt_token_ids, request.output_token_ids
-                request.spec_token_ids = self.proposer.propose(request.request_id, prompt, output, limit)
+                drafts = self.proposer.propose(request.request_id, prompt, output, limit)
+                try:
+                    request.spec_token_ids = self.structured.valid_drafts(request.request_id, drafts)
+                except Exception:  # the matcher's own failure fails the request at its next mask, not here
+                    request.spec_token_ids = []
 
     def _draft_limit(self, request: Request) -> int:
-        """How many drafts a request may verify next step: none while it prefills, or when its grammar, penalties
-        or a sequence cap would make a later draft's row depend on an unverified one; never past max_tokens or
-        max_model_len."""
+        """How many drafts a request may verify next step: none while it prefills, or under penalties (a later
+        row's logits would depend on the unverified drafts before it); never past max_tokens or max_model_len."""
         params = request.sampling_params
-        if (
-            request.num_tokens - request.num_computed_tokens != 1
-            or request.request_id in self.structured
-            or params.uses_penalties
-        ):
+        if request.num_tokens - request.num_computed_tokens != 1 or params.uses_penalties:
             return 0
         return min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
 
@@ -449,10 +448,8 @@ class EngineCore:
         """The output of a request that got tokens: its grammar advanced (and finished, if done), its prompt
         logprobs attached with its first token, and what it held released if it finished."""
         if request.request_id in self.structured and not request.finished:
-            assert len(new_tokens) == 1, "a structured request gets no drafts"
             try:
-                if self.structured.accept(request.request_id, new_tokens[0].token_id):
-                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                new_tokens = self._advance_grammar(request, new_tokens)
             except Exception as error:
                 return self.fail(request.request_id, error)
         output = self._output_of(request, new_tokens)
@@ -461,6 +458,19 @@ class EngineCore:
         if request.finished:
             self._release(request)
         return output
+
+    def _advance_grammar(self, request: Request, new_tokens: list[SampledToken]) -> list[SampledToken]:
+        """Advances the request's matcher token by token; where its grammar ends (nothing may follow), the request
+        finishes and the tokens after that one (an accepted run's tail) are dropped."""
+        for kept, token in enumerate(new_tokens, 1):
+            if self.structured.accept(request.request_id, token.token_id):
+                dropped = len(new_tokens) - kept
+                if dropped:
+                    del request.output_token_ids[-dropped:]
+                    self.scheduler.stats.generated_tokens -= dropped
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                return new_tokens[:kept]
+        return new_tokens
 
     def _ended(self, request: Request) -> EngineCoreOutput:
         self._release(request)

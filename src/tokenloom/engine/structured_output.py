@@ -178,24 +178,71 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def grammar_mask(self, request_ids: Sequence[str]) -> tuple[GrammarMask | None, dict[str, Exception]]:
-        """The allowed next tokens of each of these requests that decodes under a grammar (None if none does), and
-        the requests whose matcher raised while filling its row (to be failed alone)."""
-        constrained = [rid for rid in request_ids if rid in self._matchers] if self._matchers else []
+    def grammar_mask(
+        self, sampled: Sequence[tuple[str, list[int]]]
+    ) -> tuple[GrammarMask | None, dict[str, Exception]]:
+        """The allowed next tokens of each (request, its drafts) that decodes under a grammar (None if none does),
+        and the requests whose matcher raised while filling its rows (to be failed alone).
+
+        A request verifying drafts gets a row for each position: its state now, then after each draft in turn
+        (accepted for the purpose and rolled back after). A draft the grammar refuses ends its rows: the row before
+        it forbids it, so it is rejected and no later row is read.
+        """
+        constrained = [(rid, drafts) for rid, drafts in sampled if rid in self._matchers] if self._matchers else []
         if not constrained:
             return None, {}
         import xgrammar
 
-        bitmask = xgrammar.allocate_token_bitmask(len(constrained), self.compiler.vocab_size)
-        filled: list[str] = []
+        num_rows = sum(1 + len(drafts) for _, drafts in constrained)
+        bitmask = xgrammar.allocate_token_bitmask(num_rows, self.compiler.vocab_size)
+        request_ids: list[str] = []
+        offsets: list[int] = []
         failed: dict[str, Exception] = {}
-        for request_id in constrained:
+        for request_id, drafts in constrained:
             try:
-                self._matchers[request_id].fill_next_token_bitmask(bitmask, len(filled))
-                filled.append(request_id)
+                rows = self._fill_rows(self._matchers[request_id], drafts, bitmask, len(request_ids))
             except Exception as error:
                 failed[request_id] = error
-        return (GrammarMask(filled, bitmask[: len(filled)]) if filled else None), failed
+                continue
+            request_ids += [request_id] * rows
+            offsets += range(rows)
+        if not request_ids:
+            return None, failed
+        return GrammarMask(request_ids, bitmask[: len(request_ids)], offsets), failed
+
+    @staticmethod
+    def _fill_rows(matcher: Any, drafts: list[int], bitmask: Any, first_row: int) -> int:
+        """Fills the request's rows from first_row; returns how many (1 + the drafts the grammar allows, less one
+        where the grammar ends at a draft)."""
+        matcher.fill_next_token_bitmask(bitmask, first_row)
+        rows, accepted = 1, 0
+        try:
+            for draft in drafts:
+                if not matcher.accept_token(draft):
+                    break
+                accepted += 1
+                if matcher.is_terminated():  # the grammar ends at this draft: the row after it is never read
+                    break
+                matcher.fill_next_token_bitmask(bitmask, first_row + rows)
+                rows += 1
+        finally:
+            if accepted:
+                matcher.rollback(accepted)
+        return rows
+
+    def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of the drafts the request's grammar allows (all of them without a grammar)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None or not drafts:
+            return drafts
+        accepted = 0
+        for draft in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(draft):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return drafts[:accepted]
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advances the request's matcher by its new token; True once its grammar is done (nothing may follow)."""

@@ -176,9 +176,8 @@ class ModelRunner:
         first_rows = np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])
         if grammar is not None:
             row_of = {item.request.request_id: int(row) for item, row in zip(items, first_rows, strict=False)}
-            drafted = {item.request.request_id for item in items if item.draft_token_ids}
-            assert not drafted & set(grammar.request_ids), "a structured request gets no drafts: its mask is one row"
-            mask_disallowed(logits, [row_of[rid] for rid in grammar.request_ids], grammar.bitmask)
+            rows = [row_of[rid] + offset for rid, offset in zip(grammar.request_ids, grammar.row_offsets(), strict=True)]
+            mask_disallowed(logits, rows, grammar.bitmask)
         try:
             result.sampled = dict(
                 zip((item.request.request_id for item in items), self._sample(logits, items), strict=True)

@@ -8,7 +8,7 @@ raw model distribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,10 +37,17 @@ class SamplingBatch:
 
 @dataclass
 class GrammarMask:
-    """The tokens each structured request may sample next: bit t of a row's 32-bit words allows token t."""
+    """The tokens each structured request may sample next: bit t of a row's 32-bit words allows token t.
+
+    Row i is for request request_ids[i] at its verification row offsets[i] (0: its next token; j: the token after
+    its j-th draft); a request without drafts has one row, offset 0."""
 
     request_ids: list[str]
     bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32
+    offsets: list[int] = field(default_factory=list)  # empty: every row at offset 0
+
+    def row_offsets(self) -> list[int]:
+        return self.offsets or [0] * len(self.request_ids)
 
 
 def mask_disallowed(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
