@@ -337,3 +337,14 @@ def test_the_server_speculates_through_the_core_process_and_counts_it_in_metrics
         accepted = server.metric("tokenloom:spec_decode_num_accepted_tokens_total")
         assert 0 < accepted <= server.metric("tokenloom:spec_decode_num_draft_tokens_total")
         assert server.metric('tokenloom:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') > 0
+
+
+def test_two_tensor_parallel_ranks_verify_the_same_drafts(tiny_llama, reference):
+    work, expected, answers = reference
+    llm = with_proposer(LLM(str(tiny_llama), max_num_seqs=8, tensor_parallel_size=2), KnowingProposer(answers))
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        assert token_ids(llm.generate(work, greedy, use_tqdm=False)) == expected
+        assert llm.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.shutdown()

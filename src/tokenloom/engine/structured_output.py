@@ -178,9 +178,7 @@ class StructuredOutputManager:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def grammar_mask(
-        self, sampled: Sequence[tuple[str, list[int]]]
-    ) -> tuple[GrammarMask | None, dict[str, Exception]]:
+    def grammar_mask(self, sampled: Sequence[tuple[str, list[int]]]) -> tuple[GrammarMask | None, dict[str, Exception]]:
         """The allowed next tokens of each (request, its drafts) that decodes under a grammar (None if none does),
         and the requests whose matcher raised while filling its rows (to be failed alone).
 

@@ -176,7 +176,9 @@ class ModelRunner:
         first_rows = np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])
         if grammar is not None:
             row_of = {item.request.request_id: int(row) for item, row in zip(items, first_rows, strict=False)}
-            rows = [row_of[rid] + offset for rid, offset in zip(grammar.request_ids, grammar.row_offsets(), strict=True)]
+            rows = [
+                row_of[rid] + offset for rid, offset in zip(grammar.request_ids, grammar.row_offsets(), strict=True)
+            ]
             mask_disallowed(logits, rows, grammar.bitmask)
         try:
             result.sampled = dict(
