@@ -203,6 +203,29 @@ def test_packed_linear_uses_our_operator_unless_the_cpu_has_amx(monkeypatch, amx
     torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=5e-2)
 
 
+def test_with_amx_a_small_batch_goes_to_our_operator_and_a_large_one_to_onednn(monkeypatch):
+    """Both layouts of one weight: steps of up to SMALL_BATCH_ROWS rows read ours, larger ones oneDNN's; the same
+    linear either way. Only models whose weights are small enough to hold twice keep both."""
+    needs_bf16_linear()
+    from tokenloom.model import prepack
+
+    monkeypatch.setattr(prepack, "cpu_has_amx", lambda: True)
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(96, 64, generator=g).bfloat16()
+    layer = prepack.PackedLinear(weight, None, small_batch=True)
+    assert layer.small is not None and layer.packed.is_mkldnn
+    used = []
+    own = prepack._own_linear
+    monkeypatch.setattr(prepack, "_own_linear", lambda *a: used.append(a[0].numel() // 64) or own(*a))
+    for rows in (1, prepack.SMALL_BATCH_ROWS, prepack.SMALL_BATCH_ROWS + 1, 64):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=5e-2)
+    assert used == [1, prepack.SMALL_BATCH_ROWS]
+    assert prepack.small_batch_copies_pay(1 << 20)
+    assert not prepack.small_batch_copies_pay(prepack.SMALL_BATCH_COPY_LIMIT + 1)
+    assert prepack.PackedLinear(weight, None).small is None
+
+
 @pytest.mark.parametrize("rows", [1, 6, 7, 64, 300])  # whole and partial register tiles of 6 rows
 @pytest.mark.parametrize("intermediate", [1536, 48])  # 48: an odd number of gate blocks, a tile of one pair at the end
 def test_gated_bf16_linear_matches_silu_of_gate_times_up(rows, intermediate, monkeypatch):

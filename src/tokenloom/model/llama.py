@@ -16,7 +16,7 @@ from tokenloom.model.attention import AttentionMetadata, paged_attention, write_
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.forward_context import layer_attention
 from tokenloom.model.parallel import SINGLE, TensorParallelGroup
-from tokenloom.model.prepack import PackedLinear, prepack_linears
+from tokenloom.model.prepack import PackedLinear, linear_weight_bytes, prepack_linears, small_batch_copies_pay
 from tokenloom.model.reductions import row_topk_indices
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
 
@@ -189,9 +189,12 @@ class CausalLM(nn.Module):
         """Every linear's weight (or the LM head's alone) into oneDNN's layout, once (see prepack.py); a tied LM
         head gets its own copy."""
         self._plain_head_weight = self._head_weight().detach()  # kept plain: the top logits are refined from it
+        head_bytes = self._plain_head_weight.numel() * self._plain_head_weight.element_size()
+        small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0))
         if layers:
-            prepack_linears(self.layers, gated=frozenset({"gate_up_proj"}))
-        self.lm_head = PackedLinear(self._plain_head_weight, None)  # a tied embedding stays, for lookups
+            prepack_linears(self.layers, gated=frozenset({"gate_up_proj"}), small_batch=small)
+        # A tied embedding stays, for lookups.
+        self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""

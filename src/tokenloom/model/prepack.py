@@ -26,6 +26,10 @@ from tokenloom.model.platform import cpu_has_amx
 
 DECODE_ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for: a full decode step
 PACK_BLOCK = 16  # output features per block of bf16_pack_weight's layout (kBlock in csrc/bf16_linear.cpp)
+# With AMX, oneDNN's tiles waste most of their rows on a step of a few: up to this many rows our kernel ran a
+# SmolLM2-135M step in half the time (benchmarks/RESULTS.md, "small-batch linears"), so layers keep both layouts.
+SMALL_BATCH_ROWS = 12
+SMALL_BATCH_COPY_LIMIT = 2 << 30  # the second layout costs the weights' bytes again: only for models this small
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,9 +44,24 @@ def _own_linear_available() -> bool:
     return not cpu_has_amx() and cpu_kernel.load_kernel() and cpu_kernel.has_operator("bf16_linear")
 
 
-def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _fits_own_layout(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     out_features, in_features = weight.shape
-    return bias is None and out_features % PACK_BLOCK == 0 and in_features % 2 == 0 and _own_linear_available()
+    return bias is None and out_features % PACK_BLOCK == 0 and in_features % 2 == 0
+
+
+def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return _fits_own_layout(weight, bias) and _own_linear_available()
+
+
+def small_batch_copies_pay(weight_bytes: int) -> bool:
+    """Whether linears also keep our layout for steps of few rows: with AMX (where oneDNN is the main path), our
+    operator built, and the weights small enough to hold twice."""
+    return (
+        weight_bytes <= SMALL_BATCH_COPY_LIMIT
+        and cpu_has_amx()
+        and cpu_kernel.load_kernel()
+        and cpu_kernel.has_operator("bf16_linear")
+    )
 
 
 _packed_weights: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -88,7 +107,10 @@ class PackedLinear(nn.Module):
     A gated one (``gated=True``, only on our path) holds a fused [gate; up] weight and returns silu(gate) * up,
     computed from the float32 sums before anything is rounded or written: half the output, one pass."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, small_batch: bool = False
+    ) -> None:
+        """small_batch: beside oneDNN's layout, keep ours for steps of up to SMALL_BATCH_ROWS rows."""
         super().__init__()
         plain = weight.detach().contiguous()
         self.own = _fits_own_linear(plain, bias)
@@ -101,6 +123,9 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.tokenloom.bf16_pack_weight(plain)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, DECODE_ROWS_HINT)
+        self.small: torch.Tensor | None = None
+        if small_batch and not self.own and _fits_own_layout(plain, bias):
+            self.small = torch.ops.tokenloom.bf16_pack_weight(plain)
         self.handle = next(_handles)  # numbered in build order: the same in every start, so compiled graphs cache
         _packed_weights[self.handle] = self.packed
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -110,16 +135,24 @@ class PackedLinear(nn.Module):
             return packed_linear(x, self.handle, self.bias, self.out_features)
         if self.own:
             return _own_linear(x, self.packed, self.out_features)
+        if self.small is not None and x.numel() <= SMALL_BATCH_ROWS * self.in_features:
+            return _own_linear(x, self.small, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def prepack_linears(model: nn.Module, gated: frozenset[str] = frozenset()) -> int:
+def prepack_linears(model: nn.Module, gated: frozenset[str] = frozenset(), small_batch: bool = False) -> int:
     """Replaces every nn.Linear under `model` by a PackedLinear; those named in `gated` (a fused [gate; up]
-    projection) return silu(gate) * up where our operator can (see PackedLinear.gated). Returns how many were packed."""
+    projection) return silu(gate) * up where our operator can (see PackedLinear.gated); small_batch as in
+    PackedLinear. Returns how many were packed."""
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias, gated=name in gated))
+                layer = PackedLinear(child.weight, child.bias, gated=name in gated, small_batch=small_batch)
+                setattr(parent, name, layer)
                 packed += 1
     return packed
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
