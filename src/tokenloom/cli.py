@@ -132,14 +132,21 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from tokenloom.server.launch import serve
-
+    """One server in this process, or N replicas behind Ray Serve's proxy (`--ray`)."""
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    server, engine = config_from_args(ServerConfig, args), engine_config_from_args(args)
+    if server.ray:
+        from tokenloom.replicas.ray_serve import serve_on_ray
+        from tokenloom.server.launch import configure_logging
 
-    return serve(config_from_args(ServerConfig, args), engine_config_from_args(args))
+        configure_logging(server)
+        return serve_on_ray(server, engine)
+    from tokenloom.server.launch import serve
+
+    return serve(server, engine)
 
 
 def main(argv: list[str] | None = None) -> int:

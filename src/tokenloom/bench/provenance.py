@@ -5,20 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from tokenloom.version import git_commit
 
-def git_commit() -> str:
-    """The short commit of the tokenloom checkout, or "unknown" outside one."""
-    with contextlib.suppress(OSError):
-        result = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        )
-        if result.returncode == 0 and result.stdout.strip():
-            return result.stdout.strip()
-    return "unknown"
+__all__ = ["git_commit", "machine_info"]
 
 
 def machine_info() -> dict[str, Any]:

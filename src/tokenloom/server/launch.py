@@ -16,7 +16,6 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from tokenloom.bench.provenance import git_commit
 from tokenloom.config import EngineConfig, ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.core_process import CoreProcessEngine
@@ -25,6 +24,7 @@ from tokenloom.server.app import build_app
 from tokenloom.server.connections import with_header_limits
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.tenants import load_tenants
+from tokenloom.version import git_commit
 
 ENGINE_DEATH_GRACE_S = 3.0  # after the engine dies, for the error events of what was in flight to leave
 ENGINE_DIED_EXIT_CODE = 1
@@ -114,13 +114,13 @@ def build_server(
     return app, front
 
 
-def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
-    """Serves with uvicorn in this process, or N replicas behind Ray Serve's proxy (`--ray`)."""
+def configure_logging(server: ServerConfig) -> None:
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if server.ray:
-        from tokenloom.replicas.ray_serve import serve_on_ray
 
-        return serve_on_ray(server, engine_config)
+
+def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
+    """Serves with uvicorn in this process (N replicas behind Ray Serve's proxy are replicas/ray_serve.py's)."""
+    configure_logging(server)
     app, front = build_server(server, engine_config)
     engine_died = threading.Event()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tokenloom.bench.server_metrics import histogram_quantile, parse
+from tokenloom.metrics_text import histogram_quantile, parse
 
 TTFT_TARGET_S = 2.0
 LONG_PROMPT_TOKENS = 1000
