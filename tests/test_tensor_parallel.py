@@ -152,3 +152,29 @@ def test_the_real_model_over_three_ranks_matches_one(real_model_dir):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     finally:
         llm.shutdown()
+
+
+def test_an_llm_frees_its_ranks_when_closed_or_dropped_so_another_can_start(tiny_llama):
+    """`with LLM(...)`, shutdown() and dropping the last reference each stop the workers and leave the process
+    group; a second engine while one still runs is refused with what to do."""
+    import gc
+
+    import torch.distributed as dist
+
+    path, expected = str(tiny_llama), None
+    with LLM(path, **PRESSURE, tensor_parallel_size=2) as llm:
+        expected = greedy_tokens(llm)
+    assert not dist.is_initialized()
+    dropped = LLM(path, **PRESSURE, tensor_parallel_size=2)
+    del dropped
+    gc.collect()
+    assert not dist.is_initialized()
+    running = LLM(path, **PRESSURE, tensor_parallel_size=2)
+    try:
+        with pytest.raises(RuntimeError, match="shutdown"):
+            LLM(path, **PRESSURE, tensor_parallel_size=2)
+        assert greedy_tokens(running) == expected  # the refused start left the running engine alone
+    finally:
+        running.shutdown()
+        running.shutdown()  # twice is fine
+    assert not dist.is_initialized()

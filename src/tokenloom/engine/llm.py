@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -19,14 +20,28 @@ Conversation = list[dict[str, str]]
 
 
 class LLM:
-    """Runs a model over a batch of prompts with continuous batching (or static, for comparison)."""
+    """Runs a model over a batch of prompts with continuous batching (or static, for comparison).
+
+    Under tensor parallelism it starts worker processes and joins torch.distributed's process group; ``shutdown()``
+    stops them, as does leaving a ``with LLM(...) as llm:`` block or dropping the last reference to the LLM (and
+    the interpreter's exit), so a later ``LLM(tensor_parallel_size=N)`` in the same process can start.
+    """
 
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
+        # Holds the engine, not the LLM: runs when the LLM is collected (or at exit), whoever forgot shutdown().
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
     def shutdown(self) -> None:
-        """Stops the engine's worker processes (tensor parallelism); the LLM serves nothing afterwards."""
-        self.engine.shutdown()
+        """Stops the engine's worker processes (tensor parallelism); the LLM serves nothing afterwards. Safe to
+        call more than once."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self) -> Tokenizer | None:

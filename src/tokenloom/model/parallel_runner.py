@@ -95,6 +95,11 @@ class TensorParallelWorkers:
     """Ranks 1..N-1: started, joined into the process group with this process as rank 0, and sent each step."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "another tensor-parallel engine in this process still holds torch.distributed's process group: "
+                "call its shutdown() (or create it as `with LLM(...) as llm:`) before starting a new one"
+            )
         self.spec = spec
         self._context = zmq.Context()
         # The ipc:// sockets live here; the directory goes at shutdown.
