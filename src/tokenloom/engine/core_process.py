@@ -2,11 +2,9 @@
 
 The API process tokenizes, runs the output processor (text, stop strings, logprobs) and serves HTTP; the core
 process loads the weights, schedules and runs the model, in a loop of its own that never waits on the API
-process. They talk over two ZeroMQ PUSH/PULL sockets on ipc:// paths, with pickled messages:
-
-    API -> core   ("add", Request) ("abort", id) ("finish", id, stop) ("fail", id, why) ("weights", {...})
-                  ("watch", "backlog" | "never_scheduled") ("shutdown",)
-    core -> API   ("ready", CoreInfo) | ("step", CoreReport) | ("died", traceback text)
+process. They talk over two ZeroMQ PUSH/PULL sockets on ipc:// paths, with the pickled messages of
+core_messages.py (API -> core: AddRequest, AbortRequest, FinishRequest, FailRequest, SetTenantWeights, WatchQueue,
+Shutdown; core -> API: CoreReady, CoreReport, CoreFailed).
 
 A request that ends on the API side (an abort, a stop string, a failure to detokenize) ends there at once; the
 core is told, and what it still sends for that request is dropped. If the core process dies, ``step`` raises
@@ -21,17 +19,30 @@ import os
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import zmq
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
-from tokenloom.core.scheduler import AdmissionLimits
 from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState, load_for_core
+from tokenloom.engine.core_messages import (
+    AbortRequest,
+    AddRequest,
+    CoreFailed,
+    CoreInfo,
+    CoreReady,
+    CoreReply,
+    CoreReport,
+    CoreRequest,
+    FailRequest,
+    FinishRequest,
+    QueueWalk,
+    SetTenantWeights,
+    Shutdown,
+    WatchQueue,
+)
 from tokenloom.engine.front import EngineFront, PreparedRequest
 from tokenloom.ipc import child_end, receive, send
 from tokenloom.model.loader import load_model_info
@@ -48,42 +59,23 @@ class CoreDied(RuntimeError):
     """The core process is gone; nothing in flight can finish."""
 
 
-@dataclass(frozen=True)
-class CoreInfo:
-    """What the core tells the API process once it is ready."""
-
-    max_model_len: int
-    admission_limits: AdmissionLimits
-    compiled: bool
-
-
-@dataclass
-class CoreReport:
-    """One message from the core: what a step (or the requests ended since the last one) produced, and gauges."""
-
-    outputs: list[EngineCoreOutput]
-    stats: EngineStats
-    queue: QueueState
-    never_scheduled: list[tuple[str, float]] = field(default_factory=list)  # (request id, arrival time)
-
-
 def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> None:
     """The core process: load, say ready, then loop: take messages, step, report."""
     with child_end(inputs_path, outputs_path) as (inputs, outputs):
         try:
             core = EngineCore(config, *load_for_core(config))
             info = CoreInfo(core.max_model_len, core.admission_limits(), core.runner.compiled is not None)
-            send(outputs, ("ready", info))
+            send(outputs, CoreReady(info))
             _serve(core, inputs, outputs)
         except Exception:
-            send(outputs, ("died", traceback.format_exc()))
+            send(outputs, CoreFailed(traceback.format_exc()))
             raise
 
 
 def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
-    watched: set[str] = set()  # the walks over the queue the API side asked for ("backlog", "never_scheduled")
+    watched: set[str] = set()  # the walks over the queue the API side asked for
     parent = os.getppid()
     while os.getppid() == parent:  # an API process killed outright leaves no one to serve: end with it
         ended: list[EngineCoreOutput] = []
@@ -91,13 +83,13 @@ def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[byte
         if poller.poll(timeout):
             while True:
                 try:
-                    message = receive(inputs, zmq.NOBLOCK)
+                    message: CoreRequest = receive(inputs, zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if message[0] == "shutdown":
+                if isinstance(message, Shutdown):
                     return
-                if message[0] == "watch":
-                    watched.add(message[1])
+                if isinstance(message, WatchQueue):
+                    watched.add(message.walk)
                     continue
                 ended.extend(_apply(core, message))
         stepped = core.step().outputs if core.has_unfinished_requests() else []
@@ -105,22 +97,24 @@ def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[byte
             queue = core.queue_state(count_backlog="backlog" in watched)
             never_scheduled = core.never_scheduled_waiting() if "never_scheduled" in watched else []
             report = CoreReport(ended + stepped, core.stats(), queue, never_scheduled)
-            send(outputs, ("step", report))
+            send(outputs, report)
 
 
-def _apply(core: EngineCore, message: tuple[Any, ...]) -> list[EngineCoreOutput]:
-    kind = message[0]
-    if kind == "add":
-        core.add_request(message[1])
-    elif kind == "abort":
-        output = core.abort(message[1])
-        return [] if output is None else [output]
-    elif kind == "finish" and message[1] in core.request_ids():
-        return [core.finish(message[1], RequestStatus.FINISHED_STOPPED, message[2])]
-    elif kind == "fail" and message[1] in core.request_ids():
-        return [core.fail(message[1], RuntimeError(message[2]))]
-    elif kind == "weights":
-        core.set_tenant_weights(message[1])
+def _apply(core: EngineCore, message: CoreRequest) -> list[EngineCoreOutput]:
+    """One message from the API side; the outputs of the requests it ended. A finish or a fail for a request the
+    core no longer has (it ended meanwhile) does nothing."""
+    match message:
+        case AddRequest(request):
+            core.add_request(request)
+        case AbortRequest(request_id):
+            output = core.abort(request_id)
+            return [] if output is None else [output]
+        case FinishRequest(request_id, stop) if request_id in core.request_ids():
+            return [core.finish(request_id, RequestStatus.FINISHED_STOPPED, stop)]
+        case FailRequest(request_id, reason) if request_id in core.request_ids():
+            return [core.fail(request_id, RuntimeError(reason))]
+        case SetTenantWeights(weights):
+            core.set_tenant_weights(weights)
     return []
 
 
@@ -174,11 +168,11 @@ class CoreProcessEngine(EngineFront):
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self._outputs.poll(200):
-                kind, payload = receive(self._outputs)
-                if kind == "ready":
-                    assert isinstance(payload, CoreInfo)
-                    return payload
-                raise RuntimeError(f"the engine core failed to start:\n{payload}")
+                reply: CoreReply = receive(self._outputs)
+                if isinstance(reply, CoreReady):
+                    return reply.info
+                detail = reply.traceback if isinstance(reply, CoreFailed) else repr(reply)
+                raise RuntimeError(f"the engine core failed to start:\n{detail}")
             if not self._process.is_alive():
                 raise RuntimeError(f"the engine core process exited with code {self._process.exitcode}")
         self._process.kill()
@@ -190,13 +184,15 @@ class CoreProcessEngine(EngineFront):
         request = prepared.request
         self.processor.add(request.request_id, prepared.state)
         self._in_flight[request.request_id] = request.arrival_time
-        self._send("add", request)
+        self._send(AddRequest(request))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if request_id not in self._in_flight:
             return None
-        self._send("abort", request_id)
-        return self._end_here(request_id, RequestStatus.FINISHED_ABORTED)
+        self._send(AbortRequest(request_id))
+        ended = self._end_here(request_id, RequestStatus.FINISHED_ABORTED)
+        del self._in_flight[request_id]
+        return self.processor.make_output(ended)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._in_flight)
@@ -217,29 +213,29 @@ class CoreProcessEngine(EngineFront):
                     raise CoreDied(f"the engine core process exited with code {self._process.exitcode}")
                 return results
             waited = True
-            kind, payload = receive(self._outputs)
-            if kind == "died":
+            report: CoreReply = receive(self._outputs)
+            if isinstance(report, CoreFailed):
                 self._dead = True
-                raise CoreDied(f"the engine core failed:\n{payload}")
-            report: CoreReport = payload
+                raise CoreDied(f"the engine core failed:\n{report.traceback}")
+            assert isinstance(report, CoreReport), f"unexpected message from the core: {report!r}"
             self._stats, self._queue, self._never_scheduled = report.stats, report.queue, report.never_scheduled
             for output in report.outputs:
                 if output.request_id in self._in_flight:
-                    results.append(self._processed(output))
+                    result = self.processor.process(output, self)
+                    if result.finished:
+                        del self._in_flight[output.request_id]
+                    results.append(result)
 
-    def _processed(self, output: EngineCoreOutput) -> RequestOutput:
-        try:
-            stop = None if output.error is not None else self.processor.absorb(output)
-        except Exception as error:  # detokenizing this request alone
-            logger.error("request %s failed: %r", output.request_id, error, exc_info=error)
-            self._send("fail", output.request_id, f"{type(error).__name__}: {error}")
-            return self._end_here(output.request_id, RequestStatus.FINISHED_ERROR, error=error)
-        if stop is not None:
-            self._send("finish", output.request_id, stop)
-            return self._end_here(output.request_id, RequestStatus.FINISHED_STOPPED, stop, output.metrics)
-        if output.finished:
-            del self._in_flight[output.request_id]
-        return self.processor.make_output(output)
+    # RequestEnding: the output processor ends requests through these; the core ends its copy on its next loop.
+
+    def stopped(self, output: EngineCoreOutput, stop: str) -> EngineCoreOutput:
+        self._send(FinishRequest(output.request_id, stop))
+        return self._end_here(output.request_id, RequestStatus.FINISHED_STOPPED, stop, output.metrics)
+
+    def failed(self, output: EngineCoreOutput, error: Exception) -> EngineCoreOutput:
+        logger.error("request %s failed: %r", output.request_id, error, exc_info=error)
+        self._send(FailRequest(output.request_id, f"{type(error).__name__}: {error}"))
+        return self._end_here(output.request_id, RequestStatus.FINISHED_ERROR, error=error)
 
     def _end_here(
         self,
@@ -248,15 +244,14 @@ class CoreProcessEngine(EngineFront):
         stop: str | None = None,
         metrics: RequestMetrics | None = None,
         error: Exception | None = None,
-    ) -> RequestOutput:
-        """Ends a request on this side at once; the core, told by message, ends its own copy on its next loop."""
-        arrival = self._in_flight.pop(request_id)
-        metrics = metrics or RequestMetrics(arrival, None, None, None)
+    ) -> EngineCoreOutput:
+        """A request ended on this side at once; the core, told by message, ends its own copy on its next loop."""
+        metrics = metrics or RequestMetrics(self._in_flight[request_id], None, None, None)
         metrics.finished_time = time.monotonic()
         ended = EngineCoreOutput(request_id, [], status.value, stop, metrics)
         if error is not None:
             ended.error = f"{type(error).__name__}: {error}"
-        return self.processor.make_output(ended)
+        return ended
 
     # ---- observability and control ------------------------------------------------------------------------
 
@@ -282,11 +277,11 @@ class CoreProcessEngine(EngineFront):
         return [rid for rid, arrival in self._never_scheduled if arrival < arrived_before and rid in self._in_flight]
 
     def set_tenant_weights(self, weights: dict[str, float]) -> None:
-        self._send("weights", dict(weights))
+        self._send(SetTenantWeights(dict(weights)))
 
     def shutdown(self) -> None:
         if self._process.is_alive():
-            self._send("shutdown")
+            self._send(Shutdown())
             self._process.join(timeout=10)
         if self._process.is_alive():
             self._process.kill()
@@ -295,12 +290,12 @@ class CoreProcessEngine(EngineFront):
         self._context.term()
         self._socket_dir.cleanup()
 
-    def _watch(self, walk: str) -> None:
+    def _watch(self, walk: QueueWalk) -> None:
         """Asks the core to report a walk over its queue from now on (it costs a step nothing unless asked)."""
         if walk not in self._watched:
             self._watched.add(walk)
-            self._send("watch", walk)
+            self._send(WatchQueue(walk))
 
-    def _send(self, *message: Any) -> None:
+    def _send(self, message: CoreRequest) -> None:
         if not self._dead:
             send(self._inputs, message)

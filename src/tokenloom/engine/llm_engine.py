@@ -67,29 +67,20 @@ class LLMEngine(EngineFront):
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that received a token (or failed) in it."""
-        outputs = []
-        for core_output in self.core.step().outputs:
-            try:
-                outputs.append(self._processed(core_output))
-            except Exception as error:  # detokenizing or matching stops for this request alone
-                outputs.append(self._failed(core_output, error))
-        return outputs
+        return [self.processor.process(output, self) for output in self.core.step().outputs]
 
-    def _processed(self, output: EngineCoreOutput) -> RequestOutput:
-        if output.error is None:
-            stop = self.processor.absorb(output)
-            if stop is not None:
-                output = self.core.finish(output.request_id, RequestStatus.FINISHED_STOPPED, stop)
-        return self.processor.make_output(output)
+    # RequestEnding: the output processor ends requests through these.
 
-    def _failed(self, output: EngineCoreOutput, error: Exception) -> RequestOutput:
+    def stopped(self, output: EngineCoreOutput, stop: str) -> EngineCoreOutput:
+        return self.core.finish(output.request_id, RequestStatus.FINISHED_STOPPED, stop)
+
+    def failed(self, output: EngineCoreOutput, error: Exception) -> EngineCoreOutput:
         """Fails one request whose output could not be built; one that already finished has nothing left to free."""
-        if output.finished:
-            logger.error("request %s failed: %r", output.request_id, error, exc_info=error)
-            output.finish_reason, output.error = RequestStatus.FINISHED_ERROR.value, f"{type(error).__name__}: {error}"
-        else:
-            output = self.core.fail(output.request_id, error)
-        return self.processor.make_output(output)
+        if not output.finished:
+            return self.core.fail(output.request_id, error)
+        logger.error("request %s failed: %r", output.request_id, error, exc_info=error)
+        output.finish_reason, output.error = RequestStatus.FINISHED_ERROR.value, f"{type(error).__name__}: {error}"
+        return output
 
     # ---- observability and control ------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ detokenized text, and the engine then asks the core to finish that request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenloom.engine.core import EngineCoreOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
@@ -14,6 +15,18 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloom.sampling_params import SamplingParams
+
+
+class RequestEnding(Protocol):
+    """How an engine ends a request that its output side decided to end; each returns the ended request's output."""
+
+    def stopped(self, output: EngineCoreOutput, stop: str) -> EngineCoreOutput:
+        """The request's text completed a stop string."""
+        ...
+
+    def failed(self, output: EngineCoreOutput, error: Exception) -> EngineCoreOutput:
+        """Its output could not be built; it fails alone (finish_reason "error")."""
+        ...
 
 
 @dataclass
@@ -61,11 +74,26 @@ class OutputProcessor:
                     return stop
         return None
 
+    def process(self, output: EngineCoreOutput, ending: RequestEnding) -> RequestOutput:
+        """The one output path, for the in-process engine and the core process alike: the step's tokens into text
+        and logprobs; a completed stop string ends the request as stopped, and a failure here (detokenizing,
+        matching stops, building the output) fails it alone, each through the engine's ``ending``."""
+        try:
+            stop = None if output.error is not None else self.absorb(output)
+            if stop is not None:
+                output = ending.stopped(output, stop)
+            return self.make_output(output)
+        except Exception as error:
+            return self.make_output(ending.failed(output, error))
+
     def make_output(self, output: EngineCoreOutput) -> RequestOutput:
         """The request's RequestOutput after this core output; a finished request's state is dropped."""
-        state = self._states[output.request_id]
+        result = self._built(self._states[output.request_id], output)
         if output.finished:
             del self._states[output.request_id]
+        return result
+
+    def _built(self, state: RequestState, output: EngineCoreOutput) -> RequestOutput:
         if output.error is not None:
             completion = CompletionOutput(0, "", list(state.output_token_ids), finish_reason=output.finish_reason)
             return RequestOutput(
