@@ -413,19 +413,19 @@ class ServerConfig:
         for name in ("api_key", "served_model_name", "allowed_origins"):  # one value given as a plain string
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),))
-        _require(
+        _require_server(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)",
         )
-        _require(
+        _require_server(
             (self.ssl_keyfile is None) == (self.ssl_certfile is None), "give both --ssl-keyfile and --ssl-certfile"
         )
-        _require(self.max_log_len is None or self.max_log_len >= 0, "max_log_len must be >= 0")
+        _require_server(self.max_log_len is None or self.max_log_len >= 0, "max_log_len must be >= 0")
         for name in ("max_body_bytes", "max_header_bytes", "max_header_count"):
-            _require(getattr(self, name) > 0, f"{name} must be positive")
+            _require_server(getattr(self, name) > 0, f"{name} must be positive")
         for name in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
-            _require(getattr(self, name) > 0, f"{name} must be positive")
-        _require(self.num_replicas >= 0 and self.max_replicas >= 1, "num_replicas >= 0 and max_replicas >= 1")
+            _require_server(getattr(self, name) > 0, f"{name} must be positive")
+        _require_server(self.num_replicas >= 0 and self.max_replicas >= 1, "num_replicas >= 0 and max_replicas >= 1")
 
 
 def _require_positive_or_none(config: object, name: str) -> None:
@@ -436,3 +436,8 @@ def _require_positive_or_none(config: object, name: str) -> None:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(f"EngineConfig: {message}")
+
+
+def _require_server(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"ServerConfig: {message}")

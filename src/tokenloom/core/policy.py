@@ -12,10 +12,11 @@ from collections import deque
 from tokenloom.core.request import Request
 
 
-class FCFSPolicy:
-    """First come, first served: arrival order everywhere; the most recently admitted is preempted first."""
+class SchedulingPolicy:
+    """The interface every policy implements, with FCFS's behaviour as the default of each hook: arrival order
+    everywhere, the most recently admitted preempted first, nobody displaced, nothing to charge."""
 
-    name = "fcfs"
+    name = "base"
 
     def enqueue(self, waiting: deque[Request], request: Request) -> None:
         """Behind every request that arrived before it: one that reached the engine late (the server validates a
@@ -45,7 +46,13 @@ class FCFSPolicy:
         """Told how many tokens a request was given in a step."""
 
 
-class PriorityPolicy(FCFSPolicy):
+class FCFSPolicy(SchedulingPolicy):
+    """First come, first served: the interface's defaults."""
+
+    name = "fcfs"
+
+
+class PriorityPolicy(SchedulingPolicy):
     """Lower `priority` first, then arrival. The victim is the lowest-priority, latest-arrived running request.
 
     When the batch is at max_num_seqs, a waiting request of strictly higher priority displaces the worst running
@@ -73,7 +80,7 @@ class PriorityPolicy(FCFSPolicy):
         return candidate.priority < worst_running.priority
 
 
-class FairPolicy(FCFSPolicy):
+class FairPolicy(SchedulingPolicy):
     """Weighted fair share between tenants: whoever has received the fewest tokens per unit of weight goes first.
 
     Each tenant has a virtual token counter, charged for every prompt and generated token its requests are
@@ -122,7 +129,7 @@ class FairPolicy(FCFSPolicy):
 POLICIES = {"fcfs": FCFSPolicy, "priority": PriorityPolicy, "fair": FairPolicy}
 
 
-def make_policy(name: str) -> FCFSPolicy:
+def make_policy(name: str) -> SchedulingPolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown scheduling policy {name!r}; choose from {', '.join(POLICIES)}")
     return POLICIES[name]()
