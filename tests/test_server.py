@@ -13,7 +13,7 @@ import pytest
 from server_process import TINY_KV_POOL_ARGS, ServerProcess
 
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenloom.server.app import _CompletionShape
+from tokenloom.server.completions import CompletionShape
 from tokenloom.server.guard import Guard
 from tokenloom.server.tenants import Tenant
 
@@ -415,7 +415,7 @@ def test_a_completion_stream_sends_a_chunk_for_every_token_even_before_its_text_
         yield output("指!", [101, 102, 103], "length")
 
     async def chunks() -> list[dict]:
-        return [choice async for choice, _ in _CompletionShape(None).chunks(stream(), logprobs=False)]
+        return [choice async for choice, _ in CompletionShape(None).chunks(stream(), logprobs=False)]
 
     sent = asyncio.run(chunks())
     assert [c["text"] for c in sent] == ["", "指", "!"]

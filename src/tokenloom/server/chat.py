@@ -1,0 +1,187 @@
+"""``POST /v1/chat/completions``: chat templating, tool calls, and how its outputs are worded, whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from tokenloom.model.loader import Tokenizer
+from tokenloom.outputs import RequestOutput
+from tokenloom.server.logprobs import chat_logprobs_body
+from tokenloom.server.protocol import (
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Usage,
+)
+from tokenloom.server.serving import check_model, serve_generation
+from tokenloom.server.state import ERROR_RESPONSES, server_state
+from tokenloom.server.streaming import text_deltas
+from tokenloom.server.tool_calls import ForcedTool, forced_tool, new_call_id
+from tokenloom.server.tool_parsers import ToolCallParser
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
+async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+    state = server_state(raw)
+    check_model(body, state)
+    body.refuse_unsupported()
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    forced = forced_tool(body, auto_parsed=state.tool_call_parser is not None)
+    parser = state.tool_call_parser if body.tools and body.tool_choice in (None, "auto") else None
+    structured = forced.spec if forced is not None else body.structured_output()
+    conversation = [m.for_template() for m in body.messages]
+    tools = [tool.model_dump() for tool in body.tools] if body.tools and body.tool_choice != "none" else None
+    prompt_ids = await templated(tokenizer, conversation, tools=tools)
+    top = body.top_logprobs if body.top_logprobs is not None else 0
+    logprobs = top if body.logprobs else None
+    return await serve_generation(
+        state, raw, body, [prompt_ids], logprobs, ChatShape(tokenizer, forced, parser), structured
+    )
+
+
+class ChatShape:
+    """How /v1/chat/completions words a request's outputs: whole, and as stream chunks (role with the first).
+
+    Under a forced tool choice the output is the call: a named function's arguments stream as tool-call deltas;
+    "required" calls (a JSON array until it closes) are sent whole when the output ends.
+    """
+
+    chunk_object, id_prefix = "chat.completion.chunk", "chatcmpl"
+
+    def __init__(
+        self, tokenizer: Tokenizer | None, tool: ForcedTool | None = None, parser: ToolCallParser | None = None
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.tool = tool
+        self.parser = parser  # tool_choice "auto": calls are read out of the reply
+
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> BaseModel:
+        choices = []
+        for index, final in enumerate(finals):
+            completion = final.outputs[0]
+            message, finish_reason = AssistantMessage(content=completion.text), completion.finish_reason
+            calls = self.tool.calls(completion.text) if self.tool is not None else None
+            if calls is not None:
+                message = AssistantMessage(content=None, tool_calls=calls)
+                finish_reason = self.tool.finish_reason if self.tool and finish_reason == "stop" else finish_reason
+            elif self.parser is not None:
+                parsed = self.parser.parse(completion.text)
+                if parsed.calls:
+                    message = AssistantMessage(content=parsed.content, tool_calls=parsed.calls)
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            lp = chat_logprobs_body(final, self.tokenizer) if logprobs else None
+            choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish_reason))
+        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+
+    async def chunks(
+        self, stream: AsyncIterator[RequestOutput], logprobs: bool
+    ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+        """Each content chunk carries the logprobs of the tokens that arrived since the last one, when asked for."""
+        sent_tokens, tool = 0, self.tool
+
+        def choice(delta: dict[str, Any], finish_reason: str | None, output: RequestOutput) -> dict[str, Any]:
+            nonlocal sent_tokens
+            lp = None
+            if logprobs and len(output.outputs[0].token_ids) > sent_tokens:
+                lp = chat_logprobs_body(output, self.tokenizer, sent_tokens)
+                sent_tokens = len(output.outputs[0].token_ids)
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+
+        first, shown, parser = True, 0, self.parser
+        async for delta, finish_reason, output in text_deltas(stream):
+            if parser is not None:  # content as far as it cannot begin a call; the calls once the reply is whole
+                text = output.outputs[0].text
+                parsed = parser.parse(text) if finish_reason else None
+                end = parser.streamable_end(text) if parsed is None or parsed.calls else len(text)
+                delta, shown = text[shown:end], max(shown, end)
+                if first or delta:
+                    yield (
+                        choice({"role": "assistant", "content": delta} if first else {"content": delta}, None, output),
+                        output,
+                    )
+                    first = False
+                if parsed is not None:
+                    if parsed.calls:
+                        calls = [{"index": i, **call.model_dump()} for i, call in enumerate(parsed.calls)]
+                        yield choice({"tool_calls": calls}, None, output), output
+                        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    yield choice({}, finish_reason, output), output
+                continue
+            if tool is not None and tool.mode == "required":
+                if finish_reason:  # the array is only whole at the end
+                    yield choice(_required_delta(tool, output.outputs[0].text), None, output), output
+                    calls_made = tool.calls(output.outputs[0].text) is not None and finish_reason == "stop"
+                    yield choice({}, tool.finish_reason if calls_made else finish_reason, output), output
+                continue
+            if first:  # the role goes with the first token, as vLLM sends it, so TTFT is timed right
+                yield choice({"role": "assistant", **_content_delta(tool, delta, first=True)}, None, output), output
+                first = False
+            elif delta:
+                yield choice(_content_delta(tool, delta, first=False), None, output), output
+            if finish_reason:
+                yield choice({}, finish_reason, output), output
+
+
+def _content_delta(tool: ForcedTool | None, delta: str, first: bool) -> dict[str, Any]:
+    """A stream chunk's delta: text, or a named function's arguments as they grow (its id and name first)."""
+    if tool is None:
+        return {"content": delta}
+    function: dict[str, Any] = {"arguments": delta}
+    call: dict[str, Any] = {"index": 0, "function": function}
+    if first:
+        call.update(id=new_call_id(), type="function")
+        function["name"] = tool.name
+    return {"content": None, "tool_calls": [call]} if first else {"tool_calls": [call]}
+
+
+def _required_delta(tool: ForcedTool, text: str) -> dict[str, Any]:
+    calls = tool.calls(text)
+    if calls is None:  # cut short: what was decoded, as text
+        return {"role": "assistant", "content": text}
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"index": i, **call.model_dump()} for i, call in enumerate(calls)],
+    }
+
+
+async def templated(
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, Any]],
+    generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    try:
+        ids = await asyncio.to_thread(_template_ids, tokenizer, conversation, generation_prompt, tools)
+    except Exception as error:  # the template itself refuses a conversation (roles out of order, ...)
+        raise APIError(400, f"the chat template could not render these messages: {error}", "messages") from error
+    prompt_ids = list(ids)
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "messages", "invalid_value")
+    return prompt_ids
+
+
+def _template_ids(
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, Any]],
+    generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        conversation, tools=tools, add_generation_prompt=generation_prompt, tokenize=True
+    )
+    return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids

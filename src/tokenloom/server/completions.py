@@ -1,0 +1,100 @@
+"""``POST /v1/completions``: OpenAI's completions, vLLM's extras; how its outputs are worded, whole and streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from tokenloom.model.loader import Tokenizer
+from tokenloom.outputs import RequestOutput
+from tokenloom.server.logprobs import completion_logprobs_body, prompt_logprobs_body
+from tokenloom.server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+from tokenloom.server.serving import check_model, serve_generation, tokenized
+from tokenloom.server.state import ERROR_RESPONSES, server_state
+from tokenloom.server.streaming import text_deltas
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
+async def completions(body: CompletionRequest, raw: Request) -> Response:
+    state = server_state(raw)
+    check_model(body, state)
+    body.refuse_unsupported()
+    structured = body.structured_output()
+    prompts = [await tokenized(state.engine, prompt) for prompt in body.prompts()]
+    shape = CompletionShape(state.engine.tokenizer, body.echo)
+    return await serve_generation(state, raw, body, prompts, body.logprobs, shape, structured)
+
+
+class CompletionShape:
+    """How /v1/completions words a request's outputs: whole, and as stream chunks. With ``echo`` the prompt comes
+    first (in the first chunk of a stream), with its tokens' logprobs when logprobs are asked for."""
+
+    chunk_object, id_prefix = "text_completion", "cmpl"
+
+    def __init__(self, tokenizer: Tokenizer | None, echo: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.echo = echo
+
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> BaseModel:
+        choices = []
+        for index, final in enumerate(finals):
+            completion = final.outputs[0]
+            prefix, lp, offset = self._echoed(final, logprobs)
+            if logprobs:
+                lp = _joined(lp, completion_logprobs_body(final, self.tokenizer, 0, offset)[0])
+            choices.append(
+                CompletionChoice(
+                    index=index, text=prefix + completion.text, logprobs=lp, finish_reason=completion.finish_reason
+                )
+            )
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+
+    async def chunks(
+        self, stream: AsyncIterator[RequestOutput], logprobs: bool
+    ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+        """A chunk for every step that gave the request a token, as vLLM streams: its text may be empty (the bytes of
+        an unfinished character, or text held back while it may begin a stop string), but the client learns the
+        token came (TTFT is timed on it). Each carries the logprobs of the tokens since the last, when asked for."""
+        sent_tokens, text_offset, first = 0, 0, True
+        async for delta, finish_reason, output in text_deltas(stream):
+            prefix, lp = "", None
+            if first:
+                prefix, lp, text_offset = self._echoed(output, logprobs)
+                first = False
+            if logprobs:
+                new, text_offset = completion_logprobs_body(output, self.tokenizer, sent_tokens, text_offset)
+                lp = _joined(lp, new)
+                sent_tokens = len(output.outputs[0].token_ids)
+            yield {"index": 0, "text": prefix + delta, "logprobs": lp, "finish_reason": finish_reason}, output
+
+    def _echoed(self, output: RequestOutput, logprobs: bool) -> tuple[str, dict[str, Any] | None, int]:
+        """(the prompt's text, its logprobs, the text offset after it) under echo; else nothing."""
+        if not self.echo:
+            return "", None, 0
+        prompt = output.prompt if output.prompt is not None else _decoded(self.tokenizer, output.prompt_token_ids)
+        if not logprobs:
+            return prompt, None, len(prompt)
+        body, offset = prompt_logprobs_body(output, self.tokenizer)
+        return prompt, body, offset
+
+
+def _joined(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    """Two runs of completion logprobs as one (prompt, then completion)."""
+    return second if first is None else {key: first[key] + second[key] for key in second}
+
+
+def _decoded(tokenizer: Tokenizer | None, token_ids: list[int]) -> str:
+    return "" if tokenizer is None else str(tokenizer.decode(token_ids))

@@ -1,0 +1,272 @@
+"""What every generating endpoint shares: validation, admission (tenant limits, the queue), n > 1 forks, the
+stream of chunks (SSE, usage, disconnects) and the whole-response path. An endpoint supplies its ResponseShape: how
+its outputs are worded, whole and as chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
+from tokenloom.engine.structured_output import InvalidGrammar
+from tokenloom.model.loader import Tokenizer
+from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.protocol import (
+    APIError,
+    DetokenizeRequest,
+    StreamOptions,
+    TokenizeRequest,
+    _Common,
+)
+from tokenloom.server.state import ServerState, logger
+from tokenloom.server.streaming import (
+    Lease,
+    ResponseShape,
+    api_error_of,
+    collect_finals,
+    envelopes,
+    sse_response,
+    usage_of,
+)
+from tokenloom.server.tenants import Tenant
+
+
+async def serve_generation(
+    state: ServerState,
+    raw: Request,
+    body: _Common,
+    prompts: list[list[int]],
+    logprobs: int | None,
+    shape: ResponseShape,
+    structured: StructuredOutputsParams | None = None,
+) -> Response:
+    """The one generate path of both endpoints: admit, then stream the chunks or answer with the whole output.
+
+    Each prompt gets body.n choices, numbered prompt by prompt; usage counts each prompt once, as OpenAI does.
+    """
+    request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    prompt_tokens = sum(len(p) for p in prompts)
+    async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, lease):
+        if body.stream:
+            options = body.stream_options or StreamOptions()
+            chunks = envelopes(
+                shape, streams, logprobs is not None, request_id, created, state.model_name, prompt_tokens, options
+            )
+            return await sse_response(chunks, lease.transfer(), raw.receive)
+        finals = await collect_finals(streams, raw.receive)
+    usage_body = usage_of(prompt_tokens, finals)
+    response = shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage_body)
+    return JSONResponse(response.model_dump())
+
+
+@asynccontextmanager
+async def _admitted(
+    state: ServerState,
+    raw: Request,
+    body: _Common,
+    prompts: list[list[int]],
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None,
+    request_id: str,
+) -> AsyncIterator[tuple[list[AsyncIterator[RequestOutput]], Lease]]:
+    """Applies the tenant's caps and limits, then admits the request's choices to the engine; yields their streams.
+
+    A tenant's concurrency cap counts sequences (each prompt's n choices), held for the request's whole life.
+
+    Caps apply to what the request will really do, after defaults are filled in: a request that leaves out
+    max_tokens gets the tenant's cap, not the rest of the context. The tenant's concurrency slot is held until
+    the request ends: here for a plain response, or by the streaming response once the lease is transferred.
+    """
+    tenant: Tenant = raw.state.tenant
+    max_model_len, limiter, metrics, n = state.engine.max_model_len, state.limiter, state.metrics, body.n
+    requested = body.requested_max_tokens()
+    for prompt in prompts:
+        _check_context(len(prompt), requested, max_model_len)
+    try:
+        params = []
+        sequences = len(prompts) * n
+        for prompt in prompts:
+            limiter.check_caps(tenant, len(prompt), requested, sequences)
+            max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
+            params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
+        tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
+        limiter.acquire(tenant, tokens, sequences)
+    except APIError as error:
+        metrics.rejected_request(error.code or "invalid", tenant.name)
+        raise
+    for q in params:
+        metrics.admitted_request(q.max_tokens, n)
+    if state.log_requests:
+        for prompt, q in zip(prompts, params, strict=True):
+            shown = prompt if state.max_log_len is None else prompt[: state.max_log_len]
+            logger.info("Received request %s (tenant %s, n=%d): prompt_token_ids: %s, params: %s",
+                        request_id, tenant.name, n, shown, q)  # fmt: skip
+    lease = Lease(lambda: limiter.release(tenant, sequences))
+    priority = _priority(body.priority, tenant)
+    arrival_time: float | None = getattr(raw.state, "arrival_time", None)
+    submitted: list[AsyncGenerator[RequestOutput]] = []
+
+    async def submit(
+        prompt: list[int], q: SamplingParams, rid: str, arrival: float | None = arrival_time
+    ) -> AsyncGenerator[RequestOutput]:
+        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority, arrival)
+        assert isinstance(stream, AsyncGenerator)  # the front's stream: closing it aborts the request
+        submitted.append(stream)
+        return stream
+
+    try:
+        streams: list[AsyncIterator[RequestOutput]] = []
+        single = len(prompts) == 1 and n == 1
+        for i, (prompt, q) in enumerate(zip(prompts, params, strict=True)):
+            first = await submit(prompt, q, request_id if single else f"{request_id}-{i}-0")
+            if n == 1:
+                streams.append(first)
+                continue
+
+            # The other choices arrive when they are forked, so a queue timeout counts from then.
+            async def the_rest(prompt: list[int] = prompt, q: SamplingParams = q, i: int = i) -> list[AsyncGenerator]:
+                return [await submit(prompt, _choice_params(q, j), f"{request_id}-{i}-{j}", None) for j in range(1, n)]
+
+            streams.extend(_Fork(first, the_rest, n).streams)
+        yield streams, lease
+    except BaseException:
+        for stream in submitted:  # what was admitted before the failure is aborted, not left running
+            await stream.aclose()
+        raise
+    finally:
+        lease.release()
+
+
+def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of n: its own random stream (a seeded request stays reproducible, its choices differ)."""
+    return dataclasses.replace(params, seed=None if params.seed is None else params.seed ^ j)
+
+
+class _Fork:
+    """One prompt's n choices, sharing the prompt's KV blocks: one prefill, n decodes.
+
+    The first choice is admitted at once; the others when it has its first token, by which time the prompt's full
+    blocks are in the prefix cache, so they take those blocks by reference (the block pool's ref counts) and compute
+    only the prompt's last, partial block again. Without prefix caching each choice computes its prompt.
+    """
+
+    def __init__(
+        self,
+        first: AsyncIterator[RequestOutput],
+        admit_rest: Callable[[], Awaitable[list[AsyncGenerator[RequestOutput]]]],
+        n: int,
+    ) -> None:
+        self._first, self._admit_rest = first, admit_rest
+        self._rest: list[AsyncGenerator[RequestOutput]] = []
+        self._failure: BaseException | None = None
+        self._admitted = asyncio.Event()
+        self.streams: list[AsyncIterator[RequestOutput]] = [self._leader(), *(self._follower(j) for j in range(n - 1))]
+
+    async def _leader(self) -> AsyncIterator[RequestOutput]:
+        try:
+            async for output in self._first:
+                if not self._admitted.is_set():
+                    try:
+                        self._rest = await self._admit_rest()
+                    except Exception as error:
+                        self._failure = error
+                        raise
+                    finally:
+                        self._admitted.set()
+                yield output
+        finally:
+            if not self._admitted.is_set():  # ended before its first token: the others cannot start
+                self._failure = RequestRejected(Rejection.REQUEST_FAILED, "the request's first choice did not start")
+                self._admitted.set()
+
+    async def _follower(self, j: int) -> AsyncIterator[RequestOutput]:
+        await self._admitted.wait()
+        if self._failure is not None:
+            raise self._failure
+        async for output in self._rest[j]:
+            yield output
+
+
+def check_model(body: _Common | TokenizeRequest | DetokenizeRequest, state: ServerState) -> None:
+    if body.model is not None and body.model != state.model_name and body.model not in state.aliases:
+        raise APIError(
+            404,
+            f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def _priority(requested: int | None, tenant: Tenant) -> int:
+    """Lower runs first: a request may ask to run after its tenant's priority, never before it."""
+    return tenant.priority if requested is None else max(requested, tenant.priority)
+
+
+async def tokenized(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
+    """Tokenizes in a worker thread, so a long prompt never stalls the event loop (and /health with it)."""
+    try:
+        prompt_ids = await asyncio.to_thread(engine.tokenize, prompt)
+    except ValueError as error:
+        raise APIError(400, str(error), "prompt", "invalid_value") from error
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
+    return prompt_ids
+
+
+def require_tokenizer(engine: AsyncEngine) -> Tokenizer:
+    if engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer; send token ids", None, "unsupported")
+    return engine.tokenizer
+
+
+def _check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    wanted = prompt_len + (max_tokens or 1)
+    if wanted > max_model_len:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {max_model_len} tokens; the request has {prompt_len} "
+            f"prompt tokens and asks for {max_tokens or 1} more",
+            "messages" if max_tokens is None else "max_tokens",
+            "context_length_exceeded",
+        )
+
+
+def _default_max_tokens(requested: int | None, tenant: Tenant, prompt_len: int, max_model_len: int) -> int:
+    """What the client asked for, else the rest of the context, never more than the tenant's cap."""
+    if requested is not None:
+        return requested
+    rest = max_model_len - prompt_len
+    return min(rest, tenant.max_tokens) if tenant.max_tokens is not None else rest
+
+
+async def _submit(
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    tenant: Tenant,
+    prompt_ids,
+    params,
+    request_id: str,
+    priority: int,
+    arrival_time: float | None,
+):
+    try:
+        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name, arrival_time)
+    except RequestRejected as error:
+        metrics.rejected_request(error.reason.value, tenant.name)
+        raise api_error_of(error) from error
+    except InvalidGrammar as error:
+        metrics.rejected_request("invalid", tenant.name)
+        raise APIError(400, str(error), "response_format", "invalid_value") from error
+    except ValueError as error:
+        metrics.rejected_request("invalid", tenant.name)
+        raise APIError(400, str(error), getattr(error, "field", "prompt"), "invalid_value") from error

@@ -1,0 +1,53 @@
+"""What every route shares: the server's state on ``app.state.tokenloom``, and the error responses they declare."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from tokenloom.engine.async_engine import AsyncEngine
+from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.protocol import ErrorResponse
+from tokenloom.server.tenants import TenantLimiter
+from tokenloom.server.tool_parsers import ToolCallParser
+
+logger = logging.getLogger("tokenloom.requests")
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (413, "Request body too large"),
+        (429, "Over a rate, concurrency or queue limit (see Retry-After)"),
+        (503, "Waited too long in the queue, or the server is shutting down"),
+    )
+}
+
+
+@dataclass
+class ServerState:
+    """What the routes share, on ``app.state.tokenloom``."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    limiter: TenantLimiter
+    version_info: dict[str, Any]
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # from a generation_config.json
+    aliases: tuple[str, ...] = ()  # more names clients may give as `model` (--served-model-name a b)
+    tool_call_parser: ToolCallParser | None = None  # tool_choice "auto" is served only with one
+    log_requests: bool = False
+    max_log_len: int | None = None
+    created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
+
+
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.tokenloom
+    return state

@@ -1,0 +1,221 @@
+"""The stream side of a generating endpoint: how its outputs are worded (ResponseShape), the chunks of every choice
+merged as they come, Server-Sent Events that commit to 200 only with a first output, usage, and waiting on work
+that a client's disconnect cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from tokenloom.engine.async_engine import Rejection, RequestRejected
+from tokenloom.outputs import RequestOutput
+from tokenloom.server.guard import Receive, until_disconnected
+from tokenloom.server.protocol import (
+    APIError,
+    StreamOptions,
+    Usage,
+)
+
+T = TypeVar("T")
+
+
+class ResponseShape(Protocol):
+    """How an endpoint words its outputs: the whole response, and the chunks of a stream."""
+
+    chunk_object: str
+    id_prefix: str
+
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> BaseModel: ...
+
+    def chunks(
+        self, stream: AsyncIterator[RequestOutput], logprobs: bool
+    ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]: ...
+
+
+async def envelopes(
+    shape: ResponseShape,
+    streams: list[AsyncIterator[RequestOutput]],
+    logprobs: bool,
+    request_id: str,
+    created: int,
+    model: str,
+    prompt_tokens: int,
+    options: StreamOptions,
+) -> AsyncGenerator[dict[str, Any]]:
+    """Each chunk of every choice as it comes (with the usage so far, under continuous_usage_stats); then, if asked,
+    the usage of all of them."""
+    latest: dict[int, RequestOutput] = {}
+    async for index, choice, output in _merged(shape, streams, logprobs):
+        latest[index] = output
+        usage = usage_of(prompt_tokens, list(latest.values())).model_dump() if options.continuous_usage_stats else None
+        yield _envelope(request_id, shape.chunk_object, created, model, [{**choice, "index": index}], usage)
+    if options.include_usage and latest:
+        usage = usage_of(prompt_tokens, list(latest.values())).model_dump()
+        yield _envelope(request_id, shape.chunk_object, created, model, [], usage)
+
+
+async def _merged(
+    shape: ResponseShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool
+) -> AsyncIterator[tuple[int, dict[str, Any], RequestOutput]]:
+    """(choice index, chunk, output) of every choice, interleaved as they come; the first failure ends them all."""
+    if len(streams) == 1:  # the common case needs no tasks
+        async for choice, output in shape.chunks(streams[0], logprobs):
+            yield 0, choice, output
+        return
+    queue: asyncio.Queue[tuple[int, dict[str, Any], RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for choice, output in shape.chunks(stream, logprobs):
+                await queue.put((index, choice, output))
+            await queue.put(None)
+        except Exception as error:  # RequestRejected, APIError: handed to the reader, which stops the others
+            await queue.put(error)
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # a hang-up or a failure: the other choices' requests are aborted with their streams
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_REJECTION_STATUS = {
+    Rejection.QUEUE_FULL: 429,
+    Rejection.QUEUED_TOKENS_FULL: 429,
+    Rejection.SERVER_DRAINING: 503,
+    Rejection.ENGINE_UNAVAILABLE: 503,
+    Rejection.QUEUE_TIMEOUT: 503,
+    Rejection.SERVER_SHUTDOWN: 503,
+    Rejection.ENGINE_ERROR: 500,
+    Rejection.REQUEST_FAILED: 500,
+}
+
+
+def api_error_of(error: RequestRejected) -> APIError:
+    """The engine's reason as HTTP: 429 for full queues (with Retry-After), 503 while unavailable, 500 on failure."""
+    headers = {"Retry-After": str(max(1, round(error.retry_after)))} if error.retry_after is not None else None
+    return APIError(_REJECTION_STATUS[error.reason], error.message, None, error.reason.value, headers)
+
+
+async def unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
+    """Awaits `work`, or cancels it (aborting its request) and raises a 499 as soon as the client hangs up."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(until_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise APIError(499, "client disconnected", None, "client_disconnected")
+    finally:
+        for pending in (task, watch):
+            pending.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+async def collect_finals(streams: list[AsyncIterator[RequestOutput]], receive: Receive) -> list[RequestOutput]:
+    """Each choice's final output; a hang-up aborts them at once (their KV blocks and the tenant slot are freed)."""
+
+    async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        final = None
+        async for output in stream:
+            final = output
+        assert final is not None
+        return final
+
+    async def every_last() -> list[RequestOutput]:
+        if len(streams) == 1:
+            return [await last(streams[0])]
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing choice cancels the others (and aborts them)
+                tasks = [group.create_task(last(stream)) for stream in streams]
+        except BaseExceptionGroup as group_error:
+            raise group_error.exceptions[0] from None
+        return [task.result() for task in tasks]
+
+    try:
+        return await unless_disconnected(every_last(), receive)
+    except RequestRejected as error:
+        raise api_error_of(error) from error
+
+
+class Lease:
+    """A tenant's concurrency slot, released exactly once, by whoever holds it last."""
+
+    def __init__(self, release: Callable[[], None] | None) -> None:
+        self._release = release
+
+    def transfer(self) -> Lease:
+        moved, self._release = Lease(self._release), None
+        return moved
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+def usage_of(prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
+    """OpenAI's count: each prompt once, every choice's completion."""
+    completion = sum(len(final.outputs[0].token_ids) for final in finals)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+async def sse_response(chunks: AsyncGenerator[dict[str, Any]], lease: Lease, receive: Receive) -> StreamingResponse:
+    """Commits to 200 only once the request has its first output: a queue timeout before it is a real 503."""
+    try:
+        first = [await unless_disconnected(anext(chunks), receive)]
+    except StopAsyncIteration:
+        first = []
+    except (APIError, RequestRejected) as error:
+        lease.release()
+        await chunks.aclose()
+        if isinstance(error, RequestRejected):
+            raise api_error_of(error) from error
+        raise
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for chunk in first:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except RequestRejected as error:  # failed or cut after the stream began: the client still hears why
+            yield f"data: {json.dumps(api_error_of(error).body())}\n\n"
+        finally:
+            lease.release()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def text_deltas(stream: AsyncIterator[RequestOutput]):
+    """(new text, finish reason or None, output) for each output of a request, until it finishes."""
+    sent = 0
+    async for output in stream:
+        completion = output.outputs[0]
+        delta, sent = completion.text[sent:], len(completion.text)
+        yield delta, completion.finish_reason, output
+
+
+def _envelope(request_id: str, kind: str, created: int, model: str, choices: list, usage=None) -> dict[str, Any]:
+    body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
