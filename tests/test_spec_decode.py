@@ -50,8 +50,8 @@ class KnowingProposer:
 
 
 def with_proposer(llm: LLM, proposer) -> LLM:
-    llm.engine.core.proposer = proposer
-    llm.engine.core.gate.dynamic = False
+    llm.engine.core.speculator.proposer = proposer
+    llm.engine.core.speculator.gate.dynamic = False
     return llm
 
 

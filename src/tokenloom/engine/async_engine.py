@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 
-from tokenloom.engine.core import EngineStats
+from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.front import EngineFront, PreparedRequest
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any
 
 import torch
 
@@ -22,8 +20,9 @@ from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import FairPolicy
 from tokenloom.core.preemption import PreemptionCosts, Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
-from tokenloom.core.scheduler import AdmissionLimits, Scheduler, SchedulerOutput
-from tokenloom.core.spec_decode import Proposer, SpeculationGate, make_proposer
+from tokenloom.core.scheduler import AdmissionLimits, Scheduler
+from tokenloom.engine.core_outputs import EngineCoreOutput, EngineCoreOutputs, EngineStats, QueueState, StepStats
+from tokenloom.engine.speculation import Speculator
 from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import LoadedModel, load_model
@@ -45,101 +44,6 @@ from tokenloom.utils import cdiv
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one request got from a step (or from being finished): new tokens, and how it ended if it did."""
-
-    request_id: str
-    new_tokens: list[SampledToken]
-    finish_reason: str | None  # a RequestStatus value once finished: stop, length, abort, error
-    stop_reason: str | int | None
-    metrics: RequestMetrics
-    error: str | None = None  # why the request failed, when finish_reason is "error"
-    # With its first token, if it asked: prompt tokens 1.. (the first has none), each with its top alternatives.
-    prompt_logprobs: list[SampledToken] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """One step of the model: how many tokens of each kind it ran, and how long it took."""
-
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_preempted: int
-    seconds: float
-
-
-@dataclass
-class EngineCoreOutputs:
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
-    step: StepStats | None = None  # None when nothing was scheduled
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's counters (cumulative since start) and gauges (now)."""
-
-    num_steps: int
-    prompt_tokens: int
-    generated_tokens: int
-    computed_tokens: int  # every token that went through the model, recomputation included
-    computed_tokens_by_tenant: dict[str, int]
-    num_preemptions_recompute: int
-    num_preemptions_swap: int
-    swapped_out_blocks: int
-    swapped_in_blocks: int
-    swap_in_cached_blocks: int
-    swap_copy_seconds: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    swap_blocks_total: int
-    swap_blocks_in_use: int
-    kv_blocks_total: int
-    kv_blocks_in_use: int
-    num_running: int
-    num_waiting: int  # swapped-out requests not counted
-    num_swapped: int
-    spec_decode_num_drafts: int = 0  # requests' draft runs verified (speculative decoding), as vLLM counts them
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ...
-
-    @property
-    def spec_decode_acceptance_rate(self) -> float | None:
-        """Accepted draft tokens over draft tokens; None before any draft."""
-        if not self.spec_decode_num_draft_tokens:
-            return None
-        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.num_preemptions_recompute + self.num_preemptions_swap
-
-    @classmethod
-    def empty(cls, kv_blocks_total: int) -> EngineStats:
-        """Before the first step: every counter and gauge 0."""
-        values: dict[str, Any] = {f.name: 0 for f in fields(cls)}
-        values.update(
-            computed_tokens_by_tenant={},
-            swap_copy_seconds=0.0,
-            kv_blocks_total=kv_blocks_total,
-            spec_decode_num_accepted_tokens_per_pos=(),
-        )
-        return cls(**values)
-
-
-@dataclass(frozen=True)
-class QueueState:
-    """What admission limits compare against: requests waiting and the prompt tokens they still need."""
-
-    num_waiting: int
-    backlog_tokens: int
 
 
 def kv_blocks_that_fit(total: int, in_use: int, activation_peak: int, utilization: float, per_block: int) -> int:
@@ -186,9 +90,7 @@ class EngineCore:
         grammars = GrammarCompiler(loaded.tokenizer, self.model_config.vocab_size, eos, config.structured_outputs)
         self.structured = StructuredOutputManager(grammars)
         self._failed_on_arrival: dict[str, Exception] = {}
-        spec = config.speculative.speculative_config
-        self.proposer: Proposer | None = None if spec is None else make_proposer(spec)
-        self.gate = SpeculationGate(spec is None or spec.dynamic)
+        self.speculator = Speculator(config.speculative.speculative_config, self.structured, self.max_model_len)
         # Prompt logprobs by prompt token index, gathered chunk by chunk until the request's first token.
         self._prompt_logprobs: dict[str, dict[int, SampledToken]] = {}
 
@@ -399,7 +301,7 @@ class EngineCore:
         result = self.runner.execute(output.scheduled, grammar)
         seconds = time.perf_counter() - started
         self.preemptor.observe_step(output.num_batched_tokens, seconds)
-        self.gate.observe_step(output.num_batched_tokens, seconds)
+        self.speculator.observe_step(output.num_batched_tokens, seconds)
         outputs += [self.fail(rid, error) for rid, error in result.failed.items() if rid in self.scheduler.requests]
         for request_id, entries in result.prompt_logprobs.items():
             if request_id in self.scheduler.requests:  # a recomputed chunk overwrites; a failed request keeps none
@@ -407,42 +309,12 @@ class EngineCore:
         sampled = result.sampled
         tokens = {rid: [t.token_id for t in new] for rid, new in sampled.items()}
         advanced = self.scheduler.update_from_output(output, tokens)
-        self._observe_verifications(output, tokens)
+        self.speculator.observe_verifications(output, tokens)
         outputs += [self._advanced(request, sampled[request.request_id][:kept]) for request, kept in advanced]
-        if self.proposer is not None:
-            self._propose_drafts(output.num_batched_tokens)
+        self.speculator.propose(self.scheduler.running, output.num_batched_tokens)
         decode_tokens = sum(s.num_tokens for s in output.scheduled if not s.is_prefill)  # drafts too
         stats = StepStats(output.num_batched_tokens - decode_tokens, decode_tokens, len(output.preempted), seconds)
         return EngineCoreOutputs(outputs, stats)
-
-    # ---- speculative decoding -------------------------------------------------------------------------------
-
-    def _observe_verifications(self, output: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
-        for item in output.scheduled:
-            request_id = item.request.request_id
-            if item.draft_token_ids and request_id in tokens:
-                self.gate.observe_verification(request_id, len(item.draft_token_ids), len(tokens[request_id]) - 1)
-
-    def _propose_drafts(self, num_step_tokens: int) -> None:
-        """Draft tokens for each running request whose next step is a decode, where speculating may pay."""
-        assert self.proposer is not None
-        for request in self.scheduler.running:
-            limit = self._draft_limit(request)
-            if limit > 0 and self.gate.allows(request.request_id, num_step_tokens):
-                prompt, output = request.prompt_token_ids, request.output_token_ids
-                drafts = self.proposer.propose(request.request_id, prompt, output, limit)
-                try:
-                    request.spec_token_ids = self.structured.valid_drafts(request.request_id, drafts)
-                except Exception:  # the matcher's own failure fails the request at its next mask, not here
-                    request.spec_token_ids = []
-
-    def _draft_limit(self, request: Request) -> int:
-        """How many drafts a request may verify next step: none while it prefills, or under penalties (a later
-        row's logits would depend on the unverified drafts before it); never past max_tokens or max_model_len."""
-        params = request.sampling_params
-        if request.num_tokens - request.num_computed_tokens != 1 or params.uses_penalties:
-            return 0
-        return min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
 
     def _advanced(self, request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:
         """The output of a request that got tokens: its grammar advanced (and finished, if done), its prompt
@@ -483,9 +355,7 @@ class EngineCore:
         self.runner.release(request_id)
         self.structured.remove(request_id)
         self._prompt_logprobs.pop(request_id, None)
-        self.gate.forget(request_id)
-        if self.proposer is not None:
-            self.proposer.finished(request_id, request.output_token_ids)
+        self.speculator.release(request)
 
     def _gathered_prompt_logprobs(self, request: Request) -> list[SampledToken]:
         entries = self._prompt_logprobs.pop(request.request_id)

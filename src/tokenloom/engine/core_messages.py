@@ -14,7 +14,7 @@ from typing import Literal
 
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import AdmissionLimits
-from tokenloom.engine.core import EngineCoreOutput, EngineStats, QueueState
+from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 
 QueueWalk = Literal["backlog", "never_scheduled"]  # walks over the core's queue that cost a step only once asked
 

@@ -26,7 +26,7 @@ import zmq
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
-from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState, load_for_core
+from tokenloom.engine.core import EngineCore, load_for_core
 from tokenloom.engine.core_messages import (
     AbortRequest,
     AddRequest,
@@ -43,6 +43,7 @@ from tokenloom.engine.core_messages import (
     Shutdown,
     WatchQueue,
 )
+from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 from tokenloom.engine.front import EngineFront, PreparedRequest
 from tokenloom.ipc import child_end, receive, send
 from tokenloom.model.loader import load_model_info

@@ -16,7 +16,7 @@ import torch
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler import AdmissionLimits
-from tokenloom.engine.core import EngineStats, QueueState
+from tokenloom.engine.core_outputs import EngineStats, QueueState
 from tokenloom.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.engine.structured_output import GrammarCompiler
 from tokenloom.model.config import ModelConfig

@@ -9,7 +9,7 @@ from typing import Any, cast
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tokenloom.config import EngineConfig
-from tokenloom.engine.core import EngineStats
+from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput

@@ -13,7 +13,8 @@ import time
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
-from tokenloom.engine.core import EngineCore, EngineCoreOutput, EngineStats, QueueState, load_for_core
+from tokenloom.engine.core import EngineCore, load_for_core
+from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 from tokenloom.engine.front import EngineFront, PreparedRequest
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.platform import dtype_name

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenloom.engine.core import EngineCoreOutput
+from tokenloom.engine.core_outputs import EngineCoreOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.sampler import SampledToken

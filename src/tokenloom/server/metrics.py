@@ -18,7 +18,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tokenloom.engine.core import EngineStats
+from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.front import EngineFront
 from tokenloom.outputs import RequestOutput
 
