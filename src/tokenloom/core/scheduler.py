@@ -257,7 +257,7 @@ class Scheduler:
             remaining = request.num_tokens - request.num_computed_tokens
             drafts, request.spec_token_ids = request.spec_token_ids, []
             if remaining == 1 and drafts:  # a decode with proposals: its last token and as many drafts as fit
-                drafts = drafts[: min(budget, self.max_model_len - request.num_tokens) - 1]
+                drafts = drafts[: max(0, min(budget, self.max_model_len - request.num_tokens) - 1)]
                 remaining += len(drafts)
             else:
                 drafts = []
