@@ -27,7 +27,7 @@ from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
 from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
-from tokenloom.model.platform import accelerator_count
+from tokenloom.model.platform import accelerator_count, cpu_has_amx
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.quantization import check_quantization, quantize_linears
 from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
@@ -96,10 +96,13 @@ class ModelRunner:
         self.use_cpu_kernel = self.attention_backend == "cpu"
         # Programs that fill the device: split-K shares are added only where a step has fewer (few long decodes).
         self._target_programs = 4 * _multiprocessors(device)
+        # Where the CPU has AMX, torch's fused attention (its tiles) beat our AVX-512 BF16 prefill operator at every
+        # prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with AMX"); elsewhere ours.
         self.use_prefill_op = (
             self.use_cpu_kernel
             and dtype == torch.bfloat16
             and model.config.head_dim in (64, 128)
+            and not cpu_has_amx()
             and cpu_kernel.has_prefill_op()
         )
         self.compiled: CompiledForward | None = compile_model(model, device) if compile_step else None
