@@ -8,6 +8,7 @@ where the CPU has them), for prompt chunks with and without a cached past.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,30 +16,38 @@ import torch
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import PrefillSegment, _prefill_attention
 
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+SHAPES = [(64, 0), (256, 0), (512, 0), (256, 256), (2048, 0), (2048, 2048), (16, 300)]  # (queries, cached past)
 
-H, KV, d = 9, 3, 64
 
-
-def bench(f, n: int) -> float:
+def ms_per_call(f: Callable[[], object], n: int) -> float:
     f()
-    t = time.perf_counter()
+    started = time.perf_counter()
     for _ in range(n):
         f()
-    return (time.perf_counter() - t) / n * 1e3
+    return (time.perf_counter() - started) / n * 1e3
 
 
-cpu_kernel.load_kernel()
-for q_len, past in [(64, 0), (256, 0), (512, 0), (256, 256), (2048, 0), (2048, 2048), (16, 300)]:
+def compare(q_len: int, past: int) -> tuple[float, float]:
     ctx = q_len + past
-    q = torch.randn(q_len, H, d).bfloat16()
-    k = torch.randn(ctx, KV * d).bfloat16()
-    v = torch.randn(ctx, KV * d).bfloat16()
-    out = torch.empty(q_len, H, d).bfloat16()
-    mask = None
-    if past:
-        mask = torch.from_numpy(np.arange(ctx)[None, :] <= np.arange(past, ctx)[:, None])
+    q = torch.randn(q_len, HEADS, HEAD_DIM).bfloat16()
+    k = torch.randn(ctx, KV_HEADS * HEAD_DIM).bfloat16()
+    v = torch.randn(ctx, KV_HEADS * HEAD_DIM).bfloat16()
+    out = torch.empty(q_len, HEADS, HEAD_DIM).bfloat16()
+    mask = torch.from_numpy(np.arange(ctx)[None, :] <= np.arange(past, ctx)[:, None]) if past else None
     seg = PrefillSegment(0, q_len, ctx, None, mask)
     n = 3 if q_len >= 2048 else 30
-    t_op = bench(lambda: torch.ops.tokenloom.prefill_attention(q, k, v, 0.125, out), n)
-    t_sd = bench(lambda: _prefill_attention(q, k, v, seg, 0.125), n)
-    print(f"q={q_len} past={past}: op {t_op:.2f} ms  sdpa {t_sd:.2f} ms  ratio {t_op / t_sd:.2f}")
+    ours = ms_per_call(lambda: torch.ops.tokenloom.prefill_attention(q, k, v, 0.125, out), n)
+    fused = ms_per_call(lambda: _prefill_attention(q, k, v, seg, 0.125), n)
+    return ours, fused
+
+
+def main() -> None:
+    assert cpu_kernel.has_prefill_op(), "the prefill operator is built only where the compiler targets AVX-512 BF16"
+    for q_len, past in SHAPES:
+        ours, fused = compare(q_len, past)
+        print(f"q={q_len} past={past}: ours {ours:.2f} ms, torch sdpa {fused:.2f} ms, ratio {ours / fused:.2f}")
+
+
+if __name__ == "__main__":
+    main()
