@@ -417,6 +417,13 @@ class Scheduler:
                 self.kv.trim(request, request.num_tokens)  # blocks held only for rejected drafts go back
         return advanced
 
+    def drop_last_tokens(self, request: Request, num_tokens: int) -> None:
+        """Takes back a request's last output tokens (an accepted run's tail past its grammar's end) before it is
+        finished; they were counted as generated, so the count goes back too."""
+        assert 0 < num_tokens <= request.num_output_tokens
+        del request.output_token_ids[-num_tokens:]
+        self.stats.generated_tokens -= num_tokens
+
     def _append_until_stop(self, request: Request, tokens: list[int]) -> RequestStatus | None:
         """Appends tokens one by one up to the first that meets a stop condition; returns that condition, if any."""
         for token in tokens:

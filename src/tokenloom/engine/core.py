@@ -338,8 +338,7 @@ class EngineCore:
             if self.structured.accept(request.request_id, token.token_id):
                 dropped = len(new_tokens) - kept
                 if dropped:
-                    del request.output_token_ids[-dropped:]
-                    self.scheduler.stats.generated_tokens -= dropped
+                    self.scheduler.drop_last_tokens(request, dropped)
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
                 return new_tokens[:kept]
         return new_tokens
