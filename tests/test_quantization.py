@@ -9,7 +9,15 @@ from test_attention import needs_operator
 from torch import nn
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.model.quantization import Int8Linear, int8_available, per_channel, quantize_linears
+from tokenloom.model.quantization import (
+    Int8Linear,
+    hadamard_matrix,
+    int8_available,
+    per_channel,
+    quantize_linears,
+    rotate,
+    rotation_signs,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +36,36 @@ def per_token_codes(x: torch.Tensor) -> torch.Tensor:
     return codes.double() * scale.double()
 
 
+def test_the_rotation_is_orthonormal_and_its_signs_fixed():
+    h = hadamard_matrix(64)
+    torch.testing.assert_close(h @ h.T, torch.eye(64))
+    signs = rotation_signs(576)
+    assert signs is not None and torch.equal(signs, rotation_signs(576)) and set(signs.tolist()) == {-1.0, 1.0}
+    assert rotation_signs(48) is None  # not a multiple of 64: that linear is not rotated
+    x, w = torch.randn(5, 576, dtype=torch.float64), torch.randn(32, 576, dtype=torch.float64)
+    torch.testing.assert_close(rotate(x, signs) @ rotate(w, signs).T, x @ w.T)  # (x R)(W R)^T = x W^T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9, 300])
+def test_the_operator_rotates_then_quantizes_each_row(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    x[:, 7] = 30.0  # an outlier channel
+    signs = rotation_signs(576)
+    codes, scales = torch.ops.tokenloom.quantize_rows_int8(x, signs)
+    rotated = rotate(x.double(), signs.double())  # the reference in float64; the operator's transform is float32
+    torch.testing.assert_close(scales[:, 0].double(), rotated.abs().amax(1) / 127, rtol=1e-5, atol=0)
+    want = (rotated / scales.double()).round()
+    off = (codes.double() - want).abs()
+    assert off.max() <= 1 and (off > 0).float().mean() < 1e-3  # only float32 ties may round the other way
+    plain_codes, plain_scales = torch.ops.tokenloom.quantize_rows_int8(x)
+    torch.testing.assert_close(plain_codes.double() * plain_scales.double(), per_token_codes(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True)])
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True), (48, 32, False)])
 def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, out_features, bias):
     g = torch.Generator().manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=bias)
@@ -42,10 +77,19 @@ def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, o
     x[0, 3] = 40.0  # an outlier in one token: only its own row's scale grows
     quantized = Int8Linear(linear.weight.to(dtype), None if linear.bias is None else linear.bias.to(dtype))
     ours = quantized(x.to(dtype)).float()
-    # What the codes mean, in float64: per-token activations times per-channel weights.
-    scaled, scale = per_channel(linear.weight.detach().to(dtype), 127.0)  # the weight's codes, in float32
+    # What the codes mean, in float64: per-token activations times per-channel weights, both rotated where the
+    # inputs split into 64-blocks (the activations' codes as the operator made them: tested above).
+    signs = rotation_signs(in_features)
+    weight = linear.weight.detach().to(dtype)
+    if signs is None:
+        activations = per_token_codes(x.to(dtype))
+    else:
+        weight = rotate(weight.float(), signs)
+        codes, scales = torch.ops.tokenloom.quantize_rows_int8(x.to(dtype), signs)
+        activations = codes.double() * scales.double()
+    scaled, scale = per_channel(weight, 127.0)  # the weight's codes, in float32
     w = scaled.round().clamp(-127, 127).double() * scale.double()[:, None]
-    reference = per_token_codes(x.to(dtype)) @ w.T
+    reference = activations @ w.T
     if bias:
         reference += linear.bias.detach().to(dtype).double()
     tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
@@ -55,6 +99,24 @@ def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, o
     exact = x.double() @ linear.weight.detach().double().T + (linear.bias.detach().double() if bias else 0)
     if rows > 1:
         assert ((ours[1:].double() - exact[1:]).norm() / exact[1:].norm()) < 0.02
+
+
+def test_the_rotation_shrinks_the_error_an_outlier_channel_makes():
+    """A channel far larger than the rest in every token (what real models' activations have) sets each token's
+    scale; rotated, its size is shared by 64 channels and the other channels keep their precision."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 576, generator=g) * 0.05
+    x = torch.randn(64, 576, generator=g)
+    x[:, 100] = 60.0
+    exact = x.double() @ weight.double().T
+    layer = Int8Linear(weight, None)
+    assert layer.signs is not None
+    rotated = layer(x).double()
+    plain = Int8Linear(weight[:, :-16], None)  # 560 inputs: not a multiple of 64, so not rotated
+    assert plain.signs is None
+    plain_error = (plain(x[:, :-16]).double() - x[:, :-16].double() @ weight[:, :-16].double().T).norm()
+    rotated_error = (rotated - exact).norm()
+    assert rotated_error < plain_error / 3
 
 
 def test_a_rows_output_does_not_depend_on_the_other_rows():

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "kv_codes.h"
 #include "work_sharing.h"
@@ -258,10 +259,123 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 // Per-token int8 activations for the int8 linears (--quantization int8, quantization.py): x [M, K] -> codes int8
 // [M, K] and scales float32 [M, 1], scale = a row's largest |x| times 1 / 127, code = x times 1 / scale rounded to
-// nearest even (as kv_codes.h quantizes KV heads).
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+// nearest even (as kv_codes.h quantizes KV heads). With signs (float32 [K], each +-1; K a multiple of 64), each row
+// is first rotated: every 64 inputs times their signs, then through the orthonormal 64-point Walsh-Hadamard
+// transform (H / 8), the rotation the weight was multiplied by at load time (quantization.py says why).
+constexpr int64_t kRotationBlock = 64;
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// One butterfly stage of the Walsh-Hadamard transform inside a vector: lane i becomes x[i ^ H] +- x[i] (minus where
+// bit H of i is set).
+template <int H>
+struct Butterfly {
+  struct Lanes {
+    alignas(64) int32_t partner[16];
+    alignas(64) float sign[16];
+  };
+  static constexpr Lanes make() {
+    Lanes lanes{};
+    for (int i = 0; i < 16; ++i) {
+      lanes.partner[i] = i ^ H;
+      lanes.sign[i] = (i & H) ? -1.0f : 1.0f;
+    }
+    return lanes;
+  }
+  static constexpr Lanes kLanes = make();
+  static __m512 apply(__m512 v) {
+    const __m512i partner = _mm512_load_si512(kLanes.partner);
+    return _mm512_fmadd_ps(v, _mm512_load_ps(kLanes.sign), _mm512_permutexvar_ps(partner, v));
+  }
+};
+
+// 64 floats (4 vectors) -> their transform times 1 / 8.
+inline void hadamard64(__m512 (&v)[4]) {
+  for (auto& x : v) x = Butterfly<8>::apply(Butterfly<4>::apply(Butterfly<2>::apply(Butterfly<1>::apply(x))));
+  for (int pair = 0; pair < 4; pair += 2) {  // h = 16: vectors 0-1 and 2-3
+    const __m512 a = v[pair], b = v[pair + 1];
+    v[pair] = _mm512_add_ps(a, b);
+    v[pair + 1] = _mm512_sub_ps(a, b);
+  }
+  for (int i = 0; i < 2; ++i) {  // h = 32: vectors 0-2 and 1-3
+    const __m512 a = v[i], b = v[i + 2];
+    v[i] = _mm512_mul_ps(_mm512_add_ps(a, b), _mm512_set1_ps(0.125f));
+    v[i + 2] = _mm512_mul_ps(_mm512_sub_ps(a, b), _mm512_set1_ps(0.125f));
+  }
+}
+#endif
+
+// A row of x times its signs through the transform, 64 inputs at a time, into `to`; returns its largest |value|.
+template <typename scalar_t>
+float rotate_row(const scalar_t* x, const float* signs, int64_t n, float* to) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 most = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kRotationBlock) {
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(load16(x + i + 16 * j), _mm512_loadu_ps(signs + i + 16 * j));
+    hadamard64(v);
+    for (int j = 0; j < 4; ++j) {
+      _mm512_storeu_ps(to + i + 16 * j, v[j]);
+      most = _mm512_max_ps(most, _mm512_abs_ps(v[j]));
+    }
+  }
+  return _mm512_reduce_max_ps(most);
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; i += kRotationBlock) {
+    float* block = to + i;
+    for (int j = 0; j < kRotationBlock; ++j) block[j] = load(x + i + j) * signs[i + j];
+    for (int h = 1; h < kRotationBlock; h <<= 1) {
+      for (int j = 0; j < kRotationBlock; ++j) {
+        if ((j & h) == 0) {
+          const float a = block[j], b = block[j + h];
+          block[j] = a + b;
+          block[j + h] = a - b;
+        }
+      }
+    }
+    for (int j = 0; j < kRotationBlock; ++j) amax = std::max(amax, std::fabs(block[j] *= 0.125f));
+  }
+  return amax;
+#endif
+}
+
+template <typename scalar_t>
+float row_amax(const scalar_t* x, int64_t n) {
+  float amax = 0.0f;
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  __m512 most = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(load16(x + i)));
+  amax = _mm512_reduce_max_ps(most);
+#endif
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(load(x + i)));
+  return amax;
+}
+
+// Codes of a row of x (float32 or bfloat16) times inv, rounded to nearest even; |x| * inv <= 127, so no clamp.
+template <typename scalar_t>
+void quantize_row(const scalar_t* x, float inv, int64_t n, int8_t* codes) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 v_inv = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), v_inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtsepi32_epi8(q));
+  }
+#endif
+  for (; i < n; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(std::clamp(load(x + i) * inv, -127.0f, 127.0f)));
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs) {
   check_rows(x, "quantize_rows_int8");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  const float* sg = nullptr;
+  if (signs.has_value()) {
+    TORCH_CHECK(signs->scalar_type() == at::kFloat && signs->is_contiguous() && signs->numel() == n &&
+                    n % kRotationBlock == 0,
+                "quantize_rows_int8: signs must be float32 [K] with K a multiple of 64");
+    sg = signs->const_data_ptr<float>();
+  }
   at::Tensor codes = at::empty({rows, n}, x.options().dtype(at::kChar));
   at::Tensor scales = at::empty({rows, 1}, x.options().dtype(at::kFloat));
   int8_t* c = codes.mutable_data_ptr<int8_t>();
@@ -270,28 +384,19 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
     using scalar_t = decltype(tag);
     const scalar_t* in = x.const_data_ptr<scalar_t>();
     for_rows(rows, n, [&](int64_t r) {
-      const scalar_t* xr = in + r * stride;
-      int8_t* cr = c + r * n;
-      int64_t i = 0;
-      float amax = 0.0f;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      __m512 most = _mm512_setzero_ps();
-      for (; i + 16 <= n; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(load16(xr + i)));
-      amax = _mm512_reduce_max_ps(most);
-#endif
-      for (; i < n; ++i) amax = std::max(amax, std::fabs(load(xr + i)));
-      const float scale = amax > 0.0f ? amax * (1.0f / 127.0f) : 1.0f;
-      const float inv = 1.0f / scale;
-      i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      const __m512 v_inv = _mm512_set1_ps(inv);
-      for (; i + 16 <= n; i += 16) {  // |x| * inv <= 127: no clamp; rounded to nearest even by the conversion
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + i), v_inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(cr + i), _mm512_cvtsepi32_epi8(q));
+      thread_local std::vector<float> rotated;
+      float amax;
+      if (sg != nullptr) {
+        rotated.resize(n);
+        amax = rotate_row(in + r * stride, sg, n, rotated.data());
+      } else {
+        amax = row_amax(in + r * stride, n);
       }
-#endif
-      for (; i < n; ++i) {
-        cr[i] = static_cast<int8_t>(std::nearbyint(std::clamp(load(xr + i) * inv, -127.0f, 127.0f)));
+      const float scale = amax > 0.0f ? amax * (1.0f / 127.0f) : 1.0f;
+      if (sg != nullptr) {
+        quantize_row(rotated.data(), 1.0f / scale, n, c + r * n);
+      } else {
+        quantize_row(in + r * stride, 1.0f / scale, n, c + r * n);
       }
       sc[r] = scale;
     });
@@ -345,7 +450,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
       "rotary_embedding_and_cache(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor positions, Tensor cos, Tensor sin, "
       "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots, int kv_kind=0, int block_size=0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def("quantize_rows_int8(Tensor x, Tensor? signs=None) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor row_scales, Tensor? bias, ScalarType dtype) -> Tensor");
 }
 

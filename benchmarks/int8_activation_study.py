@@ -1,0 +1,168 @@
+"""Why W8A8 loses top-1 agreement on SmolLM2-135M, and what rotating the inputs buys (issue 24).
+
+    .venv/bin/python benchmarks/int8_activation_study.py [--new-tokens 160]
+
+Simulated quantization ("fake quant") inside transformers' float32 model, teacher-forced over the prompts of
+kv_accuracy.py: each decoder linear's weight is rounded to per-channel int8 codes and, where the variant says so,
+its input to per-token (or per-group) int8 codes, in float32 arithmetic; then top-1 agreement with the unquantized
+model is counted over the positions after the prompts. The variants:
+  weights only             per-channel int8 weights, float activations (W8A16)
+  W8A8                     and per-token activations, as --quantization int8 was before the rotation
+  W8A8 smoothed            SmoothQuant, alpha 0.5, its per-channel maxima from three calibration texts
+  W8A8 rotated             the 64-block Walsh-Hadamard rotation with random signs: what --quantization int8 does
+  weights only, rotated    the same rotation, float activations
+  W8A8 full rotation       a random orthogonal K x K rotation (an upper bound for rotations; too costly online)
+  W8A8 groups of 32        rotated, and one activation scale per 32 inputs (not an int8 GEMM oneDNN can run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kv_accuracy import PROMPTS
+
+from tokenloom.model.loader import resolve_checkpoint_dir
+from tokenloom.model.quantization import per_channel, rotate, rotation_signs
+
+CALIBRATION = [
+    "Machine learning is a field of study in artificial intelligence concerned with statistical algorithms that "
+    "learn from data and generalise to unseen data.",
+    "<|im_start|>user\nHow do I sort a list in Python?<|im_end|>\n<|im_start|>assistant\nUse sorted() or "
+    "list.sort(). For example:\n```python\nnums = [3, 1, 2]\nnums.sort()\n```",
+    "The history of Rome spans more than two and a half thousand years, from an Italic settlement to an empire.",
+]
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def fake_weight(w: torch.Tensor) -> torch.Tensor:
+    scaled, scale = per_channel(w, 127.0)
+    return scaled.round().clamp(-127, 127) * scale[:, None]
+
+
+def fake_tokens(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    parts = x.unflatten(-1, (-1, group)) if group else x
+    scale = parts.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    out = (parts / scale).round().clamp(-127, 127) * scale
+    return out.flatten(-2) if group else out
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class FakeQuantLinear(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, into: Transform, activations: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.into, self.activations = into, activations
+        self.weight = torch.nn.Parameter(fake_weight(into(weight)), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.activations(self.into(x)), self.weight)
+
+
+def block_rotation(k: int) -> Transform:
+    signs = rotation_signs(k)
+    assert signs is not None
+    return lambda t: rotate(t, signs)
+
+
+def full_rotation(k: int) -> Transform:
+    q = torch.linalg.qr(torch.randn(k, k, generator=torch.Generator().manual_seed(1), dtype=torch.float64))[0]
+    q32 = q.float()
+    return lambda t: t @ q32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--new-tokens", type=int, default=160)
+    args = parser.parse_args()
+    path = resolve_checkpoint_dir(None)[1]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    sequences = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt)
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False)[0]
+            sequences.append((generated, len(ids), model(generated[None]).logits[0].argmax(-1)))
+    linears = {name: m for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    parents = {name: (model.model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) for name in linears}
+    maxima = calibrate(model, tokenizer, linears)
+
+    def agreement() -> float:
+        agree = total = 0
+        with torch.inference_mode():
+            for ids, prompt_len, reference in sequences:
+                ours = model(ids[None]).logits[0].argmax(-1)
+                agree += int((ours[prompt_len:] == reference[prompt_len:]).sum())
+                total += len(ids) - prompt_len
+        return agree / total
+
+    variants: dict[str, Callable[[str, torch.nn.Linear], torch.nn.Module]] = {
+        "weights only": lambda n, m: FakeQuantLinear(m.weight, identity, identity),
+        "W8A8": lambda n, m: FakeQuantLinear(m.weight, identity, fake_tokens),
+        "W8A8 smoothed": lambda n, m: SmoothedLinear(m.weight, maxima[n]),
+        "W8A8 rotated": lambda n, m: FakeQuantLinear(m.weight, block_rotation(m.in_features), fake_tokens),
+        "weights only, rotated": lambda n, m: FakeQuantLinear(m.weight, block_rotation(m.in_features), identity),
+        "W8A8 full rotation": lambda n, m: FakeQuantLinear(m.weight, full_rotation(m.in_features), fake_tokens),
+        "W8A8 rotated, groups of 32": lambda n, m: FakeQuantLinear(
+            m.weight, block_rotation(m.in_features), lambda t: fake_tokens(t, 32)
+        ),
+    }
+    positions = sum(len(ids) - n for ids, n, _ in sequences)
+    print(f"top-1 agreement with the float32 model over {positions} positions (float32 arithmetic)")
+    print("| variant | top-1 |\n|---|---:|")
+    for label, make in variants.items():
+        for name, linear in linears.items():
+            parent, attr = parents[name]
+            setattr(parent, attr, make(name, linear))
+        print(f"| {label} | {agreement():.1%} |", flush=True)
+    for name, linear in linears.items():
+        parent, attr = parents[name]
+        setattr(parent, attr, linear)
+
+
+class SmoothedLinear(torch.nn.Module):
+    """SmoothQuant: x / s and W * s, s = max|x|^alpha / max|w|^(1 - alpha) per input channel."""
+
+    def __init__(self, weight: torch.Tensor, maxima: torch.Tensor, alpha: float = 0.5) -> None:
+        super().__init__()
+        w = weight.detach()
+        self.s = (maxima.clamp(min=1e-5) ** alpha / w.abs().amax(0).clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
+        self.weight = torch.nn.Parameter(fake_weight(w * self.s), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(fake_tokens(x / self.s), self.weight)
+
+
+def calibrate(model, tokenizer, linears: dict[str, torch.nn.Linear]) -> dict[str, torch.Tensor]:
+    """Each linear's largest |input| per channel over the calibration texts."""
+    maxima: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(module, inputs, output) -> None:
+            seen = inputs[0].reshape(-1, inputs[0].shape[-1]).abs().amax(0)
+            maxima[name] = torch.maximum(maxima.get(name, seen), seen)
+
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    with torch.inference_mode():
+        for text in CALIBRATION:
+            model(torch.tensor([tokenizer.encode(text)]))
+    for handle in handles:
+        handle.remove()
+    return maxima
+
+
+if __name__ == "__main__":
+    main()
