@@ -103,10 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
 
     from tokenloom.bench.commands import add_bench_commands
+    from tokenloom.bench.simulate_command import add_simulate_command
     from tokenloom.tools.diagnose import add_diagnose_command
     from tokenloom.tools.plan import add_plan_command
 
     add_bench_commands(commands)
+    add_engine_flags(add_simulate_command(commands))
     add_plan_command(commands)
     add_diagnose_command(commands)
     return parser
@@ -165,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             from tokenloom.tools.plan import run_plan
 
             return run_plan(args)
+        if args.command == "simulate":
+            from tokenloom.bench.simulate_command import run_simulate
+
+            return run_simulate(args, engine_config_from_args(args))
         if args.command == "bench":
             from tokenloom.bench.commands import run_bench
 

@@ -122,7 +122,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _trace_from_args(args: argparse.Namespace):
+def trace_from_args(args: argparse.Namespace):
     if args.trace:
         requests, sha = read_trace(args.trace)
         return (requests[: args.num_requests] if args.num_requests else requests), sha
@@ -138,7 +138,7 @@ def _mix(text: str) -> tuple[float, float, float]:
 
 
 def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
-    requests, sha = _trace_from_args(args)
+    requests, sha = trace_from_args(args)
     rate = math.inf if str(args.request_rate) == "inf" else float(args.request_rate)
     return bench_run(args, args.base_url, requests, sha, rate, args.label or Path(args.output).stem)
 
@@ -192,7 +192,7 @@ def bench_run(args, base_url: str, requests, sha: str, rate: float, label: str) 
 
 def bench_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Ramps the offered rate; stops after the first rate that breaks the queue-time or error limits."""
-    requests, sha = _trace_from_args(args)
+    requests, sha = trace_from_args(args)
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -309,7 +309,7 @@ def bench_matrix(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One server per configuration on a free loopback port, the same trace against each, one table."""
     from tokenloom.bench.local_server import LocalServer
 
-    requests, sha = _trace_from_args(args)
+    requests, sha = trace_from_args(args)
     rate = math.inf if str(args.request_rate) == "inf" else float(args.request_rate)
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,16 @@ from typing import Any
 
 from tokenloom.version import git_commit
 
-__all__ = ["git_commit", "machine_info"]
+__all__ = ["cpu_flags", "git_commit", "machine_info"]
+
+
+def cpu_flags() -> str:
+    """The CPU's vector extensions (AVX, AMX, FMA), as benchmarks note them beside a figure."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+    return " ".join(sorted(f for f in flags.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma"))))
 
 
 def machine_info() -> dict[str, Any]:

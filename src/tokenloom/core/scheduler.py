@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenloom.config import SchedulerConfig
@@ -148,10 +149,13 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: set[int],
         preemptor: Preemptor | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Built from its own config; what the engine works out at start-up (the context length, the EOS tokens,
-        the preemptor with its swap pool and measured costs) comes beside it."""
+        the preemptor with its swap pool and measured costs) comes beside it. `clock` stamps the requests' times:
+        the simulator (bench/simulator.py) runs this scheduler in simulated time."""
         self.config = config
+        self.clock = clock
         self.kv = kv_cache
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -205,7 +209,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.swap_space.release(request.request_id)  # a swapped-out request's slots; nothing to copy back
         request.status = status
-        request.finished_time = time.monotonic()
+        request.finished_time = self.clock()
         self.policy.finished(request)
         self.kv.free(request)
         del self.requests[request.request_id]
@@ -331,7 +335,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
             request.num_cached_tokens = num_cached
             self.stats.prompt_tokens += request.num_prompt_tokens
         self.running.append(request)
@@ -386,7 +390,7 @@ class Scheduler:
 
         Returns the requests that received tokens this step, each with how many it kept.
         """
-        now = time.monotonic()
+        now = self.clock()
         advanced = []
         for item in output.scheduled:
             request = item.request

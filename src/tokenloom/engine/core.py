@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +21,7 @@ from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import FairPolicy
 from tokenloom.core.preemption import PreemptionCosts, Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
-from tokenloom.core.scheduler import AdmissionLimits, Scheduler
+from tokenloom.core.scheduler import AdmissionLimits, Scheduler, SchedulerOutput
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineCoreOutputs, EngineStats, QueueState, StepStats
 from tokenloom.engine.speculation import Speculator
 from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
@@ -93,6 +94,8 @@ class EngineCore:
         self.speculator = Speculator(config.speculative.speculative_config, self.structured, self.max_model_len)
         # Prompt logprobs by prompt token index, gathered chunk by chunk until the request's first token.
         self._prompt_logprobs: dict[str, dict[int, SampledToken]] = {}
+        # Shown every non-empty step's schedule: `tokenloom simulate profile` measures steps by their shape.
+        self.step_observer: Callable[[SchedulerOutput], None] | None = None
 
     def _make_runner(self, loaded: LoadedModel, device: torch.device) -> ModelRunner:
         """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
@@ -292,6 +295,8 @@ class EngineCore:
         self._make_swap_copies(output.swap_out, output.swap_in)
         if output.is_empty:
             return EngineCoreOutputs(outputs)
+        if self.step_observer is not None:
+            self.step_observer(output)
         started = time.perf_counter()
         grammar, grammar_failed = self.structured.grammar_mask(
             [(s.request.request_id, s.draft_token_ids) for s in output.scheduled if s.sample]

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
+from tokenloom.core.scheduler import SchedulerOutput
 from tokenloom.engine.core import EngineCore, load_for_core
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 from tokenloom.engine.front import EngineFront, PreparedRequest
@@ -69,6 +71,10 @@ class LLMEngine(EngineFront):
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that received a token (or failed) in it."""
         return [self.processor.process(output, self) for output in self.core.step().outputs]
+
+    def observe_steps(self, observer: Callable[[SchedulerOutput], None] | None) -> None:
+        """Shows `observer` each step's schedule before it runs (a profiler's hook); None stops it."""
+        self.core.step_observer = observer
 
     # RequestEnding: the output processor ends requests through these.
 

@@ -119,6 +119,11 @@ def _read_safetensors(path: Path):
                 yield key, f.get_tensor(key).float()
 
 
+def load_tokenizer(model: str | None):
+    """The tokenizer of a model (a checkpoint directory, a GGUF, or None for the embedded one), without its weights."""
+    return _load_tokenizer(resolve_checkpoint_dir(model)[1])
+
+
 def _load_tokenizer(path: Path):
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None

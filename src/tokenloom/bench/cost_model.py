@@ -1,0 +1,213 @@
+"""What a step costs, for the simulator (simulator.py): a fitted model of this machine, or a roofline from a datasheet.
+
+A step is described by a few sums over its scheduled requests (`StepShape`), the ones a forward pass's cost grows
+with: the tokens through the linears, the rows whose logits are computed, the query-key pairs of prefill attention,
+the keys decode rows read, the sequences, and the KV blocks copied for swapping. Vidur (MLSys 2024) fits one
+regressor per operator; on these machines one line over these sums, fitted to the engine's whole measured steps
+(scheduling, the model, sampling and output processing together), is what `tokenloom simulate profile` makes, and
+its error on held-out steps is in the profile (`fit_error`).
+
+For accelerators not at hand, `RooflineStepModel` takes a datasheet (bf16 FLOP/s, memory bandwidth) and the
+model's shapes: a step takes its layers' launch cost plus the larger of its FLOPs and its bytes at the peak rates
+times an efficiency, plus the host's time per step. The efficiencies and the host time are assumptions, said in
+`DATASHEETS`; when a device has been profiled, its fitted model replaces them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from tokenloom.core.scheduler import SchedulerOutput
+from tokenloom.model.config import ModelConfig
+
+FEATURES = ("steps", "tokens", "sampled_rows", "prefill_pairs", "decode_keys", "sequences", "copied_blocks")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    tokens: int  # through every linear
+    sampled_rows: int  # rows whose logits are computed (the LM head) and sampled
+    prefill_pairs: int  # query-key pairs of prefill chunks' attention (causal: each token's context)
+    decode_keys: int  # keys decode rows read from the cache (a verification row reads its context too)
+    sequences: int
+    copied_blocks: int  # KV blocks swapped out or in before the step
+
+    @classmethod
+    def of(cls, output: SchedulerOutput) -> StepShape:
+        prefill_pairs = decode_keys = sampled = 0
+        for item in output.scheduled:
+            n, end = item.num_tokens, item.start + item.num_tokens
+            if item.is_prefill:
+                prefill_pairs += n * (item.start + (n + 1) // 2)
+            else:
+                decode_keys += n * end
+            if item.sample:
+                sampled += 1 + len(item.draft_token_ids)
+        return cls(
+            output.num_batched_tokens, sampled, prefill_pairs, decode_keys, len(output.scheduled),
+            len(output.swap_out) + len(output.swap_in),
+        )  # fmt: skip
+
+    def features(self) -> list[float]:
+        return [1.0, *(float(getattr(self, name)) for name in FEATURES[1:])]
+
+
+class StepModel(Protocol):
+    name: str
+
+    def seconds(self, shape: StepShape) -> float: ...
+
+
+@dataclass
+class FittedStepModel:
+    """Step seconds = coefficients . (1, tokens, sampled rows, prefill pairs, decode keys, sequences, copies)."""
+
+    name: str
+    coefficients: dict[str, float]
+    fit_error: dict[str, float] = field(default_factory=dict)  # relative error on held-out steps: p50, p90, mean
+
+    def seconds(self, shape: StepShape) -> float:
+        values = dict(zip(FEATURES, shape.features(), strict=True))
+        return sum(self.coefficients.get(name, 0.0) * values[name] for name in FEATURES)
+
+    @classmethod
+    def fit(cls, name: str, shapes: list[StepShape], seconds: list[float], holdout_every: int = 5) -> FittedStepModel:
+        """Least squares on relative error (each step weighted by 1 / its time, so short decode steps count as
+        much as long prefills), with no negative coefficient: a feature whose fit goes negative is dropped and the
+        rest refitted. Every `holdout_every`-th step is held out to measure the error; then all steps are fitted."""
+        if len(shapes) < 2 * len(FEATURES):
+            raise ValueError(f"{len(shapes)} steps are too few to fit {len(FEATURES)} coefficients")
+        x = np.array([s.features() for s in shapes])
+        y = np.array(seconds)
+        held = np.arange(len(y)) % holdout_every == holdout_every - 1
+        trial = _nonnegative_fit(x[~held], y[~held])
+        error = np.abs(x[held] @ trial - y[held]) / y[held]
+        coefficients = _nonnegative_fit(x, y)
+        model = cls(name, {f: float(c) for f, c in zip(FEATURES, coefficients, strict=True)})
+        model.fit_error = {
+            "p50": float(np.percentile(error, 50)),
+            "p90": float(np.percentile(error, 90)),
+            "mean": float(error.mean()),
+            "held_out_steps": int(held.sum()),
+        }
+        return model
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    weights = 1.0 / y
+    active = list(range(x.shape[1]))
+    while True:
+        solution, *_ = np.linalg.lstsq(x[:, active] * weights[:, None], y * weights, rcond=None)
+        if (solution >= 0).all():
+            out = np.zeros(x.shape[1])
+            out[active] = solution
+            return out
+        del active[int(np.argmin(solution))]
+
+
+@dataclass(frozen=True)
+class Datasheet:
+    """What a roofline needs of a device beyond its memory (tools/plan.py's catalogue has that and its bandwidth)."""
+
+    bf16_flops: float  # dense, per second, as the vendor's datasheet gives it
+    link_bytes_s: float  # one direction, between the devices of a tensor-parallel group (NVLink, or PCIe)
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    bf16_flops: float
+    bandwidth_bytes_s: float
+    link_bytes_s: float
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What share of the peaks a good engine reaches, and its fixed costs: assumptions until a device is profiled.
+    The defaults follow published measurements of vLLM-class engines (about half the peak FLOP/s on large GEMMs,
+    70-85% of the bandwidth on decode) and CUDA-graph decode steps."""
+
+    flops: float = 0.55
+    bandwidth: float = 0.8
+    launch_s_per_layer: float = 20e-6  # kernel launches of a layer, not hidden by a graph
+    host_s_per_step: float = 1.5e-3  # scheduling, input preparation, sampling and output processing
+    allreduce_latency_s: float = 10e-6
+    host_link_bytes_s: float = 25e9  # swap copies over PCIe
+
+
+# Keyed as tools/plan.py's catalogue names them; the seeds' list.
+DATASHEETS = {
+    "a100-80gb": Datasheet(312e12, 300e9),
+    "h100-80gb": Datasheet(989e12, 450e9),
+    "h200-141gb": Datasheet(989e12, 450e9),
+    "b200-192gb": Datasheet(2250e12, 900e9),
+    "rtx5090-32gb": Datasheet(209.5e12, 32e9),  # no NVLink: PCIe 5.0 x16
+}
+
+
+@dataclass
+class RooflineStepModel:
+    name: str
+    model: ModelConfig
+    device: Device
+    tensor_parallel: int = 1
+    element_bytes: int = 2
+    kv_element_bytes: int = 2
+    block_size: int = 16
+    efficiency: Efficiency = field(default_factory=Efficiency)
+
+    def seconds(self, shape: StepShape) -> float:
+        m, tp, eff = self.model, self.tensor_parallel, self.efficiency
+        layer_params = _layer_parameters(m)
+        head_params = m.vocab_size * m.hidden_size
+        attention_flops = 4 * m.num_layers * m.num_heads * m.head_dim * (shape.prefill_pairs + shape.decode_keys)
+        flops = 2 * layer_params * shape.tokens + 2 * head_params * shape.sampled_rows + attention_flops
+        kv_per_token = m.kv_bytes_per_token(self.kv_element_bytes)
+        prefill_reads = shape.prefill_pairs / max(shape.tokens, 1)  # past keys a chunk reads, once per chunk
+        bytes_moved = (layer_params + head_params) * self.element_bytes + kv_per_token * (
+            shape.decode_keys + prefill_reads + shape.tokens
+        )
+        compute = flops / tp / (self.device.bf16_flops * eff.flops)
+        memory = bytes_moved / tp / (self.device.bandwidth_bytes_s * eff.bandwidth)
+        allreduce = 0.0
+        if tp > 1:  # two all-reduces per layer of the step's hidden states
+            volume = 2 * m.num_layers * shape.tokens * m.hidden_size * self.element_bytes * 2 * (tp - 1) / tp
+            allreduce = volume / self.device.link_bytes_s + 2 * m.num_layers * eff.allreduce_latency_s
+        copies = shape.copied_blocks * self.block_size * kv_per_token / eff.host_link_bytes_s
+        launches = m.num_layers * eff.launch_s_per_layer
+        return eff.host_s_per_step + launches + max(compute, memory) + allreduce + copies
+
+
+def _layer_parameters(m: ModelConfig) -> int:
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    return m.num_layers * (m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size)
+
+
+@dataclass
+class Profile:
+    """`tokenloom simulate profile`'s output: the fitted model and the engine it was measured on."""
+
+    step_model: FittedStepModel
+    machine: dict[str, str]
+    engine: dict[str, int | str | bool | None]  # num_kv_blocks, block_size, max_model_len, the flags
+    steps: list[dict[str, float]] = field(default_factory=list)  # every measured step: its shape and seconds
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def read(cls, path: str | Path) -> Profile:
+        data = json.loads(Path(path).read_text())
+        return cls(FittedStepModel(**data["step_model"]), data["machine"], data["engine"], data.get("steps", []))
+
+
+def datasheet(name: str) -> Datasheet:
+    found = DATASHEETS.get(name.lower())
+    if found is None:
+        raise ValueError(f"no datasheet for {name!r}; known: {', '.join(DATASHEETS)} (or give --profile)")
+    return found

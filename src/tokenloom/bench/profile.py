@@ -1,0 +1,129 @@
+"""`tokenloom simulate profile`: the real engine's steps, measured over a grid of batch shapes, and a step model fitted.
+
+For each context length C and number of decoding requests D in the grid, D requests with C-token prompts (random
+token ids, so no prefix is shared) are prefilled (those steps are measured too: full budget chunks), then decoded
+for a few steps, then joined by one prefill of P tokens for each P in the grid (a mixed step), then aborted. Each
+step is timed whole, `LLMEngine.step()` from the schedule to the outputs, and described by its shape (cost_model.py).
+A warm-up pass runs first and is not kept.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from tokenloom.bench.cost_model import FittedStepModel, Profile, StepShape
+from tokenloom.bench.provenance import cpu_flags, machine_info
+from tokenloom.config import EngineConfig
+from tokenloom.core.scheduler import SchedulerOutput
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Grid:
+    contexts: tuple[int, ...] = (128, 512, 2048, 4096)
+    decode_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prefills: tuple[int, ...] = (32, 256, 1024)
+    decode_steps: int = 4
+    max_prompt_tokens: int = 16384  # D x C at most, per point: bounds the profile's time
+
+    def points(self, max_num_seqs: int, max_model_len: int) -> Iterator[tuple[int, int]]:
+        for context in self.contexts:
+            for rows in self.decode_rows:
+                fits = rows <= max_num_seqs and context + self.decode_steps + 2 < max_model_len
+                if fits and rows * context <= self.max_prompt_tokens:
+                    yield context, rows
+
+
+QUICK = Grid(contexts=(64, 256), decode_rows=(1, 4, 16), prefills=(32, 200), decode_steps=3, max_prompt_tokens=4096)
+
+
+class StepTimer:
+    """Steps the engine, keeping each step's shape (seen through the engine's step observer) and its seconds."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.shapes: list[StepShape] = []
+        self.seconds: list[float] = []
+        self._seen: SchedulerOutput | None = None
+        engine.observe_steps(self._observe)
+
+    def _observe(self, output: SchedulerOutput) -> None:
+        self._seen = output
+
+    def step(self, keep: bool = True) -> set[str]:
+        """One engine step; returns the requests that received a token in it."""
+        self._seen = None
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        seconds = time.perf_counter() - started
+        if keep and self._seen is not None:
+            self.shapes.append(StepShape.of(self._seen))
+            self.seconds.append(seconds)
+        return {o.request_id for o in outputs}
+
+
+def measure_point(timer: StepTimer, grid: Grid, context: int, rows: int, rng: random.Random, keep: bool) -> None:
+    engine = timer.engine
+    vocab = engine.model_config.vocab_size
+    long_params = SamplingParams(max_tokens=grid.decode_steps + len(grid.prefills) + 2, ignore_eos=True)
+    ids = {
+        engine.add_request([rng.randrange(10, vocab) for _ in range(context)], long_params).request_id
+        for _ in range(rows)
+    }
+    decoding: set[str] = set()
+    while decoding != ids:  # the prefill chunks, until every request has its first token
+        decoding |= timer.step(keep) & ids
+    for _ in range(grid.decode_steps):
+        timer.step(keep)
+    for prefill in grid.prefills:
+        engine.add_request([rng.randrange(10, vocab) for _ in range(prefill)], SamplingParams(max_tokens=1))
+        timer.step(keep)
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        timer.step(keep)
+
+
+def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0) -> Profile:
+    engine = LLMEngine(config)
+    try:
+        timer = StepTimer(engine)
+        rng = random.Random(seed)
+        max_num_seqs, max_model_len = config.scheduler.max_num_seqs, engine.max_model_len
+        points = list(grid.points(max_num_seqs, max_model_len))
+        for context, rows in points[:2]:  # warm-up: first calls build and fault in what later ones reuse
+            measure_point(timer, grid, context, rows, rng, keep=False)
+        for context, rows in points:
+            measure_point(timer, grid, context, rows, rng, keep=True)
+        model = FittedStepModel.fit(f"profile of {platform.node() or 'this machine'}", timer.shapes, timer.seconds)
+        kv, stats = engine.kv_cache(), engine.stats()
+        return Profile(
+            model,
+            machine=machine_description(),
+            engine={
+                "num_kv_blocks": kv.num_blocks,
+                "num_swap_blocks": stats.swap_blocks_total,
+                "block_size": config.cache.block_size,
+                "max_model_len": engine.max_model_len,
+                "kv_bytes_per_block": kv.bytes_per_token * config.cache.block_size,
+                "kv_dtype": kv.dtype,
+                "dtype": str(engine.dtype).removeprefix("torch."),
+                "device": str(engine.device),
+                "model": engine.model_name,
+                "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            },
+            steps=[{**asdict(shape), "seconds": s} for shape, s in zip(timer.shapes, timer.seconds, strict=True)],
+        )
+    finally:
+        engine.shutdown()
+
+
+def machine_description() -> dict[str, str]:
+    info = machine_info()
+    return {"cpu": str(info["cpu"]), "cores": str(info["cores"]), "torch": str(info["torch"]), "flags": cpu_flags()}
