@@ -18,43 +18,64 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from tokenloom.core.scheduler import SchedulerOutput
 from tokenloom.model.config import ModelConfig
 
-FEATURES = ("steps", "tokens", "sampled_rows", "prefill_pairs", "decode_keys", "sequences", "copied_blocks")
+FEATURES = (
+    "steps", "tokens", "sampled_rows", "chunk_pairs", "past_pairs", "past_tokens", "prefill_sequences", "decode_keys",
+    "sequences", "copied_blocks",
+)  # fmt: skip
+# One scheduled request of a step, as a profile keeps it: (start, tokens, rows sampled, whether it is a prefill chunk)
+Item = tuple[int, int, int, bool]
 
 
 @dataclass(frozen=True)
 class StepShape:
     tokens: int  # through every linear
     sampled_rows: int  # rows whose logits are computed (the LM head) and sampled
-    prefill_pairs: int  # query-key pairs of prefill chunks' attention (causal: each token's context)
+    chunk_pairs: int  # query-key pairs of prefill chunks among their own tokens (causal)
+    past_pairs: int  # and between a chunk's tokens and the request's earlier tokens, read from the cache
+    past_tokens: int  # those earlier tokens, once per chunk (what gathering them costs)
+    prefill_sequences: int
     decode_keys: int  # keys decode rows read from the cache (a verification row reads its context too)
     sequences: int
     copied_blocks: int  # KV blocks swapped out or in before the step
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> StepShape:
-        prefill_pairs = decode_keys = sampled = 0
-        for item in output.scheduled:
-            n, end = item.num_tokens, item.start + item.num_tokens
-            if item.is_prefill:
-                prefill_pairs += n * (item.start + (n + 1) // 2)
+        return cls.of_items(items_of(output), len(output.swap_out) + len(output.swap_in))
+
+    @classmethod
+    def of_items(cls, items: list[Item], copied_blocks: int = 0) -> StepShape:
+        chunk_pairs = past_pairs = past_tokens = prefills = decode_keys = 0
+        for start, n, _, is_prefill in items:
+            if is_prefill:
+                chunk_pairs += n * (n + 1) // 2
+                past_pairs += n * start
+                past_tokens += start
+                prefills += 1
             else:
-                decode_keys += n * end
-            if item.sample:
-                sampled += 1 + len(item.draft_token_ids)
-        return cls(
-            output.num_batched_tokens, sampled, prefill_pairs, decode_keys, len(output.scheduled),
-            len(output.swap_out) + len(output.swap_in),
-        )  # fmt: skip
+                decode_keys += n * (start + n)
+        tokens, sampled = sum(i[1] for i in items), sum(i[2] for i in items)
+        return cls(tokens, sampled, chunk_pairs, past_pairs, past_tokens, prefills, decode_keys, len(items),
+                   copied_blocks)  # fmt: skip
+
+    @property
+    def prefill_pairs(self) -> int:
+        return self.chunk_pairs + self.past_pairs
 
     def features(self) -> list[float]:
         return [1.0, *(float(getattr(self, name)) for name in FEATURES[1:])]
+
+
+def items_of(output: SchedulerOutput) -> list[Item]:
+    return [
+        (s.start, s.num_tokens, (1 + len(s.draft_token_ids)) if s.sample else 0, s.is_prefill) for s in output.scheduled
+    ]
 
 
 class StepModel(Protocol):
@@ -65,7 +86,8 @@ class StepModel(Protocol):
 
 @dataclass
 class FittedStepModel:
-    """Step seconds = coefficients . (1, tokens, sampled rows, prefill pairs, decode keys, sequences, copies)."""
+    """Step seconds = coefficients . (1, tokens, sampled rows, chunk pairs, past pairs, decode keys, sequences,
+    copied blocks)."""
 
     name: str
     coefficients: dict[str, float]
@@ -168,9 +190,10 @@ class RooflineStepModel:
         attention_flops = 4 * m.num_layers * m.num_heads * m.head_dim * (shape.prefill_pairs + shape.decode_keys)
         flops = 2 * layer_params * shape.tokens + 2 * head_params * shape.sampled_rows + attention_flops
         kv_per_token = m.kv_bytes_per_token(self.kv_element_bytes)
-        prefill_reads = shape.prefill_pairs / max(shape.tokens, 1)  # past keys a chunk reads, once per chunk
+        # Weights once, the keys decode rows read, the new tokens' KV written (a prefill chunk's reads of its past
+        # are left out: a chunk is compute-bound)
         bytes_moved = (layer_params + head_params) * self.element_bytes + kv_per_token * (
-            shape.decode_keys + prefill_reads + shape.tokens
+            shape.decode_keys + shape.tokens
         )
         compute = flops / tp / (self.device.bf16_flops * eff.flops)
         memory = bytes_moved / tp / (self.device.bandwidth_bytes_s * eff.bandwidth)
@@ -195,7 +218,12 @@ class Profile:
     step_model: FittedStepModel
     machine: dict[str, str]
     engine: dict[str, int | str | bool | None]  # num_kv_blocks, block_size, max_model_len, the flags
-    steps: list[dict[str, float]] = field(default_factory=list)  # every measured step: its shape and seconds
+    # Every measured step: its scheduled requests (Item), blocks copied and seconds, so a model can be refitted.
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def shapes(self) -> tuple[list[StepShape], list[float]]:
+        shapes = [StepShape.of_items([tuple(i) for i in s["items"]], s["copied_blocks"]) for s in self.steps]
+        return shapes, [s["seconds"] for s in self.steps]
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))

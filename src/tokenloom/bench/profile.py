@@ -13,9 +13,10 @@ import platform
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Any
 
-from tokenloom.bench.cost_model import FittedStepModel, Profile, StepShape
+from tokenloom.bench.cost_model import FittedStepModel, Profile, StepShape, items_of
 from tokenloom.bench.provenance import cpu_flags, machine_info
 from tokenloom.config import EngineConfig
 from tokenloom.core.scheduler import SchedulerOutput
@@ -47,8 +48,7 @@ class StepTimer:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.shapes: list[StepShape] = []
-        self.seconds: list[float] = []
+        self.steps: list[dict[str, Any]] = []
         self._seen: SchedulerOutput | None = None
         engine.observe_steps(self._observe)
 
@@ -62,8 +62,8 @@ class StepTimer:
         outputs = self.engine.step()
         seconds = time.perf_counter() - started
         if keep and self._seen is not None:
-            self.shapes.append(StepShape.of(self._seen))
-            self.seconds.append(seconds)
+            copied = len(self._seen.swap_out) + len(self._seen.swap_in)
+            self.steps.append({"items": items_of(self._seen), "copied_blocks": copied, "seconds": seconds})
         return {o.request_id for o in outputs}
 
 
@@ -100,7 +100,10 @@ def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0) -> 
             measure_point(timer, grid, context, rows, rng, keep=False)
         for context, rows in points:
             measure_point(timer, grid, context, rows, rng, keep=True)
-        model = FittedStepModel.fit(f"profile of {platform.node() or 'this machine'}", timer.shapes, timer.seconds)
+        shapes = [StepShape.of_items(s["items"], s["copied_blocks"]) for s in timer.steps]
+        model = FittedStepModel.fit(
+            f"profile of {platform.node() or 'this machine'}", shapes, [s["seconds"] for s in timer.steps]
+        )
         kv, stats = engine.kv_cache(), engine.stats()
         return Profile(
             model,
@@ -118,7 +121,7 @@ def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0) -> 
                 "max_num_seqs": max_num_seqs,
                 "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
             },
-            steps=[{**asdict(shape), "seconds": s} for shape, s in zip(timer.shapes, timer.seconds, strict=True)],
+            steps=timer.steps,
         )
     finally:
         engine.shutdown()

@@ -192,4 +192,3 @@ def trace_tokenizer(config: EngineConfig):
     if tokenizer is None:
         raise ValueError("the model has no tokenizer: a trace's messages cannot be turned into prompt tokens")
     return prompt_tokens(tokenizer)
-
