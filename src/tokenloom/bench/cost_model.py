@@ -220,6 +220,7 @@ class Profile:
     engine: dict[str, int | str | bool | None]  # num_kv_blocks, block_size, max_model_len, the flags
     # Every measured step: its scheduled requests (Item), blocks copied and seconds, so a model can be refitted.
     steps: list[dict[str, Any]] = field(default_factory=list)
+    front_latency_s: float = 0.0  # a request's time outside the steps, over HTTP (profile.measure_front_latency)
 
     def shapes(self) -> tuple[list[StepShape], list[float]]:
         shapes = [StepShape.of_items([tuple(i) for i in s["items"]], s["copied_blocks"]) for s in self.steps]
@@ -231,7 +232,10 @@ class Profile:
     @classmethod
     def read(cls, path: str | Path) -> Profile:
         data = json.loads(Path(path).read_text())
-        return cls(FittedStepModel(**data["step_model"]), data["machine"], data["engine"], data.get("steps", []))
+        return cls(
+            FittedStepModel(**data["step_model"]), data["machine"], data["engine"], data.get("steps", []),
+            data.get("front_latency_s", 0.0),
+        )  # fmt: skip
 
 
 def datasheet(name: str) -> Datasheet:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 import random
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ class Grid:
     contexts: tuple[int, ...] = (128, 512, 2048, 4096)
     decode_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefills: tuple[int, ...] = (32, 256, 1024)
+    lone_prefills: tuple[int, ...] = (16, 48, 96, 160, 256, 384, 640, 1024, 1536, 2048)  # each alone in a step
     decode_steps: int = 4
     max_prompt_tokens: int = 16384  # D x C at most, per point: bounds the profile's time
 
@@ -40,7 +42,10 @@ class Grid:
                     yield context, rows
 
 
-QUICK = Grid(contexts=(64, 256), decode_rows=(1, 4, 16), prefills=(32, 200), decode_steps=3, max_prompt_tokens=4096)
+QUICK = Grid(
+    contexts=(64, 256), decode_rows=(1, 4, 16), prefills=(32, 200), lone_prefills=(16, 100, 400), decode_steps=3,
+    max_prompt_tokens=4096,
+)  # fmt: skip
 
 
 class StepTimer:
@@ -70,7 +75,9 @@ class StepTimer:
 def measure_point(timer: StepTimer, grid: Grid, context: int, rows: int, rng: random.Random, keep: bool) -> None:
     engine = timer.engine
     vocab = engine.model_config.vocab_size
-    long_params = SamplingParams(max_tokens=grid.decode_steps + len(grid.prefills) + 2, ignore_eos=True)
+    # Greedy, as `bench serve` asks: sampling at a temperature costs more per row.
+    long_params = SamplingParams(max_tokens=grid.decode_steps + len(grid.prefills) + 2, ignore_eos=True,
+                                 temperature=0.0)  # fmt: skip
     ids = {
         engine.add_request([rng.randrange(10, vocab) for _ in range(context)], long_params).request_id
         for _ in range(rows)
@@ -81,7 +88,9 @@ def measure_point(timer: StepTimer, grid: Grid, context: int, rows: int, rng: ra
     for _ in range(grid.decode_steps):
         timer.step(keep)
     for prefill in grid.prefills:
-        engine.add_request([rng.randrange(10, vocab) for _ in range(prefill)], SamplingParams(max_tokens=1))
+        engine.add_request(
+            [rng.randrange(10, vocab) for _ in range(prefill)], SamplingParams(max_tokens=1, temperature=0.0)
+        )
         timer.step(keep)
     for request_id in ids:
         engine.abort_request(request_id)
@@ -89,7 +98,17 @@ def measure_point(timer: StepTimer, grid: Grid, context: int, rows: int, rng: ra
         timer.step(keep)
 
 
-def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0) -> Profile:
+def measure_lone_prefills(timer: StepTimer, grid: Grid, rng: random.Random, keep: bool) -> None:
+    engine = timer.engine
+    for prefill in grid.lone_prefills:
+        prompt = [rng.randrange(10, engine.model_config.vocab_size) for _ in range(prefill)]
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        while engine.has_unfinished_requests():
+            timer.step(keep)
+
+
+def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0, front_requests: int = 12) -> Profile:
+    """The engine's steps over the grid, the fitted model, and (unless front_requests is 0) the front's latency."""
     engine = LLMEngine(config)
     try:
         timer = StepTimer(engine)
@@ -100,31 +119,60 @@ def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0) -> 
             measure_point(timer, grid, context, rows, rng, keep=False)
         for context, rows in points:
             measure_point(timer, grid, context, rows, rng, keep=True)
-        shapes = [StepShape.of_items(s["items"], s["copied_blocks"]) for s in timer.steps]
-        model = FittedStepModel.fit(
-            f"profile of {platform.node() or 'this machine'}", shapes, [s["seconds"] for s in timer.steps]
-        )
+        for _ in range(2):
+            measure_lone_prefills(timer, grid, rng, keep=True)
         kv, stats = engine.kv_cache(), engine.stats()
-        return Profile(
-            model,
-            machine=machine_description(),
-            engine={
-                "num_kv_blocks": kv.num_blocks,
-                "num_swap_blocks": stats.swap_blocks_total,
-                "block_size": config.cache.block_size,
-                "max_model_len": engine.max_model_len,
-                "kv_bytes_per_block": kv.bytes_per_token * config.cache.block_size,
-                "kv_dtype": kv.dtype,
-                "dtype": str(engine.dtype).removeprefix("torch."),
-                "device": str(engine.device),
-                "model": engine.model_name,
-                "max_num_seqs": max_num_seqs,
-                "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
-            },
-            steps=timer.steps,
-        )
+        measured: dict[str, int | str | bool | None] = {
+            "num_kv_blocks": kv.num_blocks,
+            "num_swap_blocks": stats.swap_blocks_total,
+            "block_size": config.cache.block_size,
+            "max_model_len": engine.max_model_len,
+            "kv_bytes_per_block": kv.bytes_per_token * config.cache.block_size,
+            "kv_dtype": kv.dtype,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": str(engine.device),
+            "model": engine.model_name,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        }
     finally:
         engine.shutdown()
+    shapes = [StepShape.of_items(s["items"], s["copied_blocks"]) for s in timer.steps]
+    model = FittedStepModel.fit(
+        f"profile of {platform.node() or 'this machine'}", shapes, [s["seconds"] for s in timer.steps]
+    )
+    front = measure_front_latency(config.model.model, model, front_requests) if front_requests else 0.0
+    return Profile(model, machine_description(), measured, timer.steps, front_latency_s=front)
+
+
+def measure_front_latency(model: str | None, step_model: FittedStepModel, requests: int = 12) -> float:
+    """What a request spends outside the engine's steps when served over HTTP (the chat template, tokenization,
+    the hand-off to the engine loop, streaming the token back): the median over requests sent one at a time of the
+    client's TTFT less the step model's time for the request's prefill. Measured on a server with default flags."""
+    import asyncio
+
+    import httpx
+
+    from tokenloom.bench.loadgen import send_one
+    from tokenloom.bench.local_server import LocalServer
+    from tokenloom.bench.simulator import prompt_tokens
+    from tokenloom.bench.trace import TraceRequest, chat_requests
+    from tokenloom.model.loader import load_tokenizer
+
+    warm_up, trace = chat_requests(random.Random(1), 4), chat_requests(random.Random(0), requests)
+    for request in warm_up + trace:
+        request.max_tokens = 2
+    tokens = prompt_tokens(load_tokenizer(model))
+
+    async def ttfts(url: str, sent: list[TraceRequest]) -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            return [(await send_one(client, None, r, 0.0)).ttft or 0.0 for r in sent]
+
+    with LocalServer(*(["--model", model] if model else [])) as server:
+        asyncio.run(ttfts(server.url, warm_up))  # other prompts: a prompt sent twice would be a prefix-cache hit
+        measured = asyncio.run(ttfts(server.url, trace))
+    prefill = [step_model.seconds(StepShape.of_items([(0, len(tokens(r)), 1, True)])) for r in trace]
+    return max(0.0, statistics.median(m - p for m, p in zip(measured, prefill, strict=True)))
 
 
 def machine_description() -> dict[str, str]:

@@ -143,6 +143,7 @@ def simulated_setup(
         num_swap_blocks=int(measured["num_swap_blocks"] or 0),
         kv_bytes_per_block=int(measured["kv_bytes_per_block"] or 0),
         weights_bytes=parameter_count(model) * element,
+        front_latency_s=profile.front_latency_s,
     )
     return engine, profile.step_model
 

@@ -3,7 +3,9 @@
 A bench trace arrives as `bench serve` sends it (the same gaps for the same rate, burstiness and seed; bursts
 together); each prompt is the chat template's tokens for its messages, as the server makes them. Each step the real
 `Scheduler` forms the batch; instead of running the model, a step model (cost_model.py) says how long the step took,
-the clock moves on by that, and every request that would have sampled a token gets a stand-in one. A request's
+the clock moves on by that, and every request that would have sampled a token gets a stand-in one. A request
+reaches the scheduler the front's latency after it arrives (measured by the profile: HTTP, the chat template,
+tokenization, the hand-off, streaming back), so it also delays its first token. A request's
 output length is the one it had when it was served for real where that is known (a `bench serve` run's records),
 else its trace's max_tokens; a request the trace cancels after k tokens is aborted there, as the client would.
 
@@ -44,6 +46,7 @@ class SimulatedEngine:
     num_swap_blocks: int = 0
     kv_bytes_per_block: int = 0
     weights_bytes: int = 0
+    front_latency_s: float = 0.0  # from a request's arrival to the scheduler's queue, and its tokens to the client
 
 
 @dataclass
@@ -104,7 +107,7 @@ def simulate(
         engine.config.scheduler, kv, max_model_len=engine.max_model_len, eos_token_ids=eos_token_ids or set(),
         preemptor=preemptor, clock=clock,
     )  # fmt: skip
-    pending = [(r.arrival, i, r) for i, r in enumerate(requests)]
+    pending = [(r.arrival + engine.front_latency_s, i, r) for i, r in enumerate(requests)]
     heapq.heapify(pending)
     live: dict[str, SimulatedRequest] = {}
     decisions: list[tuple[list[tuple[str, int]], list[str]]] = []

@@ -1,0 +1,79 @@
+"""How close `tokenloom simulate` comes to the real server, on this machine (issue 27).
+
+    .venv/bin/python benchmarks/simulate_fidelity.py [--profile PROFILE.json] [--out DIR] [--only chat,agent]
+
+Profiles the engine first (`tokenloom simulate profile`) unless a profile is given. Then for each trace and rate
+below: a fresh `tokenloom serve` (default flags, so no prefix cache carries over from the run before) is measured
+with `tokenloom bench serve`, and the same trace, rate and seed are simulated from the profile, with the real run's
+output lengths standing in for the model's own ends (`--output-lengths`). Prints each figure's simulated/real ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from tokenloom.bench.local_server import LocalServer
+
+# (trace kind, requests, the two rates): below and near this machine's capacity for each.
+LOADS = [("chat", 40, (1.0, 2.0)), ("agent", 30, (0.5, 1.0)), ("long", 12, (0.1, 0.2)), ("mixed", 40, (0.5, 1.0))]
+FIGURES = ("output_tok_s", "ttft_p50_s", "ttft_p95_s", "e2e_p95_s", "itl_p50_s")
+CLI = [sys.executable, "-m", "tokenloom.cli"]
+
+
+def run(command: list[str]) -> None:
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--out", default="/tmp/simulate_fidelity")
+    parser.add_argument("--only", default=None, help="comma-separated trace kinds")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile = args.profile or str(out / "profile.json")
+    if args.profile is None:
+        run([*CLI, "simulate", "profile", "-o", profile])
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    print("| trace | req/s | out tok/s real / sim | TTFT p50 | TTFT p95 | E2E p95 | ITL p50 | worst of four |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind, count, rates in LOADS:
+        if args.only and kind not in args.only.split(","):
+            continue
+        trace = out / f"{kind}.jsonl"
+        run([*CLI, "bench", "trace", "--kind", kind, "--num-requests", str(count), "--seed", "1", "-o", str(trace)])
+        for rate in rates:
+            real, simulated = out / f"{kind}-{rate:g}-real.json", out / f"{kind}-{rate:g}-sim.json"
+            with LocalServer() as server:
+                run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate",
+                     str(rate), "-o", str(real)])  # fmt: skip
+            run([*CLI, "simulate", "--trace", str(trace), "--request-rate", str(rate), "--profile", profile,
+                 "--output-lengths", str(real), "-o", str(simulated)])  # fmt: skip
+            print(row(kind, rate, real, simulated), flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+def row(kind: str, rate: float, real_path: Path, simulated_path: Path) -> str:
+    real = json.loads(real_path.read_text())["scorecard"]
+    simulated = json.loads(simulated_path.read_text())["scorecard"]
+    cells, errors = [], []
+    for name in FIGURES:
+        a, b = real[name], simulated[name]
+        unit = "" if name == "output_tok_s" else " s"
+        cells.append(f"{a:.3g} / {b:.3g}{unit} ({b / a:.2f}x)" if a and b else f"{a} / {b}")
+        if a and b and name != "itl_p50_s":
+            errors.append(abs(b / a - 1))
+    worst = f"{max(errors):.0%}" if errors else "-"
+    return f"| {kind} | {rate:g} | " + " | ".join(cells) + f" | {worst} |"
+
+
+if __name__ == "__main__":
+    main()
