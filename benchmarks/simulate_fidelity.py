@@ -5,7 +5,9 @@
 Profiles the engine first (`tokenloom simulate profile`) unless a profile is given. Then for each trace and rate
 below: a fresh `tokenloom serve` (default flags, so no prefix cache carries over from the run before) is measured
 with `tokenloom bench serve`, and the same trace, rate and seed are simulated from the profile, with the real run's
-output lengths standing in for the model's own ends (`--output-lengths`). Prints each figure's simulated/real ratio.
+output lengths standing in for the model's own ends (`--output-lengths`). Prints each figure's simulated/real ratio,
+the worst of the four the issue names (output tok/s, TTFT p50 and p95, E2E p95), and per request the median
+relative error of its TTFT and E2E (robust where a percentile falls between two modes of the distribution).
 """
 
 from __future__ import annotations
@@ -36,15 +38,20 @@ def main() -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--out", default="/tmp/simulate_fidelity")
     parser.add_argument("--only", default=None, help="comma-separated trace kinds")
+    parser.add_argument("--reuse", action="store_true", help="keep real runs already in --out; simulate again")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile = args.profile or str(out / "profile.json")
     if args.profile is None:
         run([*CLI, "simulate", "profile", "-o", profile])
+    if args.reuse and args.profile is not None:  # refit: the step model's features may have changed since
+        profile = str(out / "profile-refit.json")
+        run([*CLI, "simulate", "profile", "--from-steps", args.profile, "-o", profile])
     print(f"load average before: {os.getloadavg()[0]:.2f}")
-    print("| trace | req/s | out tok/s real / sim | TTFT p50 | TTFT p95 | E2E p95 | ITL p50 | worst of four |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| trace | req/s | out tok/s real / sim | TTFT p50 | TTFT p95 | E2E p95 | ITL p50 | worst of four | "
+          "per request: TTFT, E2E |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for kind, count, rates in LOADS:
         if args.only and kind not in args.only.split(","):
             continue
@@ -52,18 +59,30 @@ def main() -> None:
         run([*CLI, "bench", "trace", "--kind", kind, "--num-requests", str(count), "--seed", "1", "-o", str(trace)])
         for rate in rates:
             real, simulated = out / f"{kind}-{rate:g}-real.json", out / f"{kind}-{rate:g}-sim.json"
-            with LocalServer() as server:
-                run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate",
-                     str(rate), "-o", str(real)])  # fmt: skip
+            if not (args.reuse and real.exists()):
+                serve(trace, rate, real)
             run([*CLI, "simulate", "--trace", str(trace), "--request-rate", str(rate), "--profile", profile,
                  "--output-lengths", str(real), "-o", str(simulated)])  # fmt: skip
             print(row(kind, rate, real, simulated), flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
+def serve(trace: Path, rate: float, out: Path) -> None:
+    with LocalServer() as server:
+        run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate", str(rate),
+             "-o", str(out)])  # fmt: skip
+
+
+def per_request_error(real: list[dict], simulated: list[dict], figure: str) -> str:
+    """The median over requests of |simulated / real - 1| for one request's figure (TTFT or E2E)."""
+    by_id = {r["id"]: r for r in simulated}
+    errors = sorted(abs(by_id[r["id"]][figure] / r[figure] - 1) for r in real if r[figure] and by_id[r["id"]][figure])
+    return f"{errors[len(errors) // 2]:.0%}" if errors else "-"
+
+
 def row(kind: str, rate: float, real_path: Path, simulated_path: Path) -> str:
-    real = json.loads(real_path.read_text())["scorecard"]
-    simulated = json.loads(simulated_path.read_text())["scorecard"]
+    real_run, simulated_run = json.loads(real_path.read_text()), json.loads(simulated_path.read_text())
+    real, simulated = real_run["scorecard"], simulated_run["scorecard"]
     cells, errors = [], []
     for name in FIGURES:
         a, b = real[name], simulated[name]
@@ -72,7 +91,8 @@ def row(kind: str, rate: float, real_path: Path, simulated_path: Path) -> str:
         if a and b and name != "itl_p50_s":
             errors.append(abs(b / a - 1))
     worst = f"{max(errors):.0%}" if errors else "-"
-    return f"| {kind} | {rate:g} | " + " | ".join(cells) + f" | {worst} |"
+    each = ", ".join(per_request_error(real_run["records"], simulated_run["records"], f) for f in ("ttft", "e2e"))
+    return f"| {kind} | {rate:g} | " + " | ".join(cells) + f" | {worst} | {each} |"
 
 
 if __name__ == "__main__":

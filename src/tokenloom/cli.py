@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             from tokenloom.tools.diagnose import run_diagnose
 
             return run_diagnose(args)
+        if args.command == "plan" and args.trace is not None:
+            from tokenloom.tools.capacity import run_capacity_plan
+
+            return run_capacity_plan(args)
         if args.command == "plan":
             from tokenloom.tools.plan import run_plan
 

@@ -27,7 +27,7 @@ from tokenloom.model.config import ModelConfig
 
 FEATURES = (
     "steps", "tokens", "sampled_rows", "chunk_pairs", "past_pairs", "past_tokens", "prefill_sequences", "decode_keys",
-    "sequences", "copied_blocks",
+    "sequences", "mixed_steps", "copied_blocks",
 )  # fmt: skip
 # One scheduled request of a step, as a profile keeps it: (start, tokens, rows sampled, whether it is a prefill chunk)
 Item = tuple[int, int, int, bool]
@@ -43,6 +43,7 @@ class StepShape:
     prefill_sequences: int
     decode_keys: int  # keys decode rows read from the cache (a verification row reads its context too)
     sequences: int
+    mixed_steps: int  # 1 for a step with both prefill chunks and decode rows (two attention paths), else 0
     copied_blocks: int  # KV blocks swapped out or in before the step
 
     @classmethod
@@ -61,7 +62,8 @@ class StepShape:
             else:
                 decode_keys += n * (start + n)
         tokens, sampled = sum(i[1] for i in items), sum(i[2] for i in items)
-        return cls(tokens, sampled, chunk_pairs, past_pairs, past_tokens, prefills, decode_keys, len(items),
+        mixed = int(0 < prefills < len(items))
+        return cls(tokens, sampled, chunk_pairs, past_pairs, past_tokens, prefills, decode_keys, len(items), mixed,
                    copied_blocks)  # fmt: skip
 
     @property
@@ -86,8 +88,7 @@ class StepModel(Protocol):
 
 @dataclass
 class FittedStepModel:
-    """Step seconds = coefficients . (1, tokens, sampled rows, chunk pairs, past pairs, decode keys, sequences,
-    copied blocks)."""
+    """Step seconds = coefficients . the step's shape (FEATURES: 1, tokens, sampled rows, ...)."""
 
     name: str
     coefficients: dict[str, float]
@@ -221,6 +222,12 @@ class Profile:
     # Every measured step: its scheduled requests (Item), blocks copied and seconds, so a model can be refitted.
     steps: list[dict[str, Any]] = field(default_factory=list)
     front_latency_s: float = 0.0  # a request's time outside the steps, over HTTP (profile.measure_front_latency)
+
+    def refitted(self) -> Profile:
+        """The same measurements with the step model fitted again (after the features change)."""
+        shapes, seconds = self.shapes()
+        return Profile(FittedStepModel.fit(self.step_model.name, shapes, seconds), self.machine, self.engine,
+                       self.steps, self.front_latency_s)  # fmt: skip
 
     def shapes(self) -> tuple[list[StepShape], list[float]]:
         shapes = [StepShape.of_items([tuple(i) for i in s["items"]], s["copied_blocks"]) for s in self.steps]

@@ -63,7 +63,17 @@ def add_simulate_command(commands) -> argparse.ArgumentParser:
         "--output-lengths", default=None,
         help="a `bench serve` RUN.json whose requests' output lengths stand in for max_tokens (the model's own ends)",
     )  # fmt: skip
+    simulate_parser.add_argument(
+        "--tokenizer", default=None,
+        help="counts the trace's prompt tokens (default: the model's; for a config.json, the embedded model's)",
+    )  # fmt: skip
     simulate_parser.add_argument("--quick", action="store_true", help="profile: a small grid (for tests)")
+    simulate_parser.add_argument(
+        "--from-steps", default=None, help="profile: refit the steps another profile measured, measuring nothing"
+    )
+    simulate_parser.add_argument(
+        "--front-requests", type=int, default=12, help="profile: requests sent over HTTP to time the front (0: none)"
+    )
     trace = simulate_parser.add_argument_group("the trace, as `bench serve` takes it")
     trace.add_argument("--trace", default=None, help="a trace file; else one is made from --kind")
     trace.add_argument("--kind", choices=KINDS, default="chat")
@@ -79,7 +89,10 @@ def add_simulate_command(commands) -> argparse.ArgumentParser:
 def run_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.what == "profile":
         started = time.monotonic()
-        profile = profile_engine(config, QUICK if args.quick else Grid())
+        if args.from_steps:
+            profile = Profile.read(args.from_steps).refitted()
+        else:
+            profile = profile_engine(config, QUICK if args.quick else Grid(), front_requests=args.front_requests)
         profile.write(args.output)
         error = profile.step_model.fit_error
         print(
@@ -100,8 +113,9 @@ def simulate_run(args: argparse.Namespace, config: EngineConfig) -> dict[str, An
     engine, step_model = simulated_setup(args, config, model)
     started = datetime.datetime.now(datetime.UTC).isoformat()
     lengths = measured_output_lengths(args.output_lengths) if args.output_lengths else None
-    simulated = simulated_requests(requests, arrivals(requests, rate, args.burstiness, args.seed),
-                                   trace_tokenizer(config), lengths)  # fmt: skip
+    tokenize = trace_tokenizer(config.model.model, args.tokenizer)
+    prompts = [tokenize(r) for r in requests]
+    simulated = simulated_requests(requests, arrivals(requests, rate, args.burstiness, args.seed), prompts, lengths)
     result = simulate(engine, step_model, simulated, set(model.eos_token_ids))
     card = result.card(offered_rate(rate, simulated, result.duration), SLO.parse(args.slo), args.cost_per_hour)
     return {
@@ -133,7 +147,11 @@ def simulated_setup(
         raise ValueError("give one of --profile (a `tokenloom simulate profile` output) or --accelerator NAME")
     if args.accelerator is not None:
         return roofline_setup(args.accelerator, model, config, config.parallel.tensor_parallel_size)
-    profile = Profile.read(args.profile)
+    return profile_setup(Profile.read(args.profile), config, model)
+
+
+def profile_setup(profile: Profile, config: EngineConfig, model: ModelConfig) -> tuple[SimulatedEngine, StepModel]:
+    """This machine's engine as the profile measured it (the flags may shrink its KV pool or context)."""
     measured = profile.engine
     element = ELEMENT_BYTES[str(measured["dtype"])]
     engine = SimulatedEngine(
@@ -186,10 +204,14 @@ def measured_output_lengths(path: str) -> dict[str, int]:
     return {r["id"]: r["output_tokens"] for r in run["records"] if r["status"] == 200 and not r["cancelled"]}
 
 
-def trace_tokenizer(config: EngineConfig):
+def trace_tokenizer(model: str | None, tokenizer_model: str | None = None):
+    """A trace request's prompt tokens with the tokenizer of `tokenizer_model`, else of `model` (a checkpoint or a
+    GGUF); the embedded model's for None or a config.json (shapes only: it has no tokenizer beside it)."""
     from tokenloom.model.loader import load_tokenizer
 
-    tokenizer = load_tokenizer(config.model.model)
+    if tokenizer_model is None and model is not None and model.endswith(".json"):
+        model = None
+    tokenizer = load_tokenizer(tokenizer_model or model)
     if tokenizer is None:
         raise ValueError("the model has no tokenizer: a trace's messages cannot be turned into prompt tokens")
     return prompt_tokens(tokenizer)

@@ -211,15 +211,15 @@ def prompt_tokens(tokenizer: Any) -> Callable[[TraceRequest], list[int]]:
 def simulated_requests(
     trace: list[TraceRequest],
     offsets: list[float],
-    tokenize: Callable[[TraceRequest], list[int]],
+    prompts: list[list[int]],
     output_lengths: dict[str, int] | None = None,
 ) -> list[SimulatedRequest]:
     """Each trace request with its prompt tokens, arrival and output length (measured where given, else max_tokens;
     a cancelled request's measured length is where it was cancelled, so its trace's max_tokens is kept)."""
     lengths = output_lengths or {}
     return [
-        SimulatedRequest(r, tokenize(r), min(r.max_tokens, lengths.get(r.id, r.max_tokens)), offset)
-        for r, offset in zip(trace, offsets, strict=True)
+        SimulatedRequest(r, prompt, min(r.max_tokens, lengths.get(r.id, r.max_tokens)), offset)
+        for r, prompt, offset in zip(trace, prompts, offsets, strict=True)
     ]
 
 

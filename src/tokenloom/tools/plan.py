@@ -233,6 +233,20 @@ def add_plan_command(commands) -> None:
     )
     plan.add_argument("--slo", default=None, help="the SLO the capacity must have been measured under (as the sweep's)")
     plan.add_argument("--headroom", type=float, default=0.8, help="the share of measured capacity to plan for")
+    simulated = plan.add_argument_group(
+        "simulated plans (--target-rps with --trace): the cheapest layout per accelerator, --accelerator A,B,..."
+    )
+    simulated.add_argument("--trace", default=None, help="a `tokenloom bench trace` file the deployment must serve")
+    simulated.add_argument(
+        "--cost-per-hour", default=None, help="USD per device-hour: one figure, or A=2.5,B=3.4 per accelerator"
+    )
+    simulated.add_argument("--profile", default=None, help="this machine's `tokenloom simulate profile`, for cpu")
+    simulated.add_argument("--slo-attainment", type=float, default=0.95, help="the share of requests within the SLO")
+    simulated.add_argument("--seed", type=int, default=0, help="the arrivals' seed, as bench serve's")
+    simulated.add_argument(
+        "--tokenizer", default=None,
+        help="counts the trace's prompt tokens (default: the model's; for a config.json, the embedded model's)",
+    )  # fmt: skip
 
 
 def run_plan(args) -> int:
