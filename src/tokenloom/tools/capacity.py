@@ -34,7 +34,7 @@ class Layout:
     attainment: float  # share of requests meeting the SLO, one replica at its share of the rate
     ttft_p95_s: float | None
     itl_p95_s: float | None
-    goodput_req_s: float  # of the whole deployment
+    goodput_req_s: float  # of the whole deployment: the target rate times the share within the SLO
     cost_per_hour: float | None
     cost_per_1k_accepted: float | None
 
@@ -130,7 +130,7 @@ def layout_at(
     if replicas is None:
         return None
     share, card = cards[replicas]
-    goodput = card["goodput_req_s"] * replicas
+    goodput = target.rps * share  # in steady state; a finite trace's own rate counts its tail too
     hourly = None if price_per_device_hour is None else price_per_device_hour * tp * replicas
     per_1k = None if hourly is None or goodput <= 0 else hourly / (goodput * 3600) * 1000
     return Layout(accelerator, tp, replicas, share, card["ttft_p95_s"], card["itl_p95_s"], goodput, hourly, per_1k)
