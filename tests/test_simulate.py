@@ -218,3 +218,5 @@ def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     gpu = json.loads(on_gpu.read_text())
     assert gpu["scorecard"]["e2e_p95_s"] < out["scorecard"]["e2e_p95_s"]  # a datasheet H100 against this CPU
     assert main([*args, "-o", str(run)]) == 2  # neither a profile nor an accelerator
+    speculating = ["--speculative-config", '{"method": "suffix"}', "--profile", str(profile)]
+    assert main([*args, *speculating, "-o", str(run)]) == 2  # not modelled: refused, not ignored

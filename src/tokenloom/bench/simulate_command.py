@@ -38,6 +38,7 @@ from tokenloom.bench.simulator import (
 )
 from tokenloom.bench.trace import KINDS
 from tokenloom.config import EngineConfig
+from tokenloom.engine.core import swap_blocks_for
 from tokenloom.model.config import ModelConfig
 from tokenloom.tools.plan import ELEMENT_BYTES, KV_8_BIT, accelerator, load_model_config, make_plan, parameter_count
 from tokenloom.version import git_commit
@@ -107,6 +108,8 @@ def run_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def simulate_run(args: argparse.Namespace, config: EngineConfig) -> dict[str, Any]:
+    if config.speculative.speculative_config:
+        raise ValueError("simulate does not model speculative decoding: leave out --speculative-config")
     requests, sha = trace_from_args(args)
     rate = math.inf if str(args.request_rate) == "inf" else float(args.request_rate)
     name, model = load_model_config(config.model.model)
@@ -158,7 +161,7 @@ def profile_setup(profile: Profile, config: EngineConfig, model: ModelConfig) ->
         config,
         num_kv_blocks=config.cache.num_kv_blocks or int(measured["num_kv_blocks"] or 0),
         max_model_len=min(config.model.max_model_len or math.inf, int(measured["max_model_len"] or 0)),  # type: ignore[arg-type]
-        num_swap_blocks=int(measured["num_swap_blocks"] or 0),
+        num_swap_blocks=swap_blocks_for(config, int(measured["kv_bytes_per_block"] or 1)),
         kv_bytes_per_block=int(measured["kv_bytes_per_block"] or 0),
         weights_bytes=parameter_count(model) * element,
         front_latency_s=profile.front_latency_s,
@@ -180,11 +183,13 @@ def roofline_setup(
     )  # fmt: skip
     if plan.num_kv_blocks < 1:
         raise ValueError(f"{model.architecture} does not fit on {tensor_parallel} x {device.name}")
+    per_block = plan.kv_bytes_per_token * config.cache.block_size
     engine = SimulatedEngine(
         config,
         num_kv_blocks=config.cache.num_kv_blocks or plan.num_kv_blocks,
         max_model_len=max_model_len,
-        kv_bytes_per_block=plan.kv_bytes_per_token * config.cache.block_size,
+        num_swap_blocks=swap_blocks_for(config, per_block),
+        kv_bytes_per_block=per_block,
         weights_bytes=plan.weights_bytes,
     )
     step = RooflineStepModel(

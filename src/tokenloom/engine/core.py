@@ -213,11 +213,7 @@ class EngineCore:
         return blocks
 
     def _num_swap_blocks(self) -> int:
-        if self.config.scheduler.preemption_mode == "recompute":
-            return 0
-        if self.config.cache.num_swap_blocks is not None:
-            return self.config.cache.num_swap_blocks
-        return int(self.config.cache.swap_space * 1024**3) // self.kv_bytes_per_block()
+        return swap_blocks_for(self.config, self.kv_bytes_per_block())
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -450,6 +446,15 @@ def load_for_core(
         group = TensorParallelGroup(rank=0, world_size=size)
         loaded = load_model(config.model.model, config.model.max_model_len, dtype, device, group)
     return loaded, dtype, device
+
+
+def swap_blocks_for(config: EngineConfig, kv_bytes_per_block: int) -> int:
+    """The host swap pool's blocks: none under recompute, else --num-swap-blocks or --swap-space GiB of blocks."""
+    if config.scheduler.preemption_mode == "recompute":
+        return 0
+    if config.cache.num_swap_blocks is not None:
+        return config.cache.num_swap_blocks
+    return int(config.cache.swap_space * 1024**3) // kv_bytes_per_block
 
 
 def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
