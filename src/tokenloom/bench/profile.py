@@ -2,9 +2,11 @@
 
 For each context length C and number of decoding requests D in the grid, D requests with C-token prompts (random
 token ids, so no prefix is shared) are prefilled (those steps are measured too: full budget chunks), then decoded
-for a few steps, then joined by one prefill of P tokens for each P in the grid (a mixed step), then aborted. Each
-step is timed whole, `LLMEngine.step()` from the schedule to the outputs, and described by its shape (cost_model.py).
-A warm-up pass runs first and is not kept.
+for a few steps, then joined by one prefill of P tokens for each P in the grid (a mixed step), then aborted; then
+prefills of each lone size run alone, twice. Each step is timed whole, `LLMEngine.step()` from the schedule to the
+outputs, greedy as `bench serve` asks, and kept with its scheduled requests (cost_model.Item), so the model can be
+refitted. A warm-up pass runs first and is not kept. Last, a server with default flags is started and timed over
+HTTP for the front's latency (measure_front_latency).
 """
 
 from __future__ import annotations
