@@ -29,7 +29,7 @@ from tokenloom.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class Grid:
-    contexts: tuple[int, ...] = (128, 512, 2048, 4096)
+    contexts: tuple[int, ...] = (128, 512, 2048, 4096, 6144)
     decode_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefills: tuple[int, ...] = (32, 256, 1024)
     lone_prefills: tuple[int, ...] = (16, 48, 96, 160, 256, 384, 640, 1024, 1536, 2048)  # each alone in a step
