@@ -171,3 +171,28 @@ def test_a_method_the_device_cannot_run_is_refused_at_start(tiny_llama):
         LLM(str(tiny_llama), dtype="float32", quantization="fp8")
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(str(tiny_llama), quantization="int4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "bias"), [(576, 1728, False), (1536, 576, False), (64, 48, True)]
+)
+def test_small_steps_take_our_kernel_and_get_oneDNNs_bits(dtype, in_features, out_features, bias):
+    """Up to 12 rows the VNNI kernel runs (csrc/int8_linear.cpp); its outputs equal oneDNN's bit for bit, so a
+    request's tokens do not depend on how many rows its step had."""
+    from tokenloom.model.quantization import SMALL_STEP_ROWS, small_step_kernel_available
+
+    if not small_step_kernel_available():
+        pytest.skip("the VNNI kernel is built only where the compiler targets AVX-512 VNNI")
+    g = torch.Generator().manual_seed(in_features)
+    weight = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)
+    layer = Int8Linear(weight, (torch.randn(out_features, generator=g)).to(dtype) if bias else None)
+    assert layer.small is not None
+    for rows in (1, 3, SMALL_STEP_ROWS):
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        ours = layer(x)
+        small, layer.small = layer.small, None  # the same layer through oneDNN's matmul
+        try:
+            assert torch.equal(ours, layer(x))
+        finally:
+            layer.small = small

@@ -8,10 +8,12 @@ is summed exactly in int32, then scaled back by the row's and the column's scale
 
     y[m, n] = x_scale[m] * w_scale[n] * sum_k xq[m, k] * wq[n, k]   (+ bias[n])
 
-int8 (the CPU): oneDNN's int8 matmul through torch (``onednn::qlinear_pointwise`` on a weight packed once at load
-time; AMX-INT8 or AVX-512 VNNI where the CPU has them), with the activation scale left at 1 inside it and applied per
-row after (``tokenloom::scale_rows``), since oneDNN takes one activation scale per tensor. fp8 (CUDA): e4m3 codes and
-``torch._scaled_mm`` with row-wise scales (Hopper and later).
+int8 (the CPU): for steps of up to 12 rows our own VNNI kernel (csrc/int8_linear.cpp: at decode sizes oneDNN's
+int8 matmul was slower than the whole bf16 linear), else oneDNN's int8 matmul through torch
+(``onednn::qlinear_pointwise`` on a weight packed once at load time; AMX-INT8 or AVX-512 VNNI where the CPU has them),
+with the activation scale left at 1 inside it and applied per row after (``tokenloom::scale_rows``), since oneDNN
+takes one activation scale per tensor; both scale the sums in the same order, so their outputs are the same bits.
+fp8 (CUDA): e4m3 codes and ``torch._scaled_mm`` with row-wise scales (Hopper and later).
 
 Before either is quantized, each linear's inputs are rotated (QuaRot, Ashkboos et al. 2024): every 64 inputs times
 fixed random signs, then through the orthonormal 64-point Walsh-Hadamard transform R, and the weight's rows through
@@ -94,6 +96,13 @@ def per_channel(weight: torch.Tensor, max_code: float) -> tuple[torch.Tensor, to
     return w / scale[:, None], scale
 
 
+SMALL_STEP_ROWS = 12  # up to this many rows, our VNNI kernel (csrc/int8_linear.cpp) instead of oneDNN's matmul
+
+
+def small_step_kernel_available() -> bool:
+    return cpu_kernel.load_kernel() and cpu_kernel.has_operator("int8_linear")
+
+
 class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -105,6 +114,10 @@ class Int8Linear(nn.Module):
         codes = scaled.round().clamp(-127, 127).to(torch.int8)
         self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features])
         self.weight_scale = scale
+        # Steps of a few rows: the same codes packed for our kernel, which scales the sums exactly as below.
+        self.small: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.out_features % 16 == 0 and self.in_features % 4 == 0 and small_step_kernel_available():
+            self.small = torch.ops.tokenloom.int8_pack_weight(codes)
         self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.long, device=weight.device)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
@@ -113,6 +126,12 @@ class Int8Linear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
+        if self.small is not None and rows.shape[0] <= SMALL_STEP_ROWS:
+            packed, code_sums = self.small
+            out = torch.ops.tokenloom.int8_linear(
+                codes, row_scales, packed, code_sums, self.weight_scale, self.bias, x.dtype
+            )
+            return out.view(*x.shape[:-1], self.out_features)
         sums = torch.ops.onednn.qlinear_pointwise(
             codes, 1.0, 0, self.packed, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32,
             "none", [], "",

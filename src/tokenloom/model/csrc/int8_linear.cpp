@@ -1,0 +1,199 @@
+// int8 linears for steps of a few rows, on CPUs with AVX-512 VNNI: tokenloom::int8_pack_weight and
+// tokenloom::int8_linear (--quantization int8, quantization.py).
+//
+// Why: at 1-12 rows oneDNN's int8 matmul took longer than the whole bf16 linear on our own kernel
+// (bf16_linear.cpp), so int8 weights halved batch-1 decode instead of speeding it up. A decode step reads each weight
+// once; int8 codes are half the bytes of bf16, and `vpdpbusd` multiplies 64 byte pairs per instruction.
+//
+// The weight's codes are packed for `vpdpbusd` (unsigned x signed bytes): for each block of 16 output features, the
+// K inputs in groups of 4, 16 features x 4 inputs to a 64-byte vector. The activations' codes (signed, from
+// quantize_rows_int8) are shifted by +128 to unsigned; the shift's share, 128 x the sum of a feature's codes, is
+// taken back from the int32 sum, so the sum is exact. Then, as the oneDNN path scales it (sum x the feature's scale,
+// then x the row's scale plus the bias, fused), bit for bit: a request's output does not depend on which path its
+// step took.
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <optional>
+
+#include "work_sharing.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kBlock = 16;  // output features per vector
+constexpr int kGroup = 4;   // inputs per 32-bit lane
+constexpr int kRows = 4;    // rows of a register tile
+constexpr int kBlocks = 4;  // feature blocks of a register tile: 16 int32 accumulators
+constexpr int64_t kMinUnitBytes = 32 * 1024;
+
+// w: [N, K] int8 codes -> ([N / 16, K / 4, 16, 4] as [N / 16, K * 16] int8, the features' code sums [N] int32).
+std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2, "int8_pack_weight: int8 [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, "int8_pack_weight: N a multiple of 16, K of 4");
+  const at::Tensor src = w.contiguous();
+  at::Tensor packed = at::empty({n / kBlock, k * kBlock}, w.options());
+  at::Tensor sums = at::empty({n}, w.options().dtype(at::kInt));
+  const int8_t* s = src.const_data_ptr<int8_t>();
+  int8_t* d = packed.mutable_data_ptr<int8_t>();
+  int32_t* total = sums.mutable_data_ptr<int32_t>();
+  for (int64_t f = 0; f < n; ++f) {
+    const int64_t block = f / kBlock, lane = f % kBlock;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t group = i / kGroup, within = i % kGroup;
+      d[block * k * kBlock + group * kBlock * kGroup + lane * kGroup + within] = s[f * k + i];
+      sum += s[f * k + i];
+    }
+    total[f] = sum;
+  }
+  return {packed, sums};
+}
+
+inline void store(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
+inline void store(c10::BFloat16* at, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+struct Scales {
+  const float* rows;     // [M]
+  const float* weights;  // [N]
+  const int32_t* sums;   // [N]: each feature's code sum
+  const float* bias;     // [N] or null
+};
+
+// Rows x Blocks outputs from unsigned activation codes xu [Rows, K] (row stride k) and Blocks packed blocks.
+template <int Rows, int Blocks, typename T>
+void tile(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const Scales& s, int64_t feature, T* out,
+          int64_t ldo) {
+  __m512i acc[Rows][Blocks];
+  for (int r = 0; r < Rows; ++r) {
+    for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_si512();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[Blocks];
+    for (int b = 0; b < Blocks; ++b) wv[b] = _mm512_loadu_si512(w + b * groups + g);
+    for (int r = 0; r < Rows; ++r) {
+      int32_t four;
+      std::memcpy(&four, xu + r * k + g * kGroup, sizeof(four));
+      const __m512i xv = _mm512_set1_epi32(four);
+      for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], xv, wv[b]);
+    }
+  }
+  for (int b = 0; b < Blocks; ++b) {
+    const int64_t f = feature + b * kBlock;
+    const __m512i shift = _mm512_slli_epi32(_mm512_loadu_si512(s.sums + f), 7);  // 128 x the code sum
+    const __m512 weight_scale = _mm512_loadu_ps(s.weights + f);
+    const __m512 bias = s.bias ? _mm512_loadu_ps(s.bias + f) : _mm512_setzero_ps();
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], shift)), weight_scale);
+      store(out + r * ldo + b * kBlock, _mm512_fmadd_ps(sum, _mm512_set1_ps(s.rows[r]), bias));
+    }
+  }
+}
+
+template <typename T>
+using TileFn = void (*)(const uint8_t*, int64_t, const __m512i*, int64_t, const Scales&, int64_t, T*, int64_t);
+
+template <int Rows, typename T>
+TileFn<T> tile_for_blocks(int blocks) {
+  switch (blocks) {
+    case 1: return &tile<Rows, 1, T>;
+    case 2: return &tile<Rows, 2, T>;
+    case 3: return &tile<Rows, 3, T>;
+    default: return &tile<Rows, 4, T>;
+  }
+}
+
+template <typename T>
+TileFn<T> tile_for(int rows, int blocks) {
+  switch (rows) {
+    case 1: return tile_for_blocks<1, T>(blocks);
+    case 2: return tile_for_blocks<2, T>(blocks);
+    case 3: return tile_for_blocks<3, T>(blocks);
+    default: return tile_for_blocks<4, T>(blocks);
+  }
+}
+
+// codes [M, K] int8 (rows contiguous), row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums
+// and scales [N] float32, bias [N] or none -> [M, N] in out_dtype (float32 or bfloat16).
+at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
+                       const at::Tensor& code_sums, const at::Tensor& weight_scales,
+                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
+              "int8_linear: codes must be contiguous int8 [M, K]");
+  const int64_t m = codes.size(0), k = codes.size(1), blocks = packed.size(0), n = blocks * kBlock;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kBlock,
+              "int8_linear: a weight from int8_pack_weight with the codes' K");
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m && row_scales.is_contiguous(),
+              "int8_linear: row_scales must be float32 [M, 1]");
+  TORCH_CHECK(code_sums.scalar_type() == at::kInt && code_sums.numel() == n && weight_scales.numel() == n &&
+                  weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous(),
+              "int8_linear: code sums int32 [N] and weight scales float32 [N]");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "int8_linear: float32 or bfloat16 out");
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "int8_linear: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({m, n}, codes.options().dtype(out_dtype));
+  if (m == 0) return out;
+  at::Tensor shifted = at::empty({m, k}, codes.options().dtype(at::kByte));  // codes + 128, as unsigned bytes
+  const int8_t* c = codes.const_data_ptr<int8_t>();
+  uint8_t* u = shifted.mutable_data_ptr<uint8_t>();
+  for (int64_t i = 0; i < m * k; ++i) u[i] = static_cast<uint8_t>(c[i] + 128);
+  const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
+                      code_sums.const_data_ptr<int32_t>(), bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr};
+  const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
+  const int64_t groups = k / kGroup;
+  const int64_t block_bytes = k * kBlock;
+  const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * kBlocks));
+  const int64_t blocks_per_unit = tiles_per_unit * kBlocks;
+  const int64_t units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
+  auto run = [&](auto* op) {
+    using T = std::remove_pointer_t<decltype(op)>;
+    const std::function<void(int64_t)> body = [&](int64_t unit) {
+      const int64_t b0 = unit * blocks_per_unit, b1 = std::min(blocks, b0 + blocks_per_unit);
+      for (int64_t b = b0; b < b1; b += kBlocks) {
+        const int nb = static_cast<int>(std::min<int64_t>(kBlocks, b1 - b));
+        for (int64_t r = 0; r < m; r += kRows) {
+          const int nr = static_cast<int>(std::min<int64_t>(kRows, m - r));
+          Scales at_rows = scales;
+          at_rows.rows += r;
+          tile_for<T>(nr, nb)(u + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, op + r * n + b * kBlock, n);
+        }
+      }
+    };
+    tokenloom::WorkSharing::instance().run(units, body);
+  };
+  if (out_dtype == at::kFloat) {
+    run(out.mutable_data_ptr<float>());
+  } else {
+    run(out.mutable_data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("int8_pack_weight(Tensor w) -> (Tensor, Tensor)");
+  m.def(
+      "int8_linear(Tensor codes, Tensor row_scales, Tensor packed, Tensor code_sums, Tensor weight_scales, "
+      "Tensor? bias, ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("int8_pack_weight", &int8_pack_weight);
+  m.impl("int8_linear", &int8_linear);
+}
+
+#endif  // __AVX512VNNI__
