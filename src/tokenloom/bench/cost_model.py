@@ -10,7 +10,7 @@ its error on held-out steps is in the profile (`fit_error`).
 For accelerators not at hand, `RooflineStepModel` takes a datasheet (bf16 FLOP/s, memory bandwidth) and the
 model's shapes: a step takes its layers' launch cost plus the larger of its FLOPs and its bytes at the peak rates
 times an efficiency, plus the host's time per step. The efficiencies and the host time are assumptions, said in
-`DATASHEETS`; when a device has been profiled, its fitted model replaces them.
+`Efficiency`; when a device has been profiled, its fitted model replaces them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 
 from tokenloom.core.scheduler import SchedulerOutput
 from tokenloom.model.config import ModelConfig
+from tokenloom.tools.plan import parameter_count
 
 FEATURES = (
     "steps", "tokens", "sampled_rows", "chunk_pairs", "past_pairs", "past_tokens", "prefill_sequences", "decode_keys",
@@ -208,8 +209,8 @@ class RooflineStepModel:
 
 
 def _layer_parameters(m: ModelConfig) -> int:
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    return m.num_layers * (m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.intermediate_size)
+    """The decoder layers' parameters: the model's count (tools/plan.py) less its embeddings and final norm."""
+    return parameter_count(m) - m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) - m.hidden_size
 
 
 @dataclass
@@ -230,8 +231,7 @@ class Profile:
                        self.steps, self.front_latency_s)  # fmt: skip
 
     def shapes(self) -> tuple[list[StepShape], list[float]]:
-        shapes = [StepShape.of_items([tuple(i) for i in s["items"]], s["copied_blocks"]) for s in self.steps]
-        return shapes, [s["seconds"] for s in self.steps]
+        return shapes_of(self.steps)
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -243,6 +243,12 @@ class Profile:
             FittedStepModel(**data["step_model"]), data["machine"], data["engine"], data.get("steps", []),
             data.get("front_latency_s", 0.0),
         )  # fmt: skip
+
+
+def shapes_of(steps: list[dict[str, Any]]) -> tuple[list[StepShape], list[float]]:
+    """Measured steps (a profile's `steps`) -> their shapes and seconds, as FittedStepModel.fit takes them."""
+    shapes = [StepShape.of_items([tuple(i) for i in s["items"]], s["copied_blocks"]) for s in steps]
+    return shapes, [s["seconds"] for s in steps]
 
 
 def datasheet(name: str) -> Datasheet:

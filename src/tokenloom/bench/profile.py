@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.bench.cost_model import FittedStepModel, Profile, StepShape, items_of
+from tokenloom.bench.cost_model import FittedStepModel, Profile, StepShape, items_of, shapes_of
 from tokenloom.bench.provenance import cpu_flags, machine_info
 from tokenloom.config import EngineConfig
 from tokenloom.core.scheduler import SchedulerOutput
@@ -139,10 +139,7 @@ def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0, fro
         }
     finally:
         engine.shutdown()
-    shapes = [StepShape.of_items(s["items"], s["copied_blocks"]) for s in timer.steps]
-    model = FittedStepModel.fit(
-        f"profile of {platform.node() or 'this machine'}", shapes, [s["seconds"] for s in timer.steps]
-    )
+    model = FittedStepModel.fit(f"profile of {platform.node() or 'this machine'}", *shapes_of(timer.steps))
     front = measure_front_latency(config.model.model, model, front_requests) if front_requests else 0.0
     return Profile(model, machine_description(), measured, timer.steps, front_latency_s=front)
 

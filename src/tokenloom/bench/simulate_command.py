@@ -157,10 +157,11 @@ def profile_setup(profile: Profile, config: EngineConfig, model: ModelConfig) ->
     """This machine's engine as the profile measured it (the flags may shrink its KV pool or context)."""
     measured = profile.engine
     element = ELEMENT_BYTES[str(measured["dtype"])]
+    measured_len = int(measured["max_model_len"] or 0)
     engine = SimulatedEngine(
         config,
         num_kv_blocks=config.cache.num_kv_blocks or int(measured["num_kv_blocks"] or 0),
-        max_model_len=min(config.model.max_model_len or math.inf, int(measured["max_model_len"] or 0)),  # type: ignore[arg-type]
+        max_model_len=min(config.model.max_model_len or measured_len, measured_len),
         num_swap_blocks=swap_blocks_for(config, int(measured["kv_bytes_per_block"] or 1)),
         kv_bytes_per_block=int(measured["kv_bytes_per_block"] or 0),
         weights_bytes=parameter_count(model) * element,
