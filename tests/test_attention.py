@@ -10,7 +10,7 @@ import torch
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, paged_attention
-from tokenloom.model.runner import group_by_context_length
+from tokenloom.model.step_inputs import group_by_context_length
 from tokenloom.utils import cdiv
 
 BLOCK = 4

@@ -178,7 +178,7 @@ def test_bad_token_ids_and_missing_tokenizer(tiny_llama):
 def test_plain_pytorch_attention_path_gives_the_same_outputs(tiny_llama, solo_reference):
     """The compiled CPU decode kernel is optional; without it (other devices, no compiler) nothing changes."""
     llm = LLM(str(tiny_llama), max_num_seqs=4, max_num_batched_tokens=20)
-    llm.engine.core.runner.use_cpu_kernel = False
+    llm.engine.core.runner.inputs.attention_backend = "torch"
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert token_ids(llm.generate(prompts(10), greedy, use_tqdm=False)) == solo_reference
 

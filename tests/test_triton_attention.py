@@ -193,7 +193,7 @@ def test_a_backend_that_cannot_run_here_is_refused_at_start(tiny_llama, monkeypa
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(str(tiny_llama), attention_backend="flash")
     llm = LLM(str(tiny_llama), attention_backend="torch")
-    assert llm.engine.core.runner.attention_backend == "torch" and not llm.engine.core.runner.use_cpu_kernel
+    assert llm.engine.core.runner.attention_backend == "torch" and not llm.engine.core.runner.inputs.use_cpu_kernel
 
 
 # ---- decode graphs: padded static buffers (replayed as CUDA graphs on a GPU, run eagerly here) ---------------

@@ -15,13 +15,7 @@ import torch
 
 from tokenloom.core.scheduler import ScheduledRequest
 from tokenloom.model import cpu_kernel
-from tokenloom.model.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    GatherWorkspace,
-    PrefillSegment,
-    resolve_backend,
-)
+from tokenloom.model.attention import AttentionMetadata, resolve_backend
 from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
@@ -31,22 +25,12 @@ from tokenloom.model.platform import accelerator_count, cpu_has_amx
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.quantization import check_quantization, quantize_linears
 from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
-from tokenloom.model.triton_attention import FlatBatch, split_count
-from tokenloom.utils import cdiv
+from tokenloom.model.step_inputs import ModelInputs, StepInputBuilder
+from tokenloom.model.triton_attention import FlatBatch
 
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGPROB_ROWS = 256  # rows of prompt logits computed at once: 256 x a 49k vocabulary is 50 MB in float32
-
-
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # the rows of each sampled request's last token and its drafts, request by request
-    sampled_items: list[ScheduledRequest]
-    prompt_chunks: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # (chunk, its first row)
 
 
 @dataclass
@@ -92,18 +76,25 @@ class ModelRunner:
             for _ in range(cfg.num_layers if num_swap_blocks else 0)
         ]
         self.sampler = Sampler(device, seed)
-        self.workspace = GatherWorkspace()
-        self.use_cpu_kernel = self.attention_backend == "cpu"
-        # Programs that fill the device: split-K shares are added only where a step has fewer (few long decodes).
-        self._target_programs = 4 * _multiprocessors(device)
         # Where the CPU has AMX, torch's fused attention (its tiles) beat our AVX-512 BF16 prefill operator at every
         # prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with AMX"); elsewhere ours.
-        self.use_prefill_op = (
-            self.use_cpu_kernel
+        use_prefill_op = (
+            self.attention_backend == "cpu"
             and dtype == torch.bfloat16
             and model.config.head_dim in (64, 128)
             and not cpu_has_amx()
             and cpu_kernel.has_prefill_op()
+        )
+        self.inputs = StepInputBuilder(
+            block_size=block_size,
+            device=device,
+            dtype=dtype,
+            attention_backend=self.attention_backend,
+            num_kv_heads=cfg.num_kv_heads,
+            kv_format=self.kv_format,
+            use_prefill_op=use_prefill_op,
+            # Programs that fill the device: split-K shares are added only where a step has fewer (few long decodes).
+            target_programs=4 * _multiprocessors(device),
         )
         self.compiled: CompiledForward | None = compile_model(model, device) if compile_step else None
         self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
@@ -146,7 +137,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
-        meta = self._scratch_prefill(num_tokens)
+        meta = self.inputs.scratch_prefill(num_tokens)
         hidden = self.model(ids, positions, self.kv_caches, meta)  # eager: the compiled step is not built yet
         self.model.compute_logits(hidden[-1:])
         torch.cuda.synchronize(self.device)
@@ -227,7 +218,7 @@ class ModelRunner:
         started = time.monotonic()
         for num_tokens in (1, 2):
             assert num_tokens <= self.block_size
-            meta = self._scratch_prefill(num_tokens)
+            meta = self.inputs.scratch_prefill(num_tokens)
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             self._forward(ModelInputs(ids, torch.arange(num_tokens, device=self.device), meta, ids[:0], []))
         logger.info("compiled the step in %.1fs", time.monotonic() - started)
@@ -240,24 +231,6 @@ class ModelRunner:
         if capture and self.device.type == "cuda":
             self.graphs.capture()
         return self.graphs
-
-    def _scratch_prefill(self, num_tokens: int) -> AttentionMetadata:
-        """A prompt of num_tokens written into block 0's slots (over and over), for warming up and profiling: any
-        request that gets block 0 overwrites them before it reads them."""
-        slots = torch.arange(num_tokens, device=self.device) % self.block_size
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            block_size=self.block_size,
-            prefills=[PrefillSegment(0, num_tokens, num_tokens, None, None)],
-            workspace=self.workspace,
-            use_cpu_kernel=self.use_cpu_kernel,
-            prefill_op=self.use_prefill_op,
-            kv_format=self.kv_format,
-        )
-        if self.attention_backend == "triton":
-            meta.prefills = []
-            meta.flat = self._flat_batch([(num_tokens, num_tokens, [0] * cdiv(num_tokens, self.block_size))])
-        return meta
 
     def _graph_forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, batch: FlatBatch
@@ -328,125 +301,7 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
-        # Decodes go first, shortest context first, so each decode group is one contiguous block of rows. A request
-        # verifying drafts is a decode of several rows, row j reading the context up to its own token (all of the
-        # step's K and V are in the cache before any query reads it, so the rows see exactly a causal prefix).
-        decodes = sorted((s for s in scheduled if _is_decode(s)), key=lambda s: s.start)
-        ordered = decodes + [s for s in scheduled if not _is_decode(s)]
-        input_ids = np.fromiter((t for s in ordered for t in s.token_ids), dtype=np.int64)
-        positions, slot_mapping = self._positions_and_slots(ordered, len(input_ids))
-        ends = np.cumsum([s.num_tokens for s in ordered])
-        sample_rows = [
-            row
-            for s, end in zip(ordered, ends, strict=True)
-            if s.sample
-            for row in range(int(end) - 1 - len(s.draft_token_ids), int(end))
-        ]
-        prompt_chunks = [
-            (s, int(end) - s.num_tokens)
-            for s, end in zip(ordered, ends, strict=True)
-            if s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
-        ]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
-            block_size=self.block_size,
-            workspace=self.workspace,
-            use_cpu_kernel=self.use_cpu_kernel,
-            prefill_op=self.use_prefill_op,
-            kv_format=self.kv_format,
-        )
-        if self.attention_backend == "triton":  # one launch per layer over the flat batch
-            meta.flat = self._flat_batch([(s.num_tokens, s.start + s.num_tokens, s.block_ids) for s in ordered])
-            meta.num_splits = split_count(meta.flat, self.model.config.num_kv_heads, 32, self._target_programs)
-        else:
-            rows = [(s.start + j + 1, s.block_ids) for s in decodes for j in range(s.num_tokens)]
-            for first, last in group_by_context_length([context for context, _ in rows]):
-                meta.decodes.append(self._decode_group(rows[first:last], first))
-            for s, end in zip(ordered[len(decodes) :], ends[len(decodes) :], strict=True):
-                meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
-        return ModelInputs(
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            meta=meta,
-            sample_rows=self._tensor(np.array(sample_rows, dtype=np.int64)),
-            sampled_items=[s for s in ordered if s.sample],
-            prompt_chunks=prompt_chunks,
-        )
-
-    def _flat_batch(self, sequences: list[tuple[int, int, list[int]]]) -> FlatBatch:
-        """(query tokens, context length, block ids) of each sequence in flat order -> the Triton kernel's view."""
-        q_lens = np.array([q for q, _, _ in sequences], dtype=np.int32)
-        ctx_lens = np.array([c for _, c, _ in sequences], dtype=np.int32)
-        width = max(cdiv(int(c), self.block_size) for c in ctx_lens)
-        tables = np.zeros((len(sequences), width), dtype=np.int32)
-        for row, (_, ctx, block_ids) in enumerate(sequences):
-            used = block_ids[: cdiv(ctx, self.block_size)]
-            tables[row, : len(used)] = used
-        loc = np.zeros(len(sequences) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=loc[1:])
-        return FlatBatch(
-            self._tensor(loc), self._tensor(ctx_lens), self._tensor(tables), int(q_lens.max()), int(ctx_lens.max())
-        )
-
-    def _positions_and_slots(self, ordered: list[ScheduledRequest], num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each token's position and cache slot. A decode token's are two integers, computed as such: converting
-        its whole block table to an array cost more than the rest of its inputs (benchmarks/host_overhead.py)."""
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slots = np.empty(num_tokens, dtype=np.int64)
-        at, size = 0, self.block_size
-        for s in ordered:
-            if s.num_tokens == 1:
-                positions[at] = s.start
-                slots[at] = s.block_ids[s.start // size] * size + s.start % size
-            else:
-                positions[at : at + s.num_tokens] = np.arange(s.start, s.start + s.num_tokens)
-                slots[at : at + s.num_tokens] = self._slots(s.block_ids, s.start, s.start + s.num_tokens)
-            at += s.num_tokens
-        return positions, slots
-
-    def _slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
-        first = start // self.block_size
-        positions = np.arange(start, end)
-        table = np.asarray(block_ids[first : cdiv(end, self.block_size)], dtype=np.int64)
-        return table[positions // self.block_size - first] * self.block_size + positions % self.block_size
-
-    def _decode_group(self, rows: list[tuple[int, list[int]]], row_start: int) -> DecodeGroup:
-        """Decode rows, each (its context length, its request's block ids), attended together."""
-        context_lens = np.array([context for context, _ in rows], dtype=np.int64)
-        max_ctx = int(context_lens.max())
-        num_blocks = cdiv(max_ctx, self.block_size)
-        tables = np.zeros((len(rows), num_blocks), dtype=np.int64)
-        for row, (context, block_ids) in enumerate(rows):
-            used = block_ids[: cdiv(context, self.block_size)]
-            tables[row, : len(used)] = used
-        bias = None
-        if not self.use_cpu_kernel:  # the operator reads exactly each context; the plain path pads and masks
-            bias = self._bias(np.arange(max_ctx)[None, None, :] < context_lens[:, None, None])
-        return DecodeGroup(row_start, len(rows), self._tensor(tables), self._tensor(context_lens), bias)
-
-    def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
-        ctx_len = s.start + s.num_tokens
-        if s.start == 0 and self.kv_format is None:  # the chunk is its whole context: plain causal, no mask at all
-            return PrefillSegment(q_start, s.num_tokens, ctx_len, None, None)
-        table = self._tensor(np.asarray(s.block_ids[: cdiv(ctx_len, self.block_size)], dtype=np.int64))
-        if s.start == 0:
-            # From an 8-bit cache all attention reads the cached values, this chunk's too, so a request's output does
-            # not depend on how its prompt was chunked, batched or recomputed.
-            return PrefillSegment(q_start, s.num_tokens, ctx_len, table, None)
-        visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
-        return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self._tensor(visible))
-
-    def _bias(self, visible: np.ndarray) -> torch.Tensor:
-        """An additive attention mask: 0 where visible, -inf elsewhere."""
-        return self._tensor(np.where(visible, 0.0, -np.inf).astype(np.float32)).to(self.dtype)
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        """A step input on the device. To an accelerator through pinned host memory, without waiting: the copy
-        runs in stream order before the kernels that read it, and the host goes on preparing the step."""
-        host = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return self.inputs.build(scheduled)
 
     def _sampling_batch(self, items: list[ScheduledRequest]) -> SamplingBatch:
         requests = [s.request for s in items]
@@ -466,33 +321,6 @@ class ModelRunner:
             generator.manual_seed(seed)
             self._generators[request_id] = generator
         return generator
-
-
-def group_by_context_length(
-    sorted_lens: list[int], max_waste: float = 0.25, max_groups: int = 1
-) -> list[tuple[int, int]]:
-    """Splits ascending context lengths into [first, last) runs whose padding to the run's longest stays small.
-
-    Fewer groups mean fewer operator calls; more groups mean less padded memory to read. A new group starts
-    when a context is shorter than (1 - max_waste) of the longest in the current group. On the 2-core CPU we
-    measure on, one group was fastest: each extra group costs more in per-operator overhead than its padding
-    saves (and the compiled CPU kernel reads no padding at all).
-    """
-    groups: list[tuple[int, int]] = []
-    last = len(sorted_lens)
-    while last > 0:
-        first = last - 1
-        floor = sorted_lens[last - 1] * (1 - max_waste)
-        while first > 0 and (sorted_lens[first - 1] >= floor or len(groups) == max_groups - 1):
-            first -= 1
-        groups.append((first, last))
-        last = first
-    return groups[::-1]
-
-
-def _is_decode(s: ScheduledRequest) -> bool:
-    """One new token, or the last token and its drafts: rows that each attend to a context ending at themselves."""
-    return s.num_tokens == 1 + len(s.draft_token_ids)
 
 
 def check_kv_format(fmt: KVFormat | None, backend: str) -> None:
