@@ -157,7 +157,7 @@ def check_bf16_agreement(root: Path, device: str, backends: list[str], lines: li
 
     from tokenloom.config import EngineConfig
     from tokenloom.core.request import Request
-    from tokenloom.core.scheduler import ScheduledRequest
+    from tokenloom.core.scheduler_output import ScheduledRequest
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.utils import cdiv
 

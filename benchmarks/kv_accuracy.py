@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from tokenloom import LLM, EngineConfig, LLMEngine, SamplingParams
 from tokenloom.core.request import Request
-from tokenloom.core.scheduler import ScheduledRequest
+from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model.loader import resolve_checkpoint_dir
 from tokenloom.utils import cdiv
 

@@ -19,7 +19,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.core.request import Request
-from tokenloom.core.scheduler import ScheduledRequest
+from tokenloom.core.scheduler_output import ScheduledRequest
 
 
 def step_ms(runner, n: int, ctx: int, k: int, block_size: int, reps: int) -> float:

@@ -16,7 +16,7 @@ from server_process import ServerProcess
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import EngineConfig
-from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
+from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
 from tokenloom.engine.core_process import CoreProcessEngine
 from tokenloom.server.launch import ENGINE_DIED_EXIT_CODE
 
@@ -79,17 +79,17 @@ def test_a_killed_core_fails_the_requests_in_flight_and_refuses_new_ones(tiny_ll
             first = await anext(stream)
             assert first.outputs[0].token_ids
             os.kill(core_pid(os.getpid()), signal.SIGKILL)
-            with pytest.raises(RequestRejected) as failure:
+            with pytest.raises(RequestError) as failure:
                 async with asyncio.timeout(30):
                     async for _ in stream:
                         pass
-            assert failure.value.reason is Rejection.ENGINE_ERROR
+            assert failure.value.reason is ErrorReason.ENGINE_ERROR
 
         asyncio.run(killed_mid_stream())
         assert not front.healthy
-        with pytest.raises(RequestRejected) as refused:
+        with pytest.raises(RequestError) as refused:
             asyncio.run(collect(front, PROMPTS[1], "late"))
-        assert refused.value.reason is Rejection.ENGINE_UNAVAILABLE
+        assert refused.value.reason is ErrorReason.ENGINE_UNAVAILABLE
     finally:
         front.shutdown()
 

@@ -104,7 +104,7 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
 
 
 def _logits(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
-    from tokenloom.core.scheduler import ScheduledRequest
+    from tokenloom.core.scheduler_output import ScheduledRequest
 
     blocks = list(range(cdiv(end, engine.config.cache.block_size)))
     item = ScheduledRequest(request, start, request.all_token_ids[start:end], blocks, sample=True)

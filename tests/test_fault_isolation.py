@@ -13,7 +13,7 @@ import pytest
 
 from tokenloom import SamplingParams
 from tokenloom.config import EngineConfig
-from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
+from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.sampler import Sampler
 
@@ -122,7 +122,7 @@ def test_the_async_front_fails_only_that_stream(tiny_llama):
         try:
             async for output in await front.submit(prompt, params, request_id):
                 last = output
-        except RequestRejected as error:
+        except RequestError as error:
             return error
         return last.outputs[0].token_ids
 
@@ -135,6 +135,6 @@ def test_the_async_front_fails_only_that_stream(tiny_llama):
         a, bad, b = asyncio.run(main())
     finally:
         front.shutdown()
-    assert isinstance(bad, RequestRejected) and bad.reason is Rejection.REQUEST_FAILED and "injected" in bad.message
+    assert isinstance(bad, RequestError) and bad.reason is ErrorReason.REQUEST_FAILED and "injected" in bad.message
     assert len(a) == len(b) == 10
     assert engine.stats().kv_blocks_in_use == 0

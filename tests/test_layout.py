@@ -76,7 +76,38 @@ def test_only_the_commands_import_the_bench_and_the_scheduler_never_imports_the_
     """The bench (and its simulator) is used by the command line and the simulated planner, never by the engine."""
     graph = module_imports()
     for module, imported in graph.items():
-        if not module.startswith(("tokenloom.bench", "tokenloom.cli", "tokenloom.tools.capacity")):
+        if not module.startswith(("tokenloom.bench", "tokenloom.cli", "tokenloom.advisor.capacity")):
             assert not {i for i in imported if i.startswith("tokenloom.bench")}, f"{module} imports the bench"
         if module.startswith("tokenloom.core"):
             assert not {i for i in imported if i.startswith(("tokenloom.model", "tokenloom.engine"))}, module
+
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+
+def oversized(source: str, max_module: int = MAX_MODULE_LINES, max_function: int = MAX_FUNCTION_LINES) -> list[str]:
+    """What in one module's source is longer than the limits: the module itself, or a function (decorators aside)."""
+    found = []
+    if len(source.splitlines()) > max_module:
+        found.append(f"module: {len(source.splitlines())} lines")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            assert node.end_lineno is not None
+            length = node.end_lineno - node.lineno + 1
+            if length > max_function:
+                found.append(f"{node.name}: {length} lines")
+    return found
+
+
+def test_no_module_over_450_lines_and_no_function_over_60():
+    found = {str(path.relative_to(ROOT)): oversized(path.read_text()) for path in ROOT.rglob("*.py")}
+    assert {path: items for path, items in found.items() if items} == {}
+
+
+def test_the_size_check_counts_modules_and_nested_functions():
+    body = "\n".join(f"        x{i} = {i}" for i in range(3))
+    source = f"def outer():\n    def inner():\n{body}\n        return 1\n    return inner\n"  # inner: 5 lines
+    assert oversized(source, max_module=7, max_function=7) == []
+    assert oversized(source, max_module=6, max_function=5) == ["module: 7 lines", "outer: 7 lines"]
+    assert oversized(source, max_function=4) == ["outer: 7 lines", "inner: 5 lines"]

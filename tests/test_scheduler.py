@@ -18,7 +18,8 @@ from tokenloom.config import SchedulerConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.preemption import LinearCostFit, PreemptionCosts, Preemptor, SwapSpace
 from tokenloom.core.request import Request, RequestStatus
-from tokenloom.core.scheduler import Scheduler, SchedulerOutput
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.sampling_params import SamplingParams
 
 VOCAB = 1000

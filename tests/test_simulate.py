@@ -9,6 +9,7 @@ import math
 import pytest
 
 from tokenloom import EngineConfig, LLMEngine, SamplingParams
+from tokenloom.advisor.capacity import Target, fewest_replicas, layout_at, parse_prices
 from tokenloom.bench.cost_model import FEATURES, Device, FittedStepModel, Profile, RooflineStepModel, StepShape
 from tokenloom.bench.loadgen import arrival_offsets, burst_aligned
 from tokenloom.bench.scorecard import SCORECARD_KEYS, SLO
@@ -16,7 +17,6 @@ from tokenloom.bench.simulator import SimulatedEngine, SimulatedRequest, arrival
 from tokenloom.bench.trace import TraceRequest, make_trace, write_trace
 from tokenloom.cli import main
 from tokenloom.model.config import ModelConfig
-from tokenloom.tools.capacity import Target, fewest_replicas, layout_at, parse_prices
 
 
 class ConstantStep:

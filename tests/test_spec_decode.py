@@ -180,7 +180,7 @@ def test_structured_output_keeps_its_tokens_under_speculation(tiny_chat_model, s
 
 
 def test_sampled_tokens_keep_the_distribution_at_temperature_one():
-    """Rejection sampling with point drafts: the first kept token is distributed as p0, and the second (given the
+    """ErrorReason sampling with point drafts: the first kept token is distributed as p0, and the second (given the
     first draft was accepted) as p1, whatever the drafts; checked against the exact probabilities."""
     torch.manual_seed(0)
     vocab, draws = 6, 30_000

@@ -102,10 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(serve.add_argument_group("server"), ServerConfig)
     add_engine_flags(serve)
 
+    from tokenloom.advisor.diagnose import add_diagnose_command
+    from tokenloom.advisor.plan import add_plan_command
     from tokenloom.bench.commands import add_bench_commands
     from tokenloom.bench.simulate_command import add_simulate_command
-    from tokenloom.tools.diagnose import add_diagnose_command
-    from tokenloom.tools.plan import add_plan_command
 
     add_bench_commands(commands)
     add_engine_flags(add_simulate_command(commands))
@@ -160,15 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return run_serve(args)
         if args.command == "diagnose":
-            from tokenloom.tools.diagnose import run_diagnose
+            from tokenloom.advisor.diagnose import run_diagnose
 
             return run_diagnose(args)
         if args.command == "plan" and args.trace is not None:
-            from tokenloom.tools.capacity import run_capacity_plan
+            from tokenloom.advisor.capacity import run_capacity_plan
 
             return run_capacity_plan(args)
         if args.command == "plan":
-            from tokenloom.tools.plan import run_plan
+            from tokenloom.advisor.plan import run_plan
 
             return run_plan(args)
         if args.command == "simulate":

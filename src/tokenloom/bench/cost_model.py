@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from tokenloom.core.scheduler import SchedulerOutput
+from tokenloom.advisor.plan import parameter_count
+from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.model.config import ModelConfig
-from tokenloom.tools.plan import parameter_count
 
 FEATURES = (
     "steps", "tokens", "sampled_rows", "chunk_pairs", "past_pairs", "past_tokens", "prefill_sequences", "decode_keys",
@@ -136,7 +136,7 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Datasheet:
-    """What a roofline needs of a device beyond its memory (tools/plan.py's catalogue has that and its bandwidth)."""
+    """What a roofline needs of a device beyond its memory (advisor/plan.py's catalogue has that and its bandwidth)."""
 
     bf16_flops: float  # dense, per second, as the vendor's datasheet gives it
     link_bytes_s: float  # one direction, between the devices of a tensor-parallel group (NVLink, or PCIe)
@@ -164,7 +164,7 @@ class Efficiency:
     host_link_bytes_s: float = 25e9  # swap copies over PCIe
 
 
-# Keyed as tools/plan.py's catalogue names them; the seeds' list.
+# Keyed as advisor/plan.py's catalogue names them; the seeds' list.
 DATASHEETS = {
     "a100-80gb": Datasheet(312e12, 300e9),
     "h100-80gb": Datasheet(989e12, 450e9),
@@ -209,7 +209,7 @@ class RooflineStepModel:
 
 
 def _layer_parameters(m: ModelConfig) -> int:
-    """The decoder layers' parameters: the model's count (tools/plan.py) less its embeddings and final norm."""
+    """The decoder layers' parameters: the model's count (advisor/plan.py) less its embeddings and final norm."""
     return parameter_count(m) - m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2) - m.hidden_size
 
 

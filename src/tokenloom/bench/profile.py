@@ -22,7 +22,7 @@ from typing import Any
 from tokenloom.bench.cost_model import FittedStepModel, Profile, StepShape, items_of, shapes_of
 from tokenloom.bench.provenance import cpu_flags, machine_info
 from tokenloom.config import EngineConfig
-from tokenloom.core.scheduler import SchedulerOutput
+from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.sampling_params import SamplingParams
 

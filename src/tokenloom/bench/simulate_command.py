@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tokenloom.advisor.plan import ELEMENT_BYTES, KV_8_BIT, accelerator, load_model_config, make_plan, parameter_count
 from tokenloom.bench.commands import render_table, trace_from_args
 from tokenloom.bench.cost_model import (
     DATASHEETS,
@@ -38,9 +39,8 @@ from tokenloom.bench.simulator import (
 )
 from tokenloom.bench.trace import KINDS
 from tokenloom.config import EngineConfig
-from tokenloom.engine.core import swap_blocks_for
+from tokenloom.engine.kv_sizing import swap_blocks_for
 from tokenloom.model.config import ModelConfig
-from tokenloom.tools.plan import ELEMENT_BYTES, KV_8_BIT, accelerator, load_model_config, make_plan, parameter_count
 from tokenloom.version import git_commit
 
 

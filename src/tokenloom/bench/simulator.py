@@ -29,7 +29,8 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.preemption import Preemptor, SwapSpace
 from tokenloom.core.request import Request
-from tokenloom.core.scheduler import Scheduler, SchedulerOutput
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.sampling_params import SamplingParams
 
 STAND_IN_TOKEN = 1000  # what every simulated step "samples"; ignore_eos, so only lengths end requests
@@ -115,7 +116,7 @@ def simulate(
     while pending or scheduler.has_unfinished_requests():
         while pending and pending[0][0] <= clock.now:
             _, _, arriving = heapq.heappop(pending)
-            _admit(scheduler, arriving, live)
+            _arrive(scheduler, arriving, live)
         if not scheduler.has_unfinished_requests():
             if pending:
                 clock.now = pending[0][0]
@@ -160,7 +161,7 @@ class Clock:
         return self.now
 
 
-def _admit(scheduler: Scheduler, arriving: SimulatedRequest, live: dict[str, SimulatedRequest]) -> None:
+def _arrive(scheduler: Scheduler, arriving: SimulatedRequest, live: dict[str, SimulatedRequest]) -> None:
     params = SamplingParams(max_tokens=max(1, arriving.output_tokens), ignore_eos=True, temperature=0.0)
     request = Request(arriving.trace.id, arriving.prompt_token_ids, params, arrival_time=arriving.arrival,
                       priority=arriving.trace.priority, tenant=arriving.trace.tenant)  # fmt: skip

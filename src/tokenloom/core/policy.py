@@ -14,7 +14,7 @@ from tokenloom.core.request import Request
 
 class SchedulingPolicy:
     """The interface every policy implements, with FCFS's behaviour as the default of each hook: arrival order
-    everywhere, the most recently admitted preempted first, nobody displaced, nothing to charge."""
+    everywhere, the most recently started preempted first, nobody displaced, nothing to charge."""
 
     name = "base"
 
@@ -27,11 +27,11 @@ class SchedulingPolicy:
         waiting.insert(at, request)
 
     def requeue(self, waiting: deque[Request], request: Request) -> None:
-        """A preempted request goes back to the head: it was admitted before everyone still waiting."""
+        """A preempted request goes back to the head: it started before everyone still waiting."""
         waiting.appendleft(request)
 
     def order_running(self, running: list[Request]) -> None:
-        """Running requests keep admission order, so the last one is the first victim."""
+        """Running requests keep the order they started in, so the last one is the first victim."""
 
     def displaces(self, candidate: Request, worst_running: Request) -> bool:
         return False

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.utils import cdiv
 
 
 class RequestStatus(enum.Enum):
@@ -52,7 +53,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache when first scheduled
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -90,3 +91,36 @@ class Request:
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         return self.all_token_ids[start:end]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What decides whether a request can ever be served; plain values, so any thread or process can check."""
+
+    max_model_len: int
+    enable_chunked_prefill: bool
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    block_size: int
+
+    def check(self, request: Request) -> None:
+        """Raises ValueError, saying why, if the request can never be served."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but the model's context length is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            raise ValueError(
+                f"the prompt has {n} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens}; "
+                "enable chunked prefill or raise the budget"
+            )
+        longest = min(request.max_total_tokens, self.max_model_len)
+        if cdiv(longest, self.block_size) > self.num_kv_blocks:
+            raise ValueError(
+                f"the request may grow to {longest} tokens, more than the whole KV cache holds "
+                f"({self.num_kv_blocks} blocks of {self.block_size})"
+            )

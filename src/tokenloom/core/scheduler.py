@@ -3,13 +3,13 @@
 There are no prefill and decode phases. Each request has ``num_computed_tokens``; a step gives it up to the gap
 between that and its token count. A long prompt is chunked over several steps by the budget alone, and shares
 each of them with other requests' decode tokens. When KV blocks run out, the policy's worst running request
-(under FCFS the most recently admitted) is preempted: its blocks go back to the pool and it returns to the
+(under FCFS the most recently started) is preempted: its blocks go back to the pool and it returns to the
 queue. How it gives its blocks back, and gets them again, is the preemptor's (preemption.py): under recompute its
 tokens are computed again when there is room (its prefix blocks often still cached); under swap its blocks are
 first copied to a host pool and copied back when it resumes (the step's output lists the copies, which the runner
 makes before the forward: all swap-outs, then swap-ins).
 
-When waiting requests may join is the admission gate's (admission.py): every step (continuous batching), or, in
+When waiting requests may join is the batching gate's (batching_gate.py): every step (continuous batching), or, in
 static batching (the baseline the seeds compare against), only once the previous batch has completely finished.
 """
 
@@ -18,126 +18,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from tokenloom.config import SchedulerConfig
-from tokenloom.core.admission import make_admission
+from tokenloom.core.batching_gate import make_gate
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import make_policy
 from tokenloom.core.preemption import Preemptor, SwapSpace
-from tokenloom.core.request import Request, RequestStatus
-from tokenloom.utils import cdiv
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: tokens [start, start + len(token_ids)) and where their KV goes."""
-
-    request: Request
-    start: int
-    token_ids: list[int]
-    block_ids: list[int]
-    sample: bool  # the chunk reaches the request's last token, so this step yields its next token
-    # Proposed tokens after the request's last one, verified in this step: token_ids ends with them, and the step
-    # yields 1 to len(draft_token_ids) + 1 tokens.
-    draft_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def is_prefill(self) -> bool:
-        """The chunk computes prompt (or recomputed) tokens: more than the last token and its drafts, or not up to
-        the last token."""
-        return not self.sample or self.num_tokens > 1 + len(self.draft_token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot), copied first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block), copied second
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """What decides whether a request can ever be served; plain values, so any thread or process can check."""
-
-    max_model_len: int
-    enable_chunked_prefill: bool
-    max_num_batched_tokens: int
-    num_kv_blocks: int
-    block_size: int
-
-    def check(self, request: Request) -> None:
-        """Raises ValueError, saying why, if the request can never be served."""
-        n = request.num_prompt_tokens
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens, but the model's context length is {self.max_model_len} "
-                "and at least one token must be generated"
-            )
-        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
-            raise ValueError(
-                f"the prompt has {n} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens}; "
-                "enable chunked prefill or raise the budget"
-            )
-        longest = min(request.max_total_tokens, self.max_model_len)
-        if cdiv(longest, self.block_size) > self.num_kv_blocks:
-            raise ValueError(
-                f"the request may grow to {longest} tokens, more than the whole KV cache holds "
-                f"({self.num_kv_blocks} blocks of {self.block_size})"
-            )
-
-
-@dataclass
-class SpecDecodeStats:
-    """Speculative decoding's counters, as vLLM names them: drafts verified, their tokens, the tokens accepted, and
-    the tokens accepted at each draft position."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
-        for position in range(num_accepted):
-            self.accepted_per_position[position] += 1
-
-
-@dataclass
-class SchedulerStats:
-    num_steps: int = 0
-    preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
-    prompt_tokens: int = 0  # prompt tokens of admitted requests, counted once each
-    generated_tokens: int = 0
-    computed_tokens: int = 0  # every token that went through the model, recomputation included
-    computed_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
-    swap_in_cached_blocks: int = 0  # blocks of swapped-in requests found in the prefix cache, so not copied back
-    spec: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats())
-
-    @property
-    def num_preemptions(self) -> int:
-        return sum(self.preemptions.values())
+from tokenloom.core.request import Request, RequestLimits, RequestStatus
+from tokenloom.core.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
 
 
 class Scheduler:
@@ -162,7 +50,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.admission = make_admission(config.batching)
+        self.gate = make_gate(config.batching)
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.max_num_partial_prefills = config.max_num_partial_prefills
         self.policy = make_policy(config.scheduling_policy)
@@ -185,14 +73,14 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.policy.enqueue(self.waiting, request)
 
-    def admission_limits(self) -> AdmissionLimits:
-        return AdmissionLimits(
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
             self.max_model_len, self.enable_chunked_prefill, self.max_num_batched_tokens, self.kv.num_blocks,
             self.kv.block_size,
         )  # fmt: skip
 
     def check_admissible(self, request: Request) -> None:
-        self.admission_limits().check(request)
+        self.request_limits().check(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -226,11 +114,11 @@ class Scheduler:
         self.policy.order_waiting(self.waiting)
         displaced = self._displace_for_better_waiting(output)
         budget = self._schedule_running(output, budget)
-        # A step that had to preempt for KV admits no one; seats freed by displacement are meant to be filled.
+        # A step that had to preempt for KV starts no one; seats freed by displacement are meant to be filled.
         preempted_for_kv = len(output.preempted) > displaced
-        if not preempted_for_kv and self.admission.open_for_step(len(self.running)):
+        if not preempted_for_kv and self.gate.open_for_step(len(self.running)):
             self._schedule_waiting(output, budget)
-        self.admission.end_step(len(self.running), len(self.waiting), self.max_num_seqs)
+        self.gate.end_step(len(self.running), len(self.waiting), self.max_num_seqs)
         assert output.num_batched_tokens <= self.max_num_batched_tokens, "step exceeds its token budget"
         assert len(self.running) <= self.max_num_seqs, "running batch exceeds max_num_seqs"
         if not output.is_empty:
@@ -243,7 +131,7 @@ class Scheduler:
 
     def _displace_for_better_waiting(self, output: SchedulerOutput) -> int:
         """At the sequence cap, a waiting request the policy ranks strictly higher takes the worst one's seat."""
-        if not self.admission.allows_displacement:
+        if not self.gate.allows_displacement:
             return 0
         while (
             self.waiting
@@ -303,10 +191,10 @@ class Scheduler:
             if num_new == 0:
                 break
             if not self.kv.allocate_slots(request, num_new, cached_blocks):
-                self.admission.kv_exhausted()
+                self.gate.kv_exhausted()
                 break
             self.waiting.popleft()
-            self._admit(request, num_cached)
+            self._start_running(request, num_cached)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
@@ -330,7 +218,7 @@ class Scheduler:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new
 
-    def _admit(self, request: Request, num_cached: int) -> None:
+    def _start_running(self, request: Request, num_cached: int) -> None:
         self.kv.record_prefix_query(request.num_tokens, num_cached)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_cached

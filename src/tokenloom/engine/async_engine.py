@@ -27,8 +27,9 @@ from tokenloom.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class Rejection(enum.Enum):
-    """Why the engine will not take or keep a request; the server maps each to an HTTP status."""
+class ErrorReason(enum.Enum):
+    """Why a request was refused (the first four) or ended without finishing (the rest); the server maps each to an
+    HTTP status."""
 
     QUEUE_FULL = "queue_full"  # too many requests waiting
     QUEUED_TOKENS_FULL = "queued_tokens_full"  # too many prompt tokens waiting
@@ -40,10 +41,10 @@ class Rejection(enum.Enum):
     REQUEST_FAILED = "request_failed"  # this request alone failed
 
 
-class RequestRejected(Exception):
-    """The engine will not take or keep this request, and why."""
+class RequestError(Exception):
+    """The engine refused this request, or it ended without finishing, and why."""
 
-    def __init__(self, reason: Rejection, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, reason: ErrorReason, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.reason, self.message = reason, message
         self.retry_after = retry_after  # seconds a client should wait before sending it again, when that may work
@@ -73,7 +74,7 @@ class AsyncEngine:
         self.on_step = on_step
         self.draining = False
         self._lock = threading.Lock()  # one thread at a time touches the engine's scheduler
-        self._admission = threading.Lock()  # guards the requests waiting to join the next step, and the counts
+        self._pending_lock = threading.Lock()  # guards the requests waiting to join the next step, and the counts
         self._pending: list[PreparedRequest] = []
         self._waiting_requests = 0
         self._backlog_tokens = 0
@@ -114,16 +115,16 @@ class AsyncEngine:
         tenant: str = "default",
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Admits a request (raising RequestRejected or ValueError if it can't be) and returns its output stream.
+        """Admits a request (raising RequestError or ValueError if it can't be) and returns its output stream.
 
         The stream yields the request's output after every step that gave it a token; the last one has
         finished=True. If the caller stops iterating (a client disconnected), the request is aborted and its
         blocks freed within a step. ``arrival_time`` (monotonic; default now) is its place in an FCFS queue.
         """
         if self.draining:
-            raise RequestRejected(Rejection.SERVER_DRAINING, "the server is shutting down")
+            raise RequestError(ErrorReason.SERVER_DRAINING, "the server is shutting down")
         if not self.engine.healthy:
-            raise RequestRejected(Rejection.ENGINE_UNAVAILABLE, "the engine core is not running")
+            raise RequestError(ErrorReason.ENGINE_UNAVAILABLE, "the engine core is not running")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
@@ -197,20 +198,20 @@ class AsyncEngine:
         """
         prepared = self.engine.prepare_request(prompt, params, request_id, arrival_time, priority, tenant)
         new_tokens = prepared.request.num_prompt_tokens
-        with self._admission:
+        with self._pending_lock:
             waiting = self._waiting_requests + len(self._pending)
             if self.max_num_queued_requests is not None and waiting >= self.max_num_queued_requests:
                 message = f"the request queue is full ({waiting} waiting)"
-                raise RequestRejected(Rejection.QUEUE_FULL, message, retry_after=1.0)
+                raise RequestError(ErrorReason.QUEUE_FULL, message, retry_after=1.0)
             # The prefill backlog: tokens that queued requests still have to compute before their first token.
             backlog = self._backlog_tokens + sum(p.request.num_prompt_tokens for p in self._pending)
             if self.max_num_queued_tokens is not None and backlog + new_tokens > self.max_num_queued_tokens:
                 message = f"the prefill backlog is full ({backlog} tokens queued)"
-                raise RequestRejected(Rejection.QUEUED_TOKENS_FULL, message, retry_after=1.0)
+                raise RequestError(ErrorReason.QUEUED_TOKENS_FULL, message, retry_after=1.0)
             self._pending.append(prepared)
 
     def _admit_pending(self) -> None:
-        with self._admission:
+        with self._pending_lock:
             pending, self._pending = self._pending, []
         for prepared in pending:
             self.engine.add_prepared(prepared)
@@ -219,7 +220,7 @@ class AsyncEngine:
         """What admission limits compare against, counted on the engine thread where the queue changes."""
         # The backlog is a walk over the queue: only when a limit needs it.
         state = self.engine.queue_state(count_backlog=self.max_num_queued_tokens is not None)
-        with self._admission:
+        with self._pending_lock:
             self._waiting_requests, self._backlog_tokens = state.num_waiting, state.backlog_tokens
 
     def _run(self) -> None:
@@ -235,12 +236,12 @@ class AsyncEngine:
                     outputs = self.engine.step() if busy else []
                 except Exception as error:  # the forward itself failed: no request can be told apart
                     logger.exception("engine step failed")
-                    aborted += self._fail_all(RequestRejected(Rejection.ENGINE_ERROR, f"the engine failed: {error}"))
+                    aborted += self._fail_all(RequestError(ErrorReason.ENGINE_ERROR, f"the engine failed: {error}"))
                     outputs = []
                 self._count_queued()
             for output in outputs:
                 if output.error is not None:  # this request alone failed; the step went on for the others
-                    failure = RequestRejected(Rejection.REQUEST_FAILED, f"the request failed: {output.error}")
+                    failure = RequestError(ErrorReason.REQUEST_FAILED, f"the request failed: {output.error}")
                     self._deliver(output.request_id, failure)
                 else:
                     self._deliver(output.request_id, output)
@@ -254,9 +255,9 @@ class AsyncEngine:
         """The core process or a rank is gone: what is in flight or waiting to join ends with a clear error, new
         requests are refused (``submit`` checks health), and whoever runs the server is told, so it can exit."""
         logger.error("the engine is gone (its core process or a tensor-parallel rank died)")
-        dead = RequestRejected(Rejection.ENGINE_UNAVAILABLE, "the engine core is not running")
+        dead = RequestError(ErrorReason.ENGINE_UNAVAILABLE, "the engine core is not running")
         with self._lock:
-            with self._admission:
+            with self._pending_lock:
                 pending, self._pending = self._pending, []
             for prepared in pending:
                 self._deliver(prepared.request.request_id, dead)
@@ -284,16 +285,16 @@ class AsyncEngine:
             if output is not None:
                 outputs.append(output)
             message = f"the request waited more than {self.queue_timeout:g}s in the queue"
-            self._deliver(request_id, RequestRejected(Rejection.QUEUE_TIMEOUT, message))
+            self._deliver(request_id, RequestError(ErrorReason.QUEUE_TIMEOUT, message))
         return outputs
 
     def _cut_after_drain(self) -> list[RequestOutput]:
         if self._drain_deadline is None or time.monotonic() < self._drain_deadline:
             return []
         message = "the server shut down before this request finished (drain timeout)"
-        return self._fail_all(RequestRejected(Rejection.SERVER_SHUTDOWN, message))
+        return self._fail_all(RequestError(ErrorReason.SERVER_SHUTDOWN, message))
 
-    def _fail_all(self, error: RequestRejected) -> list[RequestOutput]:
+    def _fail_all(self, error: RequestError) -> list[RequestOutput]:
         outputs = []
         for request_id in self.engine.request_ids():
             output = self.engine.abort_request(request_id)

@@ -20,9 +20,18 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import FairPolicy
 from tokenloom.core.preemption import PreemptionCosts, Preemptor, SwapSpace
-from tokenloom.core.request import Request, RequestStatus
-from tokenloom.core.scheduler import AdmissionLimits, Scheduler, SchedulerOutput
+from tokenloom.core.request import Request, RequestLimits, RequestStatus
+from tokenloom.core.scheduler import Scheduler
+from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineCoreOutputs, EngineStats, QueueState, StepStats
+from tokenloom.engine.kv_sizing import (
+    configured_kv_blocks,
+    kv_block_bytes,
+    kv_blocks_that_fit,
+    max_model_len_for,
+    sizes_kv_from_device_memory,
+    swap_blocks_for,
+)
 from tokenloom.engine.speculation import Speculator
 from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from tokenloom.model.config import ModelConfig
@@ -40,17 +49,8 @@ from tokenloom.model.platform import resolve_dtype
 from tokenloom.model.runner import ModelRunner
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import RequestMetrics
-from tokenloom.utils import cdiv
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
-
-
-def kv_blocks_that_fit(total: int, in_use: int, activation_peak: int, utilization: float, per_block: int) -> int:
-    """KV blocks in the share of a device's memory the engine may take, less what is already in use (the weights,
-    the allocator's cache, other processes) and the activations of the largest step."""
-    return max(0, int(total * utilization) - in_use - activation_peak) // per_block
 
 
 class EngineCore:
@@ -59,9 +59,10 @@ class EngineCore:
         self.model_config: ModelConfig = loaded.config
         self.dtype = dtype
         self.max_model_len = max_model_len_for(config, loaded.config)
-        sized_by_device = self._sizes_kv_from_device_memory(device)
-        self.num_kv_blocks = 1 if sized_by_device else self._num_kv_blocks()
-        self.num_swap_blocks = self._num_swap_blocks()
+        sized_by_device = sizes_kv_from_device_memory(config, device)
+        per_block = self.kv_bytes_per_block()
+        self.num_kv_blocks = 1 if sized_by_device else configured_kv_blocks(config, per_block, self.max_model_len)
+        self.num_swap_blocks = swap_blocks_for(config, per_block)
         self.runner = self._make_runner(loaded, device)
         if sized_by_device:
             self.num_kv_blocks = self._kv_blocks_from_device_memory(device)
@@ -148,34 +149,7 @@ class EngineCore:
         return self.preemptor.costs
 
     def kv_bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        per_token = self.model_config.kv_bytes_per_token(element, self.config.cache.kv_cache_dtype)
-        return self.config.cache.block_size * per_token
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.cache.num_kv_blocks is not None:
-            return self.config.cache.num_kv_blocks
-        per_block = self.kv_bytes_per_block()
-        memory = self.config.cache.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        blocks_for_memory = memory // per_block
-        if blocks_for_memory < 1:
-            raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {per_block} bytes")
-        if self.config.cache.kv_cache_memory is not None:
-            return blocks_for_memory
-        # By default, no more than max_num_seqs full-length requests could ever use.
-        blocks_for_batch = self.config.scheduler.max_num_seqs * cdiv(self.max_model_len, self.config.cache.block_size)
-        return min(blocks_for_memory, blocks_for_batch)
-
-    def _sizes_kv_from_device_memory(self, device: torch.device) -> bool:
-        """On CUDA with no size given, the KV cache takes what --gpu-memory-utilization leaves (single rank; with
-        tensor parallelism each rank's share is still sized by bytes)."""
-        cache = self.config.cache
-        return (
-            device.type == "cuda"
-            and cache.num_kv_blocks is None
-            and cache.kv_cache_memory is None
-            and self.config.parallel.tensor_parallel_size == 1
-        )
+        return kv_block_bytes(self.config, self.model_config, self.dtype)
 
     def _uses_decode_graphs(self, device: torch.device) -> bool:
         """CUDA graphs for decode steps: on CUDA, with the Triton backend, unless --enforce-eager."""
@@ -212,14 +186,11 @@ class EngineCore:
         )  # fmt: skip
         return blocks
 
-    def _num_swap_blocks(self) -> int:
-        return swap_blocks_for(self.config, self.kv_bytes_per_block())
-
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def admission_limits(self) -> AdmissionLimits:
+    def request_limits(self) -> RequestLimits:
         """What decides whether a request can ever be served: plain values, any thread (or process) may check."""
-        return self.scheduler.admission_limits()
+        return self.scheduler.request_limits()
 
     def add_request(self, request: Request) -> None:
         """Queues a request. One whose grammar does not compile here fails in the next step, alone (the front
@@ -446,22 +417,3 @@ def load_for_core(
         group = TensorParallelGroup(rank=0, world_size=size)
         loaded = load_model(config.model.model, config.model.max_model_len, dtype, device, group)
     return loaded, dtype, device
-
-
-def swap_blocks_for(config: EngineConfig, kv_bytes_per_block: int) -> int:
-    """The host swap pool's blocks: none under recompute, else --num-swap-blocks or --swap-space GiB of blocks."""
-    if config.scheduler.preemption_mode == "recompute":
-        return 0
-    if config.cache.num_swap_blocks is not None:
-        return config.cache.num_swap_blocks
-    return int(config.cache.swap_space * 1024**3) // kv_bytes_per_block
-
-
-def max_model_len_for(config: EngineConfig, model_config: ModelConfig) -> int:
-    limit = model_config.max_position_embeddings
-    if model_config.sliding_window:
-        limit = min(limit, model_config.sliding_window)  # beyond the window we would attend too far
-    wanted = config.model.max_model_len or limit
-    if wanted > limit:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's context length {limit}")
-    return wanted

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tokenloom.core.request import Request
-from tokenloom.core.scheduler import AdmissionLimits
+from tokenloom.core.request import Request, RequestLimits
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 
 QueueWalk = Literal["backlog", "never_scheduled"]  # walks over the core's queue that cost a step only once asked
@@ -72,7 +71,7 @@ class CoreInfo:
     """What the core tells the API process once it is ready."""
 
     max_model_len: int
-    admission_limits: AdmissionLimits
+    request_limits: RequestLimits
     compiled: bool
 
 

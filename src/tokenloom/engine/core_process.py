@@ -65,7 +65,7 @@ def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> Non
     with child_end(inputs_path, outputs_path) as (inputs, outputs):
         try:
             core = EngineCore(config, *load_for_core(config))
-            info = CoreInfo(core.max_model_len, core.admission_limits(), core.runner.compiled is not None)
+            info = CoreInfo(core.max_model_len, core.request_limits(), core.runner.compiled is not None)
             send(outputs, CoreReady(info))
             _serve(core, inputs, outputs)
         except Exception:
@@ -153,7 +153,7 @@ class CoreProcessEngine(EngineFront):
         self._process.start()
         core_info = self._wait_until_ready()
         self.max_model_len = core_info.max_model_len
-        self._init_front(info.tokenizer, core_info.admission_limits)
+        self._init_front(info.tokenizer, core_info.request_limits)
         kv = self.kv_cache()
         logger.info(
             "engine core process %d ready in %.1fs (%s step): KV cache in %s, %d tokens (%d blocks)",

@@ -1,6 +1,6 @@
 """What callers (the offline LLM, the async front, the server) hold of an engine, wherever its core runs.
 
-``EngineFront`` does the API-side work once for both engines: tokenization and the admission check of a new
+``EngineFront`` does the API-side work once for both engines: tokenization and the limits check of a new
 request (on any thread), and the output processor's state. ``LLMEngine`` runs the core in this process;
 ``CoreProcessEngine`` talks to it in another.
 """
@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenloom.config import EngineConfig
-from tokenloom.core.request import Request
-from tokenloom.core.scheduler import AdmissionLimits
+from tokenloom.core.request import Request, RequestLimits
 from tokenloom.engine.core_outputs import EngineStats, QueueState
 from tokenloom.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.engine.structured_output import GrammarCompiler
@@ -80,7 +79,7 @@ class EngineFront(ABC):
         return kv_cache_info(self.config, self.model_config, self.dtype, self.stats().kv_blocks_total)
 
     def _init_front(
-        self, tokenizer: Tokenizer | None, limits: AdmissionLimits, grammars: GrammarCompiler | None = None
+        self, tokenizer: Tokenizer | None, limits: RequestLimits, grammars: GrammarCompiler | None = None
     ) -> None:
         self.tokenizer = tokenizer
         eos = self.model_config.eos_token_ids

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
-from tokenloom.core.scheduler import SchedulerOutput
+from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.core import EngineCore, load_for_core
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 from tokenloom.engine.front import EngineFront, PreparedRequest
@@ -33,7 +33,7 @@ class LLMEngine(EngineFront):
         self.model_name, self.model_path, self.model_config = loaded.name, loaded.path, loaded.config
         self.core = EngineCore(config, loaded, self.dtype, self.device)
         self.max_model_len = self.core.max_model_len
-        self._init_front(loaded.tokenizer, self.core.admission_limits(), self.core.structured.compiler)
+        self._init_front(loaded.tokenizer, self.core.request_limits(), self.core.structured.compiler)
         kv = self.kv_cache()
         logger.info(
             "loaded %s in %.1fs on %s in %s (dtype=%s, %s): KV cache in %s, %d tokens (%d blocks of %d, %d swap "

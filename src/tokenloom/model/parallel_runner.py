@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from tokenloom.core.scheduler import ScheduledRequest
+from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.ipc import broadcast, child_end, receive, send
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.parallel import TensorParallelGroup

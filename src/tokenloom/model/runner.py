@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenloom.core.scheduler import ScheduledRequest
+from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, resolve_backend
 from tokenloom.model.compiled import CompiledForward, compile_model
@@ -76,15 +76,6 @@ class ModelRunner:
             for _ in range(cfg.num_layers if num_swap_blocks else 0)
         ]
         self.sampler = Sampler(device, seed)
-        # Where the CPU has AMX, torch's fused attention (its tiles) beat our AVX-512 BF16 prefill operator at every
-        # prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with AMX"); elsewhere ours.
-        use_prefill_op = (
-            self.attention_backend == "cpu"
-            and dtype == torch.bfloat16
-            and model.config.head_dim in (64, 128)
-            and not cpu_has_amx()
-            and cpu_kernel.has_prefill_op()
-        )
         self.inputs = StepInputBuilder(
             block_size=block_size,
             device=device,
@@ -92,7 +83,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             num_kv_heads=cfg.num_kv_heads,
             kv_format=self.kv_format,
-            use_prefill_op=use_prefill_op,
+            use_prefill_op=_uses_prefill_op(self.attention_backend, dtype, cfg.head_dim),
             # Programs that fill the device: split-K shares are added only where a step has fewer (few long decodes).
             target_programs=4 * _multiprocessors(device),
         )
@@ -337,3 +328,15 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).multi_processor_count)
     return 1
+
+
+def _uses_prefill_op(backend: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Prefill attention through our AVX-512 BF16 operator. Not where the CPU has AMX: torch's fused attention (its
+    tiles) beat it at every prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with AMX")."""
+    return (
+        backend == "cpu"
+        and dtype == torch.bfloat16
+        and head_dim in (64, 128)
+        and not cpu_has_amx()
+        and cpu_kernel.has_prefill_op()
+    )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenloom.core.scheduler import ScheduledRequest
+from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
 from tokenloom.model.kv_quant import KVFormat
 from tokenloom.model.triton_attention import FlatBatch, split_count

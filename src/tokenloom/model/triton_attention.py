@@ -179,39 +179,48 @@ if triton is not None:
         acc = tl.zeros((BLOCK_Q * GROUP_P, HEAD_P), tl.float32)
         keys = tl.arange(0, BLOCK_N)
         for tile in range(first_tile, end_tile):
-            key_pos = tile * BLOCK_N + keys
-            key_ok = key_pos < ctx_len
-            block = tl.load(BT + seq * stride_bt + key_pos // block_size, mask=key_ok, other=0)
-            slot = block.to(tl.int64) * block_size + key_pos % block_size
-            kv_offsets = slot[:, None] * stride_kv + kv_head * head_dim + dims[None, :]
-            kv_mask = key_ok[:, None] & dim_ok[None, :]
-            k = tl.load(K + kv_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(V + kv_offsets, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            visible = (key_pos[None, :] <= query_pos[:, None]) & key_ok[None, :] & row_ok[:, None]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(
+                q, K, V, BT + seq * stride_bt, m_i, l_i, acc, tile * BLOCK_N + keys, ctx_len, query_pos, row_ok,
+                kv_head * head_dim + dims, dim_ok, stride_kv, block_size, scale,
+            )  # fmt: skip
 
         out_rows = q_start + token
+        out_mask = row_ok[:, None] & dim_ok[None, :]
         if SPLIT:  # this share's output, normalised by its own sum, and that sum's log (a share may see no key)
             seen = l_i > 0.0
             denominator = tl.where(seen, l_i, 1.0)
             part_ptrs = PART + share * stride_ps + out_rows[:, None] * stride_pt + head[:, None] * stride_ph
-            tl.store(part_ptrs + dims[None, :], acc / denominator[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+            tl.store(part_ptrs + dims[None, :], acc / denominator[:, None], mask=out_mask)
             lse = tl.where(seen, m_i + tl.log(denominator), float("-inf"))
             tl.store(LSE + share * stride_ls + out_rows * stride_lt + head, lse, mask=row_ok)
         else:
             o_ptrs = OUT + out_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
             denominator = tl.where(l_i > 0.0, l_i, 1.0)  # rows past the sequence's end saw nothing (not stored)
-            tl.store(
-                o_ptrs, (acc / denominator[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :]
-            )
+            tl.store(o_ptrs, (acc / denominator[:, None]).to(OUT.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _attend_tile(
+        q, K, V, table, m_i, l_i, acc, key_pos, ctx_len, query_pos, row_ok, columns, dim_ok, stride_kv, block_size,
+        scale,
+    ):  # fmt: skip
+        """One tile of keys, read in place through the sequence's block table, folded into the online softmax."""
+        key_ok = key_pos < ctx_len
+        block = tl.load(table + key_pos // block_size, mask=key_ok, other=0)
+        slot = block.to(tl.int64) * block_size + key_pos % block_size
+        kv_offsets = slot[:, None] * stride_kv + columns[None, :]
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_offsets, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        visible = (key_pos[None, :] <= query_pos[:, None]) & key_ok[None, :] & row_ok[:, None]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        return m_new, l_i, acc
 
     @triton.jit
     def _combine_kernel(

@@ -41,6 +41,28 @@ ENGINE_INDEX = "0"  # vLLM labels each engine (data-parallel rank); one engine h
 disable_created_metrics()
 
 
+class _Families:
+    """Makes metric families in one registry, each under the ``tokenloom:`` prefix with the labels every family
+    carries (bound to their values, unless a family has labels of its own to fill in)."""
+
+    def __init__(self, registry: CollectorRegistry, common: dict[str, str]) -> None:
+        self.registry, self.common, self.names = registry, common, tuple(common)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"tokenloom:{name}", doc, self.names, registry=self.registry).labels(**self.common)
+
+    def gauge_family(self, name: str, doc: str, labels: tuple[str, ...]) -> Gauge:
+        return Gauge(f"tokenloom:{name}", doc, (*labels, *self.names), registry=self.registry)
+
+    def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        family = Counter(f"tokenloom:{name}", doc, (*labels, *self.names), registry=self.registry)
+        return family if labels else family.labels(**self.common)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+        family = Histogram(f"tokenloom:{name}", doc, self.names, buckets=buckets, registry=self.registry)
+        return family.labels(**self.common)
+
+
 class ServerMetrics:
     """Every family carries vLLM's model_name and engine labels, so vLLM's dashboards read it after the prefix."""
 
@@ -51,126 +73,126 @@ class ServerMetrics:
         self.engine = engine
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
-        r = self.registry
-        common = {"model_name": model_name, "engine": ENGINE_INDEX, **(labels or {})}
-        names = tuple(common)
+        self._common = {"model_name": model_name, "engine": ENGINE_INDEX, **(labels or {})}
+        families = _Families(self.registry, self._common)
+        self._define_engine_metrics(families)
+        self._define_request_metrics(families)
+        self._define_cache_info(families)
+        self._define_http_metrics()
+        self._last_token_time: dict[str, float] = {}
+        self._last_stats = engine.stats()
+        self._lock = threading.Lock()
+        self._log_every = log_interval
+        self._last_log = (time.monotonic(), self._last_stats)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tokenloom:{name}", doc, names, registry=r).labels(**common)
-
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            family = Counter(f"tokenloom:{name}", doc, (*labels, *names), registry=r)
-            return family if labels else family.labels(**common)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
-            return Histogram(f"tokenloom:{name}", doc, names, buckets=buckets, registry=r).labels(**common)
-
-        self._common = common
-        self.tree_memory = gauge(
+    def _define_engine_metrics(self, f: _Families) -> None:
+        """What the engine's stats say after each step: the batch, the KV cache, tokens, speculation."""
+        common = self._common
+        self.tree_memory = f.gauge(
             "process_tree_resident_memory_bytes", "Resident memory of the server and its child processes (the core)."
         )
-
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (swapped ones not counted).")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
-        preemptions = counter("num_preemptions", "Preemptions since start, by mode (recompute, swap).", ("mode",))
+        self.running = f.gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = f.gauge("num_requests_waiting", "Requests waiting to be scheduled (swapped ones not counted).")
+        self.kv_usage = f.gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        preemptions = f.counter("num_preemptions", "Preemptions since start, by mode (recompute, swap).", ("mode",))
         self.preemptions = {mode: preemptions.labels(mode=mode, **common) for mode in ("recompute", "swap")}
-        self.swapped = gauge("num_requests_swapped", "Preempted requests whose KV is in the host swap pool.")
-        self.swap_usage = gauge("swap_space_usage_perc", "Fraction of host swap pool blocks in use (0-1).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.swapped = f.gauge("num_requests_swapped", "Preempted requests whose KV is in the host swap pool.")
+        self.swap_usage = f.gauge("swap_space_usage_perc", "Fraction of host swap pool blocks in use (0-1).")
+        self.prompt_tokens = f.counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = f.counter("generation_tokens", "Generated tokens.")
+        self.prefix_queries = f.counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = f.counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.prompt_tokens_cached = f.counter(
+            "prompt_tokens_cached", "Prompt tokens of admitted requests served from the prefix cache."
+        )
         # As vLLM: a histogram named like a counter, one observation per step (its sum: every token computed).
-        self.iteration_tokens = histogram(
+        self.iteration_tokens = f.histogram(
             "iteration_tokens_total", "Tokens computed per engine step.", buckets=_STEP_TOKEN_BUCKETS
         )
-        self.spec_drafts = counter("spec_decode_num_drafts", "Draft runs verified (speculative decoding).")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.spec_accepted_per_pos = counter(
+        self.spec_drafts = f.counter("spec_decode_num_drafts", "Draft runs verified (speculative decoding).")
+        self.spec_draft_tokens = f.counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = f.counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = f.counter(
             "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.", ("position",)
         )
-        self.success = counter("request_success", "Finished requests.", ("finished_reason",))
-        self.rejected = counter("requests_rejected", "Requests refused at admission.", ("reason", "tenant"))
-        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
-        self.tpot = histogram(
+        waiting_by_reason = f.gauge_family(
+            "num_requests_waiting_by_reason",
+            "Requests waiting, by why: 'capacity' (KV blocks or the batch's limits); 'deferred' (waiting on something "
+            "else, such as a grammar; none here: grammars compile before a request is queued).",
+            ("reason",),
+        )
+        self.waiting_capacity = waiting_by_reason.labels(reason="capacity", **common)
+        waiting_by_reason.labels(reason="deferred", **common).set(0)
+
+    def _define_request_metrics(self, f: _Families) -> None:
+        """Per request, as each finishes or is refused: its latencies, its tokens and its parameters."""
+        self.success = f.counter("request_success", "Finished requests.", ("finished_reason",))
+        self.rejected = f.counter("requests_rejected", "Requests refused at admission.", ("reason", "tenant"))
+        self.ttft = f.histogram("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
+        self.itl = f.histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
+        self.tpot = f.histogram(
             "request_time_per_output_token_seconds",
             "A finished request's decode time per output token after the first.",
             _ITL_BUCKETS,
         )
-        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
-        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
-        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
-        self.decode_time = histogram("request_decode_time_seconds", "Time from the first token to the last.")
-        self.inference_time = histogram(
+        self.e2e = f.histogram("e2e_request_latency_seconds", "Time from arrival to the last token.")
+        self.queue_time = f.histogram("request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self.prefill_time = f.histogram("request_prefill_time_seconds", "Time from first scheduling to first token.")
+        self.decode_time = f.histogram("request_decode_time_seconds", "Time from the first token to the last.")
+        self.inference_time = f.histogram(
             "request_inference_time_seconds", "Time from first scheduling to the last token (prefill and decode)."
         )
-        self.request_prompt_tokens = histogram(
+        self.request_prompt_tokens = f.histogram(
             "request_prompt_tokens", "Prompt tokens of each finished request.", _REQUEST_TOKEN_BUCKETS
         )
-        self.request_generation_tokens = histogram(
+        self.request_generation_tokens = f.histogram(
             "request_generation_tokens", "Generated tokens of each finished request.", _REQUEST_TOKEN_BUCKETS
         )
-        self.request_max_tokens = histogram(
+        self.request_max_tokens = f.histogram(
             "request_params_max_tokens", "The max_tokens each admitted request runs with.", _REQUEST_TOKEN_BUCKETS
         )
-        self.request_max_generation = histogram(
+        self.request_max_generation = f.histogram(
             "request_max_num_generation_tokens",
             "The most tokens an admitted request may generate (its max_tokens).",
             _REQUEST_TOKEN_BUCKETS,
         )
-        self.request_n = histogram(
+        self.request_n = f.histogram(
             "request_params_n", "The n (choices per prompt) of each admitted request.", _PARAM_N_BUCKETS
         )
-        self.request_preemptions = histogram(
+        self.request_preemptions = f.histogram(
             "request_num_preemptions", "Times each finished request was preempted.", _PREEMPTION_BUCKETS
         )
-        self.prompt_tokens_cached = counter(
-            "prompt_tokens_cached", "Prompt tokens of admitted requests served from the prefix cache."
-        )
-        waiting_by_reason = Gauge(
-            "tokenloom:num_requests_waiting_by_reason",
-            "Requests waiting, by why: 'capacity' (KV blocks or the batch's limits); 'deferred' (waiting on something "
-            "else, such as a grammar; none here: grammars compile before a request is queued).",
-            ("reason", *names),
-            registry=r,
-        )
-        self.waiting_capacity = waiting_by_reason.labels(reason="capacity", **common)
-        waiting_by_reason.labels(reason="deferred", **common).set(0)
-        cache = engine.config.cache
-        cache_info = Gauge(
-            "tokenloom:cache_config_info",
+
+    def _define_cache_info(self, f: _Families) -> None:
+        """The KV cache's configuration as vLLM's info gauge, and the tokens it holds."""
+        cache, kv = self.engine.config.cache, self.engine.kv_cache()
+        cache_info = f.gauge_family(
+            "cache_config_info",
             "The KV cache's configuration, as labels (value 1).",
-            ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype", "swap_space", *names),
-            registry=r,
+            ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype", "swap_space"),
         )
-        kv = engine.kv_cache()
         cache_info.labels(
             block_size=str(cache.block_size),
             num_gpu_blocks=str(kv.num_blocks),
             enable_prefix_caching=str(cache.enable_prefix_caching),
             cache_dtype=kv.dtype,
             swap_space=str(cache.swap_space),
-            **common,
+            **self._common,
         ).set(1)
-        gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size), in its dtype.").set(
+        f.gauge("kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size), in its dtype.").set(
             kv.num_tokens
         )
+
+    def _define_http_metrics(self) -> None:
+        """The HTTP layer's own families, unprefixed as the instrumentator vLLM uses names them."""
         self.http_requests = Counter(
             "http_requests", "HTTP requests answered, by handler, method and status class.",
-            ("handler", "method", "status"), registry=r,
+            ("handler", "method", "status"), registry=self.registry,
         )  # fmt: skip
         self.http_duration = Histogram(
             "http_request_duration_seconds", "Time to answer an HTTP request (to its last byte).",
-            ("handler", "method"), buckets=_LATENCY_BUCKETS, registry=r,
+            ("handler", "method"), buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
-        self._last_token_time: dict[str, float] = {}
-        self._last_stats = engine.stats()
-        self._lock = threading.Lock()
-        self._log_every = log_interval
-        self._last_log = (time.monotonic(), self._last_stats)
 
     def on_step(self, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after every step (also idle ones)."""

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenloom.engine.async_engine import AsyncEngine, Rejection, RequestRejected
+from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
 from tokenloom.engine.structured_output import InvalidGrammar
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
@@ -88,24 +88,9 @@ async def _admitted(
     the request ends: here for a plain response, or by the streaming response once the lease is transferred.
     """
     tenant: Tenant = raw.state.tenant
-    max_model_len, limiter, metrics, n = state.engine.max_model_len, state.limiter, state.metrics, body.n
-    requested = body.requested_max_tokens()
-    for prompt in prompts:
-        _check_context(len(prompt), requested, max_model_len)
-    try:
-        params = []
-        sequences = len(prompts) * n
-        for prompt in prompts:
-            limiter.check_caps(tenant, len(prompt), requested, sequences)
-            max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
-            params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
-        tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
-        limiter.acquire(tenant, tokens, sequences)
-    except APIError as error:
-        metrics.rejected_request(error.code or "invalid", tenant.name)
-        raise
-    for q in params:
-        metrics.admitted_request(q.max_tokens, n)
+    limiter, metrics, n = state.limiter, state.metrics, body.n
+    sequences = len(prompts) * n
+    params = _params_within_limits(state, tenant, body, prompts, logprobs, structured)
     if state.log_requests:
         for prompt, q in zip(prompts, params, strict=True):
             shown = prompt if state.max_log_len is None else prompt[: state.max_log_len]
@@ -147,6 +132,37 @@ async def _admitted(
         lease.release()
 
 
+def _params_within_limits(
+    state: ServerState,
+    tenant: Tenant,
+    body: _Common,
+    prompts: list[list[int]],
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None,
+) -> list[SamplingParams]:
+    """Each prompt's sampling parameters, after the context check and the tenant's caps, with the tenant's tokens
+    and sequences taken from its limits (given back by the request's lease); a refusal is counted and raised."""
+    max_model_len, limiter, metrics, n = state.engine.max_model_len, state.limiter, state.metrics, body.n
+    requested = body.requested_max_tokens()
+    for prompt in prompts:
+        _check_context(len(prompt), requested, max_model_len)
+    try:
+        params = []
+        sequences = len(prompts) * n
+        for prompt in prompts:
+            limiter.check_caps(tenant, len(prompt), requested, sequences)
+            max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
+            params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
+        tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
+        limiter.acquire(tenant, tokens, sequences)
+    except APIError as error:
+        metrics.rejected_request(error.code or "invalid", tenant.name)
+        raise
+    for q in params:
+        metrics.admitted_request(q.max_tokens, n)
+    return params
+
+
 def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
     """Choice j of n: its own random stream (a seeded request stays reproducible, its choices differ)."""
     return dataclasses.replace(params, seed=None if params.seed is None else params.seed ^ j)
@@ -186,7 +202,7 @@ class _Fork:
                 yield output
         finally:
             if not self._admitted.is_set():  # ended before its first token: the others cannot start
-                self._failure = RequestRejected(Rejection.REQUEST_FAILED, "the request's first choice did not start")
+                self._failure = RequestError(ErrorReason.REQUEST_FAILED, "the request's first choice did not start")
                 self._admitted.set()
 
     async def _follower(self, j: int) -> AsyncIterator[RequestOutput]:
@@ -261,7 +277,7 @@ async def _submit(
 ):
     try:
         return await engine.submit(prompt_ids, params, request_id, priority, tenant.name, arrival_time)
-    except RequestRejected as error:
+    except RequestError as error:
         metrics.rejected_request(error.reason.value, tenant.name)
         raise api_error_of(error) from error
     except InvalidGrammar as error:

@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeVar
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from tokenloom.engine.async_engine import Rejection, RequestRejected
+from tokenloom.engine.async_engine import ErrorReason, RequestError
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.guard import Receive, until_disconnected
 from tokenloom.server.protocol import (
@@ -76,7 +76,7 @@ async def _merged(
             async for choice, output in shape.chunks(stream, logprobs):
                 await queue.put((index, choice, output))
             await queue.put(None)
-        except Exception as error:  # RequestRejected, APIError: handed to the reader, which stops the others
+        except Exception as error:  # RequestError, APIError: handed to the reader, which stops the others
             await queue.put(error)
 
     tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
@@ -97,18 +97,18 @@ async def _merged(
 
 
 _REJECTION_STATUS = {
-    Rejection.QUEUE_FULL: 429,
-    Rejection.QUEUED_TOKENS_FULL: 429,
-    Rejection.SERVER_DRAINING: 503,
-    Rejection.ENGINE_UNAVAILABLE: 503,
-    Rejection.QUEUE_TIMEOUT: 503,
-    Rejection.SERVER_SHUTDOWN: 503,
-    Rejection.ENGINE_ERROR: 500,
-    Rejection.REQUEST_FAILED: 500,
+    ErrorReason.QUEUE_FULL: 429,
+    ErrorReason.QUEUED_TOKENS_FULL: 429,
+    ErrorReason.SERVER_DRAINING: 503,
+    ErrorReason.ENGINE_UNAVAILABLE: 503,
+    ErrorReason.QUEUE_TIMEOUT: 503,
+    ErrorReason.SERVER_SHUTDOWN: 503,
+    ErrorReason.ENGINE_ERROR: 500,
+    ErrorReason.REQUEST_FAILED: 500,
 }
 
 
-def api_error_of(error: RequestRejected) -> APIError:
+def api_error_of(error: RequestError) -> APIError:
     """The engine's reason as HTTP: 429 for full queues (with Retry-After), 503 while unavailable, 500 on failure."""
     headers = {"Retry-After": str(max(1, round(error.retry_after)))} if error.retry_after is not None else None
     return APIError(_REJECTION_STATUS[error.reason], error.message, None, error.reason.value, headers)
@@ -151,7 +151,7 @@ async def collect_finals(streams: list[AsyncIterator[RequestOutput]], receive: R
 
     try:
         return await unless_disconnected(every_last(), receive)
-    except RequestRejected as error:
+    except RequestError as error:
         raise api_error_of(error) from error
 
 
@@ -183,10 +183,10 @@ async def sse_response(chunks: AsyncGenerator[dict[str, Any]], lease: Lease, rec
         first = [await unless_disconnected(anext(chunks), receive)]
     except StopAsyncIteration:
         first = []
-    except (APIError, RequestRejected) as error:
+    except (APIError, RequestError) as error:
         lease.release()
         await chunks.aclose()
-        if isinstance(error, RequestRejected):
+        if isinstance(error, RequestError):
             raise api_error_of(error) from error
         raise
 
@@ -196,7 +196,7 @@ async def sse_response(chunks: AsyncGenerator[dict[str, Any]], lease: Lease, rec
                 yield f"data: {json.dumps(chunk)}\n\n"
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
-        except RequestRejected as error:  # failed or cut after the stream began: the client still hears why
+        except RequestError as error:  # failed or cut after the stream began: the client still hears why
             yield f"data: {json.dumps(api_error_of(error).body())}\n\n"
         finally:
             lease.release()

@@ -1,13 +1,13 @@
-"""When the scheduler may admit waiting requests: every step (continuous batching) or only to form a new batch
-once the last one has drained (static batching, the baseline the seeds compare against)."""
+"""The batching gate: when the scheduler may let waiting requests join the running ones. Every step (continuous
+batching), or only to form a new batch once the last one has drained (static batching, the seeds' baseline)."""
 
 from __future__ import annotations
 
 from tokenloom.config import Batching
 
 
-class ContinuousAdmission:
-    """Admits whenever there is a free seat and budget; a better-ranked waiting request may displace a running one."""
+class ContinuousGate:
+    """Open whenever there is a free seat and budget; a better-ranked waiting request may displace a running one."""
 
     allows_displacement = True
 
@@ -21,7 +21,7 @@ class ContinuousAdmission:
         """Nothing to remember between steps."""
 
 
-class StaticAdmission:
+class StaticGate:
     """A batch forms only when the previous one has drained, and closes once full (seats or KV) or the queue
     is empty; the requests in it then run to completion with no one joining."""
 
@@ -43,8 +43,8 @@ class StaticAdmission:
             self._forming = False
 
 
-AdmissionGate = ContinuousAdmission | StaticAdmission
+BatchingGate = ContinuousGate | StaticGate
 
 
-def make_admission(batching: Batching) -> AdmissionGate:
-    return StaticAdmission() if batching == "static" else ContinuousAdmission()
+def make_gate(batching: Batching) -> BatchingGate:
+    return StaticGate() if batching == "static" else ContinuousGate()

@@ -187,11 +187,11 @@ def _money(value: float | None) -> str:
 
 def run_capacity_plan(args) -> int:
     """`tokenloom plan --target-rps R --trace T --accelerator A[,B]`: one table, an accelerator per row."""
+    from tokenloom.advisor.plan import load_model_config
     from tokenloom.bench.cost_model import Profile
     from tokenloom.bench.simulate_command import profile_setup, roofline_setup, trace_tokenizer
     from tokenloom.bench.trace import read_trace
     from tokenloom.config import EngineConfig
-    from tokenloom.tools.plan import load_model_config
 
     if args.target_rps is None or args.target_rps <= 0:
         raise ValueError("--trace plans need a positive --target-rps")

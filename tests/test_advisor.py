@@ -11,9 +11,9 @@ import httpx
 import pytest
 from server_process import TINY_KV_POOL_ARGS, ServerProcess
 
+from tokenloom.advisor.diagnose import Window, diagnose
+from tokenloom.advisor.plan import Accelerator, GiB, accelerator, make_plan, parameter_count
 from tokenloom.model.config import ModelConfig
-from tokenloom.tools.diagnose import Window, diagnose
-from tokenloom.tools.plan import Accelerator, GiB, accelerator, make_plan, parameter_count
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -66,7 +66,7 @@ def test_plan_figures_by_hand():
 
 def test_engine_sizes_its_kv_pool_with_the_plan(tiny_llama):
     from tokenloom import LLM
-    from tokenloom.tools.plan import load_model_config
+    from tokenloom.advisor.plan import load_model_config
 
     llm = LLM(str(tiny_llama), kv_cache_memory=10 * 2**20, block_size=16)
     _, cfg = load_model_config(str(tiny_llama))
@@ -76,7 +76,7 @@ def test_engine_sizes_its_kv_pool_with_the_plan(tiny_llama):
 @pytest.mark.parametrize("kv", ["int8", "fp8_e5m2"])
 def test_plan_kv_dtype_gives_the_pool_the_engine_allocates(tiny_llama, kv):
     from tokenloom import LLM
-    from tokenloom.tools.plan import load_model_config
+    from tokenloom.advisor.plan import load_model_config
 
     _, cfg = load_model_config(str(tiny_llama))
     device = Accelerator("box", 2**30, 1e11, 0)
@@ -90,8 +90,8 @@ def test_plan_kv_dtype_gives_the_pool_the_engine_allocates(tiny_llama, kv):
 
 
 def test_replicas_for_a_target_rate_come_from_the_measured_capacity(tmp_path, real_model_dir, capsys):
+    from tokenloom.advisor.plan import read_sweep, replicas_needed
     from tokenloom.cli import main
-    from tokenloom.tools.plan import read_sweep, replicas_needed
 
     assert replicas_needed(10, 2.5, 0.8) == 5 and replicas_needed(10, 2.5, 1.0) == 4
     assert replicas_needed(0.1, 5, 0.8) == 1

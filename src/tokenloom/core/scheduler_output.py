@@ -1,0 +1,86 @@
+"""What a step's schedule says (the requests' shares, preemptions, block copies) and the counts the scheduler
+keeps: plain data the engine core, the runner and the stats read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloom.core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [start, start + len(token_ids)) and where their KV goes."""
+
+    request: Request
+    start: int
+    token_ids: list[int]
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the request's last token, so this step yields its next token
+    # Proposed tokens after the request's last one, verified in this step: token_ids ends with them, and the step
+    # yields 1 to len(draft_token_ids) + 1 tokens.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """The chunk computes prompt (or recomputed) tokens: more than the last token and its drafts, or not up to
+        the last token."""
+        return not self.sample or self.num_tokens > 1 + len(self.draft_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot), copied first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block), copied second
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters, as vLLM names them: drafts verified, their tokens, the tokens accepted, and
+    the tokens accepted at each draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend([0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    preemptions: dict[str, int] = field(default_factory=lambda: {"recompute": 0, "swap": 0})
+    prompt_tokens: int = 0  # prompt tokens of admitted requests, counted once each
+    generated_tokens: int = 0
+    computed_tokens: int = 0  # every token that went through the model, recomputation included
+    computed_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swap_in_cached_blocks: int = 0  # blocks of swapped-in requests found in the prefix cache, so not copied back
+    spec: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats())
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())

@@ -1,1 +1,0 @@
-"""Operator tools around the engine: the capacity planner and the diagnosis of a running server or a bench run."""
