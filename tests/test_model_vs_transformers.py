@@ -11,7 +11,7 @@ from conftest import TINY_ARCHS, TINY_VOCAB, hf_oracle
 from tokenloom import EngineConfig, LLMEngine
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler_output import ScheduledRequest
-from tokenloom.model.config import UnsupportedModelError
+from tokenloom.model.registry import UnsupportedModelError
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.utils import cdiv
 

@@ -14,6 +14,7 @@ from typing import get_args
 
 from tokenloom.config import KVCacheDType
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.loader import count_parameters, resolve_checkpoint_dir
 
 GiB = 1024**3
 
@@ -78,14 +79,8 @@ def accelerator(name: str) -> Accelerator:
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    if cfg.qkv_bias:
-        per_layer += q + 2 * kv
-    if cfg.qk_norm:
-        per_layer += 2 * cfg.head_dim
-    embeddings = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return embeddings + cfg.num_layers * per_layer + h
+    """The model's parameters, as its family's model file builds it (model/registry.py), on the meta device."""
+    return count_parameters(cfg)
 
 
 def overhead_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, element_bytes: int) -> int:
@@ -197,8 +192,6 @@ def load_model_config(model: str | None) -> tuple[str, ModelConfig]:
     """A checkpoint directory, a GGUF file, a config.json, or None for the embedded default."""
     if model is not None and Path(model).name.endswith(".json"):
         return Path(model).parent.name or model, ModelConfig.from_hf(json.loads(Path(model).read_text()))
-    from tokenloom.model.loader import resolve_checkpoint_dir
-
     name, path = resolve_checkpoint_dir(model)
     return name, ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
 

@@ -5,13 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tokenloom.model.registry import family_of
+
 SCALE_BYTES = 4  # an 8-bit KV cache's float32 scale per (token, KV head): kv_quant.py
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -70,23 +66,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        architectures = hf.get("architectures") or []
-        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"unsupported architecture {architectures or hf.get('model_type')!r}; "
-                f"tokenloom runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        family = family_of(hf.get("architectures") or [], hf.get("model_type"))
         num_heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or {}
         rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
         return cls(
-            architecture=arch,
+            architecture=family.architecture,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -99,10 +86,6 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=sliding,
             eos_token_ids=eos_ids,
+            **family.features(hf),
         )

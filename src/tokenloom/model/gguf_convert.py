@@ -16,14 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenloom.model.config import UnsupportedModelError
-
-# GGUF architecture name -> (HF architecture, model_type, whether Q/K weights were permuted by llama.cpp).
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
-}
+from tokenloom.model.registry import UnsupportedModelError, gguf_family, gguf_names
 
 _TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -78,11 +71,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     reader = gguf.GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    family = gguf_family(arch)
+    if family is None or family.gguf is None:
         raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; tokenloom reads {', '.join(GGUF_ARCHITECTURES)}"
+            f"GGUF architecture {arch!r} is not supported; tokenloom reads {', '.join(gguf_names())}"
         )
-    hf_arch, model_type, permuted = GGUF_ARCHITECTURES[arch]
+    hf_arch, model_type, permuted = family.architecture, family.gguf.model_type, family.gguf.permuted_qk
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     tensors: dict[str, np.ndarray] = {}

@@ -14,6 +14,7 @@ from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_convert import ensure_converted
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.parallel import SINGLE, TensorParallelGroup, shard_hf_weights
+from tokenloom.model.registry import FAMILIES
 
 # A transformers tokenizer (PreTrainedTokenizerBase); Any, so that typing it does not import transformers.
 Tokenizer = Any
@@ -28,7 +29,7 @@ class LoadedModel:
     name: str
     path: Path  # the Hugging Face directory the weights were read from
     config: ModelConfig
-    model: CausalLM
+    model: CausalLM  # the family's model class (registry.py): llama.py's for every family there is
     tokenizer: Tokenizer | None  # None if the checkpoint ships none
 
 
@@ -92,13 +93,30 @@ def load_model(
     info = load_model_info(model)
     name, path, config, tokenizer = info.name, info.path, info.config, info.tokenizer
     max_len = max_len or config.max_position_embeddings
-    with torch.device("meta"):
-        net = CausalLM(config, max_len, tp)
-    net = net.to_empty(device=device)
+    family = FAMILIES[config.architecture]
+    net = build_on_meta(config, max_len, tp).to_empty(device=device)
     net.rotary.reset_tables()
-    net.load_hf_weights(shard_hf_weights(_read_safetensors(path), tp))
+    net.load_hf_weights(shard_hf_weights(_read_safetensors(path), tp, family.tensor_parallel))
     net = net.to(dtype=dtype).eval()
     return LoadedModel(name=name, path=path, config=config, model=net, tokenizer=tokenizer)
+
+
+def build_on_meta(config: ModelConfig, max_len: int, tp: TensorParallelGroup = SINGLE) -> CausalLM:
+    """The family's model for this config with its tensors on the meta device: shapes, no memory."""
+    with torch.device("meta"):
+        return FAMILIES[config.architecture].model_class()(config, max_len, tp)
+
+
+def count_parameters(config: ModelConfig) -> int:
+    """The model's parameters, counted on the family's own model (tied embeddings once); kept per config, as
+    building a 70B-parameter shape takes a second and the planner asks for each layout it weighs."""
+    key = repr(config)  # the config holds a dict (rope scaling), so it is not hashable itself
+    if key not in _PARAMETER_COUNTS:
+        _PARAMETER_COUNTS[key] = sum(p.numel() for p in build_on_meta(config, 1).parameters())
+    return _PARAMETER_COUNTS[key]
+
+
+_PARAMETER_COUNTS: dict[str, int] = {}
 
 
 def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# HF weight names (their last two parts) and how they are split: the dimension, and whose heads they hold.
-_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW_PARALLEL = ("o_proj", "down_proj")
+from tokenloom.model.registry import LLAMA_TENSOR_PARALLEL, TensorParallelLayout
 
 
 @dataclass(frozen=True)
@@ -49,20 +47,23 @@ SINGLE = TensorParallelGroup(rank=0, world_size=1)  # no tensor parallelism: all
 
 
 def shard_hf_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], group: TensorParallelGroup
+    weights: Iterable[tuple[str, torch.Tensor]],
+    group: TensorParallelGroup,
+    layout: TensorParallelLayout = LLAMA_TENSOR_PARALLEL,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A Hugging Face checkpoint's tensors as this rank holds them (the full ones are read and sliced)."""
+    """A Hugging Face checkpoint's tensors as this rank holds them (the full ones are read and sliced), split as the
+    family's layout says by each tensor's module name (the last two parts of its name)."""
     if group.world_size == 1:
         yield from weights
         return
     for name, tensor in weights:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if module in _COLUMN_PARALLEL:
+        if module in layout.column_parallel:
             yield name, tensor.chunk(group.world_size, dim=0)[group.rank]
-        elif module in _ROW_PARALLEL and kind == "weight":
+        elif module in layout.row_parallel and kind == "weight":
             yield name, tensor.chunk(group.world_size, dim=1)[group.rank]
-        elif module in _ROW_PARALLEL:  # a bias after the all-reduce: added once, by rank 0
+        elif module in layout.row_parallel:  # a bias after the all-reduce: added once, by rank 0
             yield name, tensor if group.rank == 0 else torch.zeros_like(tensor)
         else:
             yield name, tensor

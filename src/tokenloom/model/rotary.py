@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tokenloom.model.config import UnsupportedModelError
+from tokenloom.model.registry import UnsupportedModelError
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -1,39 +1,57 @@
-"""Logprobs as the OpenAI API words them: chat's ``content`` entries, completions' parallel arrays, prompt logprobs."""
+"""Logprobs as the OpenAI API words them: chat's ``content`` entries, completions' parallel arrays, prompt logprobs.
+
+All three read a token's entry the same way (``ranked``): its own logprob, and the alternatives the sampler ranked
+(from 1, best first); an entry's other keys (the chosen token, when it was not among them) are not alternatives.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenloom.model.loader import Tokenizer
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import Logprob, RequestOutput
 
 
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+@dataclass
+class TokenLogprobs:
+    """One token as the API shows it: its text, its logprob and its ranked alternatives (None where nothing
+    predicted the token: a prompt's first)."""
+
+    text: str
+    logprob: float | None
+    top: list[tuple[str, float]] | None
+
+
+def ranked(
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], tokenizer: Tokenizer | None
+) -> list[TokenLogprobs]:
+    """Each token with its entry, alternatives in rank order."""
+    tokens = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            tokens.append(TokenLogprobs(_token_text(tokenizer, token_id), None, None))
+            continue
+        alternatives = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
+        top = [(_token_text(tokenizer, t), logprob) for _, t, logprob in alternatives]
+        tokens.append(TokenLogprobs(_token_text(tokenizer, token_id), entry[token_id].logprob, top))
+    return tokens
 
 
 def chat_logprobs_body(output: RequestOutput, tokenizer: Tokenizer | None, start: int = 0) -> dict[str, Any]:
     """OpenAI's chat logprobs of the output's tokens from `start` on."""
-    completion = output.outputs[0]
-    content = []
-    for token_id, entry in zip(completion.token_ids[start:], (completion.logprobs or [])[start:], strict=False):
-        text = _token_text(tokenizer, token_id)
-        top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda x: x[1].rank or 0)
-        content.append(
-            {
-                "token": text,
-                "logprob": entry[token_id].logprob,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {
-                        "token": _token_text(tokenizer, t),
-                        "logprob": lp.logprob,
-                        "bytes": list(_token_text(tokenizer, t).encode()),
-                    }
-                    for t, lp in top
-                ],
-            }
-        )
+    content = [
+        {
+            "token": token.text,
+            "logprob": token.logprob,
+            "bytes": list(token.text.encode()),
+            "top_logprobs": [
+                {"token": text, "logprob": logprob, "bytes": list(text.encode())} for text, logprob in token.top or []
+            ],
+        }
+        for token in _generated(output, tokenizer, start)
+    ]
     return {"content": content}
 
 
@@ -42,31 +60,37 @@ def completion_logprobs_body(
 ) -> tuple[dict[str, Any], int]:
     """OpenAI's completion logprobs of the output's tokens from `start` on, whose text begins at `offset`; and the
     offset after them (for the next stream chunk)."""
-    completion = output.outputs[0]
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, entry in zip(completion.token_ids[start:], (completion.logprobs or [])[start:], strict=False):
-        text = _token_text(tokenizer, token_id)
-        tokens.append(text)
-        token_logprobs.append(entry[token_id].logprob)
-        top_logprobs.append({_token_text(tokenizer, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
-        offsets.append(offset)
-        offset += len(text)
-    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
-    return body, offset
+    return _parallel_arrays(_generated(output, tokenizer, start), offset)
 
 
 def prompt_logprobs_body(output: RequestOutput, tokenizer: Tokenizer | None) -> tuple[dict[str, Any], int]:
     """Completion logprobs of the prompt's tokens (the first has none: nothing predicts it), and the offset after."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = 0
     entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
-    for token_id, entry in zip(output.prompt_token_ids, entries, strict=True):
-        text = _token_text(tokenizer, token_id)
-        tokens.append(text)
-        token_logprobs.append(None if entry is None else entry[token_id].logprob)
-        top = None if entry is None else {_token_text(tokenizer, t): lp.logprob for t, lp in entry.items() if lp.rank}
-        top_logprobs.append(top)
+    return _parallel_arrays(ranked(output.prompt_token_ids, entries, tokenizer), 0)
+
+
+def _generated(output: RequestOutput, tokenizer: Tokenizer | None, start: int) -> list[TokenLogprobs]:
+    """The first choice's tokens from `start` on that have logprobs."""
+    completion = output.outputs[0]
+    token_ids, entries = completion.token_ids[start:], (completion.logprobs or [])[start:]
+    count = min(len(token_ids), len(entries))
+    return ranked(token_ids[:count], entries[:count], tokenizer)
+
+
+def _parallel_arrays(tokens: list[TokenLogprobs], offset: int) -> tuple[dict[str, Any], int]:
+    """Completions' shape: tokens, their logprobs, their alternatives by text and each token's text offset."""
+    offsets = []
+    for token in tokens:
         offsets.append(offset)
-        offset += len(text)
-    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+        offset += len(token.text)
+    body = {
+        "tokens": [token.text for token in tokens],
+        "token_logprobs": [token.logprob for token in tokens],
+        "top_logprobs": [None if token.top is None else dict(token.top) for token in tokens],
+        "text_offset": offsets,
+    }
     return body, offset
+
+
+def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
