@@ -28,7 +28,7 @@ from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model.loader import resolve_checkpoint_dir
 from tokenloom.utils import cdiv
 
-# The prompts of the bf16 test (tests/test_dtype.py).
+# The prompts of the bf16 test (tests/model/test_dtype.py).
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The dog",
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",

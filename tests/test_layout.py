@@ -111,3 +111,16 @@ def test_the_size_check_counts_modules_and_nested_functions():
     assert oversized(source, max_module=7, max_function=7) == []
     assert oversized(source, max_module=6, max_function=5) == ["module: 7 lines", "outer: 7 lines"]
     assert oversized(source, max_function=4) == ["outer: 7 lines", "inner: 5 lines"]
+
+
+WHOLE_PROJECT_TESTS = ("test_layout.py", "test_readme.py", "test_real_model.py")
+
+
+def test_the_tests_are_laid_out_like_the_package():
+    """Each folder of tests is named after the package it tests (tests/core for tokenloom/core, ...); at the top
+    only the tests of the whole: the layout, the README's commands, the real model end to end."""
+    tests = Path(__file__).parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders and folders <= packages, folders - packages
+    assert {p.name for p in tests.glob("test_*.py")} <= set(WHOLE_PROJECT_TESTS)

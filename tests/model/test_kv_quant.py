@@ -10,9 +10,8 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import collect, needs_operator
 from server_process import ServerProcess
-from test_attention import needs_operator
-from test_core_process import collect
 
 from tokenloom import LLM, EngineConfig, SamplingParams
 from tokenloom.engine.async_engine import AsyncEngine

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
+from helpers import needs_operator
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, paged_attention
@@ -14,13 +12,6 @@ from tokenloom.model.step_inputs import group_by_context_length
 from tokenloom.utils import cdiv
 
 BLOCK = 4
-
-
-def needs_operator() -> None:
-    """Optional where no C++ compiler exists; where one does, a failing build is a failure, not a skip."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None or not cpu_kernel.kernel_enabled():
-        pytest.skip("no C++ compiler here (or TOKENLOOM_CPU_KERNEL=0): the operator is optional")
-    assert cpu_kernel.load_kernel(), "the C++ operators failed to build; see the log"
 
 
 def dense_reference(q, k_ctx, v_ctx, scale):

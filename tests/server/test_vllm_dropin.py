@@ -134,7 +134,7 @@ def test_metrics_carry_vllms_labels_and_the_dashboard_reads_only_real_metrics(se
         "request_decode_time_seconds",
     ):
         assert f"tokenloom:{family}_count" in exposed, family  # fmt: skip
-    dashboard = json.loads(Path(__file__).parents[1].joinpath("deploy/grafana/tokenloom.json").read_text())
+    dashboard = json.loads(Path(__file__).parents[2].joinpath("deploy/grafana/tokenloom.json").read_text())
     queried = set()
     for panel in dashboard["panels"]:
         assert panel["targets"], panel["title"]
@@ -151,7 +151,7 @@ def test_the_container_and_the_manifest_start_serve_with_flags_it_takes():
 
     from tokenloom.cli import build_parser
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     entrypoint = json.loads(re.search(r"^ENTRYPOINT (.+)$", (root / "Dockerfile").read_text(), re.M).group(1))
     manifest = (root / "deploy/kubernetes/tokenloom.yaml").read_text()
     args = json.loads(re.search(r"^\s+args: (\[.+\])$", manifest, re.M).group(1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_attention import needs_operator
+from helpers import needs_operator
 from torch import nn
 
 from tokenloom import LLM, SamplingParams

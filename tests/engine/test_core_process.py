@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import collect
 from server_process import ServerProcess
 
 from tokenloom import LLM, SamplingParams
@@ -31,15 +32,6 @@ def core_pid(parent: int) -> int:
         if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
             return int(pid)
     raise AssertionError(f"no core process among {children}")
-
-
-async def collect(front: AsyncEngine, prompt: list[int], request_id: str, max_tokens: int = 8) -> list[int]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    final = None
-    async for output in await front.submit(prompt, params, request_id):
-        final = output
-    assert final is not None and final.finished
-    return final.outputs[0].token_ids
 
 
 def test_tokens_through_the_core_process_equal_the_in_process_engine(tiny_llama):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_attention import needs_operator
+from helpers import needs_operator
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
