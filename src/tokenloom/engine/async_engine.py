@@ -1,4 +1,4 @@
-"""The async front over the engine: the step loop runs in a thread, each request streams through its own queue.
+"""The async engine over the engine: the step loop runs in a thread, each request streams through its own queue.
 
 A thread, not a process: on 2 cores the model's matmuls already use both, the GIL is released inside torch, and
 a thread shares the engine without serialising every token across a pipe. The event loop only tokenizes (in a
@@ -17,8 +17,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 
+from tokenloom.engine.client import EngineClient, PreparedRequest
 from tokenloom.engine.core_outputs import EngineStats
-from tokenloom.engine.front import EngineFront, PreparedRequest
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
@@ -59,7 +59,7 @@ class _Stream:
 class AsyncEngine:
     def __init__(
         self,
-        engine: EngineFront,
+        engine: EngineClient,
         max_num_queued_requests: int | None = None,
         queue_timeout: float | None = None,
         max_num_queued_tokens: int | None = None,

@@ -193,7 +193,7 @@ class EngineCore:
         return self.scheduler.request_limits()
 
     def add_request(self, request: Request) -> None:
-        """Queues a request. One whose grammar does not compile here fails in the next step, alone (the front
+        """Queues a request. One whose grammar does not compile here fails in the next step, alone (the client
         compiles every grammar before a request gets here, so this is the last resort, not the check)."""
         self.scheduler.add_request(request)
         spec = request.sampling_params.structured_outputs

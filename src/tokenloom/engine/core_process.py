@@ -8,7 +8,7 @@ Shutdown; core -> API: CoreReady, CoreReport, CoreFailed).
 
 A request that ends on the API side (an abort, a stop string, a failure to detokenize) ends there at once; the
 core is told, and what it still sends for that request is dropped. If the core process dies, ``step`` raises
-``CoreDied``: the async front fails every request in flight, and ``healthy`` turns False (``/ready`` says 503).
+``CoreDied``: the async engine fails every request in flight, and ``healthy`` turns False (``/ready`` says 503).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import zmq
 
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
+from tokenloom.engine.client import EngineClient, PreparedRequest
 from tokenloom.engine.core import EngineCore, load_for_core
 from tokenloom.engine.core_messages import (
     AbortRequest,
@@ -44,7 +45,6 @@ from tokenloom.engine.core_messages import (
     WatchQueue,
 )
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
-from tokenloom.engine.front import EngineFront, PreparedRequest
 from tokenloom.ipc import child_end, receive, send
 from tokenloom.model.loader import load_model_info
 from tokenloom.model.platform import resolve_dtype
@@ -119,8 +119,8 @@ def _apply(core: EngineCore, message: CoreRequest) -> list[EngineCoreOutput]:
     return []
 
 
-class CoreProcessEngine(EngineFront):
-    """LLMEngine's face (what the async front and the server use), with the core in its own process."""
+class CoreProcessEngine(EngineClient):
+    """LLMEngine's face (what the async engine and the server use), with the core in its own process."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -153,7 +153,7 @@ class CoreProcessEngine(EngineFront):
         self._process.start()
         core_info = self._wait_until_ready()
         self.max_model_len = core_info.max_model_len
-        self._init_front(info.tokenizer, core_info.request_limits)
+        self._init_client(info.tokenizer, core_info.request_limits)
         kv = self.kv_cache()
         logger.info(
             "engine core process %d ready in %.1fs (%s step): KV cache in %s, %d tokens (%d blocks)",

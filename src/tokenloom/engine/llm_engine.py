@@ -1,8 +1,8 @@
 """The engine's synchronous face: tokenize, queue, step, and turn the core's tokens into ``RequestOutput``s.
 
-Three parts, as vLLM V1 splits them: the front (front.py: tokenization and validation, on any thread), the engine
+Three parts, as vLLM V1 splits them: the client (client.py: tokenization and validation, on any thread), the engine
 core (core.py: scheduling, the model, sampling; token ids only) and the output processor
-(output_processor.py: text, stop strings, logprobs). Callers (the offline ``LLM``, the async front, the server)
+(output_processor.py: text, stop strings, logprobs). Callers (the offline ``LLM``, the async engine, the server)
 use only the methods below; the core and the processor are not theirs to reach into.
 """
 
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler_output import SchedulerOutput
+from tokenloom.engine.client import EngineClient, PreparedRequest
 from tokenloom.engine.core import EngineCore, load_for_core
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
-from tokenloom.engine.front import EngineFront, PreparedRequest
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
@@ -25,7 +25,7 @@ from tokenloom.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineFront):
+class LLMEngine(EngineClient):
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         started = time.monotonic()
@@ -33,7 +33,7 @@ class LLMEngine(EngineFront):
         self.model_name, self.model_path, self.model_config = loaded.name, loaded.path, loaded.config
         self.core = EngineCore(config, loaded, self.dtype, self.device)
         self.max_model_len = self.core.max_model_len
-        self._init_front(loaded.tokenizer, self.core.request_limits(), self.core.structured.compiler)
+        self._init_client(loaded.tokenizer, self.core.request_limits(), self.core.structured.compiler)
         kv = self.kv_cache()
         logger.info(
             "loaded %s in %.1fs on %s in %s (dtype=%s, %s): KV cache in %s, %d tokens (%d blocks of %d, %d swap "

@@ -1,6 +1,6 @@
 """Structured output: grammars compiled by xgrammar and applied as a token bitmask, per request, batched.
 
-The front compiles a request's grammar when the request arrives, so a bad schema or regex is the client's error
+The engine client compiles a request's grammar when the request arrives, so a bad schema or regex is the client's error
 (a ValueError, a 400) before anything is queued; the compiler's cache makes the core's compile of the same
 grammar a lookup. The core keeps one matcher per structured request: before a step it fills one bitmask row for
 each such request that samples in the step (bit t allows token t), the runner sets every other token's logit to

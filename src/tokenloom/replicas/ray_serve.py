@@ -252,13 +252,13 @@ def metrics_board() -> Any:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 class EngineReplica:
-    """One whole tokenloom server (engine, front, app), called with forwarded HTTP requests."""
+    """One whole tokenloom server (engine, async engine, app), called with forwarded HTTP requests."""
 
     def __init__(self, server: ServerConfig, engine: EngineConfig) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.app, self.front = build_server(server, engine, metric_labels={"replica": self.replica_id})
+        self.app, self.async_engine = build_server(server, engine, metric_labels={"replica": self.replica_id})
         self.block_size = engine.cache.block_size
-        self.front.start()
+        self.async_engine.start()
         self.board = metrics_board()
         threading.Thread(target=self._push_metrics, name="metrics-push", daemon=True).start()
 
@@ -268,7 +268,7 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, float]:
         """What the router orders the other replicas by: KV tokens held, plus an estimate for the queue."""
-        stats = self.front.stats()
+        stats = self.async_engine.stats()
         outstanding = stats.kv_blocks_in_use * self.block_size + stats.num_waiting * WAITING_REQUEST_TOKENS
         return {"outstanding_tokens": float(outstanding)}
 
@@ -280,7 +280,7 @@ class EngineReplica:
 
     def __del__(self) -> None:
         self.board.drop.remote(self.replica_id)
-        self.front.shutdown()
+        self.async_engine.shutdown()
 
 
 ingress_app = FastAPI(title="tokenloom (Ray Serve ingress)")

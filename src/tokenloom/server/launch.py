@@ -1,4 +1,4 @@
-"""Builds and runs the server: engine, metrics, tenants, the async front, the app, uvicorn with its drain."""
+"""Builds and runs the server: engine, metrics, tenants, the async engine, the app, uvicorn with its drain."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def generation_defaults(choice: str, checkpoint: Path) -> dict[str, float]:
 def build_server(
     server: ServerConfig, engine_config: EngineConfig, metric_labels: dict[str, str] | None = None
 ) -> tuple[FastAPI, AsyncEngine]:
-    """The engine (in this process or with its core apart), the metrics, the front and the app; not started."""
+    """The engine (in this process or with its core apart), the metrics, the async engine and the app; not started."""
     if server.core_process and engine_config.parallel.tensor_parallel_size > 1:
         # The core process is a daemon, and a daemon may not start the tensor-parallel workers.
         raise ValueError("--core-process does not run with --tensor-parallel-size > 1 yet; use one or the other")
@@ -81,7 +81,7 @@ def build_server(
     tenants = load_tenants(server.tenants) if server.tenants else None
     if tenants:
         engine.set_tenant_weights({t.name: t.weight for t in tenants})
-    front = AsyncEngine(
+    async_engine = AsyncEngine(
         engine,
         max_num_queued_requests=server.max_num_queued_requests,
         queue_timeout=server.queue_timeout,
@@ -89,7 +89,7 @@ def build_server(
         on_step=metrics.on_step,
     )
     app = build_app(
-        front,
+        async_engine,
         metrics,
         model_name,
         api_keys=list(server.api_key) or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV) else []),
@@ -111,7 +111,7 @@ def build_server(
             allow_headers=["*"],
             allow_credentials="*" not in server.allowed_origins,
         )
-    return app, front
+    return app, async_engine
 
 
 def configure_logging(server: ServerConfig) -> None:
@@ -121,15 +121,15 @@ def configure_logging(server: ServerConfig) -> None:
 def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
     """Serves with uvicorn in this process (N replicas behind Ray Serve's proxy are replicas/ray_serve.py's)."""
     configure_logging(server)
-    app, front = build_server(server, engine_config)
+    app, async_engine = build_server(server, engine_config)
     engine_died = threading.Event()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        front.start()
+        async_engine.start()
         yield
-        front.draining = True
-        front.shutdown()
+        async_engine.draining = True
+        async_engine.shutdown()
 
     app.router.lifespan_context = lifespan
 
@@ -137,7 +137,7 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         """SIGTERM/SIGINT: stop admitting, let in-flight requests finish (up to the drain timeout), exit 0."""
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            front.begin_drain(server.drain_timeout)
+            async_engine.begin_drain(server.drain_timeout)
             if self.should_exit:
                 self.force_exit = True  # a second signal stops at once
             self.should_exit = True
@@ -170,7 +170,7 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         cut.daemon = True  # a server already down need not wait for it
         cut.start()
 
-    front.on_engine_death = exit_after_engine_death
+    async_engine.on_engine_death = exit_after_engine_death
     http_server.run()
     if engine_died.is_set():
         logging.getLogger(__name__).error("exiting: the engine died")

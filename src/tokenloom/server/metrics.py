@@ -18,8 +18,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from tokenloom.engine.client import EngineClient
 from tokenloom.engine.core_outputs import EngineStats
-from tokenloom.engine.front import EngineFront
 from tokenloom.outputs import RequestOutput
 
 logger = logging.getLogger("tokenloom.stats")
@@ -67,7 +67,7 @@ class ServerMetrics:
     """Every family carries vLLM's model_name and engine labels, so vLLM's dashboards read it after the prefix."""
 
     def __init__(
-        self, engine: EngineFront, model_name: str, log_interval: float = 10.0, labels: dict[str, str] | None = None
+        self, engine: EngineClient, model_name: str, log_interval: float = 10.0, labels: dict[str, str] | None = None
     ) -> None:
         """labels: more labels on every tokenloom family (a replica's id behind Ray Serve)."""
         self.engine = engine

@@ -1,6 +1,6 @@
-"""What callers (the offline LLM, the async front, the server) hold of an engine, wherever its core runs.
+"""What callers (the offline LLM, the async engine, the server) hold of an engine, wherever its core runs.
 
-``EngineFront`` does the API-side work once for both engines: tokenization and the limits check of a new
+``EngineClient`` does the API-side work once for both engines: tokenization and the limits check of a new
 request (on any thread), and the output processor's state. ``LLMEngine`` runs the core in this process;
 ``CoreProcessEngine`` talks to it in another.
 """
@@ -66,7 +66,7 @@ class PreparedRequest:
     state: RequestState
 
 
-class EngineFront(ABC):
+class EngineClient(ABC):
     config: EngineConfig
     model_name: str
     model_config: ModelConfig
@@ -78,7 +78,7 @@ class EngineFront(ABC):
     def kv_cache(self) -> KVCacheInfo:
         return kv_cache_info(self.config, self.model_config, self.dtype, self.stats().kv_blocks_total)
 
-    def _init_front(
+    def _init_client(
         self, tokenizer: Tokenizer | None, limits: RequestLimits, grammars: GrammarCompiler | None = None
     ) -> None:
         self.tokenizer = tokenizer
