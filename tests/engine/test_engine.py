@@ -380,7 +380,7 @@ def test_enforce_eager_flag_reads_as_vllms():
 
 def test_kv_cache_on_an_accelerator_takes_what_gpu_memory_utilization_leaves(tiny_llama, monkeypatch):
     """The arithmetic, and the engine's use of it with the device's readings stood in (no GPU here)."""
-    from tokenloom.engine.kv_sizing import kv_blocks_that_fit
+    from tokenloom.engine.kv_sizing import kv_blocks_that_fit, sizes_kv_from_device_memory
 
     gib = 2**30
     # 80 GiB, 90% of it allowed, 17 GiB in use (weights and the rest), a 3 GiB activation peak: 52 GiB of KV.
@@ -399,5 +399,5 @@ def test_kv_cache_on_an_accelerator_takes_what_gpu_memory_utilization_leaves(tin
     with pytest.raises(ValueError, match="gpu-memory-utilization"):
         core._kv_blocks_from_device_memory(torch.device("cpu"))
     # On a CPU the cache is sized by bytes, as before: the device's memory is never asked.
-    assert not core._sizes_kv_from_device_memory(torch.device("cpu"))
-    assert core._sizes_kv_from_device_memory(torch.device("cuda"))
+    assert not sizes_kv_from_device_memory(core.config, torch.device("cpu"))
+    assert sizes_kv_from_device_memory(core.config, torch.device("cuda"))
