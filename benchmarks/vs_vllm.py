@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
         [--tokenloom-args "--max-num-seqs 32"]... [--vllm-args "--kv-cache-dtype fp8"]... [--rounds 3]
-        [--workload mixed-64|long-decode]
+        [--workload mixed-64|long-decode] [--tokenloom-source CHECKOUT]...
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
 max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
@@ -15,7 +15,9 @@ max_tokens 500-1,000 (seed 0), so decode steps read contexts of 2-5.5k tokens, w
 the KV cache's dtype matters most, and decode takes most of the run; the 4k-prompt probe follows as for mixed-64.
 
 Each --tokenloom-args (or --vllm-args) given starts one more server of that kind with those flags, so
-configurations of both engines compare in one sitting (the default: one of each, with no extra flags).
+configurations of both engines compare in one sitting (the default: one of each, with no extra flags). Each
+--tokenloom-source (another checkout, a `git worktree` of an earlier commit) starts one more tokenloom server, default
+flags, running that checkout's code: a refactor's before and after in the same sitting.
 
 With --rounds N both servers stay up (one idle while the other is measured) and are measured N times,
 alternating who goes first, then each figure's median is added: this machine's speed drifts by 10-20% over
@@ -294,6 +296,9 @@ def main() -> None:
     parser.add_argument("--vllm-args", action="append", default=None, help="flags for one vLLM server (repeatable)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed-64")
     parser.add_argument(
+        "--tokenloom-source", type=Path, action="append", default=[], help="another checkout to serve (repeatable)"
+    )
+    parser.add_argument(
         "--rounds", type=int, default=1, help="measure each server this many times, alternating, and add medians"
     )
     parser.add_argument("--write-results", action="store_true", help=f"append the table to {RESULTS.name}")
@@ -318,6 +323,13 @@ def main() -> None:
             server = stack.enter_context(LocalServer(*serve_flags))
             dtype = httpx.get(f"{server.url}/version", timeout=10).json().get("dtype", "?")
             servers.append((f"tokenloom {flags or 'default flags'} (dtype {dtype})", server.url))
+        for checkout in args.tokenloom_source:
+            commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()  # fmt: skip
+            pythonpath = {"PYTHONPATH": str(checkout.resolve() / "src")}
+            server = stack.enter_context(LocalServer("--served-model-name", MODEL_NAME, "--max-model-len", "8192",
+                                                     env=pythonpath))  # fmt: skip
+            servers.append((f"tokenloom at {commit}, default flags", server.url))
         runs: dict[str, list[Run]] = {label: [] for label, _ in servers}
         for round_ in range(args.rounds):
             # Who goes first alternates, so neither always meets the machine in the same state.

@@ -20,12 +20,17 @@ def free_port() -> int:
 
 
 class LocalServer:
-    def __init__(self, *args: str, startup_timeout: float = 300.0, log_level: str = "warning") -> None:
+    def __init__(
+        self, *args: str, startup_timeout: float = 300.0, log_level: str = "warning", env: dict[str, str] | None = None
+    ) -> None:
+        """env: more environment for the server (PYTHONPATH to serve another checkout's code)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(self.port), "--log-level", log_level]
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-        self.process = subprocess.Popen([*command, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        environment = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **(env or {})}
+        self.process = subprocess.Popen(
+            [*command, *args], env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
