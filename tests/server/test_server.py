@@ -415,7 +415,7 @@ def test_a_completion_stream_sends_a_chunk_for_every_token_even_before_its_text_
         yield output("指!", [101, 102, 103], "length")
 
     async def chunks() -> list[dict]:
-        return [choice async for choice, _ in CompletionShape(None).chunks(stream(), logprobs=False)]
+        return [choice.model_dump() async for choice, _ in CompletionShape(None).chunks(stream(), logprobs=False)]
 
     sent = asyncio.run(chunks())
     assert [c["text"] for c in sent] == ["", "指", "!"]

@@ -19,6 +19,9 @@ from tokenloom.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatDelta,
+    ChatStreamChoice,
+    ChunkObject,
     Usage,
 )
 from tokenloom.server.serving import check_model, serve_generation
@@ -58,7 +61,8 @@ class ChatShape:
     "required" calls (a JSON array until it closes) are sent whole when the output ends.
     """
 
-    chunk_object, id_prefix = "chat.completion.chunk", "chatcmpl"
+    chunk_object: ChunkObject = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
 
     def __init__(
         self, tokenizer: Tokenizer | None, tool: ForcedTool | None = None, parser: ToolCallParser | None = None
@@ -89,17 +93,17 @@ class ChatShape:
 
     async def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
-    ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+    ) -> AsyncIterator[tuple[ChatStreamChoice, RequestOutput]]:
         """Each content chunk carries the logprobs of the tokens that arrived since the last one, when asked for."""
         sent_tokens, tool = 0, self.tool
 
-        def choice(delta: dict[str, Any], finish_reason: str | None, output: RequestOutput) -> dict[str, Any]:
+        def choice(delta: dict[str, Any], finish_reason: str | None, output: RequestOutput) -> ChatStreamChoice:
             nonlocal sent_tokens
             lp = None
             if logprobs and len(output.outputs[0].token_ids) > sent_tokens:
                 lp = chat_logprobs_body(output, self.tokenizer, sent_tokens)
                 sent_tokens = len(output.outputs[0].token_ids)
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            return ChatStreamChoice(index=0, delta=ChatDelta(**delta), logprobs=lp, finish_reason=finish_reason)
 
         first, shown, parser = True, 0, self.parser
         async for delta, finish_reason, output in text_deltas(stream):

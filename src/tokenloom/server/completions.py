@@ -13,9 +13,11 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.logprobs import completion_logprobs_body, prompt_logprobs_body
 from tokenloom.server.protocol import (
+    ChunkObject,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamChoice,
     Usage,
 )
 from tokenloom.server.serving import check_model, serve_generation, tokenized
@@ -40,7 +42,8 @@ class CompletionShape:
     """How /v1/completions words a request's outputs: whole, and as stream chunks. With ``echo`` the prompt comes
     first (in the first chunk of a stream), with its tokens' logprobs when logprobs are asked for."""
 
-    chunk_object, id_prefix = "text_completion", "cmpl"
+    chunk_object: ChunkObject = "text_completion"
+    id_prefix = "cmpl"
 
     def __init__(self, tokenizer: Tokenizer | None, echo: bool = False) -> None:
         self.tokenizer = tokenizer
@@ -64,7 +67,7 @@ class CompletionShape:
 
     async def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
-    ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]:
+    ) -> AsyncIterator[tuple[CompletionStreamChoice, RequestOutput]]:
         """A chunk for every step that gave the request a token, as vLLM streams: its text may be empty (the bytes of
         an unfinished character, or text held back while it may begin a stop string), but the client learns the
         token came (TTFT is timed on it). Each carries the logprobs of the tokens since the last, when asked for."""
@@ -78,7 +81,8 @@ class CompletionShape:
                 new, text_offset = completion_logprobs_body(output, self.tokenizer, sent_tokens, text_offset)
                 lp = _joined(lp, new)
                 sent_tokens = len(output.outputs[0].token_ids)
-            yield {"index": 0, "text": prefix + delta, "logprobs": lp, "finish_reason": finish_reason}, output
+            choice = CompletionStreamChoice(index=0, text=prefix + delta, logprobs=lp, finish_reason=finish_reason)
+            yield choice, output
 
     def _echoed(self, output: RequestOutput, logprobs: bool) -> tuple[str, dict[str, Any] | None, int]:
         """(the prompt's text, its logprobs, the text offset after it) under echo; else nothing."""

@@ -406,6 +406,47 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ChatDelta(BaseModel):
+    """What a chat stream chunk adds to the message: only the fields given are sent (the role with the first, content
+    or tool-call deltas after, nothing with the finish reason), as OpenAI and vLLM send them."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # deltas: index, then id, type and name with a call's first
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+ChunkObject = Literal["text_completion", "chat.completion.chunk"]
+
+
+class StreamChunk(BaseModel):
+    """One Server-Sent Event of a stream: a choice's chunk, or (choices empty) the usage at the end. Sent as
+    ``model_dump(exclude_unset=True)``: usage only where a chunk carries it, a delta only with its fields."""
+
+    id: str
+    object: ChunkObject
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice | ChatStreamChoice]
+    usage: Usage | None = None
+
+    def sent(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

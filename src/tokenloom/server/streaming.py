@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -17,17 +17,22 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.server.guard import Receive, until_disconnected
 from tokenloom.server.protocol import (
     APIError,
+    ChatStreamChoice,
+    ChunkObject,
+    CompletionStreamChoice,
+    StreamChunk,
     StreamOptions,
     Usage,
 )
 
 T = TypeVar("T")
+StreamChoice = CompletionStreamChoice | ChatStreamChoice
 
 
 class ResponseShape(Protocol):
     """How an endpoint words its outputs: the whole response, and the chunks of a stream."""
 
-    chunk_object: str
+    chunk_object: ChunkObject
     id_prefix: str
 
     def response(
@@ -36,7 +41,7 @@ class ResponseShape(Protocol):
 
     def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
-    ) -> AsyncIterator[tuple[dict[str, Any], RequestOutput]]: ...
+    ) -> AsyncIterator[tuple[StreamChoice, RequestOutput]]: ...
 
 
 async def envelopes(
@@ -48,28 +53,30 @@ async def envelopes(
     model: str,
     prompt_tokens: int,
     options: StreamOptions,
-) -> AsyncGenerator[dict[str, Any]]:
+) -> AsyncGenerator[StreamChunk]:
     """Each chunk of every choice as it comes (with the usage so far, under continuous_usage_stats); then, if asked,
     the usage of all of them."""
     latest: dict[int, RequestOutput] = {}
     async for index, choice, output in _merged(shape, streams, logprobs):
         latest[index] = output
-        usage = usage_of(prompt_tokens, list(latest.values())).model_dump() if options.continuous_usage_stats else None
-        yield _envelope(request_id, shape.chunk_object, created, model, [{**choice, "index": index}], usage)
+        usage = usage_of(prompt_tokens, list(latest.values())) if options.continuous_usage_stats else None
+        yield _envelope(
+            request_id, shape.chunk_object, created, model, [choice.model_copy(update={"index": index})], usage
+        )
     if options.include_usage and latest:
-        usage = usage_of(prompt_tokens, list(latest.values())).model_dump()
+        usage = usage_of(prompt_tokens, list(latest.values()))
         yield _envelope(request_id, shape.chunk_object, created, model, [], usage)
 
 
 async def _merged(
     shape: ResponseShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool
-) -> AsyncIterator[tuple[int, dict[str, Any], RequestOutput]]:
+) -> AsyncIterator[tuple[int, StreamChoice, RequestOutput]]:
     """(choice index, chunk, output) of every choice, interleaved as they come; the first failure ends them all."""
     if len(streams) == 1:  # the common case needs no tasks
         async for choice, output in shape.chunks(streams[0], logprobs):
             yield 0, choice, output
         return
-    queue: asyncio.Queue[tuple[int, dict[str, Any], RequestOutput] | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, StreamChoice, RequestOutput] | BaseException | None] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -177,7 +184,7 @@ def usage_of(prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
-async def sse_response(chunks: AsyncGenerator[dict[str, Any]], lease: Lease, receive: Receive) -> StreamingResponse:
+async def sse_response(chunks: AsyncGenerator[StreamChunk], lease: Lease, receive: Receive) -> StreamingResponse:
     """Commits to 200 only once the request has its first output: a queue timeout before it is a real 503."""
     try:
         first = [await unless_disconnected(anext(chunks), receive)]
@@ -193,9 +200,9 @@ async def sse_response(chunks: AsyncGenerator[dict[str, Any]], lease: Lease, rec
     async def events() -> AsyncIterator[str]:
         try:
             for chunk in first:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {json.dumps(chunk.sent())}\n\n"
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {json.dumps(chunk.sent())}\n\n"
         except RequestError as error:  # failed or cut after the stream began: the client still hears why
             yield f"data: {json.dumps(api_error_of(error).body())}\n\n"
         finally:
@@ -214,8 +221,9 @@ async def text_deltas(stream: AsyncIterator[RequestOutput]):
         yield delta, completion.finish_reason, output
 
 
-def _envelope(request_id: str, kind: str, created: int, model: str, choices: list, usage=None) -> dict[str, Any]:
-    body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
-    if usage is not None:
-        body["usage"] = usage
-    return body
+def _envelope(
+    request_id: str, kind: ChunkObject, created: int, model: str,
+    choices: list[StreamChoice], usage: Usage | None = None,
+) -> StreamChunk:  # fmt: skip
+    given = {} if usage is None else {"usage": usage}  # unset otherwise, so that the chunk sends none
+    return StreamChunk(id=request_id, object=kind, created=created, model=model, choices=choices, **given)
