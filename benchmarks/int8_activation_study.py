@@ -13,6 +13,10 @@ model is counted over the positions after the prompts. The variants:
   weights only, rotated    the same rotation, float activations
   W8A8 full rotation       a random orthogonal K x K rotation (an upper bound for rotations; too costly online)
   W8A8 groups of 32        rotated, and one activation scale per 32 inputs (not an int8 GEMM oneDNN can run)
+
+With --ablation, where the loss is instead: W8A8 rotated everywhere but one kind of linear (q/k/v, o, gate/up, down),
+which keeps float activations (its weights still int8, rotated); and the LM head quantized as well (rotated int8
+weights, with float or int8 activations), which the engine leaves in bf16.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ def full_rotation(k: int) -> Transform:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=160)
+    parser.add_argument("--ablation", action="store_true", help="which linears' 8-bit activations cost the most")
     args = parser.parse_args()
     path = resolve_checkpoint_dir(None)[1]
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -118,6 +123,8 @@ def main() -> None:
             m.weight, block_rotation(m.in_features), lambda t: fake_tokens(t, 32)
         ),
     }
+    if args.ablation:
+        variants = ablations()
     positions = sum(len(ids) - n for ids, n, _ in sequences)
     print(f"top-1 agreement with the float32 model over {positions} positions (float32 arithmetic)")
     print("| variant | top-1 |\n|---|---:|")
@@ -125,10 +132,42 @@ def main() -> None:
         for name, linear in linears.items():
             parent, attr = parents[name]
             setattr(parent, attr, make(name, linear))
+        head = model.lm_head
+        if label.startswith("LM head"):
+            model.lm_head = lm_head_variant(label, head)
         print(f"| {label} | {agreement():.1%} |", flush=True)
+        model.lm_head = head
     for name, linear in linears.items():
         parent, attr = parents[name]
         setattr(parent, attr, linear)
+
+
+def rotated(m: torch.nn.Linear, activations: Transform) -> torch.nn.Module:
+    return FakeQuantLinear(m.weight, block_rotation(m.in_features), activations)
+
+
+KINDS = {"q/k/v": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate/up": ("gate_proj", "up_proj"),
+         "down": ("down_proj",)}  # fmt: skip
+
+
+def ablations() -> dict[str, Callable[[str, torch.nn.Linear], torch.nn.Module]]:
+    """W8A8 rotated but for one kind of linear, which keeps float activations; then the LM head quantized too."""
+
+    def all_but(kind: str) -> Callable[[str, torch.nn.Linear], torch.nn.Module]:
+        return lambda n, m: rotated(m, identity if n.rsplit(".", 1)[1] in KINDS[kind] else fake_tokens)
+
+    variants = {"W8A8 rotated (the engine)": lambda n, m: rotated(m, fake_tokens)}
+    variants |= {f"W8A8 rotated, {kind} with float activations": all_but(kind) for kind in KINDS}
+    variants |= {
+        "LM head int8 weights, float activations (and W8A8 rotated)": lambda n, m: rotated(m, fake_tokens),
+        "LM head W8A8 (and W8A8 rotated)": lambda n, m: rotated(m, fake_tokens),
+    }
+    return variants
+
+
+def lm_head_variant(label: str, head: torch.nn.Linear) -> torch.nn.Module:
+    """The LM head as int8 rotated weights (a copy: tied embeddings stay as they are)."""
+    return rotated(head, fake_tokens if "W8A8" in label.split("(")[0] else identity)
 
 
 class SmoothedLinear(torch.nn.Module):
