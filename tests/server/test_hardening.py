@@ -16,7 +16,7 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
-from tokenloom.server.protocol import APIError
+from tokenloom.server.errors import APIError
 from tokenloom.server.tenants import Tenant, TenantLimiter
 
 TENANTS = """

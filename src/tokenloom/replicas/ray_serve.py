@@ -38,9 +38,9 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, HTTPOptions, RequestRouterConfig
 
 from tokenloom.config import EngineConfig, ServerConfig
+from tokenloom.server.errors import APIError
 from tokenloom.server.launch import build_server
 from tokenloom.server.metrics import escape_label_value
-from tokenloom.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import tokenloom
 from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.server import chat, completions, health, tokenization
+from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
-from tokenloom.server.protocol import APIError
 from tokenloom.server.state import ServerState
 from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant, TenantLimiter

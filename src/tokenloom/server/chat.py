@@ -12,9 +12,9 @@ from pydantic import BaseModel
 
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
+from tokenloom.server.errors import APIError
 from tokenloom.server.logprobs import chat_logprobs_body
 from tokenloom.server.protocol import (
-    APIError,
     AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,

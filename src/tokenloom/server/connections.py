@@ -21,7 +21,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tokenloom.server.protocol import APIError
+from tokenloom.server.errors import APIError
 
 HEADER_TIMEOUT_S = 10.0
 MAX_HEADER_BYTES = 16 * 1024

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from tokenloom.server.protocol import APIError
+from tokenloom.server.errors import APIError
 from tokenloom.server.tenants import Tenant
 
 logger = logging.getLogger(__name__)

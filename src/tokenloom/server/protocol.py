@@ -1,6 +1,7 @@
-"""The request bodies of the OpenAI API that tokenloom accepts, and its error body.
+"""The OpenAI API's bodies as tokenloom reads and writes them: the requests it accepts, its responses and stream
+chunks, and its error body.
 
-The models are strict: a field gets the JSON type OpenAI documents or a 400 (no "10" for 10, no true for 1), and
+The request models are strict: a field gets the JSON type OpenAI documents or a 400 (no "10" for 10, no true for 1), and
 numbers stay within OpenAI's documented bounds (finite, so no Infinity).
 """
 
@@ -11,30 +12,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from tokenloom.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
-from tokenloom.utils import without_source_locations
-
-
-class APIError(Exception):
-    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        kind = {401: "authentication_error", 429: "rate_limit_error", 404: "not_found_error"}.get(
-            self.status, "invalid_request_error" if self.status < 500 else "server_error"
-        )
-        message = without_source_locations(self.message) or self.message
-        return {"error": {"message": message, "type": kind, "param": self.param, "code": self.code}}
+from tokenloom.server.errors import APIError
 
 
 def _valid_utf8(text: str) -> str:

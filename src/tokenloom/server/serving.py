@@ -19,9 +19,9 @@ from tokenloom.engine.structured_output import InvalidGrammar
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenloom.server.errors import APIError
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import (
-    APIError,
     DetokenizeRequest,
     StreamOptions,
     TokenizeRequest,

@@ -14,9 +14,9 @@ from pydantic import BaseModel
 
 from tokenloom.engine.async_engine import ErrorReason, RequestError
 from tokenloom.outputs import RequestOutput
+from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Receive, until_disconnected
 from tokenloom.server.protocol import (
-    APIError,
     ChatStreamChoice,
     ChunkObject,
     CompletionStreamChoice,

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from tokenloom.server.protocol import APIError
+from tokenloom.server.errors import APIError
 
 WINDOW_S = 60.0
 RESERVED_NAME = "default"  # the tenant of the server's own --api-key keys

@@ -7,8 +7,8 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from tokenloom.server.chat import templated
+from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import (
-    APIError,
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,

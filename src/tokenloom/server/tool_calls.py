@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenloom.sampling_params import StructuredOutputsParams
-from tokenloom.server.protocol import APIError, ChatCompletionRequest, FunctionCall, Tool, ToolCall
+from tokenloom.server.errors import APIError
+from tokenloom.server.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
