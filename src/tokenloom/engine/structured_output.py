@@ -17,9 +17,10 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import StructuredOutputsConfig
@@ -213,19 +214,13 @@ class StructuredOutputManager:
         """Fills the request's rows from first_row; returns how many (1 + the drafts the grammar allows, less one
         where the grammar ends at a draft)."""
         matcher.fill_next_token_bitmask(bitmask, first_row)
-        rows, accepted = 1, 0
-        try:
-            for draft in drafts:
-                if not matcher.accept_token(draft):
-                    break
-                accepted += 1
+        rows = 1
+        with _tentatively(matcher, drafts) as accepted:
+            for _ in accepted:
                 if matcher.is_terminated():  # the grammar ends at this draft: the row after it is never read
                     break
                 matcher.fill_next_token_bitmask(bitmask, first_row + rows)
                 rows += 1
-        finally:
-            if accepted:
-                matcher.rollback(accepted)
         return rows
 
     def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
@@ -233,14 +228,8 @@ class StructuredOutputManager:
         matcher = self._matchers.get(request_id)
         if matcher is None or not drafts:
             return drafts
-        accepted = 0
-        for draft in drafts:
-            if matcher.is_terminated() or not matcher.accept_token(draft):
-                break
-            accepted += 1
-        if accepted:
-            matcher.rollback(accepted)
-        return drafts[:accepted]
+        with _tentatively(matcher, drafts) as accepted:
+            return drafts[: sum(1 for _ in accepted)]
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advances the request's matcher by its new token; True once its grammar is done (nothing may follow)."""
@@ -248,6 +237,27 @@ class StructuredOutputManager:
         if not matcher.accept_token(token_id):
             raise RuntimeError(f"token {token_id} is outside the request's grammar")
         return bool(matcher.is_terminated())
+
+
+@contextmanager
+def _tentatively(matcher: Any, drafts: list[int]) -> Iterator[Iterator[int]]:
+    """The drafts the matcher accepts, one by one as the caller reads them, up to the first it refuses or the end of
+    its grammar; however the caller stops, the matcher is rolled back to where it was."""
+    accepted = 0
+
+    def walk() -> Iterator[int]:
+        nonlocal accepted
+        for draft in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(draft):
+                return
+            accepted += 1
+            yield draft
+
+    try:
+        yield walk()
+    finally:
+        if accepted:
+            matcher.rollback(accepted)
 
 
 def _regex_literal(text: str) -> str:
