@@ -266,27 +266,19 @@ class AsyncEngine:
             self.on_engine_death()
 
     def _apply_aborts(self) -> list[RequestOutput]:
-        aborted: list[RequestOutput] = []
+        request_ids = []
         while True:
             try:
-                request_id = self._aborts.get_nowait()
+                request_ids.append(self._aborts.get_nowait())
             except queue.Empty:
-                return aborted
-            output = self.engine.abort_request(request_id)
-            if output is not None:
-                aborted.append(output)
+                return self._abort_each(request_ids)
 
     def _expire_queued(self) -> list[RequestOutput]:
         if self.queue_timeout is None:
             return []
-        outputs = []
-        for request_id in self.engine.never_scheduled_since(time.monotonic() - self.queue_timeout):
-            output = self.engine.abort_request(request_id)
-            if output is not None:
-                outputs.append(output)
-            message = f"the request waited more than {self.queue_timeout:g}s in the queue"
-            self._deliver(request_id, RequestError(ErrorReason.QUEUE_TIMEOUT, message))
-        return outputs
+        expired = self.engine.never_scheduled_since(time.monotonic() - self.queue_timeout)
+        message = f"the request waited more than {self.queue_timeout:g}s in the queue"
+        return self._abort_each(expired, RequestError(ErrorReason.QUEUE_TIMEOUT, message))
 
     def _cut_after_drain(self) -> list[RequestOutput]:
         if self._drain_deadline is None or time.monotonic() < self._drain_deadline:
@@ -295,12 +287,18 @@ class AsyncEngine:
         return self._fail_all(RequestError(ErrorReason.SERVER_SHUTDOWN, message))
 
     def _fail_all(self, error: RequestError) -> list[RequestOutput]:
+        return self._abort_each(self.engine.request_ids(), error)
+
+    def _abort_each(self, request_ids: list[str], error: RequestError | None = None) -> list[RequestOutput]:
+        """Aborts these requests (those still in the engine give their final outputs, returned) and tells each
+        stream why, where there is a reason to tell (a client's own abort has none: it stopped listening)."""
         outputs = []
-        for request_id in self.engine.request_ids():
+        for request_id in request_ids:
             output = self.engine.abort_request(request_id)
             if output is not None:
                 outputs.append(output)
-            self._deliver(request_id, error)
+            if error is not None:
+                self._deliver(request_id, error)
         return outputs
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
