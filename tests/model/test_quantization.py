@@ -175,24 +175,26 @@ def test_a_method_the_device_cannot_run_is_refused_at_start(tiny_llama):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("in_features", "out_features", "bias"), [(576, 1728, False), (1536, 576, False), (64, 48, True)]
+    ("in_features", "out_features", "bias"), [(576, 1728, False), (1536, 576, False), (576, 960, True), (64, 48, True)]
 )
-def test_small_steps_take_our_kernel_and_get_oneDNNs_bits(dtype, in_features, out_features, bias):
-    """Up to 12 rows the VNNI kernel runs (csrc/int8_linear.cpp); its outputs equal oneDNN's bit for bit, so a
-    request's tokens do not depend on how many rows its step had."""
-    from tokenloom.model.quantization import SMALL_STEP_ROWS, small_step_kernel_available
+def test_every_kernel_gets_oneDNNs_bits(monkeypatch, dtype, in_features, out_features, bias):
+    """Steps of a few rows run our VNNI kernel (csrc/int8_linear.cpp), larger ones our AMX kernel where the CPU has
+    AMX-INT8 and the shape fits its tiles (csrc/amx_int8_linear.cpp), else oneDNN's matmul; every one equals oneDNN's
+    bits, so a request's tokens do not depend on how many rows its step had."""
+    from tokenloom.model import quantization
 
-    if not small_step_kernel_available():
+    if not quantization.small_step_kernel_available():
         pytest.skip("the VNNI kernel is built only where the compiler targets AVX-512 VNNI")
     g = torch.Generator().manual_seed(in_features)
     weight = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)
-    layer = Int8Linear(weight, (torch.randn(out_features, generator=g)).to(dtype) if bias else None)
-    assert layer.small is not None
-    for rows in (1, 3, SMALL_STEP_ROWS):
+    bias_values = (torch.randn(out_features, generator=g)).to(dtype) if bias else None
+    layer = Int8Linear(weight, bias_values)
+    fits_tiles = out_features % 32 == 0 and in_features % 64 == 0
+    assert layer.small is not None and layer.amx == (fits_tiles and quantization.amx_kernel_available())
+    assert (layer.packed is None) == layer.amx  # oneDNN's packing is kept only where a step can reach it
+    monkeypatch.setattr(quantization, "amx_kernel_available", lambda: False)
+    reference = Int8Linear(weight, bias_values)
+    reference.small = None  # every step through oneDNN's matmul
+    for rows in (1, 3, quantization.AMX_FROM_ROWS, quantization.SMALL_STEP_ROWS, 13, 32, 33, 100, 300):
         x = torch.randn(rows, in_features, generator=g).to(dtype)
-        ours = layer(x)
-        small, layer.small = layer.small, None  # the same layer through oneDNN's matmul
-        try:
-            assert torch.equal(ours, layer(x))
-        finally:
-            layer.small = small
+        assert torch.equal(layer(x), reference(x)), rows

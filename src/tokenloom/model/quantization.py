@@ -97,13 +97,24 @@ def per_channel(weight: torch.Tensor, max_code: float) -> tuple[torch.Tensor, to
 
 
 SMALL_STEP_ROWS = 12  # up to this many rows, our VNNI kernel (csrc/int8_linear.cpp) instead of oneDNN's matmul
+AMX_FROM_ROWS = 8  # from this many rows, the AMX kernel where the CPU has one (it streams the weight in tiles)
 
 
 def small_step_kernel_available() -> bool:
     return cpu_kernel.load_kernel() and cpu_kernel.has_operator("int8_linear")
 
 
+def amx_kernel_available() -> bool:
+    return small_step_kernel_available() and cpu_kernel.has_operator("int8_amx_linear") and bool(
+        torch.ops.tokenloom.int8_amx_available()
+    )
+
+
 class Int8Linear(nn.Module):
+    """Three kernels, one result: our VNNI kernel for steps of a few rows, our AMX kernel for larger ones where the CPU
+    has AMX-INT8 (csrc/amx_int8_linear.cpp: both scales applied as the sums leave the tiles), else oneDNN's int8
+    matmul with the row scales applied after it. All three sum the same codes exactly and scale in one order."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -112,12 +123,18 @@ class Int8Linear(nn.Module):
             weight = rotate(weight.detach().float(), self.signs)
         scaled, scale = per_channel(weight, 127.0)
         codes = scaled.round().clamp(-127, 127).to(torch.int8)
-        self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features])
         self.weight_scale = scale
-        # Steps of a few rows: the same codes packed for our kernel, which scales the sums exactly as below.
+        # The codes packed for our kernels (VNNI and AMX read one layout), which scale the sums exactly as oneDNN.
         self.small: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.out_features % 16 == 0 and self.in_features % 4 == 0 and small_step_kernel_available():
             self.small = torch.ops.tokenloom.int8_pack_weight(codes)
+        self.amx = (
+            self.small is not None and self.out_features % 32 == 0 and self.in_features % 64 == 0
+            and amx_kernel_available()
+        )  # fmt: skip
+        self.small_rows = AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
+        # oneDNN's packing only where a step can reach it: no AMX kernel for this shape or CPU.
+        self.packed = None if self.amx else torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features])
         self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.long, device=weight.device)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
@@ -126,17 +143,22 @@ class Int8Linear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
-        if self.small is not None and rows.shape[0] <= SMALL_STEP_ROWS:
+        if self.small is not None and rows.shape[0] <= self.small_rows:
             packed, code_sums = self.small
             out = torch.ops.tokenloom.int8_linear(
                 codes, row_scales, packed, code_sums, self.weight_scale, self.bias, x.dtype
             )
-            return out.view(*x.shape[:-1], self.out_features)
-        sums = torch.ops.onednn.qlinear_pointwise(
-            codes, 1.0, 0, self.packed, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32,
-            "none", [], "",
-        )  # fmt: skip
-        out = torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, x.dtype)
+        elif self.amx:
+            assert self.small is not None
+            out = torch.ops.tokenloom.int8_amx_linear(
+                codes, row_scales, self.small[0], self.weight_scale, self.bias, x.dtype
+            )
+        else:
+            sums = torch.ops.onednn.qlinear_pointwise(
+                codes, 1.0, 0, self.packed, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32,
+                "none", [], "",
+            )  # fmt: skip
+            out = torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
 

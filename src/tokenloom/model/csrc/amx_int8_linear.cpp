@@ -1,0 +1,217 @@
+// int8 linears for large steps on CPUs with AMX-INT8: tokenloom::int8_amx_linear (--quantization int8,
+// quantization.py).
+//
+// Why: oneDNN's int8 matmul alone ran 1.6-1.8x the bf16 linear at 512-2,048 rows, but it takes one activation scale
+// per tensor, so our per-token scales were applied after it in a second pass over its float32 output, which with
+// the activations' quantization cancelled the gain (benchmarks/RESULTS.md, "Where an int8 linear's time goes").
+// Here both scales and the bias are applied as each 32 x 32 block of int32 sums leaves the tiles, and the output is
+// written once, in the activations' dtype.
+//
+// The weight is the one int8_linear.cpp packs for VNNI: per 16 output features, the inputs in groups of 4, 16
+// features x 4 inputs to 64 bytes. 16 consecutive groups of a feature block are exactly the B operand of
+// `tdpbssd` for 64 inputs (16 rows of 4 inputs x 16 features), so one packing serves both kernels. `tdpbssd`
+// multiplies signed by signed bytes, so unlike VNNI no shift is taken back. The int32 sums are exact, and they are
+// scaled in the order the other paths scale them (sum x the feature's scale, then x the row's scale plus the
+// bias, fused): a request's output does not depend on which kernel its step ran on.
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include "work_sharing.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace {
+
+constexpr int kTileRows = 16;       // rows of an A tile and of a C tile
+constexpr int kTileK = 64;          // inputs per A tile row (bytes)
+constexpr int kFeatures = 16;       // output features per B and C tile
+constexpr int kRows = 2 * kTileRows;      // rows of a block: two A tiles
+constexpr int kBlockFeatures = 2 * kFeatures;  // features of a block: two B tiles
+constexpr int64_t kPackedTileBytes = kTileK * kFeatures;
+constexpr int64_t kRowBlocksPerUnit = 4;
+
+// Linux hands a process the AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
+bool tiles_permitted() {
+  static const bool permitted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: the four C tiles of a 32 x 32 block; 4-5: A (rows 0-15, 16-31); 6-7: B (features 0-15, 16-31).
+// Every tile is 16 rows of 64 bytes. Loaded at the start of every unit: other code on this thread (oneDNN) may
+// have configured the tiles its own way since.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+inline void store16(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
+inline void store16(c10::BFloat16* at, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
+struct Epilogue {
+  const float* row_scales;     // [M]
+  const float* weight_scales;  // [N]
+  const float* bias;           // [N] or null
+};
+
+// The 32 x 32 block of sums at (row, feature) -> out, `rows` of its rows (the rest are the padding of a short step).
+template <typename T>
+void write_block(const int32_t (&sums)[kRows][kBlockFeatures], int rows, int64_t row, int64_t feature,
+                 const Epilogue& e, T* out, int64_t ldo) {
+  for (int half = 0; half < 2; ++half) {
+    const int64_t f = feature + half * kFeatures;
+    const __m512 weight_scale = _mm512_loadu_ps(e.weight_scales + f);
+    const __m512 bias = e.bias ? _mm512_loadu_ps(e.bias + f) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      const __m512i acc = _mm512_loadu_si512(&sums[r][half * kFeatures]);
+      const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), weight_scale);
+      store16(out + (row + r) * ldo + f, _mm512_fmadd_ps(sum, _mm512_set1_ps(e.row_scales[row + r]), bias));
+    }
+  }
+}
+
+// The 32 x 32 block of sums of 32 rows of codes a (row stride k) and feature block `block` (32 features).
+inline void multiply_block(const int8_t* a, int64_t k, const int8_t* packed, int64_t block,
+                           int32_t (&sums)[kRows][kBlockFeatures]) {
+  const int64_t k_tiles = k / kTileK, feature_block_bytes = k * kFeatures;
+  const int8_t* b0 = packed + (2 * block) * feature_block_bytes;
+  const int8_t* b1 = b0 + feature_block_bytes;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t = 0; t < k_tiles; ++t) {
+    _tile_loadd(4, a + t * kTileK, k);
+    _tile_loadd(5, a + kTileRows * k + t * kTileK, k);
+    _tile_loadd(6, b0 + t * kPackedTileBytes, 64);
+    _tile_loadd(7, b1 + t * kPackedTileBytes, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  constexpr int64_t stride = kBlockFeatures * sizeof(int32_t);
+  _tile_stored(0, &sums[0][0], stride);
+  _tile_stored(1, &sums[0][kFeatures], stride);
+  _tile_stored(2, &sums[kTileRows][0], stride);
+  _tile_stored(3, &sums[kTileRows][kFeatures], stride);
+}
+
+// `rows` rows of codes a (row stride k; padded to whole 32-row blocks) from output row `row` on, against feature
+// blocks [first, last). Feature block by feature block, so its weight (2 x 16 x K bytes, from L1) serves every row
+// block of the unit, and the unit's rows (from L2) serve every feature block.
+template <typename T>
+void multiply_rows(const int8_t* a, int64_t k, const int8_t* packed, int64_t first, int64_t last, int64_t rows,
+                   int64_t row, const Epilogue& e, T* out, int64_t ldo) {
+  alignas(64) int32_t sums[kRows][kBlockFeatures];
+  for (int64_t block = first; block < last; ++block) {
+    for (int64_t r = 0; r < rows; r += kRows) {
+      multiply_block(a + r * k, k, packed, block, sums);
+      write_block(sums, static_cast<int>(std::min<int64_t>(kRows, rows - r)), row + r, block * kBlockFeatures, e,
+                  out, ldo);
+    }
+  }
+}
+
+bool int8_amx_available() { return tiles_permitted(); }
+
+// codes [M, K] int8 (rows contiguous; K a multiple of 64), row_scales [M, 1] float32, a weight from
+// int8_pack_weight (N a multiple of 32) with its scales [N] float32, bias [N] or none -> [M, N] in out_dtype.
+at::Tensor int8_amx_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
+                           const at::Tensor& weight_scales, const std::optional<at::Tensor>& bias,
+                           at::ScalarType out_dtype) {
+  TORCH_CHECK(tiles_permitted(), "int8_amx_linear: the kernel did not grant this process the AMX tiles");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
+              "int8_amx_linear: codes must be contiguous int8 [M, K]");
+  const int64_t m = codes.size(0), k = codes.size(1), n = packed.size(0) * kFeatures;
+  TORCH_CHECK(k % kTileK == 0 && n % kBlockFeatures == 0, "int8_amx_linear: K a multiple of 64, N of 32");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kFeatures,
+              "int8_amx_linear: a weight from int8_pack_weight with the codes' K");
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m && row_scales.is_contiguous(),
+              "int8_amx_linear: row_scales must be float32 [M, 1]");
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == n && weight_scales.is_contiguous(),
+              "int8_amx_linear: weight scales float32 [N]");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "int8_amx_linear: float32 or bfloat16 out");
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "int8_amx_linear: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({m, n}, codes.options().dtype(out_dtype));
+  if (m == 0) return out;
+  const Epilogue e{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
+                   bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr};
+  const int8_t* a = codes.const_data_ptr<int8_t>();
+  const int8_t* w = packed.const_data_ptr<int8_t>();
+  // Units: groups of up to 4 row blocks (128 rows) times groups of feature blocks, at least 8 units where the step
+  // allows, so both cores (and the caller, who starts at once) have work even on a 32-row step.
+  const int64_t row_blocks = (m + kRows - 1) / kRows, feature_blocks = n / kBlockFeatures;
+  const int64_t row_groups = (row_blocks + kRowBlocksPerUnit - 1) / kRowBlocksPerUnit;
+  const int64_t groups = std::min(feature_blocks, std::max<int64_t>(1, (8 + row_groups - 1) / row_groups));
+  const int64_t per_group = (feature_blocks + groups - 1) / groups;
+  auto run = [&](auto* o) {
+    const std::function<void(int64_t)> body = [&](int64_t unit) {
+      const int64_t row = (unit / groups) * kRowBlocksPerUnit * kRows, g = unit % groups;
+      const int64_t rows = std::min<int64_t>(kRowBlocksPerUnit * kRows, m - row);
+      const int64_t first = g * per_group, last = std::min(feature_blocks, first + per_group);
+      if (first >= last) return;
+      configure_tiles();
+      const int64_t whole = rows / kRows * kRows;
+      if (whole > 0) multiply_rows(a + row * k, k, w, first, last, whole, row, e, o, n);
+      if (whole < rows) {  // a short last block: its rows padded with zero codes, as tiles always read 32 rows
+        thread_local std::vector<int8_t> padded;
+        padded.assign(kRows * k, 0);
+        std::memcpy(padded.data(), a + (row + whole) * k, (rows - whole) * k);
+        multiply_rows(padded.data(), k, w, first, last, rows - whole, row + whole, e, o, n);
+      }
+      _tile_release();
+    };
+    tokenloom::WorkSharing::instance().run(row_groups * groups, body);
+  };
+  if (out_dtype == at::kFloat) {
+    run(out.mutable_data_ptr<float>());
+  } else {
+    run(out.mutable_data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("int8_amx_available() -> bool", &int8_amx_available);
+  m.def(
+      "int8_amx_linear(Tensor codes, Tensor row_scales, Tensor packed, Tensor weight_scales, Tensor? bias, "
+      "ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("int8_amx_linear", &int8_amx_linear); }
+
+#endif  // __AMX_TILE__ && __AMX_INT8__
