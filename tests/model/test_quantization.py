@@ -177,10 +177,12 @@ def test_a_method_the_device_cannot_run_is_refused_at_start(tiny_llama):
 @pytest.mark.parametrize(
     ("in_features", "out_features", "bias"), [(576, 1728, False), (1536, 576, False), (576, 960, True), (64, 48, True)]
 )
-def test_every_kernel_gets_oneDNNs_bits(monkeypatch, dtype, in_features, out_features, bias):
+@pytest.mark.parametrize("gated", [False, True])
+def test_every_kernel_gets_oneDNNs_bits(monkeypatch, dtype, in_features, out_features, bias, gated):
     """Steps of a few rows run our VNNI kernel (csrc/int8_linear.cpp), larger ones our AMX kernel where the CPU has
     AMX-INT8 and the shape fits its tiles (csrc/amx_int8_linear.cpp), else oneDNN's matmul; every one equals oneDNN's
-    bits, so a request's tokens do not depend on how many rows its step had."""
+    bits, so a request's tokens do not depend on how many rows its step had; gated (a [gate; up] projection giving
+    silu(gate) * up) as well."""
     from tokenloom.model import quantization
 
     if not quantization.small_step_kernel_available():
@@ -188,13 +190,30 @@ def test_every_kernel_gets_oneDNNs_bits(monkeypatch, dtype, in_features, out_fea
     g = torch.Generator().manual_seed(in_features)
     weight = (torch.randn(out_features, in_features, generator=g) * 0.05).to(dtype)
     bias_values = (torch.randn(out_features, generator=g)).to(dtype) if bias else None
-    layer = Int8Linear(weight, bias_values)
+    layer = Int8Linear(weight, bias_values, gated=gated)
+    assert layer.gated == (gated and out_features % 32 == 0)
+    assert layer.out_features == (out_features // 2 if layer.gated else out_features)
     fits_tiles = out_features % 32 == 0 and in_features % 64 == 0
     assert layer.small is not None and layer.amx == (fits_tiles and quantization.amx_kernel_available())
     assert (layer.packed is None) == layer.amx  # oneDNN's packing is kept only where a step can reach it
     monkeypatch.setattr(quantization, "amx_kernel_available", lambda: False)
-    reference = Int8Linear(weight, bias_values)
+    reference = Int8Linear(weight, bias_values, gated=gated)
     reference.small = None  # every step through oneDNN's matmul
     for rows in (1, 3, quantization.AMX_FROM_ROWS, quantization.SMALL_STEP_ROWS, 13, 32, 33, 100, 300):
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         assert torch.equal(layer(x), reference(x)), rows
+
+
+def test_a_gated_layer_gives_silu_of_gate_times_up():
+    from tokenloom.model import quantization
+
+    if not quantization.small_step_kernel_available():
+        pytest.skip("the gated epilogue is in our AVX-512 kernels")
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(2 * 96, 128, generator=g) * 0.1, torch.randn(2 * 96, generator=g)
+    plain, gated = Int8Linear(weight, bias), Int8Linear(weight, bias, gated=True)
+    assert gated.gated and gated.out_features == 96
+    for rows in (2, 40):
+        x = torch.randn(rows, 128, generator=g)
+        gate, up = plain(x).chunk(2, dim=-1)
+        torch.testing.assert_close(gated(x), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ from tokenloom.model.config import ModelConfig
 from tokenloom.model.forward_context import layer_attention
 from tokenloom.model.parallel import SINGLE, TensorParallelGroup
 from tokenloom.model.prepack import PackedLinear, linear_weight_bytes, prepack_linears, small_batch_copies_pay
+from tokenloom.model.quantization import quantize_linears
 from tokenloom.model.reductions import row_topk_indices
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
 
@@ -103,7 +104,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if getattr(self.gate_up_proj, "gated", False):  # packed: the projection applies silu(gate) * up itself
+        if getattr(self.gate_up_proj, "gated", False):  # packed or int8: the projection applies silu(gate) * up itself
             return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x)))
         if fused:
             return self.tp.all_reduce(self.down_proj(torch.ops.tokenloom.silu_and_mul(self.gate_up_proj(x))))
@@ -128,6 +129,10 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, fused)
         return self.mlp(hidden, fused), residual
+
+
+# Fused [gate; up] projections: their packed and int8 kernels may return silu(gate) * up themselves.
+GATED_PROJECTIONS = frozenset({"gate_up_proj"})
 
 
 class CausalLM(nn.Module):
@@ -192,9 +197,13 @@ class CausalLM(nn.Module):
         head_bytes = self._plain_head_weight.numel() * self._plain_head_weight.element_size()
         small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0))
         if layers:
-            prepack_linears(self.layers, gated=frozenset({"gate_up_proj"}), small_batch=small)
+            prepack_linears(self.layers, gated=GATED_PROJECTIONS, small_batch=small)
         # A tied embedding stays, for lookups.
         self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small)
+
+    def quantize_weights(self, method: str) -> int:
+        """Every decoder layer's linear to its 8-bit form (quantization.py says what stays in the model's dtype)."""
+        return quantize_linears(self.layers, method, gated=GATED_PROJECTIONS)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""

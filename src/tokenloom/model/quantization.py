@@ -115,9 +115,15 @@ class Int8Linear(nn.Module):
     has AMX-INT8 (csrc/amx_int8_linear.cpp: both scales applied as the sums leave the tiles), else oneDNN's int8
     matmul with the row scales applied after it. All three sum the same codes exactly and scale in one order."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
+        """gated: the weight is a fused [gate; up] projection and the layer returns silu(gate) * up, computed from the
+        float32 outputs as they leave the kernel (on every kernel alike: csrc/int8_epilogue.h)."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        self.in_features = weight.shape[1]
+        self.gated = gated and weight.shape[0] % (2 * GATE_BLOCK) == 0 and small_step_kernel_available()
+        self.out_features = weight.shape[0] // 2 if self.gated else weight.shape[0]
+        if self.gated:
+            weight, bias = gate_and_up_interleaved(weight), None if bias is None else gate_and_up_interleaved(bias)
         self.signs = rotation_signs(self.in_features)
         if self.signs is not None:
             weight = rotate(weight.detach().float(), self.signs)
@@ -126,16 +132,16 @@ class Int8Linear(nn.Module):
         self.weight_scale = scale
         # The codes packed for our kernels (VNNI and AMX read one layout), which scale the sums exactly as oneDNN.
         self.small: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.out_features % 16 == 0 and self.in_features % 4 == 0 and small_step_kernel_available():
+        if codes.shape[0] % 16 == 0 and self.in_features % 4 == 0 and small_step_kernel_available():
             self.small = torch.ops.tokenloom.int8_pack_weight(codes)
         self.amx = (
-            self.small is not None and self.out_features % 32 == 0 and self.in_features % 64 == 0
+            self.small is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
             and amx_kernel_available()
         )  # fmt: skip
         self.small_rows = AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
         # oneDNN's packing only where a step can reach it: no AMX kernel for this shape or CPU.
         self.packed = None if self.amx else torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features])
-        self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.long, device=weight.device)
+        self.weight_zero_point = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,20 +152,29 @@ class Int8Linear(nn.Module):
         if self.small is not None and rows.shape[0] <= self.small_rows:
             packed, code_sums = self.small
             out = torch.ops.tokenloom.int8_linear(
-                codes, row_scales, packed, code_sums, self.weight_scale, self.bias, x.dtype
+                codes, row_scales, packed, code_sums, self.weight_scale, self.bias, x.dtype, self.gated
             )
         elif self.amx:
             assert self.small is not None
             out = torch.ops.tokenloom.int8_amx_linear(
-                codes, row_scales, self.small[0], self.weight_scale, self.bias, x.dtype
+                codes, row_scales, self.small[0], self.weight_scale, self.bias, x.dtype, self.gated
             )
         else:
             sums = torch.ops.onednn.qlinear_pointwise(
                 codes, 1.0, 0, self.packed, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32,
                 "none", [], "",
             )  # fmt: skip
-            out = torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, x.dtype)
+            out = torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, x.dtype, self.gated)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+GATE_BLOCK = 16  # features per gate or up block of a gated weight (the kernels' vector of outputs)
+
+
+def gate_and_up_interleaved(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] (rows, or a bias) -> blocks of 16 alternating gate, up: the order the gated kernels read them in."""
+    gate, up = (half.reshape(-1, GATE_BLOCK, *weight.shape[1:]) for half in weight.chunk(2, dim=0))
+    return torch.stack([gate, up], dim=1).reshape(weight.shape)
 
 
 class Fp8Linear(nn.Module):
@@ -187,13 +202,17 @@ class Fp8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def quantize_linears(model: nn.Module, method: str) -> int:
-    """Replaces every nn.Linear under `model` (the decoder layers) by its 8-bit form; returns how many."""
-    make = Int8Linear if method == "int8" else Fp8Linear
+def quantize_linears(model: nn.Module, method: str, gated: frozenset[str] = frozenset()) -> int:
+    """Replaces every nn.Linear under `model` (the decoder layers) by its 8-bit form; returns how many. Those named in
+    `gated` (a fused [gate; up] projection) return silu(gate) * up where the int8 kernels can (Int8Linear)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, make(child.weight, child.bias))
+                if method == "int8":
+                    layer: nn.Module = Int8Linear(child.weight, child.bias, gated=name in gated)
+                else:
+                    layer = Fp8Linear(child.weight, child.bias)
+                setattr(parent, name, layer)
                 count += 1
     return count

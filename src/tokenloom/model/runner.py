@@ -23,7 +23,7 @@ from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count, cpu_has_amx
 from tokenloom.model.prepack import can_prepack
-from tokenloom.model.quantization import check_quantization, quantize_linears
+from tokenloom.model.quantization import check_quantization
 from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
 from tokenloom.model.step_inputs import ModelInputs, StepInputBuilder
 from tokenloom.model.triton_attention import FlatBatch
@@ -91,7 +91,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
         if quantization is not None:
             check_quantization(quantization, device)
-            quantize_linears(model.layers, quantization)
+            model.quantize_weights(quantization)
         if can_prepack(device, dtype):
             model.prepack_weights(layers=quantization is None)
         self._generators: dict[str, torch.Generator] = {}

@@ -24,6 +24,7 @@
 #include <optional>
 #include <vector>
 
+#include "int8_epilogue.h"
 #include "work_sharing.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -81,18 +82,30 @@ struct Epilogue {
   const float* bias;           // [N] or null
 };
 
-// The 32 x 32 block of sums at (row, feature) -> out, `rows` of its rows (the rest are the padding of a short step).
-template <typename T>
-void write_block(const int32_t (&sums)[kRows][kBlockFeatures], int rows, int64_t row, int64_t feature,
+// The 32 x 32 block of sums for (row, feature block) -> out, `rows` of its rows (the rest pad a short step). Gated,
+// the block's two halves are gate and up (16 features each) and it writes their 16 silu(gate) x up.
+template <bool Gated, typename T>
+void write_block(const int32_t (&sums)[kRows][kBlockFeatures], int rows, int64_t row, int64_t block,
                  const Epilogue& e, T* out, int64_t ldo) {
+  __m512 weight_scale[2], bias[2];
   for (int half = 0; half < 2; ++half) {
-    const int64_t f = feature + half * kFeatures;
-    const __m512 weight_scale = _mm512_loadu_ps(e.weight_scales + f);
-    const __m512 bias = e.bias ? _mm512_loadu_ps(e.bias + f) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
+    const int64_t f = block * kBlockFeatures + half * kFeatures;
+    weight_scale[half] = _mm512_loadu_ps(e.weight_scales + f);
+    bias[half] = e.bias ? _mm512_loadu_ps(e.bias + f) : _mm512_setzero_ps();
+  }
+  for (int r = 0; r < rows; ++r) {
+    const __m512 row_scale = _mm512_set1_ps(e.row_scales[row + r]);
+    __m512 y[2];
+    for (int half = 0; half < 2; ++half) {
       const __m512i acc = _mm512_loadu_si512(&sums[r][half * kFeatures]);
-      const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), weight_scale);
-      store16(out + (row + r) * ldo + f, _mm512_fmadd_ps(sum, _mm512_set1_ps(e.row_scales[row + r]), bias));
+      y[half] = tokenloom::scale_sums(acc, weight_scale[half], row_scale, bias[half]);
+    }
+    T* at = out + (row + r) * ldo;
+    if constexpr (Gated) {
+      store16(at + block * kFeatures, tokenloom::silu_times(y[0], y[1]));
+    } else {
+      store16(at + block * kBlockFeatures, y[0]);
+      store16(at + block * kBlockFeatures + kFeatures, y[1]);
     }
   }
 }
@@ -127,15 +140,14 @@ inline void multiply_block(const int8_t* a, int64_t k, const int8_t* packed, int
 // `rows` rows of codes a (row stride k; padded to whole 32-row blocks) from output row `row` on, against feature
 // blocks [first, last). Feature block by feature block, so its weight (2 x 16 x K bytes, from L1) serves every row
 // block of the unit, and the unit's rows (from L2) serve every feature block.
-template <typename T>
+template <bool Gated, typename T>
 void multiply_rows(const int8_t* a, int64_t k, const int8_t* packed, int64_t first, int64_t last, int64_t rows,
                    int64_t row, const Epilogue& e, T* out, int64_t ldo) {
   alignas(64) int32_t sums[kRows][kBlockFeatures];
   for (int64_t block = first; block < last; ++block) {
     for (int64_t r = 0; r < rows; r += kRows) {
       multiply_block(a + r * k, k, packed, block, sums);
-      write_block(sums, static_cast<int>(std::min<int64_t>(kRows, rows - r)), row + r, block * kBlockFeatures, e,
-                  out, ldo);
+      write_block<Gated>(sums, static_cast<int>(std::min<int64_t>(kRows, rows - r)), row + r, block, e, out, ldo);
     }
   }
 }
@@ -143,10 +155,11 @@ void multiply_rows(const int8_t* a, int64_t k, const int8_t* packed, int64_t fir
 bool int8_amx_available() { return tiles_permitted(); }
 
 // codes [M, K] int8 (rows contiguous; K a multiple of 64), row_scales [M, 1] float32, a weight from
-// int8_pack_weight (N a multiple of 32) with its scales [N] float32, bias [N] or none -> [M, N] in out_dtype.
+// int8_pack_weight (N a multiple of 32) with its scales [N] float32, bias [N] or none -> [M, N] in out_dtype; gated
+// (the weight's features [gate; up] interleaved per 16): [M, N / 2], silu(gate) x up.
 at::Tensor int8_amx_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
                            const at::Tensor& weight_scales, const std::optional<at::Tensor>& bias,
-                           at::ScalarType out_dtype) {
+                           at::ScalarType out_dtype, bool gated) {
   TORCH_CHECK(tiles_permitted(), "int8_amx_linear: the kernel did not grant this process the AMX tiles");
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
               "int8_amx_linear: codes must be contiguous int8 [M, K]");
@@ -164,7 +177,8 @@ at::Tensor int8_amx_linear(const at::Tensor& codes, const at::Tensor& row_scales
     TORCH_CHECK(bias->numel() == n, "int8_amx_linear: bias must be [N]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({m, n}, codes.options().dtype(out_dtype));
+  const int64_t width = gated ? n / 2 : n;
+  at::Tensor out = at::empty({m, width}, codes.options().dtype(out_dtype));
   if (m == 0) return out;
   const Epilogue e{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
                    bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr};
@@ -177,6 +191,7 @@ at::Tensor int8_amx_linear(const at::Tensor& codes, const at::Tensor& row_scales
   const int64_t groups = std::min(feature_blocks, std::max<int64_t>(1, (8 + row_groups - 1) / row_groups));
   const int64_t per_group = (feature_blocks + groups - 1) / groups;
   auto run = [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
     const std::function<void(int64_t)> body = [&](int64_t unit) {
       const int64_t row = (unit / groups) * kRowBlocksPerUnit * kRows, g = unit % groups;
       const int64_t rows = std::min<int64_t>(kRowBlocksPerUnit * kRows, m - row);
@@ -184,12 +199,13 @@ at::Tensor int8_amx_linear(const at::Tensor& codes, const at::Tensor& row_scales
       if (first >= last) return;
       configure_tiles();
       const int64_t whole = rows / kRows * kRows;
-      if (whole > 0) multiply_rows(a + row * k, k, w, first, last, whole, row, e, o, n);
+      const auto multiply = gated ? &multiply_rows<true, T> : &multiply_rows<false, T>;
+      if (whole > 0) multiply(a + row * k, k, w, first, last, whole, row, e, o, width);
       if (whole < rows) {  // a short last block: its rows padded with zero codes, as tiles always read 32 rows
         thread_local std::vector<int8_t> padded;
         padded.assign(kRows * k, 0);
         std::memcpy(padded.data(), a + (row + whole) * k, (rows - whole) * k);
-        multiply_rows(padded.data(), k, w, first, last, rows - whole, row + whole, e, o, n);
+        multiply(padded.data(), k, w, first, last, rows - whole, row + whole, e, o, width);
       }
       _tile_release();
     };
@@ -209,7 +225,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("int8_amx_available() -> bool", &int8_amx_available);
   m.def(
       "int8_amx_linear(Tensor codes, Tensor row_scales, Tensor packed, Tensor weight_scales, Tensor? bias, "
-      "ScalarType out_dtype) -> Tensor");
+      "ScalarType out_dtype, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("int8_amx_linear", &int8_amx_linear); }

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "int8_epilogue.h"
 #include "kv_codes.h"
 #include "work_sharing.h"
 
@@ -404,9 +405,10 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const
   return {codes, scales};
 }
 
-// y [M, N] float32 (sums already times each column's weight scale) -> y * row_scales [M, 1] + bias [N], in dtype.
+// y [M, N] float32 (sums already times each column's weight scale) -> y * row_scales [M, 1] + bias [N], in dtype;
+// gated (the columns [gate; up] interleaved per 16): [M, N / 2], silu(gate) x up (int8_epilogue.h, as our kernels).
 at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const std::optional<at::Tensor>& bias,
-                      at::ScalarType dtype) {
+                      at::ScalarType dtype, bool gated) {
   TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous(),
               "scale_rows: y must be contiguous float32 [M, N]");
   TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == y.size(0) && row_scales.is_contiguous(),
@@ -420,7 +422,13 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const s
     bias_f = bias->to(at::kFloat).contiguous();
     b = bias_f.const_data_ptr<float>();
   }
-  at::Tensor out = at::empty({rows, n}, y.options().dtype(dtype));
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  TORCH_CHECK(!gated || n % 32 == 0, "scale_rows: gated columns come in 16 gate, 16 up");
+#else
+  TORCH_CHECK(!gated, "scale_rows: gated needs AVX-512");
+#endif
+  const int64_t width = gated ? n / 2 : n;
+  at::Tensor out = at::empty({rows, width}, y.options().dtype(dtype));
   const float* in = y.const_data_ptr<float>();
   const float* s = row_scales.const_data_ptr<float>();
   dispatch(dtype, [&](auto tag) {
@@ -430,10 +438,14 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const s
       int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       const __m512 scale = _mm512_set1_ps(s[r]);
-      for (; i + 16 <= n; i += 16) {
-        const __m512 add = b ? _mm512_loadu_ps(b + i) : _mm512_setzero_ps();
-        store16(o + r * n + i, _mm512_fmadd_ps(_mm512_loadu_ps(in + r * n + i), scale, add));
+      auto at = [&](int64_t c) {
+        return tokenloom::scale_sums(_mm512_loadu_ps(in + r * n + c), scale, b ? _mm512_loadu_ps(b + c) : _mm512_setzero_ps());
+      };
+      if (gated) {
+        for (int64_t c = 0; c < n; c += 32) store16(o + r * width + c / 2, tokenloom::silu_times(at(c), at(c + 16)));
+        return;
       }
+      for (; i + 16 <= n; i += 16) store16(o + r * n + i, at(i));
 #endif
       for (; i < n; ++i) store(o + r * n + i, in[r * n + i] * s[r] + (b ? b[i] : 0.0f));
     });
@@ -451,7 +463,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
       "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots, int kv_kind=0, int block_size=0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_rows_int8(Tensor x, Tensor? signs=None) -> (Tensor, Tensor)");
-  m.def("scale_rows(Tensor y, Tensor row_scales, Tensor? bias, ScalarType dtype) -> Tensor");
+  m.def("scale_rows(Tensor y, Tensor row_scales, Tensor? bias, ScalarType dtype, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {

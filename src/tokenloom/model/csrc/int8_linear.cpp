@@ -21,6 +21,7 @@
 #include <functional>
 #include <optional>
 
+#include "int8_epilogue.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -70,10 +71,12 @@ struct Scales {
   const float* bias;     // [N] or null
 };
 
-// Rows x Blocks outputs from unsigned activation codes xu [Rows, K] (row stride k) and Blocks packed blocks.
-template <int Rows, int Blocks, typename T>
+// Rows x Blocks outputs from unsigned activation codes xu [Rows, K] (row stride k) and Blocks packed blocks;
+// gated, the blocks alternate gate and up and the tile writes Blocks / 2 blocks of silu(gate) x up.
+template <int Rows, int Blocks, bool Gated, typename T>
 void tile(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const Scales& s, int64_t feature, T* out,
           int64_t ldo) {
+  static_assert(!Gated || Blocks % 2 == 0, "a gated tile holds gate and up blocks in pairs");
   __m512i acc[Rows][Blocks];
   for (int r = 0; r < Rows; ++r) {
     for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_si512();
@@ -88,14 +91,24 @@ void tile(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const 
       for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], xv, wv[b]);
     }
   }
+  __m512i shift[Blocks];
+  __m512 weight_scale[Blocks], bias[Blocks];
   for (int b = 0; b < Blocks; ++b) {
     const int64_t f = feature + b * kBlock;
-    const __m512i shift = _mm512_slli_epi32(_mm512_loadu_si512(s.sums + f), 7);  // 128 x the code sum
-    const __m512 weight_scale = _mm512_loadu_ps(s.weights + f);
-    const __m512 bias = s.bias ? _mm512_loadu_ps(s.bias + f) : _mm512_setzero_ps();
-    for (int r = 0; r < Rows; ++r) {
-      const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][b], shift)), weight_scale);
-      store(out + r * ldo + b * kBlock, _mm512_fmadd_ps(sum, _mm512_set1_ps(s.rows[r]), bias));
+    shift[b] = _mm512_slli_epi32(_mm512_loadu_si512(s.sums + f), 7);  // 128 x the code sum
+    weight_scale[b] = _mm512_loadu_ps(s.weights + f);
+    bias[b] = s.bias ? _mm512_loadu_ps(s.bias + f) : _mm512_setzero_ps();
+  }
+  for (int r = 0; r < Rows; ++r) {
+    const __m512 row_scale = _mm512_set1_ps(s.rows[r]);
+    __m512 y[Blocks];
+    for (int b = 0; b < Blocks; ++b) {
+      y[b] = tokenloom::scale_sums(_mm512_sub_epi32(acc[r][b], shift[b]), weight_scale[b], row_scale, bias[b]);
+    }
+    if constexpr (Gated) {
+      for (int b = 0; b < Blocks / 2; ++b) store(out + r * ldo + b * kBlock, tokenloom::silu_times(y[2 * b], y[2 * b + 1]));
+    } else {
+      for (int b = 0; b < Blocks; ++b) store(out + r * ldo + b * kBlock, y[b]);
     }
   }
 }
@@ -103,31 +116,36 @@ void tile(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const 
 template <typename T>
 using TileFn = void (*)(const uint8_t*, int64_t, const __m512i*, int64_t, const Scales&, int64_t, T*, int64_t);
 
-template <int Rows, typename T>
+template <int Rows, bool Gated, typename T>
 TileFn<T> tile_for_blocks(int blocks) {
-  switch (blocks) {
-    case 1: return &tile<Rows, 1, T>;
-    case 2: return &tile<Rows, 2, T>;
-    case 3: return &tile<Rows, 3, T>;
-    default: return &tile<Rows, 4, T>;
+  if constexpr (Gated) {
+    return blocks == 2 ? &tile<Rows, 2, true, T> : &tile<Rows, 4, true, T>;
+  } else {
+    switch (blocks) {
+      case 1: return &tile<Rows, 1, false, T>;
+      case 2: return &tile<Rows, 2, false, T>;
+      case 3: return &tile<Rows, 3, false, T>;
+      default: return &tile<Rows, 4, false, T>;
+    }
   }
 }
 
-template <typename T>
+template <bool Gated, typename T>
 TileFn<T> tile_for(int rows, int blocks) {
   switch (rows) {
-    case 1: return tile_for_blocks<1, T>(blocks);
-    case 2: return tile_for_blocks<2, T>(blocks);
-    case 3: return tile_for_blocks<3, T>(blocks);
-    default: return tile_for_blocks<4, T>(blocks);
+    case 1: return tile_for_blocks<1, Gated, T>(blocks);
+    case 2: return tile_for_blocks<2, Gated, T>(blocks);
+    case 3: return tile_for_blocks<3, Gated, T>(blocks);
+    default: return tile_for_blocks<4, Gated, T>(blocks);
   }
 }
 
 // codes [M, K] int8 (rows contiguous), row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums
-// and scales [N] float32, bias [N] or none -> [M, N] in out_dtype (float32 or bfloat16).
+// and scales [N] float32, bias [N] or none -> [M, N] in out_dtype (float32 or bfloat16); gated (the features
+// [gate; up] interleaved per 16): [M, N / 2], silu(gate) x up.
 at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
                        const at::Tensor& code_sums, const at::Tensor& weight_scales,
-                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated) {
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
               "int8_linear: codes must be contiguous int8 [M, K]");
   const int64_t m = codes.size(0), k = codes.size(1), blocks = packed.size(0), n = blocks * kBlock;
@@ -144,7 +162,9 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
     TORCH_CHECK(bias->numel() == n, "int8_linear: bias must be [N]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({m, n}, codes.options().dtype(out_dtype));
+  TORCH_CHECK(!gated || blocks % 2 == 0, "int8_linear: a gated weight has gate and up blocks in pairs");
+  const int64_t width = gated ? n / 2 : n;
+  at::Tensor out = at::empty({m, width}, codes.options().dtype(out_dtype));
   if (m == 0) return out;
   at::Tensor shifted = at::empty({m, k}, codes.options().dtype(at::kByte));  // codes + 128, as unsigned bytes
   const int8_t* c = codes.const_data_ptr<int8_t>();
@@ -168,7 +188,9 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
           const int nr = static_cast<int>(std::min<int64_t>(kRows, m - r));
           Scales at_rows = scales;
           at_rows.rows += r;
-          tile_for<T>(nr, nb)(u + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, op + r * n + b * kBlock, n);
+          T* at = op + r * width + (gated ? b / 2 : b) * kBlock;
+          const auto fn = gated ? tile_for<true, T>(nr, nb) : tile_for<false, T>(nr, nb);
+          fn(u + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
         }
       }
     };
@@ -188,7 +210,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("int8_pack_weight(Tensor w) -> (Tensor, Tensor)");
   m.def(
       "int8_linear(Tensor codes, Tensor row_scales, Tensor packed, Tensor code_sums, Tensor weight_scales, "
-      "Tensor? bias, ScalarType out_dtype) -> Tensor");
+      "Tensor? bias, ScalarType out_dtype, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
