@@ -3,10 +3,11 @@
     .venv/bin/python benchmarks/int8_linear_breakdown.py [--rows 64,512,2048]
 
 For SmolLM2-135M's linear shapes (K x N: 576 x 1536 gate/up, 1536 x 576 down, 576 x 576 q/o) and steps of M rows
-above the small-step kernel's 12: torch's bf16 linear against `Int8Linear` (what --quantization int8 runs), and
-Int8Linear's three parts timed alone: the per-token quantization with the Hadamard rotation (our C++ operator),
-oneDNN's int8 GEMM (int32 sums scaled per channel, float32 out), and the per-row rescale to bf16 (our operator).
-Random weights of those shapes; milliseconds per call, the best of 7 rounds of 10 calls after 3 warm-up calls.
+above the small-step kernel's: torch's bf16 linear against `Int8Linear` (what --quantization int8 runs), and its
+parts timed alone: the per-token quantization with the Hadamard rotation (our C++ operator); our AMX kernel (int32
+sums in tiles, both scales applied as they leave, bf16 out), where the CPU has AMX-INT8; and the path without it,
+oneDNN's int8 GEMM (float32 out) followed by the per-row rescale to bf16 (our operator). Random weights of those
+shapes; milliseconds per call, the best of 7 rounds of 10 calls after 3 warm-up calls.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from tokenloom.model import cpu_kernel
+from tokenloom.model import cpu_kernel, quantization
 from tokenloom.model.quantization import Int8Linear
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576))
@@ -40,24 +41,40 @@ def milliseconds(call: Callable[[], object], repeats: int = 10, rounds: int = 7)
     return best
 
 
-def gemm(linear: Int8Linear, codes: torch.Tensor) -> torch.Tensor:
+def onednn_layer(weight: torch.Tensor) -> Int8Linear:
+    """The same layer as the engine would build on a CPU without AMX: oneDNN's packing for every large step."""
+    has_amx = quantization.amx_kernel_available
+    quantization.amx_kernel_available = lambda: False  # type: ignore[assignment]
+    try:
+        return Int8Linear(weight, None)
+    finally:
+        quantization.amx_kernel_available = has_amx  # type: ignore[assignment]
+
+
+def onednn_gemm(linear: Int8Linear, codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.onednn.qlinear_pointwise(
         codes, 1.0, 0, linear.packed, linear.weight_scale, linear.weight_zero_point, None, 1.0, 0, torch.float32,
         "none", [], "",
     )  # fmt: skip
 
 
-def measured_row(linear: Int8Linear, weight_bf16: torch.Tensor, m: int) -> str:
+def measured_row(weight: torch.Tensor, m: int) -> str:
+    linear, plain, weight_bf16 = Int8Linear(weight, None), onednn_layer(weight), weight.bfloat16()
     x = torch.randn(m, linear.in_features).bfloat16()
     bf16 = milliseconds(lambda: torch.nn.functional.linear(x, weight_bf16))
     int8 = milliseconds(lambda: linear(x))
     quantize = milliseconds(lambda: torch.ops.tokenloom.quantize_rows_int8(x, linear.signs))
     codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(x, linear.signs)
-    matmul = milliseconds(lambda: gemm(linear, codes))
-    sums = gemm(linear, codes)
+    amx = "-"
+    if linear.amx:
+        assert linear.small is not None
+        packed, scale = linear.small[0], linear.weight_scale
+        amx = f"{milliseconds(lambda: torch.ops.tokenloom.int8_amx_linear(codes, row_scales, packed, scale, None, x.dtype)):.2f}"  # noqa: E501
+    matmul = milliseconds(lambda: onednn_gemm(plain, codes))
+    sums = onednn_gemm(plain, codes)
     rescale = milliseconds(lambda: torch.ops.tokenloom.scale_rows(sums, row_scales, None, x.dtype))
     shape = f"{linear.in_features} x {linear.out_features}"
-    return (f"| {shape} | {m} | {bf16:.2f} | {int8:.2f} | {bf16 / int8:.2f}x | {quantize:.2f} | {matmul:.2f} "
+    return (f"| {shape} | {m} | {bf16:.2f} | {int8:.2f} | {bf16 / int8:.2f}x | {quantize:.2f} | {amx} | {matmul:.2f} "
             f"| {rescale:.2f} |")  # fmt: skip
 
 
@@ -68,13 +85,13 @@ def main() -> None:
     assert cpu_kernel.load_kernel(), "the C++ operators did not build"
     torch.manual_seed(0)
     print(f"load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} threads")
-    print("| K x N | M | bf16 ms | int8 ms | int8 / bf16 speed | quantize + rotate | int8 GEMM | rescale |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| K x N | M | bf16 ms | int8 ms | int8 / bf16 speed | quantize + rotate | AMX kernel | oneDNN int8 GEMM "
+          "| rescale |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k, n in SHAPES:
         weight = torch.randn(n, k) * 0.05
-        linear, weight_bf16 = Int8Linear(weight, None), weight.bfloat16()
         for m in (int(r) for r in args.rows.split(",")):
-            print(measured_row(linear, weight_bf16, m), flush=True)
+            print(measured_row(weight, m), flush=True)
 
 
 if __name__ == "__main__":

@@ -95,9 +95,10 @@ def _packed_linear_shape(x: torch.Tensor, handle: int, bias: torch.Tensor | None
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def _gate_and_up_interleaved(weight: torch.Tensor) -> torch.Tensor:
-    """[gate; up] -> blocks of 16 rows alternating gate, up: the order bf16_linear_silu_and_mul reads them in."""
-    gate, up = (half.reshape(-1, PACK_BLOCK, weight.shape[1]) for half in weight.chunk(2, dim=0))
+def gate_and_up_interleaved(weight: torch.Tensor) -> torch.Tensor:
+    """[gate; up] (a weight's rows, or a bias) -> blocks of 16 alternating gate, up: the order the gated kernels
+    (bf16_linear_silu_and_mul, the int8 linears) read them in."""
+    gate, up = (half.reshape(-1, PACK_BLOCK, *weight.shape[1:]) for half in weight.chunk(2, dim=0))
     return torch.stack([gate, up], dim=1).reshape(weight.shape)
 
 
@@ -118,7 +119,7 @@ class PackedLinear(nn.Module):
         self.in_features = plain.shape[1]
         self.out_features = plain.shape[0] // 2 if self.gated else plain.shape[0]
         if self.gated:
-            self.packed = torch.ops.tokenloom.bf16_pack_weight(_gate_and_up_interleaved(plain))
+            self.packed = torch.ops.tokenloom.bf16_pack_weight(gate_and_up_interleaved(plain))
         elif self.own:
             self.packed = torch.ops.tokenloom.bf16_pack_weight(plain)
         else:

@@ -8,11 +8,14 @@ is summed exactly in int32, then scaled back by the row's and the column's scale
 
     y[m, n] = x_scale[m] * w_scale[n] * sum_k xq[m, k] * wq[n, k]   (+ bias[n])
 
-int8 (the CPU): for steps of up to 12 rows our own VNNI kernel (csrc/int8_linear.cpp: at decode sizes oneDNN's
-int8 matmul was slower than the whole bf16 linear), else oneDNN's int8 matmul through torch
-(``onednn::qlinear_pointwise`` on a weight packed once at load time; AMX-INT8 or AVX-512 VNNI where the CPU has them),
-with the activation scale left at 1 inside it and applied per row after (``tokenloom::scale_rows``), since oneDNN
-takes one activation scale per tensor; both scale the sums in the same order, so their outputs are the same bits.
+int8 (the CPU): three kernels, one result. Steps of a few rows run our VNNI kernel (csrc/int8_linear.cpp: at
+decode sizes oneDNN's int8 matmul was slower than the whole bf16 linear); larger ones, where the CPU has AMX-INT8,
+our AMX kernel (csrc/amx_int8_linear.cpp), which applies both scales and the bias as the sums leave its tiles; else
+oneDNN's int8 matmul through torch (``onednn::qlinear_pointwise`` on a weight packed once at load time), with the
+activation scale left at 1 inside it and applied per row after (``tokenloom::scale_rows``), since oneDNN takes one
+activation scale per tensor. All three scale the sums in one order (csrc/int8_epilogue.h), so their outputs are the
+same bits. The fused [gate; up] projection returns silu(gate) * up from that same epilogue, before anything is
+rounded, so the MLP's activation is not a pass of its own.
 fp8 (CUDA): e4m3 codes and ``torch._scaled_mm`` with row-wise scales (Hopper and later).
 
 Before either is quantized, each linear's inputs are rotated (QuaRot, Ashkboos et al. 2024): every 64 inputs times
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from tokenloom.model import cpu_kernel
+from tokenloom.model.prepack import PACK_BLOCK, gate_and_up_interleaved
 
 QUANTIZATIONS = ("int8", "fp8")
 ROWS_HINT = 64  # the batch size oneDNN packs the weight for: a full decode step
@@ -120,7 +124,7 @@ class Int8Linear(nn.Module):
         float32 outputs as they leave the kernel (on every kernel alike: csrc/int8_epilogue.h)."""
         super().__init__()
         self.in_features = weight.shape[1]
-        self.gated = gated and weight.shape[0] % (2 * GATE_BLOCK) == 0 and small_step_kernel_available()
+        self.gated = gated and weight.shape[0] % (2 * PACK_BLOCK) == 0 and small_step_kernel_available()
         self.out_features = weight.shape[0] // 2 if self.gated else weight.shape[0]
         if self.gated:
             weight, bias = gate_and_up_interleaved(weight), None if bias is None else gate_and_up_interleaved(bias)
@@ -166,15 +170,6 @@ class Int8Linear(nn.Module):
             )  # fmt: skip
             out = torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, x.dtype, self.gated)
         return out.view(*x.shape[:-1], self.out_features)
-
-
-GATE_BLOCK = 16  # features per gate or up block of a gated weight (the kernels' vector of outputs)
-
-
-def gate_and_up_interleaved(weight: torch.Tensor) -> torch.Tensor:
-    """[gate; up] (rows, or a bias) -> blocks of 16 alternating gate, up: the order the gated kernels read them in."""
-    gate, up = (half.reshape(-1, GATE_BLOCK, *weight.shape[1:]) for half in weight.chunk(2, dim=0))
-    return torch.stack([gate, up], dim=1).reshape(weight.shape)
 
 
 class Fp8Linear(nn.Module):
