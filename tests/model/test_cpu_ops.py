@@ -187,43 +187,103 @@ def test_bf16_linear_checks_its_inputs():
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_packed_linear_uses_our_operator_unless_the_cpu_has_amx(monkeypatch, amx):
-    """With AMX, oneDNN's tile instructions win, so the weight goes to oneDNN; both paths compute the same linear."""
+def test_packed_linear_uses_our_operators_and_onednn_only_for_what_our_amx_kernel_cannot_take(monkeypatch, amx):
+    """Without AMX our AVX-512 kernel; with AMX our AMX kernel where it is built and the layer is one it may take (the
+    LM head is not), else oneDNN's tiles; every path computes the same linear."""
     needs_bf16_linear()
     from tokenloom.model import prepack
 
     monkeypatch.setattr(prepack, "cpu_has_amx", lambda: amx)
     g = torch.Generator().manual_seed(5)
     weight, x = torch.randn(96, 64, generator=g).bfloat16(), torch.randn(2, 7, 64, generator=g).bfloat16()
-    layer = prepack.PackedLinear(weight, None)
-    assert layer.own is not amx
-    assert layer.packed.is_mkldnn is amx
-    out = layer(x)
-    assert out.shape == (2, 7, 96)
-    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=5e-2)
+    for amx_kernel in (True, False):
+        layer = prepack.PackedLinear(weight, None, amx_kernel=amx_kernel)
+        ours = not amx or (amx_kernel and prepack.amx_linear_available())
+        assert layer.own is ours and layer.packed.is_mkldnn is not ours and layer.amx is (amx and ours)
+        out = layer(x)
+        assert out.shape == (2, 7, 96)
+        torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=5e-2)
 
 
 def test_with_amx_a_small_batch_goes_to_our_operator_and_a_large_one_to_onednn(monkeypatch):
-    """Both layouts of one weight: steps of up to SMALL_BATCH_ROWS rows read ours, larger ones oneDNN's; the same
-    linear either way. Only models whose weights are small enough to hold twice keep both."""
+    """The LM head under AMX: both layouts of one weight, steps of up to SMALL_BATCH_ROWS rows read ours, larger
+    ones oneDNN's; the same linear either way. Only models whose weights are small enough to hold twice keep both."""
     needs_bf16_linear()
     from tokenloom.model import prepack
 
     monkeypatch.setattr(prepack, "cpu_has_amx", lambda: True)
     g = torch.Generator().manual_seed(6)
     weight = torch.randn(96, 64, generator=g).bfloat16()
-    layer = prepack.PackedLinear(weight, None, small_batch=True)
+    layer = prepack.PackedLinear(weight, None, small_batch=True, amx_kernel=False)
     assert layer.small is not None and layer.packed.is_mkldnn
     used = []
     own = prepack._own_linear
-    monkeypatch.setattr(prepack, "_own_linear", lambda *a: used.append(a[0].numel() // 64) or own(*a))
+    monkeypatch.setattr(prepack, "_own_linear", lambda *a, **k: used.append(a[0].numel() // 64) or own(*a, **k))
     for rows in (1, prepack.SMALL_BATCH_ROWS, prepack.SMALL_BATCH_ROWS + 1, 64):
         x = torch.randn(rows, 64, generator=g).bfloat16()
         torch.testing.assert_close(layer(x).float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=5e-2)
     assert used == [1, prepack.SMALL_BATCH_ROWS]
     assert prepack.small_batch_copies_pay(1 << 20)
     assert not prepack.small_batch_copies_pay(prepack.SMALL_BATCH_COPY_LIMIT + 1)
-    assert prepack.PackedLinear(weight, None).small is None
+    assert prepack.PackedLinear(weight, None, amx_kernel=False).small is None
+
+
+def needs_amx_linear():
+    needs_bf16_linear()
+    from tokenloom.model import prepack
+
+    if not prepack.amx_linear_available():
+        pytest.skip("our AMX-BF16 kernel is built only where the compiler targets AMX and the CPU grants its tiles")
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("rows", [8, 13, 32, 33, 100, 300])  # partial and whole 32-row blocks, 128-row units
+def test_amx_bf16_linear_matches_the_avx512_kernel(rows, gated):
+    """Our AMX kernel on the layout bf16_pack_weight makes, against our AVX-512 kernel on the same weight (both sum
+    in float32, in other orders) and float32 arithmetic; input rows strided as a slice of a wider tensor."""
+    needs_amx_linear()
+    from tokenloom.model.prepack import gate_and_up_interleaved
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 192, 576
+    weight = torch.randn(n, k, generator=g).div(8).bfloat16()
+    wide = torch.randn(rows, k + 64, generator=g).bfloat16()
+    x = wide[:, 32 : 32 + k]  # rows with a stride of k + 64
+    wide[0, 32:40] = 200.0  # gates far below -88 in row 0, where e^-g overflows float32
+    packed = torch.ops.tokenloom.bf16_pack_weight(gate_and_up_interleaved(weight) if gated else weight)
+    width = n // 2 if gated else n
+    amx, avx = torch.empty(rows, width).bfloat16(), torch.empty(rows, width).bfloat16()
+    torch.ops.tokenloom.bf16_amx_linear(x, packed, amx, gated)
+    (torch.ops.tokenloom.bf16_linear_silu_and_mul if gated else torch.ops.tokenloom.bf16_linear)(x, packed, avx)
+    expected = x.float() @ weight.float().t()
+    if gated:
+        gate, up = expected.chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+    assert torch.isfinite(amx).all()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(amx.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+    torch.testing.assert_close(amx.float(), avx.float(), rtol=1e-2, atol=1e-2 * scale)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        narrow = torch.ops.tokenloom.bf16_pack_weight(weight[:, :48].contiguous())  # K = 48: not whole tiles
+        torch.ops.tokenloom.bf16_amx_linear(x[:, :48].contiguous(), narrow, amx, gated)
+
+
+def test_with_amx_a_layer_takes_our_amx_kernel_from_8_rows(monkeypatch):
+    needs_amx_linear()
+    from tokenloom.model import prepack
+
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(2 * 96, 64, generator=g).bfloat16()
+    layer = prepack.PackedLinear(weight, None, gated=True)
+    assert layer.own and layer.amx and layer.gated
+    used: list[int] = []
+    amx_op = torch.ops.tokenloom.bf16_amx_linear
+    monkeypatch.setattr(torch.ops.tokenloom, "bf16_amx_linear", lambda x, *a: used.append(x.shape[0]) or amx_op(x, *a))
+    for rows in (1, prepack.AMX_FROM_ROWS - 1, prepack.AMX_FROM_ROWS, 40):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        gate, up = (x.float() @ weight.float().t()).chunk(2, dim=-1)
+        torch.testing.assert_close(layer(x).float(), F.silu(gate) * up, rtol=1e-2, atol=5e-2)
+    assert used == [prepack.AMX_FROM_ROWS, 40]
 
 
 @pytest.mark.parametrize("rows", [1, 6, 7, 64, 300])  # whole and partial register tiles of 6 rows

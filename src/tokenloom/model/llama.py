@@ -199,7 +199,7 @@ class CausalLM(nn.Module):
         if layers:
             prepack_linears(self.layers, gated=GATED_PROJECTIONS, small_batch=small)
         # A tied embedding stays, for lookups.
-        self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small)
+        self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
 
     def quantize_weights(self, method: str) -> int:
         """Every decoder layer's linear to its 8-bit form (quantization.py says what stays in the model's dtype)."""

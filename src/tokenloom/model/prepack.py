@@ -1,12 +1,14 @@
 """Weights packed once at load time, for bfloat16 linears on CPU.
 
 ``F.linear`` hands oneDNN a plain row-major weight, which it reorders into its blocked layout inside every call.
-Packing once at load time is what inductor's freezing does. Where the C++ operators are built for AVX-512 BF16 and
-the CPU has no AMX, the weights are packed for our own ``tokenloom::bf16_linear`` (csrc/bf16_linear.cpp), which on
+Packing once at load time is what inductor's freezing does. Where the C++ operators are built, the weights are
+packed for our own kernels: without AMX ``tokenloom::bf16_linear`` (csrc/bf16_linear.cpp, AVX-512 BF16), which on
 our machines is as fast as oneDNN on prefill-sized inputs and much faster on decode-sized ones, because it does not
-wait for a sleeping OpenMP thread to wake. Elsewhere (with AMX, whose tile instructions oneDNN uses) they are
-reordered for oneDNN, which took 11-20% off the model's matmuls at decode batch sizes against ``F.linear``. In
-float32, on other devices or without either, the model keeps its plain ``nn.Linear`` layers.
+wait for a sleeping OpenMP thread to wake; with AMX the same layout serves both that kernel, for steps of up to 7
+rows, and ``tokenloom::bf16_amx_linear`` (csrc/amx_bf16_linear.cpp) for larger ones, which ran the decoder's layer
+shapes 1.2-1.5x faster than oneDNN's packed linear at 64-2,048 rows (benchmarks/RESULTS.md). The LM head stays with
+oneDNN under AMX (its 49,152-wide weight streamed faster there at 13-64 rows), with our layout beside it for steps
+of a few rows. In float32, on other devices or without either, the model keeps its plain ``nn.Linear`` layers.
 
 The compiled step (compiled.py) cannot take a oneDNN tensor as a graph input, and inductor's own prepacking
 (freezing) makes its graphs uncacheable; so in a compiled graph a packed layer is the opaque operator
@@ -40,8 +42,23 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+AMX_FROM_ROWS = 8  # from this many rows our AMX kernel, below it our AVX-512 BF16 one (both read one layout)
+AMX_BLOCK = 32  # the AMX kernel's inputs per tile row and features per block: K and N multiples of it
+
+
 def _own_linear_available() -> bool:
     return not cpu_has_amx() and cpu_kernel.load_kernel() and cpu_kernel.has_operator("bf16_linear")
+
+
+def amx_linear_available() -> bool:
+    """Our AMX-BF16 kernel (csrc/amx_bf16_linear.cpp) beside the AVX-512 one: built, and the tiles granted."""
+    return (
+        cpu_has_amx()
+        and cpu_kernel.load_kernel()
+        and cpu_kernel.has_operator("bf16_amx_linear")
+        and cpu_kernel.has_operator("bf16_linear")
+        and bool(torch.ops.tokenloom.bf16_amx_available())
+    )
 
 
 def _fits_own_layout(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -49,8 +66,13 @@ def _fits_own_layout(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return bias is None and out_features % PACK_BLOCK == 0 and in_features % 2 == 0
 
 
-def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return _fits_own_layout(weight, bias) and _own_linear_available()
+def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None, amx_kernel: bool = True) -> bool:
+    if not _fits_own_layout(weight, bias):
+        return False
+    if cpu_has_amx():  # only where our AMX kernel takes the large steps: else oneDNN's tiles do
+        fits = weight.shape[0] % AMX_BLOCK == 0 and weight.shape[1] % AMX_BLOCK == 0
+        return amx_kernel and fits and amx_linear_available()
+    return _own_linear_available()
 
 
 def small_batch_copies_pay(weight_bytes: int) -> bool:
@@ -65,6 +87,7 @@ def small_batch_copies_pay(weight_bytes: int) -> bool:
 
 
 _packed_weights: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_amx_handles: set[int] = set()  # the packed weights whose large steps take our AMX kernel
 _handles = itertools.count()
 
 
@@ -73,17 +96,21 @@ def packed_linear(x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_f
     packed = _packed_weights[handle]
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return _own_linear(x, packed, out_features)
+    return _own_linear(x, packed, out_features, handle in _amx_handles)
 
 
-def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
     """x times a weight packed by bf16_pack_weight ([N / 16, K * 16]); a gated [gate; up] weight is the one whose
-    out_features are half its N, and gives silu(gate) * up."""
+    out_features are half its N, and gives silu(gate) * up. amx: steps of AMX_FROM_ROWS rows and more take our AMX
+    kernel (the same layout)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
-    if 2 * out_features == packed.shape[0] * PACK_BLOCK:
+    gated = 2 * out_features == packed.shape[0] * PACK_BLOCK
+    if amx and rows.shape[0] >= AMX_FROM_ROWS:
+        torch.ops.tokenloom.bf16_amx_linear(rows, packed, out, gated)
+    elif gated:
         torch.ops.tokenloom.bf16_linear_silu_and_mul(rows, packed, out)
     else:
         torch.ops.tokenloom.bf16_linear(rows, packed, out)
@@ -109,12 +136,15 @@ class PackedLinear(nn.Module):
     computed from the float32 sums before anything is rounded or written: half the output, one pass."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, small_batch: bool = False
+        self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, small_batch: bool = False,
+        amx_kernel: bool = True,
     ) -> None:
-        """small_batch: beside oneDNN's layout, keep ours for steps of up to SMALL_BATCH_ROWS rows."""
+        """small_batch: beside oneDNN's layout, keep ours for steps of up to SMALL_BATCH_ROWS rows. amx_kernel: with
+        AMX, our kernel may take this layer (False for the LM head: at 13-64 rows oneDNN streamed its 49,152 x 576
+        weight 10-35% faster; benchmarks/RESULTS.md)."""
         super().__init__()
         plain = weight.detach().contiguous()
-        self.own = _fits_own_linear(plain, bias)
+        self.own = _fits_own_linear(plain, bias, amx_kernel)
         self.gated = gated and self.own and plain.shape[0] % (2 * PACK_BLOCK) == 0
         self.in_features = plain.shape[1]
         self.out_features = plain.shape[0] // 2 if self.gated else plain.shape[0]
@@ -127,17 +157,20 @@ class PackedLinear(nn.Module):
         self.small: torch.Tensor | None = None
         if small_batch and not self.own and _fits_own_layout(plain, bias):
             self.small = torch.ops.tokenloom.bf16_pack_weight(plain)
+        self.amx = self.own and cpu_has_amx()  # own with AMX: only where our AMX kernel fits (_fits_own_linear)
         self.handle = next(_handles)  # numbered in build order: the same in every start, so compiled graphs cache
         _packed_weights[self.handle] = self.packed
+        if self.amx:
+            _amx_handles.add(self.handle)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, self.out_features)
         if self.own:
-            return _own_linear(x, self.packed, self.out_features)
+            return _own_linear(x, self.packed, self.out_features, self.amx)
         if self.small is not None and x.numel() <= SMALL_BATCH_ROWS * self.in_features:
-            return _own_linear(x, self.small, self.out_features)
+            return _own_linear(x, self.small, self.out_features, amx=False)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -19,57 +19,19 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <optional>
-#include <vector>
 
+#include "amx_tiles.h"
 #include "int8_epilogue.h"
-#include "work_sharing.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace {
 
-constexpr int kTileRows = 16;       // rows of an A tile and of a C tile
-constexpr int kTileK = 64;          // inputs per A tile row (bytes)
-constexpr int kFeatures = 16;       // output features per B and C tile
-constexpr int kRows = 2 * kTileRows;      // rows of a block: two A tiles
-constexpr int kBlockFeatures = 2 * kFeatures;  // features of a block: two B tiles
-constexpr int64_t kPackedTileBytes = kTileK * kFeatures;
-constexpr int64_t kRowBlocksPerUnit = 4;
+using namespace tokenloom::amx;
 
-// Linux hands a process the AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
-bool tiles_permitted() {
-  static const bool permitted = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: the four C tiles of a 32 x 32 block; 4-5: A (rows 0-15, 16-31); 6-7: B (features 0-15, 16-31).
-// Every tile is 16 rows of 64 bytes. Loaded at the start of every unit: other code on this thread (oneDNN) may
-// have configured the tiles its own way since.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&config);
-}
+constexpr int kTileK = 64;  // inputs per A tile row (bytes)
 
 inline void store16(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
 inline void store16(c10::BFloat16* at, __m512 v) {
@@ -110,44 +72,35 @@ void write_block(const int32_t (&sums)[kRows][kBlockFeatures], int rows, int64_t
   }
 }
 
-// The 32 x 32 block of sums of 32 rows of codes a (row stride k) and feature block `block` (32 features).
-inline void multiply_block(const int8_t* a, int64_t k, const int8_t* packed, int64_t block,
-                           int32_t (&sums)[kRows][kBlockFeatures]) {
+// Tiles 0-3 += the 32 rows of codes at a (row stride k) times feature block `block` (32 features).
+inline void accumulate_block(const int8_t* a, int64_t k, const int8_t* packed, int64_t block) {
   const int64_t k_tiles = k / kTileK, feature_block_bytes = k * kFeatures;
   const int8_t* b0 = packed + (2 * block) * feature_block_bytes;
   const int8_t* b1 = b0 + feature_block_bytes;
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_block();
   for (int64_t t = 0; t < k_tiles; ++t) {
     _tile_loadd(4, a + t * kTileK, k);
     _tile_loadd(5, a + kTileRows * k + t * kTileK, k);
-    _tile_loadd(6, b0 + t * kPackedTileBytes, 64);
-    _tile_loadd(7, b1 + t * kPackedTileBytes, 64);
+    _tile_loadd(6, b0 + t * kTileBytes, 64);
+    _tile_loadd(7, b1 + t * kTileBytes, 64);
     _tile_dpbssd(0, 4, 6);
     _tile_dpbssd(1, 4, 7);
     _tile_dpbssd(2, 5, 6);
     _tile_dpbssd(3, 5, 7);
   }
-  constexpr int64_t stride = kBlockFeatures * sizeof(int32_t);
-  _tile_stored(0, &sums[0][0], stride);
-  _tile_stored(1, &sums[0][kFeatures], stride);
-  _tile_stored(2, &sums[kTileRows][0], stride);
-  _tile_stored(3, &sums[kTileRows][kFeatures], stride);
 }
 
-// `rows` rows of codes a (row stride k; padded to whole 32-row blocks) from output row `row` on, against feature
-// blocks [first, last). Feature block by feature block, so its weight (2 x 16 x K bytes, from L1) serves every row
-// block of the unit, and the unit's rows (from L2) serve every feature block.
 template <bool Gated, typename T>
-void multiply_rows(const int8_t* a, int64_t k, const int8_t* packed, int64_t first, int64_t last, int64_t rows,
-                   int64_t row, const Epilogue& e, T* out, int64_t ldo) {
+void multiply_rows(const Rows& rows, int64_t k, const int8_t* packed, int64_t first, int64_t last, const Epilogue& e,
+                   T* out, int64_t ldo) {
   alignas(64) int32_t sums[kRows][kBlockFeatures];
+  const auto* a = reinterpret_cast<const int8_t*>(rows.a);
   for (int64_t block = first; block < last; ++block) {
-    for (int64_t r = 0; r < rows; r += kRows) {
-      multiply_block(a + r * k, k, packed, block, sums);
-      write_block<Gated>(sums, static_cast<int>(std::min<int64_t>(kRows, rows - r)), row + r, block, e, out, ldo);
+    for (int64_t r = 0; r < rows.count; r += kRows) {
+      accumulate_block(a + r * k, k, packed, block);
+      store_block(sums);
+      write_block<Gated>(sums, static_cast<int>(std::min<int64_t>(kRows, rows.count - r)), rows.row + r, block, e,
+                         out, ldo);
     }
   }
 }
@@ -182,34 +135,12 @@ at::Tensor int8_amx_linear(const at::Tensor& codes, const at::Tensor& row_scales
   if (m == 0) return out;
   const Epilogue e{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
                    bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr};
-  const int8_t* a = codes.const_data_ptr<int8_t>();
   const int8_t* w = packed.const_data_ptr<int8_t>();
-  // Units: groups of up to 4 row blocks (128 rows) times groups of feature blocks, at least 8 units where the step
-  // allows, so both cores (and the caller, who starts at once) have work even on a 32-row step.
-  const int64_t row_blocks = (m + kRows - 1) / kRows, feature_blocks = n / kBlockFeatures;
-  const int64_t row_groups = (row_blocks + kRowBlocksPerUnit - 1) / kRowBlocksPerUnit;
-  const int64_t groups = std::min(feature_blocks, std::max<int64_t>(1, (8 + row_groups - 1) / row_groups));
-  const int64_t per_group = (feature_blocks + groups - 1) / groups;
   auto run = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
-    const std::function<void(int64_t)> body = [&](int64_t unit) {
-      const int64_t row = (unit / groups) * kRowBlocksPerUnit * kRows, g = unit % groups;
-      const int64_t rows = std::min<int64_t>(kRowBlocksPerUnit * kRows, m - row);
-      const int64_t first = g * per_group, last = std::min(feature_blocks, first + per_group);
-      if (first >= last) return;
-      configure_tiles();
-      const int64_t whole = rows / kRows * kRows;
-      const auto multiply = gated ? &multiply_rows<true, T> : &multiply_rows<false, T>;
-      if (whole > 0) multiply(a + row * k, k, w, first, last, whole, row, e, o, width);
-      if (whole < rows) {  // a short last block: its rows padded with zero codes, as tiles always read 32 rows
-        thread_local std::vector<int8_t> padded;
-        padded.assign(kRows * k, 0);
-        std::memcpy(padded.data(), a + (row + whole) * k, (rows - whole) * k);
-        multiply(padded.data(), k, w, first, last, rows - whole, row + whole, e, o, width);
-      }
-      _tile_release();
-    };
-    tokenloom::WorkSharing::instance().run(row_groups * groups, body);
+    const auto multiply = gated ? &multiply_rows<true, T> : &multiply_rows<false, T>;
+    for_units(codes.const_data_ptr<int8_t>(), k, k, m, n / kBlockFeatures,
+              [&](const Rows& rows, int64_t first, int64_t last) { multiply(rows, k, w, first, last, e, o, width); });
   };
   if (out_dtype == at::kFloat) {
     run(out.mutable_data_ptr<float>());

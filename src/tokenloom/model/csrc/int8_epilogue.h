@@ -22,11 +22,6 @@ inline __m512 scale_sums(__m512i sums, __m512 weight_scale, __m512 row_scale, __
   return scale_sums(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), weight_scale), row_scale, bias);
 }
 
-inline __m512 silu_times(__m512 gate, __m512 up) {
-  const __m512 e_minus_gate = exp_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-  return _mm512_div_ps(_mm512_mul_ps(gate, up), _mm512_add_ps(_mm512_set1_ps(1.0f), e_minus_gate));
-}
-
 }  // namespace tokenloom
 
 #endif  // __AVX512F__
