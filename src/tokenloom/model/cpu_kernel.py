@@ -32,7 +32,10 @@ SOURCES = [
     for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp", "int8_linear.cpp",
                  "amx_int8_linear.cpp", "amx_bf16_linear.cpp")
 ]
-HEADERS = [CSRC / name for name in ("work_sharing.h", "avx512_exp.h", "bf16_vec.h", "kv_codes.h", "int8_epilogue.h", "amx_tiles.h")]
+HEADERS = [
+    CSRC / name
+    for name in ("work_sharing.h", "avx512_exp.h", "bf16_vec.h", "kv_codes.h", "int8_epilogue.h", "amx_tiles.h")
+]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math
 # vectorises float sums and exp (glibc's SIMD expf is declared only under it); it also assumes no infinities, so
 # the sources use finite sentinels instead of -inf and clamp exponents that real activations can overflow.
