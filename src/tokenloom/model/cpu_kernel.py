@@ -5,7 +5,8 @@ gather), so it reads the context three times: to copy it, to write the copy, to 
 once, in float32 or bfloat16. Beside it: the fused norms, rotary and SiLU (fused.cpp), bf16 prefill attention and
 the bf16 linear with its packed weights (bf16_linear.cpp, used by prepack.py), the last two only where the compiler
 targets AVX-512 BF16; the int8 linears (int8_linear.cpp with VNNI, for --quantization int8) and the AMX linears
-(amx_int8_linear.cpp, amx_bf16_linear.cpp) only where it targets those. They are built with ``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
+(amx_int8_linear.cpp, amx_bf16_linear.cpp) only where it targets those. They are built with
+``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
 half a minute) into the tokenloom cache, keyed by the sources, the flags, torch's version and the CPU, and
 registered with ``torch.library``, so their inputs are checked (dtype, shape, contiguity, index types, block ids).
 Without a compiler, on any device but the CPU, for other dtypes, or with TOKENLOOM_CPU_KERNEL=0, the engine uses the
