@@ -32,25 +32,20 @@ inline void store16(c10::BFloat16* at, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
-// Tiles 0-3 += the 32 rows at a (row stride lda elements) times feature block `block` (32 features).
-inline void accumulate_block(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, int64_t k,
-                             int64_t block) {
-  const int64_t k_tiles = k / kTileK, feature_block = k * kFeatures;  // elements
-  const c10::BFloat16* b0 = packed + (2 * block) * feature_block;
-  const c10::BFloat16* b1 = b0 + feature_block;
-  constexpr int64_t tile_elements = kTileBytes / 2;
-  const int64_t stride = lda * 2;
-  zero_block();
-  for (int64_t t = 0; t < k_tiles; ++t) {
-    _tile_loadd(4, a + t * kTileK, stride);
-    _tile_loadd(5, a + kTileRows * lda + t * kTileK, stride);
-    _tile_loadd(6, b0 + t * tile_elements, 64);
-    _tile_loadd(7, b1 + t * tile_elements, 64);
+struct Bf16Pairs {
+  static void four() {
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
+};
+
+// Tiles 0-3 = the 32 rows at a (row stride lda elements) times feature block `block` (32 features).
+inline void accumulate(const c10::BFloat16* a, int64_t lda, const c10::BFloat16* packed, int64_t k, int64_t block) {
+  const int64_t half_bytes = k * kFeatures * 2;
+  const auto* b0 = reinterpret_cast<const uint8_t*>(packed) + 2 * block * half_bytes;
+  accumulate_block<Bf16Pairs>(reinterpret_cast<const uint8_t*>(a), lda * 2, b0, b0 + half_bytes, k / kTileK);
 }
 
 template <bool Gated>
@@ -76,7 +71,7 @@ void multiply_rows(const Rows& rows, int64_t k, const c10::BFloat16* packed, int
   const int64_t lda = rows.stride / 2;
   for (int64_t block = first; block < last; ++block) {
     for (int64_t r = 0; r < rows.count; r += kRows) {
-      accumulate_block(a + r * lda, lda, packed, k, block);
+      accumulate(a + r * lda, lda, packed, k, block);
       store_block(sums);
       write_block<Gated>(sums, static_cast<int>(std::min<int64_t>(kRows, rows.count - r)), rows.row + r, block, out,
                          ldo);

@@ -72,22 +72,20 @@ void write_block(const int32_t (&sums)[kRows][kBlockFeatures], int rows, int64_t
   }
 }
 
-// Tiles 0-3 += the 32 rows of codes at a (row stride k) times feature block `block` (32 features).
-inline void accumulate_block(const int8_t* a, int64_t k, const int8_t* packed, int64_t block) {
-  const int64_t k_tiles = k / kTileK, feature_block_bytes = k * kFeatures;
-  const int8_t* b0 = packed + (2 * block) * feature_block_bytes;
-  const int8_t* b1 = b0 + feature_block_bytes;
-  zero_block();
-  for (int64_t t = 0; t < k_tiles; ++t) {
-    _tile_loadd(4, a + t * kTileK, k);
-    _tile_loadd(5, a + kTileRows * k + t * kTileK, k);
-    _tile_loadd(6, b0 + t * kTileBytes, 64);
-    _tile_loadd(7, b1 + t * kTileBytes, 64);
+struct SignedBytes {
+  static void four() {
     _tile_dpbssd(0, 4, 6);
     _tile_dpbssd(1, 4, 7);
     _tile_dpbssd(2, 5, 6);
     _tile_dpbssd(3, 5, 7);
   }
+};
+
+// Tiles 0-3 = the 32 rows of codes at a (row stride k) times feature block `block` (32 features).
+inline void accumulate(const int8_t* a, int64_t k, const int8_t* packed, int64_t block) {
+  const int64_t half_bytes = k * kFeatures;
+  const auto* b0 = reinterpret_cast<const uint8_t*>(packed) + 2 * block * half_bytes;
+  accumulate_block<SignedBytes>(reinterpret_cast<const uint8_t*>(a), k, b0, b0 + half_bytes, k / kTileK);
 }
 
 template <bool Gated, typename T>
@@ -97,7 +95,7 @@ void multiply_rows(const Rows& rows, int64_t k, const int8_t* packed, int64_t fi
   const auto* a = reinterpret_cast<const int8_t*>(rows.a);
   for (int64_t block = first; block < last; ++block) {
     for (int64_t r = 0; r < rows.count; r += kRows) {
-      accumulate_block(a + r * k, k, packed, block);
+      accumulate(a + r * k, k, packed, block);
       store_block(sums);
       write_block<Gated>(sums, static_cast<int>(std::min<int64_t>(kRows, rows.count - r)), rows.row + r, block, e,
                          out, ldo);
@@ -120,21 +118,13 @@ at::Tensor int8_amx_linear(const at::Tensor& codes, const at::Tensor& row_scales
   TORCH_CHECK(k % kTileK == 0 && n % kBlockFeatures == 0, "int8_amx_linear: K a multiple of 64, N of 32");
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kFeatures,
               "int8_amx_linear: a weight from int8_pack_weight with the codes' K");
-  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m && row_scales.is_contiguous(),
-              "int8_amx_linear: row_scales must be float32 [M, 1]");
-  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == n && weight_scales.is_contiguous(),
-              "int8_amx_linear: weight scales float32 [N]");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "int8_amx_linear: float32 or bfloat16 out");
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "int8_amx_linear: bias must be [N]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f =
+      tokenloom::checked_scales_and_bias("int8_amx_linear", row_scales, m, weight_scales, n, bias, out_dtype);
   const int64_t width = gated ? n / 2 : n;
   at::Tensor out = at::empty({m, width}, codes.options().dtype(out_dtype));
   if (m == 0) return out;
   const Epilogue e{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
-                   bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr};
+                   bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr};
   const int8_t* w = packed.const_data_ptr<int8_t>();
   auto run = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
@@ -142,11 +132,7 @@ at::Tensor int8_amx_linear(const at::Tensor& codes, const at::Tensor& row_scales
     for_units(codes.const_data_ptr<int8_t>(), k, k, m, n / kBlockFeatures,
               [&](const Rows& rows, int64_t first, int64_t last) { multiply(rows, k, w, first, last, e, o, width); });
   };
-  if (out_dtype == at::kFloat) {
-    run(out.mutable_data_ptr<float>());
-  } else {
-    run(out.mutable_data_ptr<c10::BFloat16>());
-  }
+  tokenloom::with_output_data(out, run);
   return out;
 }
 

@@ -117,6 +117,21 @@ inline void zero_block() {
   _tile_zero(3);
 }
 
+// Tiles 0-3 = the 32 rows at a (row stride lda bytes) times the feature block whose two packed halves start at b0
+// and b1, over k_tiles steps of 64 input bytes a row (64 int8 or 32 bf16 inputs; a packed tile is 1 KB); the
+// kernel's Multiply::four() issues the step's four tile products (C0 = A0 B0, C1 = A0 B1, C2 = A1 B0, C3 = A1 B1).
+template <typename Multiply>
+inline void accumulate_block(const uint8_t* a, int64_t lda, const uint8_t* b0, const uint8_t* b1, int64_t k_tiles) {
+  zero_block();
+  for (int64_t t = 0; t < k_tiles; ++t) {
+    _tile_loadd(4, a + t * 64, lda);
+    _tile_loadd(5, a + kTileRows * lda + t * 64, lda);
+    _tile_loadd(6, b0 + t * kTileBytes, 64);
+    _tile_loadd(7, b1 + t * kTileBytes, 64);
+    Multiply::four();
+  }
+}
+
 }  // namespace tokenloom::amx
 
 #endif  // __AMX_TILE__

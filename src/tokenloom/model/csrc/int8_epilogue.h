@@ -7,6 +7,40 @@
 //   from the float32 values, before anything is rounded.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+
+#include <optional>
+
+namespace tokenloom {
+
+// The checks both int8 kernels make of the row scales [M, 1], the weight's scales [N], the bias [N] and the output
+// dtype; returns the bias as float32, or an undefined tensor without one.
+inline at::Tensor checked_scales_and_bias(const char* name, const at::Tensor& row_scales, int64_t m,
+                                          const at::Tensor& weight_scales, int64_t n,
+                                          const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m && row_scales.is_contiguous(), name,
+              ": row_scales must be float32 [M, 1]");
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == n && weight_scales.is_contiguous(),
+              name, ": weight scales float32 [N]");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, name, ": float32 or bfloat16 out");
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->numel() == n, name, ": bias must be [N]");
+  return bias->to(at::kFloat).contiguous();
+}
+
+// f(out's data), typed float* or c10::BFloat16* as out is.
+template <typename F>
+void with_output_data(at::Tensor& out, const F& f) {
+  if (out.scalar_type() == at::kFloat) {
+    f(out.mutable_data_ptr<float>());
+  } else {
+    f(out.mutable_data_ptr<c10::BFloat16>());
+  }
+}
+
+}  // namespace tokenloom
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

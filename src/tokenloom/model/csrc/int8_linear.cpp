@@ -151,17 +151,9 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   const int64_t m = codes.size(0), k = codes.size(1), blocks = packed.size(0), n = blocks * kBlock;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kBlock,
               "int8_linear: a weight from int8_pack_weight with the codes' K");
-  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m && row_scales.is_contiguous(),
-              "int8_linear: row_scales must be float32 [M, 1]");
-  TORCH_CHECK(code_sums.scalar_type() == at::kInt && code_sums.numel() == n && weight_scales.numel() == n &&
-                  weight_scales.scalar_type() == at::kFloat && weight_scales.is_contiguous(),
-              "int8_linear: code sums int32 [N] and weight scales float32 [N]");
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "int8_linear: float32 or bfloat16 out");
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "int8_linear: bias must be [N]");
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  TORCH_CHECK(code_sums.scalar_type() == at::kInt && code_sums.numel() == n, "int8_linear: code sums int32 [N]");
+  const at::Tensor bias_f =
+      tokenloom::checked_scales_and_bias("int8_linear", row_scales, m, weight_scales, n, bias, out_dtype);
   TORCH_CHECK(!gated || blocks % 2 == 0, "int8_linear: a gated weight has gate and up blocks in pairs");
   const int64_t width = gated ? n / 2 : n;
   at::Tensor out = at::empty({m, width}, codes.options().dtype(out_dtype));
@@ -171,7 +163,7 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   uint8_t* u = shifted.mutable_data_ptr<uint8_t>();
   for (int64_t i = 0; i < m * k; ++i) u[i] = static_cast<uint8_t>(c[i] + 128);
   const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
-                      code_sums.const_data_ptr<int32_t>(), bias.has_value() ? bias_f.const_data_ptr<float>() : nullptr};
+                      code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr};
   const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
   const int64_t groups = k / kGroup;
   const int64_t block_bytes = k * kBlock;
@@ -196,11 +188,7 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
     };
     tokenloom::WorkSharing::instance().run(units, body);
   };
-  if (out_dtype == at::kFloat) {
-    run(out.mutable_data_ptr<float>());
-  } else {
-    run(out.mutable_data_ptr<c10::BFloat16>());
-  }
+  tokenloom::with_output_data(out, run);
   return out;
 }
 
