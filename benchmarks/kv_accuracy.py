@@ -139,7 +139,7 @@ def main() -> None:
     for extra in args.vllm_args:
         chunked = vllm_agreement(shlex.split(extra), sequences)
         print(f"| vLLM-CPU bfloat16 {extra} | - | - | - | {chunked:.1%} |", flush=True)
-    for kv in args.kv_dtypes:
+    for kv in args.kv_dtypes if args.chats else []:
         llm = LLM(kv_cache_dtype=kv, num_kv_blocks=64, **weights)
         outputs = llm.chat([[{"role": "user", "content": c}] for c in CHATS[: args.chats]],
                            SamplingParams(max_tokens=60, temperature=0))  # fmt: skip
