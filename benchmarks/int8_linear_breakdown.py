@@ -67,8 +67,8 @@ def measured_row(weight: torch.Tensor, m: int) -> str:
     codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(x, linear.signs)
     amx = "-"
     if linear.amx:
-        assert linear.small is not None
-        packed, scale = linear.small[0], linear.weight_scale
+        assert linear.own is not None
+        packed, scale = linear.own[0], linear.weight_scale
         amx = f"{milliseconds(lambda: torch.ops.tokenloom.int8_amx_linear(codes, row_scales, packed, scale, None, x.dtype)):.2f}"  # noqa: E501
     matmul = milliseconds(lambda: onednn_gemm(plain, codes))
     sums = onednn_gemm(plain, codes)

@@ -194,11 +194,11 @@ def test_every_kernel_gets_oneDNNs_bits(monkeypatch, dtype, in_features, out_fea
     assert layer.gated == (gated and out_features % 32 == 0)
     assert layer.out_features == (out_features // 2 if layer.gated else out_features)
     fits_tiles = out_features % 32 == 0 and in_features % 64 == 0
-    assert layer.small is not None and layer.amx == (fits_tiles and quantization.amx_kernel_available())
+    assert layer.own is not None and layer.amx == (fits_tiles and quantization.amx_kernel_available())
     assert (layer.packed is None) == layer.amx  # oneDNN's packing is kept only where a step can reach it
     monkeypatch.setattr(quantization, "amx_kernel_available", lambda: False)
     reference = Int8Linear(weight, bias_values, gated=gated)
-    reference.small = None  # every step through oneDNN's matmul
+    reference.own = None  # every step through oneDNN's matmul
     for rows in (1, 3, quantization.AMX_FROM_ROWS, quantization.SMALL_STEP_ROWS, 13, 32, 33, 100, 300):
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         assert torch.equal(layer(x), reference(x)), rows

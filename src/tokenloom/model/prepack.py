@@ -87,16 +87,17 @@ def small_batch_copies_pay(weight_bytes: int) -> bool:
 
 
 _packed_weights: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_amx_handles: set[int] = set()  # the packed weights whose large steps take our AMX kernel
 _handles = itertools.count()
 
 
 @torch.library.custom_op("tokenloom::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int, amx: bool = False
+) -> torch.Tensor:
     packed = _packed_weights[handle]
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return _own_linear(x, packed, out_features, handle in _amx_handles)
+    return _own_linear(x, packed, out_features, amx)
 
 
 def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
@@ -118,7 +119,9 @@ def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: b
 
 
 @packed_linear.register_fake
-def _packed_linear_shape(x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int):
+def _packed_linear_shape(
+    x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int, amx: bool = False
+):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -160,13 +163,11 @@ class PackedLinear(nn.Module):
         self.amx = self.own and cpu_has_amx()  # own with AMX: only where our AMX kernel fits (_fits_own_linear)
         self.handle = next(_handles)  # numbered in build order: the same in every start, so compiled graphs cache
         _packed_weights[self.handle] = self.packed
-        if self.amx:
-            _amx_handles.add(self.handle)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return packed_linear(x, self.handle, self.bias, self.out_features)
+            return packed_linear(x, self.handle, self.bias, self.out_features, self.amx)
         if self.own:
             return _own_linear(x, self.packed, self.out_features, self.amx)
         if self.small is not None and x.numel() <= SMALL_BATCH_ROWS * self.in_features:

@@ -134,18 +134,20 @@ class Int8Linear(nn.Module):
         scaled, scale = per_channel(weight, 127.0)
         codes = scaled.round().clamp(-127, 127).to(torch.int8)
         self.weight_scale = scale
-        # The codes packed for our kernels (VNNI and AMX read one layout), which scale the sums exactly as oneDNN.
-        self.small: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums), which
+        # scale the sums exactly as oneDNN.
+        self.own: tuple[torch.Tensor, torch.Tensor] | None = None
         if codes.shape[0] % 16 == 0 and self.in_features % 4 == 0 and small_step_kernel_available():
-            self.small = torch.ops.tokenloom.int8_pack_weight(codes)
+            self.own = torch.ops.tokenloom.int8_pack_weight(codes)
         self.amx = (
-            self.small is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
+            self.own is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
             and amx_kernel_available()
         )  # fmt: skip
         self.small_rows = AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
         # oneDNN's packing only where a step can reach it: no AMX kernel for this shape or CPU.
         self.packed = None if self.amx else torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features])
-        self.weight_zero_point = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device)
+        zeros = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device)
+        self.weight_zero_point = None if self.amx else zeros
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,15 +155,15 @@ class Int8Linear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
-        if self.small is not None and rows.shape[0] <= self.small_rows:
-            packed, code_sums = self.small
+        if self.own is not None and rows.shape[0] <= self.small_rows:
+            packed, code_sums = self.own
             out = torch.ops.tokenloom.int8_linear(
                 codes, row_scales, packed, code_sums, self.weight_scale, self.bias, x.dtype, self.gated
             )
         elif self.amx:
-            assert self.small is not None
+            assert self.own is not None
             out = torch.ops.tokenloom.int8_amx_linear(
-                codes, row_scales, self.small[0], self.weight_scale, self.bias, x.dtype, self.gated
+                codes, row_scales, self.own[0], self.weight_scale, self.bias, x.dtype, self.gated
             )
         else:
             sums = torch.ops.onednn.qlinear_pointwise(

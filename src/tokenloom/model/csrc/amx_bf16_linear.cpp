@@ -18,6 +18,7 @@
 
 #include "amx_tiles.h"
 #include "avx512_exp.h"
+#include "bf16_vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
@@ -27,10 +28,6 @@ namespace {
 using namespace tokenloom::amx;
 
 constexpr int kTileK = 32;  // bf16 inputs per A tile row
-
-inline void store16(c10::BFloat16* at, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
 
 struct Bf16Pairs {
   static void four() {
@@ -55,10 +52,10 @@ void write_block(const float (&sums)[kRows][kBlockFeatures], int rows, int64_t r
     const __m512 lo = _mm512_loadu_ps(&sums[r][0]), hi = _mm512_loadu_ps(&sums[r][kFeatures]);
     c10::BFloat16* at = out + (row + r) * ldo;
     if constexpr (Gated) {
-      store16(at + block * kFeatures, tokenloom::silu_times(lo, hi));
+      tokenloom::store16(at + block * kFeatures, tokenloom::silu_times(lo, hi));
     } else {
-      store16(at + block * kBlockFeatures, lo);
-      store16(at + block * kBlockFeatures + kFeatures, hi);
+      tokenloom::store16(at + block * kBlockFeatures, lo);
+      tokenloom::store16(at + block * kBlockFeatures + kFeatures, hi);
     }
   }
 }

@@ -22,6 +22,7 @@
 #include <optional>
 
 #include "amx_tiles.h"
+#include "bf16_vec.h"
 #include "int8_epilogue.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -32,11 +33,6 @@ namespace {
 using namespace tokenloom::amx;
 
 constexpr int kTileK = 64;  // inputs per A tile row (bytes)
-
-inline void store16(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
-inline void store16(c10::BFloat16* at, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
 
 struct Epilogue {
   const float* row_scales;     // [M]
@@ -64,10 +60,10 @@ void write_block(const int32_t (&sums)[kRows][kBlockFeatures], int rows, int64_t
     }
     T* at = out + (row + r) * ldo;
     if constexpr (Gated) {
-      store16(at + block * kFeatures, tokenloom::silu_times(y[0], y[1]));
+      tokenloom::store16(at + block * kFeatures, tokenloom::silu_times(y[0], y[1]));
     } else {
-      store16(at + block * kBlockFeatures, y[0]);
-      store16(at + block * kBlockFeatures + kFeatures, y[1]);
+      tokenloom::store16(at + block * kBlockFeatures, y[0]);
+      tokenloom::store16(at + block * kBlockFeatures + kFeatures, y[1]);
     }
   }
 }

@@ -40,10 +40,6 @@ struct TileShape {
   static constexpr int kBlocks = Gated ? 4 : 3;
 };
 
-inline void store_bf16(c10::BFloat16* at, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-
 // Rows x Blocks outputs (Blocks / 2 when gated): x rows [Rows, K] (row stride ldx); w: Blocks packed blocks one
 // after another (each K / 2 vectors); out rows with stride ldo.
 template <int Rows, int Blocks, bool Gated>
@@ -64,10 +60,10 @@ void tile(const c10::BFloat16* x, int64_t ldx, const __m512bh* w, int64_t pairs,
     if constexpr (Gated) {
       // silu(g) * u = g * u / (1 + e^-g), from the float32 sums (the unfused path rounds g and u to bf16 first).
       for (int b = 0; b < Blocks / 2; ++b) {
-        store_bf16(out + r * ldo + b * kBlock, tokenloom::silu_times(acc[r][2 * b], acc[r][2 * b + 1]));
+        tokenloom::store16(out + r * ldo + b * kBlock, tokenloom::silu_times(acc[r][2 * b], acc[r][2 * b + 1]));
       }
     } else {
-      for (int b = 0; b < Blocks; ++b) store_bf16(out + r * ldo + b * kBlock, acc[r][b]);
+      for (int b = 0; b < Blocks; ++b) tokenloom::store16(out + r * ldo + b * kBlock, acc[r][b]);
     }
   }
 }

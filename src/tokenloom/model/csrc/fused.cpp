@@ -411,17 +411,9 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const s
                       at::ScalarType dtype, bool gated) {
   TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.is_contiguous(),
               "scale_rows: y must be contiguous float32 [M, N]");
-  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == y.size(0) && row_scales.is_contiguous(),
-              "scale_rows: row_scales must be float32 [M, 1]");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "scale_rows: float32 or bfloat16 out");
   const int64_t rows = y.size(0), n = y.size(1);
-  const float* b = nullptr;
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "scale_rows: bias must be [N]");
-    bias_f = bias->to(at::kFloat).contiguous();
-    b = bias_f.const_data_ptr<float>();
-  }
+  const at::Tensor bias_f = tokenloom::checked_rows_and_bias("scale_rows", row_scales, rows, n, bias, dtype);
+  const float* b = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   TORCH_CHECK(!gated || n % 32 == 0, "scale_rows: gated columns come in 16 gate, 16 up");
 #else
@@ -439,7 +431,8 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const s
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       const __m512 scale = _mm512_set1_ps(s[r]);
       auto at = [&](int64_t c) {
-        return tokenloom::scale_sums(_mm512_loadu_ps(in + r * n + c), scale, b ? _mm512_loadu_ps(b + c) : _mm512_setzero_ps());
+        const __m512 add = b ? _mm512_loadu_ps(b + c) : _mm512_setzero_ps();
+        return tokenloom::scale_sums(_mm512_loadu_ps(in + r * n + c), scale, add);
       };
       if (gated) {
         for (int64_t c = 0; c < n; c += 32) store16(o + r * width + c / 2, tokenloom::silu_times(at(c), at(c + 16)));

@@ -3,8 +3,8 @@
 // the same bits and a request's output does not depend on which kernel its step ran on.
 //
 //   y = (sum x weight_scale) x row_scale + bias          (oneDNN applies the weight scale inside its matmul)
-//   gated ([gate; up] interleaved per 16 features): silu(y_gate) x y_up = y_gate x y_up / (1 + e^-y_gate),
-//   from the float32 values, before anything is rounded.
+//   gated ([gate; up] interleaved per 16 features): silu(y_gate) x y_up (avx512_exp.h's silu_times), from the
+//   float32 values, before anything is rounded.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,19 +14,25 @@
 
 namespace tokenloom {
 
-// The checks both int8 kernels make of the row scales [M, 1], the weight's scales [N], the bias [N] and the output
-// dtype; returns the bias as float32, or an undefined tensor without one.
-inline at::Tensor checked_scales_and_bias(const char* name, const at::Tensor& row_scales, int64_t m,
-                                          const at::Tensor& weight_scales, int64_t n,
-                                          const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+// The checks every int8 epilogue makes of the row scales [M, 1], the bias [N] and the output dtype; returns the
+// bias as float32, or an undefined tensor without one.
+inline at::Tensor checked_rows_and_bias(const char* name, const at::Tensor& row_scales, int64_t m, int64_t n,
+                                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
   TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m && row_scales.is_contiguous(), name,
               ": row_scales must be float32 [M, 1]");
-  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == n && weight_scales.is_contiguous(),
-              name, ": weight scales float32 [N]");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, name, ": float32 or bfloat16 out");
   if (!bias.has_value()) return {};
   TORCH_CHECK(bias->numel() == n, name, ": bias must be [N]");
   return bias->to(at::kFloat).contiguous();
+}
+
+// And the weight's scales [N], which the int8 kernels apply themselves (oneDNN does before scale_rows).
+inline at::Tensor checked_scales_and_bias(const char* name, const at::Tensor& row_scales, int64_t m,
+                                          const at::Tensor& weight_scales, int64_t n,
+                                          const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == n && weight_scales.is_contiguous(),
+              name, ": weight scales float32 [N]");
+  return checked_rows_and_bias(name, row_scales, m, n, bias, out_dtype);
 }
 
 // f(out's data), typed float* or c10::BFloat16* as out is.

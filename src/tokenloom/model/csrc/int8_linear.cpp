@@ -21,6 +21,7 @@
 #include <functional>
 #include <optional>
 
+#include "bf16_vec.h"
 #include "int8_epilogue.h"
 #include "work_sharing.h"
 
@@ -57,11 +58,6 @@ std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& w) {
     total[f] = sum;
   }
   return {packed, sums};
-}
-
-inline void store(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
-inline void store(c10::BFloat16* at, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
 struct Scales {
@@ -106,9 +102,11 @@ void tile(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const 
       y[b] = tokenloom::scale_sums(_mm512_sub_epi32(acc[r][b], shift[b]), weight_scale[b], row_scale, bias[b]);
     }
     if constexpr (Gated) {
-      for (int b = 0; b < Blocks / 2; ++b) store(out + r * ldo + b * kBlock, tokenloom::silu_times(y[2 * b], y[2 * b + 1]));
+      for (int b = 0; b < Blocks / 2; ++b) {
+        tokenloom::store16(out + r * ldo + b * kBlock, tokenloom::silu_times(y[2 * b], y[2 * b + 1]));
+      }
     } else {
-      for (int b = 0; b < Blocks; ++b) store(out + r * ldo + b * kBlock, y[b]);
+      for (int b = 0; b < Blocks; ++b) tokenloom::store16(out + r * ldo + b * kBlock, y[b]);
     }
   }
 }
