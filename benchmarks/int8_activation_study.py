@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_accuracy import PROMPTS
 
+from tokenloom.model.gptq import HessianRecorder, gptq_codes
 from tokenloom.model.loader import resolve_checkpoint_dir
 from tokenloom.model.quantization import per_channel, rotate, rotation_signs
 
@@ -89,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=160)
     parser.add_argument("--ablation", action="store_true", help="which linears' 8-bit activations cost the most")
+    parser.add_argument("--gptq", action="store_true", help="weights rounded by GPTQ against calibration inputs")
     args = parser.parse_args()
     path = resolve_checkpoint_dir(None)[1]
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -102,6 +104,7 @@ def main() -> None:
     linears = {name: m for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
     parents = {name: (model.model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) for name in linears}
     maxima = calibrate(model, tokenizer, linears)
+    hessians = rotated_hessians(model, tokenizer, linears) if args.gptq else {}
 
     def agreement() -> float:
         agree = total = 0
@@ -125,6 +128,13 @@ def main() -> None:
     }
     if args.ablation:
         variants = ablations()
+    if args.gptq:
+        variants = {
+            "W8A8 rotated (the engine)": lambda n, m: rotated(m, fake_tokens),
+            "W8A8 rotated, GPTQ weights": lambda n, m: GptqLinear(m.weight, hessians[n], fake_tokens),
+            "weights only, rotated": lambda n, m: rotated(m, identity),
+            "weights only, rotated, GPTQ": lambda n, m: GptqLinear(m.weight, hessians[n], identity),
+        }
     positions = sum(len(ids) - n for ids, n, _ in sequences)
     print(f"top-1 agreement with the float32 model over {positions} positions (float32 arithmetic)")
     print("| variant | top-1 |\n|---|---:|")
@@ -201,6 +211,48 @@ def calibrate(model, tokenizer, linears: dict[str, torch.nn.Linear]) -> dict[str
     for handle in handles:
         handle.remove()
     return maxima
+
+
+class GptqLinear(torch.nn.Module):
+    """Rotated int8 weights rounded by GPTQ against the rotated calibration inputs' Hessian."""
+
+    def __init__(self, weight: torch.Tensor, hessian: torch.Tensor, activations: Transform) -> None:
+        super().__init__()
+        self.into, self.activations = block_rotation(weight.shape[1]), activations
+        w = self.into(weight.detach())
+        _, scale = per_channel(w, 127.0)
+        self.weight = torch.nn.Parameter(gptq_codes(w, hessian, scale) * scale[:, None], requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.activations(self.into(x)), self.weight)
+
+
+SEEDS = ["Here is a short story:", "<|im_start|>user\nExplain how a hash map works.<|im_end|>\n<|im_start|>assistant\n",
+         "import numpy as np\n", "The weather today", "A list of facts about the ocean:\n1.",
+         "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n"]  # fmt: skip
+
+
+def rotated_hessians(model, tokenizer, linears: dict[str, torch.nn.Linear]) -> dict[str, torch.Tensor]:
+    """X^T X of each linear's rotated inputs over the model's own sampled continuations of SEEDS (data-free)."""
+    recorders = {n: HessianRecorder(m.in_features) for n, m in linears.items()}
+    rotations = {n: block_rotation(m.in_features) for n, m in linears.items()}
+
+    def hook(name: str):
+        return lambda module, inputs, output: recorders[name].add(rotations[name](inputs[0]))
+
+    torch.manual_seed(0)
+    texts = []
+    with torch.inference_mode():
+        for seed in SEEDS:
+            ids = torch.tensor([tokenizer.encode(seed)])
+            texts.append(model.generate(ids, max_new_tokens=192, do_sample=True, temperature=0.8, top_p=0.95)[0])
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    with torch.inference_mode():
+        for ids in texts:
+            model(ids[None])
+    for handle in handles:
+        handle.remove()
+    return {n: r.sum for n, r in recorders.items()}
 
 
 if __name__ == "__main__":

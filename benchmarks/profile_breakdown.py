@@ -1,6 +1,7 @@
 """Where the time of a continuous-batching run goes: GEMMs, attention, sampler, scheduler, Python.
 
     .venv/bin/python benchmarks/profile_breakdown.py [--num-requests 64] [--max-num-seqs 64] [--dtype auto]
+        [--quantization int8] [--kv-cache-dtype int8]
 
 Runs the first requests of the mixed-64 workload under cProfile and sums the time of the functions that make
 up each part of a step. cProfile adds some overhead to every Python call, so the "Python and the rest" line is
@@ -33,6 +34,14 @@ PARTS = {
         ("<built-in method torch._ops.mkldnn._linear_pointwise>", "~", False),
         ("<built-in method torch._ops.tokenloom.bf16_linear>", "~", False),
         ("<built-in method torch._ops.tokenloom.bf16_linear_silu_and_mul>", "~", False),
+        ("<built-in method torch._ops.tokenloom.bf16_amx_linear>", "~", False),
+        ("<built-in method torch._ops.tokenloom.int8_linear>", "~", False),
+        ("<built-in method torch._ops.tokenloom.int8_amx_linear>", "~", False),
+        ("<built-in method torch._ops.onednn.qlinear_pointwise>", "~", False),
+        ("<built-in method torch._ops.tokenloom.scale_rows>", "~", False),
+    ],
+    "int8 activations: rotate and quantize": [
+        ("<built-in method torch._ops.tokenloom.quantize_rows_int8>", "~", False)
     ],
     "decode attention": [
         ("paged_decode_attention", "cpu_kernel.py", True),
@@ -65,8 +74,11 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="int8: 8-bit weights (--quantization of serve)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
-    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
+    llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     work = mixed_workload(64, 0, llm.engine.model_config.vocab_size)
     n = args.num_requests
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens[:n]]
@@ -89,7 +101,8 @@ def main() -> None:
     steps = llm.stats().num_steps
     print(
         f"{n} requests, max_num_seqs={args.max_num_seqs}, budget {args.max_num_batched_tokens}, "
-        f"{llm.engine.dtype}: {total:.1f} s under cProfile, {steps} steps, load average {os.getloadavg()[0]:.2f}"
+        f"{llm.engine.dtype}, quantization {args.quantization}, KV {args.kv_cache_dtype}: {total:.1f} s under cProfile,"
+        f" {steps} steps, load average {os.getloadavg()[0]:.2f}"
     )
     print(f"| {'part of the step':<32} | {'seconds':>8} | {'share':>6} |")
     print(f"|{'-' * 34}|{'-' * 9}:|{'-' * 7}:|")

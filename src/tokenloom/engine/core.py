@@ -35,6 +35,7 @@ from tokenloom.engine.kv_sizing import (
 from tokenloom.engine.speculation import Speculator
 from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.gptq import calibration_for
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.parallel_runner import (
@@ -101,6 +102,7 @@ class EngineCore:
     def _make_runner(self, loaded: LoadedModel, device: torch.device) -> ModelRunner:
         """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
         size = self.config.parallel.tensor_parallel_size
+        calibration = calibration_for(self.config.model.quantization, loaded.tokenizer, loaded.config.vocab_size)
         if size == 1:
             return ModelRunner(
                 loaded.model,
@@ -114,6 +116,7 @@ class EngineCore:
                 attention_backend=self.config.model.attention_backend,
                 kv_cache_dtype=self.config.cache.kv_cache_dtype,
                 quantization=self.config.model.quantization,
+                calibration=calibration,
             )
         spec = WorkerSpec(
             model=self.config.model.model,
@@ -132,7 +135,7 @@ class EngineCore:
             kv_cache_dtype=self.config.cache.kv_cache_dtype,
             quantization=self.config.model.quantization,
         )
-        return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device)
+        return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
 
     @property
     def healthy(self) -> bool:

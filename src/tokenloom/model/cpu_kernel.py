@@ -4,7 +4,8 @@ Decode attention: plain PyTorch must copy each context out of its scattered bloc
 gather), so it reads the context three times: to copy it, to write the copy, to use it. The C++ operator reads it
 once, in float32 or bfloat16. Beside it: the fused norms, rotary and SiLU (fused.cpp), bf16 prefill attention and
 the bf16 linear with its packed weights (bf16_linear.cpp, used by prepack.py), the last two only where the compiler
-targets AVX-512 BF16; the int8 linears (int8_linear.cpp with VNNI, for --quantization int8) and the AMX linears
+targets AVX-512 BF16; the int8 linears (int8_linear.cpp with VNNI, or int8_linear_avx2.cpp where the CPU has AVX2
+but no VNNI, for --quantization int8) and the AMX linears
 (amx_int8_linear.cpp, amx_bf16_linear.cpp) only where it targets those. They are built with
 ``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
 half a minute) into the tokenloom cache, keyed by the sources, the flags, torch's version and the CPU, and
@@ -32,7 +33,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / name
     for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp", "int8_linear.cpp",
-                 "amx_int8_linear.cpp", "amx_bf16_linear.cpp")
+                 "int8_linear_avx2.cpp", "amx_int8_linear.cpp", "amx_bf16_linear.cpp")
 ]
 HEADERS = [
     CSRC / name

@@ -31,6 +31,7 @@ import zmq
 
 from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.ipc import broadcast, child_end, receive, send
+from tokenloom.model.gptq import calibration_for
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.platform import accelerator_count
@@ -179,12 +180,16 @@ class TensorParallelWorkers:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's runner: sends each step (and each swap) to the workers, then runs it here and samples."""
 
-    def __init__(self, model: CausalLM, workers: TensorParallelWorkers, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, workers: TensorParallelWorkers, device: torch.device,
+        calibration: list[list[int]] | None = None,
+    ) -> None:  # fmt: skip
+        """calibration: as ModelRunner's; every rank runs the same sequences (their all-reduces pair up)."""
         spec = workers.spec
         super().__init__(
             model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
             attention_backend=spec.attention_backend, kv_cache_dtype=spec.kv_cache_dtype,
-            quantization=spec.quantization,
+            quantization=spec.quantization, calibration=calibration,
         )  # fmt: skip
         self.workers = workers
 
@@ -244,6 +249,7 @@ def _build_rank(spec: WorkerSpec, rank: int) -> ModelRunner:
         attention_backend=spec.attention_backend,
         kv_cache_dtype=spec.kv_cache_dtype,
         quantization=spec.quantization,
+        calibration=calibration_for(spec.quantization, loaded.tokenizer, loaded.config.vocab_size),
     )  # fmt: skip
 
 

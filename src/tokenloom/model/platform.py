@@ -18,6 +18,14 @@ def cpu_has_native_bf16() -> bool:
     return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
 
 
+def cpu_can_reorder_bf16() -> bool:
+    """True where oneDNN packs a bf16 weight for its matmul: it needs AVX-512 BW, VL and DQ, or AVX-NE-CONVERT (an
+    AVX2-only CPU raises "bf16 path needs the cpu support ...")."""
+    capabilities = _cpu_capabilities()
+    avx512 = all(capabilities.get(name) for name in ("avx512_bw", "avx512_vl", "avx512_dq"))
+    return bool(avx512 or capabilities.get("avx_ne_convert"))
+
+
 def cpu_has_amx() -> bool:
     """True when the CPU has AMX tiles for bfloat16, where oneDNN's GEMMs outrun our AVX-512 BF16 linear."""
     return bool(_cpu_capabilities().get("amx_bf16"))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tokenloom.model import cpu_kernel
-from tokenloom.model.platform import cpu_has_amx
+from tokenloom.model.platform import cpu_can_reorder_bf16, cpu_has_amx
 
 DECODE_ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for: a full decode step
 PACK_BLOCK = 16  # output features per block of bf16_pack_weight's layout (kBlock in csrc/bf16_linear.cpp)
@@ -39,7 +39,8 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    reorder = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return reorder and cpu_can_reorder_bf16()
 
 
 AMX_FROM_ROWS = 8  # from this many rows our AMX kernel, below it our AVX-512 BF16 one (both read one layout)

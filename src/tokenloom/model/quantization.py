@@ -15,7 +15,9 @@ oneDNN's int8 matmul through torch (``onednn::qlinear_pointwise`` on a weight pa
 activation scale left at 1 inside it and applied per row after (``tokenloom::scale_rows``), since oneDNN takes one
 activation scale per tensor. All three scale the sums in one order (csrc/int8_epilogue.h), so their outputs are the
 same bits. The fused [gate; up] projection returns silu(gate) * up from that same epilogue, before anything is
-rounded, so the MLP's activation is not a pass of its own.
+rounded, so the MLP's activation is not a pass of its own. On a CPU with AVX2 but no VNNI, oneDNN's int8 matmul
+saturates 16-bit pair sums, so there every step runs our AVX2 kernel (csrc/int8_linear_avx2.cpp, exact sums, the same
+packing), the SiLU as its own operator.
 fp8 (CUDA): e4m3 codes and ``torch._scaled_mm`` with row-wise scales (Hopper and later).
 
 Before either is quantized, each linear's inputs are rotated (QuaRot, Ashkboos et al. 2024): every 64 inputs times
@@ -32,10 +34,13 @@ already refined in float32 for the top candidates, llama.py), and the embedding 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from tokenloom.model import cpu_kernel
+from tokenloom.model.gptq import gptq_codes
 from tokenloom.model.prepack import PACK_BLOCK, gate_and_up_interleaved
 
 QUANTIZATIONS = ("int8", "fp8")
@@ -44,7 +49,17 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def int8_available() -> bool:
-    return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise") and cpu_kernel.load_kernel()
+    """Our int8 kernel was built for this CPU (VNNI or AVX2), and torch has oneDNN's int8 matmul beside it."""
+    onednn = hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    return onednn and int8_kernel_isa() is not None
+
+
+def int8_kernel_isa() -> str | None:
+    """Which of our int8 kernels this CPU's build holds: "avx512_vnni" (int8_linear.cpp), "avx2"
+    (int8_linear_avx2.cpp: every step runs on it, as oneDNN's matmul saturates without VNNI), or None."""
+    if not (cpu_kernel.load_kernel() and cpu_kernel.has_operator("int8_linear_isa")):
+        return None
+    return str(torch.ops.tokenloom.int8_linear_isa())
 
 
 def check_quantization(name: str | None, device: torch.device) -> None:
@@ -55,7 +70,7 @@ def check_quantization(name: str | None, device: torch.device) -> None:
         raise ValueError(f"unknown quantization {name!r}; the methods: {', '.join(QUANTIZATIONS)}")
     if name == "int8" and (device.type != "cpu" or not int8_available()):
         raise ValueError(
-            "--quantization int8 runs oneDNN's int8 matmul and our C++ operators on a CPU; "
+            "--quantization int8 runs our int8 kernels (AVX-512 VNNI or AVX2) and oneDNN's on a CPU; "
             f"here the device is {device.type}" + ("" if device.type != "cpu" else " and they are not available")
         )
     if name == "fp8" and (device.type != "cuda" or not hasattr(torch, "_scaled_mm")):
@@ -93,6 +108,11 @@ def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return (blocks @ hadamard_matrix(ROTATION_BLOCK).to(x.device, work)).flatten(-2).to(x.dtype)
 
 
+def rotated_hessian(hessian: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """X^T X -> (X R)^T (X R) = R^T X^T X R: the Hessian of the rotated inputs (float64)."""
+    return rotate(rotate(hessian.double(), signs).T.contiguous(), signs)
+
+
 def per_channel(weight: torch.Tensor, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] -> codes (as float32, rounded for int8) and scales [N], each row's largest |w| over max_code."""
     w = weight.detach().float()
@@ -105,7 +125,8 @@ AMX_FROM_ROWS = 8  # from this many rows, the AMX kernel where the CPU has one (
 
 
 def small_step_kernel_available() -> bool:
-    return cpu_kernel.load_kernel() and cpu_kernel.has_operator("int8_linear")
+    """The VNNI kernel, for steps of a few rows (the AVX2 kernel runs them all)."""
+    return int8_kernel_isa() == "avx512_vnni"
 
 
 def amx_kernel_available() -> bool:
@@ -119,11 +140,23 @@ class Int8Linear(nn.Module):
     has AMX-INT8 (csrc/amx_int8_linear.cpp: both scales applied as the sums leave the tiles), else oneDNN's int8
     matmul with the row scales applied after it. All three sum the same codes exactly and scale in one order."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, hessian: torch.Tensor | None = None
+    ) -> None:
         """gated: the weight is a fused [gate; up] projection and the layer returns silu(gate) * up, computed from the
-        float32 outputs as they leave the kernel (on every kernel alike: csrc/int8_epilogue.h)."""
+        float32 outputs as they leave the kernel (on every kernel alike: csrc/int8_epilogue.h). hessian: X^T X of
+        calibration inputs ([K, K], before the rotation): the codes are rounded by GPTQ against it (gptq.py), else
+        to the nearest."""
         super().__init__()
         self.in_features = weight.shape[1]
+        # Without VNNI oneDNN's int8 matmul saturates (int8_linear_avx2.cpp says why): our AVX2 kernel runs every step.
+        every_step = int8_kernel_isa() == "avx2"
+        fits_own = weight.shape[0] % 16 == 0 and self.in_features % 4 == 0
+        if every_step and not fits_own:
+            raise ValueError(
+                f"--quantization int8 on this CPU (AVX2, no VNNI) needs linears of a multiple of 16 outputs and of 4"
+                f" inputs; this one is {weight.shape[0]} x {self.in_features}"
+            )
         self.gated = gated and weight.shape[0] % (2 * PACK_BLOCK) == 0 and small_step_kernel_available()
         self.out_features = weight.shape[0] // 2 if self.gated else weight.shape[0]
         if self.gated:
@@ -131,23 +164,27 @@ class Int8Linear(nn.Module):
         self.signs = rotation_signs(self.in_features)
         if self.signs is not None:
             weight = rotate(weight.detach().float(), self.signs)
+            hessian = None if hessian is None else rotated_hessian(hessian, self.signs)
         scaled, scale = per_channel(weight, 127.0)
-        codes = scaled.round().clamp(-127, 127).to(torch.int8)
+        codes = (scaled.round().clamp(-127, 127) if hessian is None else gptq_codes(weight, hessian, scale)).to(
+            torch.int8
+        )
         self.weight_scale = scale
         # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums), which
         # scale the sums exactly as oneDNN.
         self.own: tuple[torch.Tensor, torch.Tensor] | None = None
-        if codes.shape[0] % 16 == 0 and self.in_features % 4 == 0 and small_step_kernel_available():
+        if fits_own and int8_kernel_isa() is not None:
             self.own = torch.ops.tokenloom.int8_pack_weight(codes)
         self.amx = (
             self.own is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
             and amx_kernel_available()
         )  # fmt: skip
-        self.small_rows = AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
-        # oneDNN's packing only where a step can reach it: no AMX kernel for this shape or CPU.
-        self.packed = None if self.amx else torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features])
+        self.small_rows = sys.maxsize if every_step else AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
+        # oneDNN's packing only where a step can reach it: VNNI, but no AMX kernel for this shape or CPU.
+        onednn = not (self.amx or every_step)
+        self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features]) if onednn else None
         zeros = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device)
-        self.weight_zero_point = None if self.amx else zeros
+        self.weight_zero_point = zeros if onednn else None
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,15 +236,19 @@ class Fp8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def quantize_linears(model: nn.Module, method: str, gated: frozenset[str] = frozenset()) -> int:
+def quantize_linears(
+    model: nn.Module, method: str, gated: frozenset[str] = frozenset(), hessians: dict[str, torch.Tensor] | None = None
+) -> int:
     """Replaces every nn.Linear under `model` (the decoder layers) by its 8-bit form; returns how many. Those named in
-    `gated` (a fused [gate; up] projection) return silu(gate) * up where the int8 kernels can (Int8Linear)."""
+    `gated` (a fused [gate; up] projection) return silu(gate) * up where the int8 kernels can (Int8Linear). hessians:
+    by a linear's name under `model`, its calibration inputs' X^T X, for GPTQ's rounding of its int8 codes."""
     count = 0
-    for parent in list(model.modules()):
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 if method == "int8":
-                    layer: nn.Module = Int8Linear(child.weight, child.bias, gated=name in gated)
+                    hessian = None if hessians is None else hessians[f"{prefix}.{name}" if prefix else name]
+                    layer: nn.Module = Int8Linear(child.weight, child.bias, gated=name in gated, hessian=hessian)
                 else:
                     layer = Fp8Linear(child.weight, child.bias)
                 setattr(parent, name, layer)

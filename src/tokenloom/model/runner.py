@@ -19,6 +19,7 @@ from tokenloom.model.attention import AttentionMetadata, resolve_backend
 from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
+from tokenloom.model.gptq import recording_input_hessians
 from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count, cpu_has_amx
@@ -55,7 +56,10 @@ class ModelRunner:
         attention_backend: str = "auto",
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        calibration: list[list[int]] | None = None,
     ) -> None:
+        """calibration: token ids of sequences run through the unquantized model at start, whose inputs to each
+        linear make GPTQ round its int8 codes (gptq.py); None or empty: codes rounded to the nearest."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -91,10 +95,26 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
         if quantization is not None:
             check_quantization(quantization, device)
-            model.quantize_weights(quantization)
+            hessians = self._input_hessians(calibration) if quantization == "int8" and calibration else None
+            started = time.monotonic()
+            count = model.quantize_weights(quantization, hessians)
+            rounding = "by GPTQ" if hessians else "to the nearest"
+            logger.info("quantized %d linears to %s (rounded %s) in %.1fs", count, quantization, rounding,
+                        time.monotonic() - started)  # fmt: skip
         if can_prepack(device, dtype):
             model.prepack_weights(layers=quantization is None)
         self._generators: dict[str, torch.Generator] = {}
+
+    @torch.inference_mode()
+    def _input_hessians(self, calibration: list[list[int]]) -> dict[str, torch.Tensor]:
+        """X^T X of every decoder linear's inputs over the calibration sequences, each run as one prefill."""
+        with recording_input_hessians(self.model.layers) as recorders:
+            for ids in calibration:
+                ids = ids[: self.model.rotary.max_len]
+                meta = self.inputs.scratch_prefill(len(ids))
+                tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+                self.model(tokens, torch.arange(len(ids), device=self.device), self.kv_caches, meta)
+        return {name: recorder.sum for name, recorder in recorders.items()}
 
     def _cache_row(self) -> tuple[int, torch.dtype]:
         """A cache slot's row: its elements and their dtype (an 8-bit cache: bytes, each head's codes and scale)."""

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <string>
 
 #include "bf16_vec.h"
 #include "int8_epilogue.h"
@@ -197,6 +198,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def(
       "int8_linear(Tensor codes, Tensor row_scales, Tensor packed, Tensor code_sums, Tensor weight_scales, "
       "Tensor? bias, ScalarType out_dtype, bool gated=False) -> Tensor");
+  m.def("int8_linear_isa() -> str", []() -> std::string { return "avx512_vnni"; });
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {

@@ -1,0 +1,167 @@
+// int8 linears on CPUs with AVX2 but not AVX-512 VNNI: the same tokenloom::int8_pack_weight and
+// tokenloom::int8_linear as int8_linear.cpp, for every step size (--quantization int8, quantization.py).
+//
+// Why: without VNNI, oneDNN's int8 matmul multiplies unsigned by signed bytes with `vpmaddubsw`, whose pairs of
+// products saturate at 16 bits (255 x 127 x 2 > 32767): on an AVX2 machine its outputs were off by up to 25% where
+// an activation's code was large, and the model's answers with them. Here both codes are sign-extended to 16 bits and
+// multiplied with `vpmaddwd` (pairs of 16-bit products summed into 32 bits), so every sum is exact.
+//
+// The packing is int8_linear.cpp's (for each block of 16 features, the inputs in groups of 4, 16 features x 4 inputs
+// to 64 bytes), so one layout serves both CPUs. A 64-byte group is read as four 16-byte quarters (4 features x 4
+// inputs each); sign-extended, a quarter times the row's 4 inputs, repeated, gives each feature's two pair sums in
+// adjacent lanes, which are added at the end. The sums are scaled as int8_epilogue.h orders it: (sum x weight
+// scale) x row scale + bias. No gated epilogue here (it needs a vector exp): the MLP's SiLU is its own operator.
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "int8_epilogue.h"
+#include "work_sharing.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__))
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kBlock = 16;  // output features per packed block
+constexpr int kGroup = 4;   // inputs per group
+constexpr int kRows = 2;    // rows of a register tile: 2 x 4 accumulators, 4 weight quarters, 2 inputs
+constexpr int64_t kMinUnitBytes = 32 * 1024;
+
+// w: [N, K] int8 codes -> ([N / 16, K / 4, 16, 4] as [N / 16, K * 16] int8, the features' code sums [N] int32), as
+// int8_linear.cpp packs it (the sums are what its VNNI kernel needs; this one does not read them).
+std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2, "int8_pack_weight: int8 [N, K]");
+  const int64_t n = w.size(0), k = w.size(1);
+  TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, "int8_pack_weight: N a multiple of 16, K of 4");
+  const at::Tensor src = w.contiguous();
+  at::Tensor packed = at::empty({n / kBlock, k * kBlock}, w.options());
+  at::Tensor sums = at::empty({n}, w.options().dtype(at::kInt));
+  const int8_t* s = src.const_data_ptr<int8_t>();
+  int8_t* d = packed.mutable_data_ptr<int8_t>();
+  int32_t* total = sums.mutable_data_ptr<int32_t>();
+  for (int64_t f = 0; f < n; ++f) {
+    const int64_t block = f / kBlock, lane = f % kBlock;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      d[block * k * kBlock + (i / kGroup) * kBlock * kGroup + lane * kGroup + i % kGroup] = s[f * k + i];
+      sum += s[f * k + i];
+    }
+    total[f] = sum;
+  }
+  return {packed, sums};
+}
+
+inline void store8(float* at, __m256 v) { _mm256_storeu_ps(at, v); }
+inline void store8(c10::BFloat16* at, __m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (int i = 0; i < 8; ++i) at[i] = c10::BFloat16(lanes[i]);  // round to nearest even
+}
+
+// [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, ..., b6+b7]: two quarters' pair sums -> their 8 features, in order.
+inline __m256i feature_sums(__m256i a, __m256i b) {
+  return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+// Rows x 16 outputs of one packed block from 16-bit activation codes x [Rows, K] (row stride k).
+template <int Rows, typename T>
+void tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, const float* row_scales,
+          const float* weight_scales, const float* bias, T* out, int64_t ldo) {
+  __m256i acc[Rows][4];
+  for (int r = 0; r < Rows; ++r) {
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i wq[4];
+    for (int q = 0; q < 4; ++q) {
+      wq[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 64 + q * 16)));
+    }
+    for (int r = 0; r < Rows; ++r) {
+      int64_t four;
+      std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
+      const __m256i xv = _mm256_set1_epi64x(four);
+      for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(wq[q], xv));
+    }
+  }
+  const __m256 ws[2] = {_mm256_loadu_ps(weight_scales), _mm256_loadu_ps(weight_scales + 8)};
+  const __m256 b[2] = {bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps(),
+                       bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps()};
+  for (int r = 0; r < Rows; ++r) {
+    const __m256 rs = _mm256_set1_ps(row_scales[r]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sums = _mm256_cvtepi32_ps(feature_sums(acc[r][2 * h], acc[r][2 * h + 1]));
+      store8(out + r * ldo + h * 8, _mm256_fmadd_ps(_mm256_mul_ps(sums, ws[h]), rs, b[h]));
+    }
+  }
+}
+
+// codes [M, K] int8 (rows contiguous), row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums
+// (unread here) and scales [N] float32, bias [N] or none -> [M, N] in out_dtype (float32 or bfloat16).
+at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
+                       const at::Tensor& code_sums, const at::Tensor& weight_scales,
+                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated) {
+  TORCH_CHECK(!gated, "int8_linear: the AVX2 kernel has no gated epilogue");
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
+              "int8_linear: codes must be contiguous int8 [M, K]");
+  const int64_t m = codes.size(0), k = codes.size(1), blocks = packed.size(0), n = blocks * kBlock;
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kBlock,
+              "int8_linear: a weight from int8_pack_weight with the codes' K");
+  TORCH_CHECK(code_sums.scalar_type() == at::kInt && code_sums.numel() == n, "int8_linear: code sums int32 [N]");
+  const at::Tensor bias_f =
+      tokenloom::checked_scales_and_bias("int8_linear", row_scales, m, weight_scales, n, bias, out_dtype);
+  at::Tensor out = at::empty({m, n}, codes.options().dtype(out_dtype));
+  if (m == 0) return out;
+  const at::Tensor wide = codes.to(at::kShort);  // sign-extended once, not once per feature block
+  const int16_t* x = wide.const_data_ptr<int16_t>();
+  const int8_t* wp = packed.const_data_ptr<int8_t>();
+  const float* rows = row_scales.const_data_ptr<float>();
+  const float* scales = weight_scales.const_data_ptr<float>();
+  const float* bias_data = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  const int64_t groups = k / kGroup, block_bytes = k * kBlock;
+  // A unit: enough blocks that its weights are worth a thread's start; all rows run over a block while it is in L1.
+  const int64_t blocks_per_unit = std::max<int64_t>(1, kMinUnitBytes / block_bytes);
+  const int64_t units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
+  auto run = [&](auto* op) {
+    using T = std::remove_pointer_t<decltype(op)>;
+    const std::function<void(int64_t)> body = [&](int64_t unit) {
+      const int64_t b1 = std::min(blocks, (unit + 1) * blocks_per_unit);
+      for (int64_t b = unit * blocks_per_unit; b < b1; ++b) {
+        const int64_t f = b * kBlock;
+        const float* bb = bias_data ? bias_data + f : nullptr;
+        int64_t r = 0;
+        for (; r + kRows <= m; r += kRows) {
+          tile<kRows, T>(x + r * k, k, wp + b * block_bytes, groups, rows + r, scales + f, bb, op + r * n + f, n);
+        }
+        if (r < m) tile<1, T>(x + r * k, k, wp + b * block_bytes, groups, rows + r, scales + f, bb, op + r * n + f, n);
+      }
+    };
+    tokenloom::WorkSharing::instance().run(units, body);
+  };
+  tokenloom::with_output_data(out, run);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
+  m.def("int8_pack_weight(Tensor w) -> (Tensor, Tensor)");
+  m.def(
+      "int8_linear(Tensor codes, Tensor row_scales, Tensor packed, Tensor code_sums, Tensor weight_scales, "
+      "Tensor? bias, ScalarType out_dtype, bool gated=False) -> Tensor");
+  m.def("int8_linear_isa() -> str", []() -> std::string { return "avx2"; });
+}
+
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("int8_pack_weight", &int8_pack_weight);
+  m.impl("int8_linear", &int8_linear);
+}
+
+#endif  // AVX2 without AVX-512 VNNI
