@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(__file__))
 from kv_accuracy import PROMPTS
 
-from tokenloom.model.gptq import HessianRecorder, gptq_codes
+from tokenloom.model.gptq import HessianRecorder, calibration_ids, gptq_codes
 from tokenloom.model.loader import resolve_checkpoint_dir
 from tokenloom.model.quantization import per_channel, rotate, rotation_signs
 
@@ -91,6 +91,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=160)
     parser.add_argument("--ablation", action="store_true", help="which linears' 8-bit activations cost the most")
     parser.add_argument("--gptq", action="store_true", help="weights rounded by GPTQ against calibration inputs")
+    parser.add_argument(
+        "--calibration", choices=["engine", "sampled", "both"], default="engine",
+        help="GPTQ's inputs: the engine's calibration text, the model's own samples from SEEDS, or both",
+    )  # fmt: skip
     args = parser.parse_args()
     path = resolve_checkpoint_dir(None)[1]
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -104,7 +108,7 @@ def main() -> None:
     linears = {name: m for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
     parents = {name: (model.model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) for name in linears}
     maxima = calibrate(model, tokenizer, linears)
-    hessians = rotated_hessians(model, tokenizer, linears) if args.gptq else {}
+    hessians = rotated_hessians(model, tokenizer, linears, args.calibration) if args.gptq else {}
 
     def agreement() -> float:
         agree = total = 0
@@ -130,10 +134,9 @@ def main() -> None:
         variants = ablations()
     if args.gptq:
         variants = {
-            "W8A8 rotated (the engine)": lambda n, m: rotated(m, fake_tokens),
-            "W8A8 rotated, GPTQ weights": lambda n, m: GptqLinear(m.weight, hessians[n], fake_tokens),
-            "weights only, rotated": lambda n, m: rotated(m, identity),
-            "weights only, rotated, GPTQ": lambda n, m: GptqLinear(m.weight, hessians[n], identity),
+            f"W8A8 rotated, GPTQ weights ({args.calibration} calibration)": lambda n, m: GptqLinear(
+                m.weight, hessians[n], fake_tokens
+            ),
         }
     positions = sum(len(ids) - n for ids, n, _ in sequences)
     print(f"top-1 agreement with the float32 model over {positions} positions (float32 arithmetic)")
@@ -232,8 +235,9 @@ SEEDS = ["Here is a short story:", "<|im_start|>user\nExplain how a hash map wor
          "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n"]  # fmt: skip
 
 
-def rotated_hessians(model, tokenizer, linears: dict[str, torch.nn.Linear]) -> dict[str, torch.Tensor]:
-    """X^T X of each linear's rotated inputs over the model's own sampled continuations of SEEDS (data-free)."""
+def rotated_hessians(model, tokenizer, linears: dict[str, torch.nn.Linear], source: str) -> dict[str, torch.Tensor]:
+    """X^T X of each linear's rotated inputs over the engine's calibration sequences (gptq.calibration_ids), the
+    model's own sampled continuations of SEEDS, or both."""
     recorders = {n: HessianRecorder(m.in_features) for n, m in linears.items()}
     rotations = {n: block_rotation(m.in_features) for n, m in linears.items()}
 
@@ -242,8 +246,10 @@ def rotated_hessians(model, tokenizer, linears: dict[str, torch.nn.Linear]) -> d
 
     torch.manual_seed(0)
     texts = []
+    if source in ("engine", "both"):
+        texts += [torch.tensor(ids) for ids in calibration_ids(tokenizer, model.config.vocab_size)]
     with torch.inference_mode():
-        for seed in SEEDS:
+        for seed in SEEDS if source in ("sampled", "both") else []:
             ids = torch.tensor([tokenizer.encode(seed)])
             texts.append(model.generate(ids, max_new_tokens=192, do_sample=True, temperature=0.8, top_p=0.95)[0])
     handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]

@@ -1,7 +1,8 @@
 """Top-1 agreement with transformers' float32 logits, per --kv-cache-dtype, on the real model (issue 24).
 
     .venv/bin/python benchmarks/kv_accuracy.py [--dtypes bfloat16 float32] [--new-tokens 64] [--chats 3]
-        [--kv-dtypes auto int8 fp8_e4m3 fp8_e5m2] [--quantization int8] [--vllm-args '--kv-cache-dtype fp8' ...]
+        [--kv-dtypes auto int8 fp8_e4m3 fp8_e5m2] [--quantization int8 [--nearest]]
+        [--vllm-args '--kv-cache-dtype fp8' ...]
 
 Teacher-forced: each prompt is extended by transformers' own greedy continuation; our engine then runs the prompt
 as one chunk and every following token as a single-token decode step, so each position counted reads the whole
@@ -113,7 +114,14 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", nargs="+", default=list(KV_DTYPES))
     parser.add_argument("--quantization", default=None, help="8-bit weights for every engine measured (int8)")
     parser.add_argument("--vllm-args", action="append", default=[], help="flags for one vLLM server (repeatable)")
+    parser.add_argument(
+        "--nearest", action="store_true", help="int8 codes rounded to the nearest, not by GPTQ (the ablation)"
+    )
     args = parser.parse_args()
+    if args.nearest:  # the runner is given no calibration, so it rounds each weight to its nearest code
+        import tokenloom.engine.core
+
+        tokenloom.engine.core.calibration_for = lambda *_: None
     path = resolve_checkpoint_dir(None)[1]
     oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     sequences = []

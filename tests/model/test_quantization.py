@@ -64,6 +64,33 @@ def test_the_operator_rotates_then_quantizes_each_row(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_code", [32767, 11008, 300])
+def test_16_bit_codes_are_rotated_and_rounded_as_the_8_bit_ones(dtype, max_code):
+    """quantize_rows_int16 (the AVX2 kernel's activations): scale = largest |x R| / max_code, codes x R / scale."""
+    g = torch.Generator().manual_seed(max_code)
+    x = torch.randn(37, 576, generator=g).to(dtype)
+    x[:, 7] = 30.0
+    signs = rotation_signs(576)
+    codes, scales = torch.ops.tokenloom.quantize_rows_int16(x, signs, max_code)
+    assert codes.dtype == torch.int16 and codes.abs().max() == max_code
+    rotated = rotate(x.double(), signs.double())
+    torch.testing.assert_close(scales[:, 0].double(), rotated.abs().amax(1) / max_code, rtol=1e-5, atol=0)
+    off = (codes.double() - rotated / scales.double()).abs()
+    assert off.max() <= 0.5 + 1e-3 * max_code / 127  # rounded to nearest, but for the float32 transform's error
+    plain, _ = torch.ops.tokenloom.quantize_rows_int16(x, None, max_code)
+    assert plain.abs().max() == max_code
+
+
+def test_16_bit_codes_bound_their_sums_to_int32():
+    from tokenloom.model.quantization import int16_activation_max_code
+
+    for k in (64, 576, 1536, 14336):
+        code = int16_activation_max_code(k)
+        assert 0 < code <= 32767 and 127 * k * (code + 1) < 2**31
+    assert int16_activation_max_code(576) == 29355 and int16_activation_max_code(1536) == 11007
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True), (48, 32, False)])
 def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, out_features, bias):
@@ -81,12 +108,10 @@ def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, o
     # inputs split into 64-blocks (the activations' codes as the operator made them: tested above).
     signs = rotation_signs(in_features)
     weight = linear.weight.detach().to(dtype)
-    if signs is None:
-        activations = per_token_codes(x.to(dtype))
-    else:
+    if signs is not None:
         weight = rotate(weight.float(), signs)
-        codes, scales = torch.ops.tokenloom.quantize_rows_int8(x.to(dtype), signs)
-        activations = codes.double() * scales.double()
+    codes, scales = quantized.activation_codes(x.to(dtype))  # int8, or int16 on the AVX2 kernel: tested above
+    activations = codes.double() * scales.double()
     scaled, scale = per_channel(weight, 127.0)  # the weight's codes, in float32
     w = scaled.round().clamp(-127, 127).double() * scale.double()[:, None]
     reference = activations @ w.T
@@ -111,9 +136,10 @@ def test_the_rotation_shrinks_the_error_an_outlier_channel_makes():
     exact = x.double() @ weight.double().T
     layer = Int8Linear(weight, None)
     assert layer.signs is not None
-    rotated = layer(x).double()
     plain = Int8Linear(weight[:, :-16], None)  # 560 inputs: not a multiple of 64, so not rotated
     assert plain.signs is None
+    layer.activation_max_code = plain.activation_max_code = 127  # 8-bit activations, as on VNNI, also on AVX2
+    rotated = layer(x).double()
     plain_error = (plain(x[:, :-16]).double() - x[:, :-16].double() @ weight[:, :-16].double().T).norm()
     rotated_error = (rotated - exact).norm()
     assert rotated_error < plain_error / 3

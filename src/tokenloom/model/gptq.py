@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 BLOCK = 32  # columns updated together (GPTQ's lazy batch): a block's error is pushed to the later columns at once
+ACT_ORDER = True
 DAMPING = 0.01  # of H's mean diagonal, added to it: keeps the inverse finite where calibration is short
 CALIBRATION_TEXT = Path(__file__).with_name("data") / "calibration.txt"
 CALIBRATION_CHATS = [
@@ -49,6 +50,9 @@ def gptq_codes(
     h[dead, dead] = 1.0
     w[dead] = 0.0
     h += torch.eye(k, dtype=h.dtype) * DAMPING * torch.diagonal(h).mean()
+    # Inputs with the most energy first (GPTQ's act-order): their errors are spread over the most columns after them.
+    order = torch.argsort(torch.diagonal(h), descending=True) if ACT_ORDER else torch.arange(k)
+    w, h = w[order], h[order][:, order]
     # The upper Cholesky factor of H^-1: its row i says how column i's error moves the later columns.
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     codes = torch.empty_like(w)
@@ -61,8 +65,9 @@ def gptq_codes(
             torch.div(block[i] - rounded, local[i, i], out=errors[i])
             block[i + 1 :].addr_(local[i, i + 1 :], errors[i], alpha=-1.0)
         w[end:].addmm_(inverse[start:end, end:].T, errors, alpha=-1.0)
-    codes = codes.T
-    return codes.to(weight.device)
+    unpermuted = torch.empty_like(codes)
+    unpermuted[order] = codes
+    return unpermuted.T.to(weight.device)
 
 
 class HessianRecorder:

@@ -17,7 +17,8 @@ activation scale per tensor. All three scale the sums in one order (csrc/int8_ep
 same bits. The fused [gate; up] projection returns silu(gate) * up from that same epilogue, before anything is
 rounded, so the MLP's activation is not a pass of its own. On a CPU with AVX2 but no VNNI, oneDNN's int8 matmul
 saturates 16-bit pair sums, so there every step runs our AVX2 kernel (csrc/int8_linear_avx2.cpp, exact sums, the same
-packing), the SiLU as its own operator.
+packing), the SiLU as its own operator, and since it multiplies 16-bit words the activations get 16-bit codes there
+(``tokenloom::quantize_rows_int16``): int8 weights with activations about as fine as float's.
 fp8 (CUDA): e4m3 codes and ``torch._scaled_mm`` with row-wise scales (Hopper and later).
 
 Before either is quantized, each linear's inputs are rotated (QuaRot, Ashkboos et al. 2024): every 64 inputs times
@@ -120,6 +121,12 @@ def per_channel(weight: torch.Tensor, max_code: float) -> tuple[torch.Tensor, to
     return w / scale[:, None], scale
 
 
+def int16_activation_max_code(in_features: int) -> int:
+    """The largest 16-bit activation code for which a sum of in_features products with int8 weights (|w| <= 127)
+    cannot overflow int32, one code of headroom for the rounding of x / scale."""
+    return min(32767, (2**31 - 1) // (127 * in_features) - 1)
+
+
 SMALL_STEP_ROWS = 12  # up to this many rows, our VNNI kernel (csrc/int8_linear.cpp) instead of oneDNN's matmul
 AMX_FROM_ROWS = 8  # from this many rows, the AMX kernel where the CPU has one (it streams the weight in tiles)
 
@@ -180,6 +187,8 @@ class Int8Linear(nn.Module):
             and amx_kernel_available()
         )  # fmt: skip
         self.small_rows = sys.maxsize if every_step else AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
+        # The AVX2 kernel multiplies 16-bit words: activations get 16-bit codes there, as large as int32 sums allow.
+        self.activation_max_code = int16_activation_max_code(self.in_features) if every_step else 127
         # oneDNN's packing only where a step can reach it: VNNI, but no AMX kernel for this shape or CPU.
         onednn = not (self.amx or every_step)
         self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features]) if onednn else None
@@ -187,11 +196,18 @@ class Int8Linear(nn.Module):
         self.weight_zero_point = zeros if onednn else None
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
+    def activation_codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's codes (rotated where the weight is) and its scale [M, 1]: int8, or int16 up to
+        activation_max_code on the AVX2 kernel."""
+        if self.activation_max_code == 127:
+            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
+        return torch.ops.tokenloom.quantize_rows_int16(rows, self.signs, self.activation_max_code)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
+        codes, row_scales = self.activation_codes(rows)
         if self.own is not None and rows.shape[0] <= self.small_rows:
             packed, code_sums = self.own
             out = torch.ops.tokenloom.int8_linear(
@@ -223,6 +239,13 @@ class Fp8Linear(nn.Module):
         self.codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [N, K]; _scaled_mm takes its transpose
         self.weight_scale = scale[None, :].contiguous()
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def activation_codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's codes (rotated where the weight is) and its scale [M, 1]: int8, or int16 up to
+        activation_max_code on the AVX2 kernel."""
+        if self.activation_max_code == 127:
+            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
+        return torch.ops.tokenloom.quantize_rows_int16(rows, self.signs, self.activation_max_code)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -17,6 +17,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "int8_epilogue.h"
 #include "kv_codes.h"
 #include "work_sharing.h"
@@ -52,6 +56,13 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, v);
   for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 values as float32 (the AVX2 paths of the int8 activations' rotation and quantization).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 #endif
 
@@ -303,6 +314,36 @@ inline void hadamard64(__m512 (&v)[4]) {
     v[i + 2] = _mm512_mul_ps(_mm512_sub_ps(a, b), _mm512_set1_ps(0.125f));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// Stages 1, 2 and 4 inside an 8-float vector, as the AVX-512 Butterfly: lane i becomes x[i ^ H] +- x[i].
+inline __m256 butterflies_in_vector(__m256 v) {
+  v = _mm256_fmadd_ps(v, _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1), _mm256_permute_ps(v, 0b10110001));
+  v = _mm256_fmadd_ps(v, _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1), _mm256_permute_ps(v, 0b01001110));
+  return _mm256_fmadd_ps(v, _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1), _mm256_permute2f128_ps(v, v, 1));
+}
+
+// 64 floats (8 vectors) -> their transform times 1 / 8.
+inline void hadamard64(__m256 (&v)[8]) {
+  for (auto& x : v) x = butterflies_in_vector(x);
+  for (int h = 1; h < 8; h <<= 1) {  // stages 8, 16, 32: vector j with vector j + h
+    for (int j = 0; j < 8; ++j) {
+      if (j & h) continue;
+      const __m256 a = v[j], b = v[j + h];
+      v[j] = _mm256_add_ps(a, b);
+      v[j + h] = _mm256_sub_ps(a, b);
+    }
+  }
+  for (auto& x : v) x = _mm256_mul_ps(x, _mm256_set1_ps(0.125f));
+}
+
+inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+
+inline float reduce_max8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
 #endif
 
 // A row of x times its signs through the transform, 64 inputs at a time, into `to`; returns its largest |value|.
@@ -320,6 +361,18 @@ float rotate_row(const scalar_t* x, const float* signs, int64_t n, float* to) {
     }
   }
   return _mm512_reduce_max_ps(most);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 most = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += kRotationBlock) {
+    __m256 v[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_mul_ps(load8(x + i + 8 * j), _mm256_loadu_ps(signs + i + 8 * j));
+    hadamard64(v);
+    for (int j = 0; j < 8; ++j) {
+      _mm256_storeu_ps(to + i + 8 * j, v[j]);
+      most = _mm256_max_ps(most, abs8(v[j]));
+    }
+  }
+  return reduce_max8(most);
 #else
   float amax = 0.0f;
   for (int64_t i = 0; i < n; i += kRotationBlock) {
@@ -348,6 +401,10 @@ float row_amax(const scalar_t* x, int64_t n) {
   __m512 most = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(load16(x + i)));
   amax = _mm512_reduce_max_ps(most);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 most = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) most = _mm256_max_ps(most, abs8(load8(x + i)));
+  amax = reduce_max8(most);
 #endif
   for (; i < n; ++i) amax = std::max(amax, std::fabs(load(x + i)));
   return amax;
@@ -363,23 +420,54 @@ void quantize_row(const scalar_t* x, float inv, int64_t n, int8_t* codes) {
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), v_inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtsepi32_epi8(q));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 v_inv = _mm256_set1_ps(inv);
+  for (; i + 32 <= n; i += 32) {  // rounded to nearest even (the default rounding), packed 32 to a vector
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + i + 8 * j), v_inv));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), ordered);
+  }
 #endif
   for (; i < n; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(std::clamp(load(x + i) * inv, -127.0f, 127.0f)));
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs) {
-  check_rows(x, "quantize_rows_int8");
+// The same into 16-bit codes, |x| * inv <= max_code <= 32767.
+template <typename scalar_t>
+void quantize_row(const scalar_t* x, float inv, int64_t n, int16_t* codes) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 v_inv = _mm256_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + i), v_inv));
+    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + i + 8), v_inv));
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0b11011000);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), words);
+  }
+#endif
+  const float most = 32767.0f;
+  for (; i < n; ++i) codes[i] = static_cast<int16_t>(std::nearbyint(std::clamp(load(x + i) * inv, -most, most)));
+}
+
+// quantize_rows_int8 and quantize_rows_int16: one row's scale is its largest |x| (rotated, with signs) over the
+// largest code, then codes as quantize_row makes them.
+template <typename code_t>
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std::optional<at::Tensor>& signs,
+                                                 int64_t max_code, const char* name) {
+  check_rows(x, name);
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   const float* sg = nullptr;
   if (signs.has_value()) {
     TORCH_CHECK(signs->scalar_type() == at::kFloat && signs->is_contiguous() && signs->numel() == n &&
                     n % kRotationBlock == 0,
-                "quantize_rows_int8: signs must be float32 [K] with K a multiple of 64");
+                name, ": signs must be float32 [K] with K a multiple of 64");
     sg = signs->const_data_ptr<float>();
   }
-  at::Tensor codes = at::empty({rows, n}, x.options().dtype(at::kChar));
+  const float inv_max = 1.0f / static_cast<float>(max_code);
+  at::Tensor codes = at::empty({rows, n}, x.options().dtype(c10::CppTypeToScalarType<code_t>::value));
   at::Tensor scales = at::empty({rows, 1}, x.options().dtype(at::kFloat));
-  int8_t* c = codes.mutable_data_ptr<int8_t>();
+  code_t* c = codes.mutable_data_ptr<code_t>();
   float* sc = scales.mutable_data_ptr<float>();
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -393,7 +481,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const
       } else {
         amax = row_amax(in + r * stride, n);
       }
-      const float scale = amax > 0.0f ? amax * (1.0f / 127.0f) : 1.0f;
+      const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
       if (sg != nullptr) {
         quantize_row(rotated.data(), 1.0f / scale, n, c + r * n);
       } else {
@@ -403,6 +491,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const
     });
   });
   return {codes, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs) {
+  return quantize_rows<int8_t>(x, signs, 127, "quantize_rows_int8");
+}
+
+// 16-bit activation codes for the AVX2 int8 linear (int8_linear_avx2.cpp), which multiplies 16-bit words anyway:
+// max_code up to 32767, small enough that a row's sum over K inputs cannot overflow int32 (the caller's bound).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int16(const at::Tensor& x, const std::optional<at::Tensor>& signs,
+                                                       int64_t max_code) {
+  TORCH_CHECK(max_code >= 1 && max_code <= 32767, "quantize_rows_int16: max_code in [1, 32767]");
+  return quantize_rows<int16_t>(x, signs, max_code, "quantize_rows_int16");
 }
 
 // y [M, N] float32 (sums already times each column's weight scale) -> y * row_scales [M, 1] + bias [N], in dtype;
@@ -456,6 +556,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
       "Tensor(c!) cache_k, Tensor(d!) cache_v, Tensor slots, int kv_kind=0, int block_size=0) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("quantize_rows_int8(Tensor x, Tensor? signs=None) -> (Tensor, Tensor)");
+  m.def("quantize_rows_int16(Tensor x, Tensor? signs, int max_code) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor row_scales, Tensor? bias, ScalarType dtype, bool gated=False) -> Tensor");
 }
 
@@ -465,5 +566,6 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("quantize_rows_int16", &quantize_rows_int16);
   m.impl("scale_rows", &scale_rows);
 }

@@ -4,7 +4,9 @@
 // Why: without VNNI, oneDNN's int8 matmul multiplies unsigned by signed bytes with `vpmaddubsw`, whose pairs of
 // products saturate at 16 bits (255 x 127 x 2 > 32767): on an AVX2 machine its outputs were off by up to 25% where
 // an activation's code was large, and the model's answers with them. Here both codes are sign-extended to 16 bits and
-// multiplied with `vpmaddwd` (pairs of 16-bit products summed into 32 bits), so every sum is exact.
+// multiplied with `vpmaddwd` (pairs of 16-bit products summed into 32 bits), so every sum is exact. Since the
+// activations are 16-bit words here anyway, they may carry 16-bit codes (quantize_rows_int16) at no cost: int8
+// weights with activations as fine as float's, where VNNI's int8 products are not to be had.
 //
 // The packing is int8_linear.cpp's (for each block of 16 features, the inputs in groups of 4, 16 features x 4 inputs
 // to 64 bytes), so one layout serves both CPUs. A 64-byte group is read as four 16-byte quarters (4 features x 4
@@ -34,6 +36,7 @@ constexpr int kBlock = 16;  // output features per packed block
 constexpr int kGroup = 4;   // inputs per group
 constexpr int kRows = 2;    // rows of a register tile: 2 x 4 accumulators, 4 weight quarters, 2 inputs
 constexpr int64_t kMinUnitBytes = 32 * 1024;
+constexpr int64_t kChunkRows = 128;
 
 // w: [N, K] int8 codes -> ([N / 16, K / 4, 16, 4] as [N / 16, K * 16] int8, the features' code sums [N] int32), as
 // int8_linear.cpp packs it (the sums are what its VNNI kernel needs; this one does not read them).
@@ -103,14 +106,16 @@ void tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, const fl
   }
 }
 
-// codes [M, K] int8 (rows contiguous), row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums
-// (unread here) and scales [N] float32, bias [N] or none -> [M, N] in out_dtype (float32 or bfloat16).
+// codes [M, K] int16 or int8 (rows contiguous; int16 ones small enough that 127 x K x their largest |code| fits
+// int32), row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums (unread here) and scales [N]
+// float32, bias [N] or none -> [M, N] in out_dtype (float32 or bfloat16).
 at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
                        const at::Tensor& code_sums, const at::Tensor& weight_scales,
                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated) {
   TORCH_CHECK(!gated, "int8_linear: the AVX2 kernel has no gated epilogue");
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
-              "int8_linear: codes must be contiguous int8 [M, K]");
+  TORCH_CHECK((codes.scalar_type() == at::kShort || codes.scalar_type() == at::kChar) && codes.dim() == 2 &&
+                  codes.is_contiguous(),
+              "int8_linear: codes must be contiguous int16 or int8 [M, K]");
   const int64_t m = codes.size(0), k = codes.size(1), blocks = packed.size(0), n = blocks * kBlock;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kBlock,
               "int8_linear: a weight from int8_pack_weight with the codes' K");
@@ -119,28 +124,34 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
       tokenloom::checked_scales_and_bias("int8_linear", row_scales, m, weight_scales, n, bias, out_dtype);
   at::Tensor out = at::empty({m, n}, codes.options().dtype(out_dtype));
   if (m == 0) return out;
-  const at::Tensor wide = codes.to(at::kShort);  // sign-extended once, not once per feature block
+  // 16-bit activation codes (quantize_rows_int16) as they are; int8 ones sign-extended once, not once per block.
+  const at::Tensor wide = codes.scalar_type() == at::kShort ? codes : codes.to(at::kShort);
   const int16_t* x = wide.const_data_ptr<int16_t>();
   const int8_t* wp = packed.const_data_ptr<int8_t>();
   const float* rows = row_scales.const_data_ptr<float>();
   const float* scales = weight_scales.const_data_ptr<float>();
   const float* bias_data = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
   const int64_t groups = k / kGroup, block_bytes = k * kBlock;
-  // A unit: enough blocks that its weights are worth a thread's start; all rows run over a block while it is in L1.
+  // A unit: up to kChunkRows rows (their 16-bit codes stay in L2 across the unit's blocks) by enough blocks that
+  // their weights are worth a thread's start; the chunk's rows run over a block while it is in L1.
   const int64_t blocks_per_unit = std::max<int64_t>(1, kMinUnitBytes / block_bytes);
-  const int64_t units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
+  const int64_t block_units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  const int64_t units = chunks * block_units;
   auto run = [&](auto* op) {
     using T = std::remove_pointer_t<decltype(op)>;
     const std::function<void(int64_t)> body = [&](int64_t unit) {
-      const int64_t b1 = std::min(blocks, (unit + 1) * blocks_per_unit);
-      for (int64_t b = unit * blocks_per_unit; b < b1; ++b) {
+      const int64_t r0 = (unit / block_units) * kChunkRows, r1 = std::min(m, r0 + kChunkRows);
+      const int64_t b0 = (unit % block_units) * blocks_per_unit, b1 = std::min(blocks, b0 + blocks_per_unit);
+      for (int64_t b = b0; b < b1; ++b) {
         const int64_t f = b * kBlock;
         const float* bb = bias_data ? bias_data + f : nullptr;
-        int64_t r = 0;
-        for (; r + kRows <= m; r += kRows) {
-          tile<kRows, T>(x + r * k, k, wp + b * block_bytes, groups, rows + r, scales + f, bb, op + r * n + f, n);
+        const int8_t* wb = wp + b * block_bytes;
+        int64_t r = r0;
+        for (; r + kRows <= r1; r += kRows) {
+          tile<kRows, T>(x + r * k, k, wb, groups, rows + r, scales + f, bb, op + r * n + f, n);
         }
-        if (r < m) tile<1, T>(x + r * k, k, wp + b * block_bytes, groups, rows + r, scales + f, bb, op + r * n + f, n);
+        if (r < r1) tile<1, T>(x + r * k, k, wb, groups, rows + r, scales + f, bb, op + r * n + f, n);
       }
     };
     tokenloom::WorkSharing::instance().run(units, body);
