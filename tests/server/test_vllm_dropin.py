@@ -97,7 +97,10 @@ def test_streams_carry_the_same_logprobs_as_whole_responses(server):
             token_logprobs += chunk.choices[0].logprobs.token_logprobs
             offsets += chunk.choices[0].logprobs.text_offset
     assert len(whole.tokens) == 12
-    assert (tokens, token_logprobs, offsets) == (whole.tokens, whole.token_logprobs, whole.text_offset)
+    # The second request's prompt is a prefix-cache hit, whose attention sums in another order: the same logprobs up
+    # to float32 rounding, not always the same bits.
+    assert (tokens, offsets) == (whole.tokens, whole.text_offset)
+    assert token_logprobs == pytest.approx(whole.token_logprobs, rel=1e-5, abs=1e-5)
 
     messages = [{"role": "user", "content": "Tell me a story."}]
     chat_args = dict(model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
@@ -107,9 +110,8 @@ def test_streams_carry_the_same_logprobs_as_whole_responses(server):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content
     assert len(chat_whole) == 10
-    assert [(c.token, c.logprob, len(c.top_logprobs)) for c in streamed] == [
-        (c.token, c.logprob, len(c.top_logprobs)) for c in chat_whole
-    ]
+    assert [(c.token, len(c.top_logprobs)) for c in streamed] == [(c.token, len(c.top_logprobs)) for c in chat_whole]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in chat_whole], rel=1e-5, abs=1e-5)
 
 
 def test_metrics_carry_vllms_labels_and_the_dashboard_reads_only_real_metrics(server):

@@ -94,16 +94,19 @@ class ModelRunner:
         self.compiled: CompiledForward | None = compile_model(model, device) if compile_step else None
         self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
         if quantization is not None:
-            check_quantization(quantization, device)
-            hessians = self._input_hessians(calibration) if quantization == "int8" and calibration else None
-            started = time.monotonic()
-            count = model.quantize_weights(quantization, hessians)
-            rounding = "by GPTQ" if hessians else "to the nearest"
-            logger.info("quantized %d linears to %s (rounded %s) in %.1fs", count, quantization, rounding,
-                        time.monotonic() - started)  # fmt: skip
+            self._quantize(quantization, calibration)
         if can_prepack(device, dtype):
             model.prepack_weights(layers=quantization is None)
         self._generators: dict[str, torch.Generator] = {}
+
+    def _quantize(self, method: str, calibration: list[list[int]] | None) -> None:
+        check_quantization(method, self.device)
+        hessians = self._input_hessians(calibration) if method == "int8" and calibration else None
+        started = time.monotonic()
+        count = self.model.quantize_weights(method, hessians)
+        rounding = "by GPTQ" if hessians else "to the nearest"
+        logger.info("quantized %d linears to %s (rounded %s) in %.1fs", count, method, rounding,
+                    time.monotonic() - started)  # fmt: skip
 
     @torch.inference_mode()
     def _input_hessians(self, calibration: list[list[int]]) -> dict[str, torch.Tensor]:
