@@ -1,6 +1,6 @@
 """8-bit KV and 8-bit weights against the model's dtype, in one process and one sitting (issue 24).
 
-    .venv/bin/python benchmarks/quantization_speed.py [--rounds 2]
+    .venv/bin/python benchmarks/quantization_speed.py [--rounds 2] [--engines default "--quantization int8" ...]
 
 Four engines, built once and measured in turn, alternating their order each round (this machine's speed drifts):
 the default (dtype auto), --kv-cache-dtype int8, --quantization int8, and both. Workloads: mixed-64 (the 64
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from offline_throughput import mixed_workload
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.bench.provenance import cpu_flags
 
 CONFIGS = {
     "default": {},
@@ -55,12 +56,10 @@ def batch_1(llm: LLM, salt: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--engines", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="a subset to run")
     args = parser.parse_args()
-    flags = sorted(
-        {f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx512_bf16", "avx512_vnni", "amx"))}
-    )
-    print(f"load average before: {os.getloadavg()[0]:.2f}; CPU flags: {' '.join(flags)}")
-    engines = {name: LLM(max_num_seqs=64, kv_cache_memory=2**30, **kwargs) for name, kwargs in CONFIGS.items()}
+    print(f"load average before: {os.getloadavg()[0]:.2f}; CPU flags: {cpu_flags()}")
+    engines = {name: LLM(max_num_seqs=64, kv_cache_memory=2**30, **CONFIGS[name]) for name in args.engines}
     results: dict[str, dict[str, list[float]]] = {name: {"mixed": [], "batch1": []} for name in engines}
     for round_ in range(args.rounds):
         order = list(engines) if round_ % 2 == 0 else list(engines)[::-1]

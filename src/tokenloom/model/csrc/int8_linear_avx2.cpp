@@ -34,9 +34,9 @@ namespace {
 
 constexpr int kBlock = 16;  // output features per packed block
 constexpr int kGroup = 4;   // inputs per group
-constexpr int kRows = 2;    // rows of a register tile: 2 x 4 accumulators, 4 weight quarters, 2 inputs
+constexpr int kRows = 6;    // rows of a register tile: 6 x 2 accumulators, 2 weight quarters, 1 input
 constexpr int64_t kMinUnitBytes = 32 * 1024;
-constexpr int64_t kChunkRows = 128;
+constexpr int64_t kChunkRows = 120;  // 20 tiles of 6 rows
 
 // w: [N, K] int8 codes -> ([N / 16, K / 4, 16, 4] as [N / 16, K * 16] int8, the features' code sums [N] int32), as
 // int8_linear.cpp packs it (the sums are what its VNNI kernel needs; this one does not read them).
@@ -74,35 +74,46 @@ inline __m256i feature_sums(__m256i a, __m256i b) {
   return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
-// Rows x 16 outputs of one packed block from 16-bit activation codes x [Rows, K] (row stride k).
+// Rows x 8 outputs, half `half` of one packed block (its quarters 2 half and 2 half + 1), from 16-bit activation
+// codes x [Rows, K] (row stride k): 2 accumulators a row, so up to 6 rows share each converted weight vector.
 template <int Rows, typename T>
-void tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, const float* row_scales,
+void tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, int half, const float* row_scales,
           const float* weight_scales, const float* bias, T* out, int64_t ldo) {
-  __m256i acc[Rows][4];
-  for (int r = 0; r < Rows; ++r) {
-    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
-  }
+  __m256i acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const int8_t* quarters = w + half * 32;
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i wq[4];
-    for (int q = 0; q < 4; ++q) {
-      wq[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 64 + q * 16)));
-    }
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quarters + g * 64)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quarters + g * 64 + 16)));
     for (int r = 0; r < Rows; ++r) {
       int64_t four;
       std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
       const __m256i xv = _mm256_set1_epi64x(four);
-      for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(wq[q], xv));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xv));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xv));
     }
   }
-  const __m256 ws[2] = {_mm256_loadu_ps(weight_scales), _mm256_loadu_ps(weight_scales + 8)};
-  const __m256 b[2] = {bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps(),
-                       bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps()};
+  const __m256 ws = _mm256_loadu_ps(weight_scales + half * 8);
+  const __m256 b = bias ? _mm256_loadu_ps(bias + half * 8) : _mm256_setzero_ps();
   for (int r = 0; r < Rows; ++r) {
-    const __m256 rs = _mm256_set1_ps(row_scales[r]);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 sums = _mm256_cvtepi32_ps(feature_sums(acc[r][2 * h], acc[r][2 * h + 1]));
-      store8(out + r * ldo + h * 8, _mm256_fmadd_ps(_mm256_mul_ps(sums, ws[h]), rs, b[h]));
-    }
+    const __m256 sums = _mm256_cvtepi32_ps(feature_sums(acc[r][0], acc[r][1]));
+    store8(out + r * ldo + half * 8, _mm256_fmadd_ps(_mm256_mul_ps(sums, ws), _mm256_set1_ps(row_scales[r]), b));
+  }
+}
+
+template <typename T>
+using TileFn = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int, const float*, const float*,
+                        const float*, T*, int64_t);
+
+template <typename T>
+TileFn<T> tile_for(int64_t rows) {
+  switch (rows) {
+    case 1: return &tile<1, T>;
+    case 2: return &tile<2, T>;
+    case 3: return &tile<3, T>;
+    case 4: return &tile<4, T>;
+    case 5: return &tile<5, T>;
+    default: return &tile<kRows, T>;
   }
 }
 
@@ -147,11 +158,12 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
         const int64_t f = b * kBlock;
         const float* bb = bias_data ? bias_data + f : nullptr;
         const int8_t* wb = wp + b * block_bytes;
-        int64_t r = r0;
-        for (; r + kRows <= r1; r += kRows) {
-          tile<kRows, T>(x + r * k, k, wb, groups, rows + r, scales + f, bb, op + r * n + f, n);
+        for (int half = 0; half < 2; ++half) {
+          for (int64_t r = r0; r < r1; r += kRows) {
+            const int64_t nr = std::min<int64_t>(kRows, r1 - r);
+            tile_for<T>(nr)(x + r * k, k, wb, groups, half, rows + r, scales + f, bb, op + r * n + f, n);
+          }
         }
-        if (r < r1) tile<1, T>(x + r * k, k, wb, groups, rows + r, scales + f, bb, op + r * n + f, n);
       }
     };
     tokenloom::WorkSharing::instance().run(units, body);
