@@ -178,3 +178,20 @@ def test_an_llm_frees_its_ranks_when_closed_or_dropped_so_another_can_start(tiny
         running.shutdown()
         running.shutdown()  # twice is fine
     assert not dist.is_initialized()
+
+
+def test_two_ranks_calibrate_int8_weights_together_and_serve(tiny_llama):
+    """Every rank runs the calibration prefills for GPTQ at start (their all-reduces pair up, or start would hang):
+    the engine starts and serves under pressure with int8 weights on both ranks."""
+    from tokenloom.model.quantization import int8_available
+
+    if not int8_available():
+        pytest.skip("no int8 kernel for this CPU")
+    llm = LLM(str(tiny_llama), **PRESSURE, tensor_parallel_size=2, quantization="int8")
+    try:
+        tokens = greedy_tokens(llm)
+        assert [len(t) for t in tokens] == [10] * len(PROMPTS)
+        assert tokens == greedy_tokens(llm)  # the same codes on every step, whatever the batch
+        assert llm.stats().kv_blocks_in_use == 0
+    finally:
+        llm.shutdown()

@@ -124,6 +124,10 @@ class TensorParallelWorkers:
         # here at once, not by a rendezvous that waits out its timeout.
         self._wait_for("started")
         _join_group(spec, rank=0)
+
+    def wait_until_ready(self) -> None:
+        """Returns once every worker has built its runner. Rank 0 builds its own first: building one may run
+        collectives (the int8 weights' calibration prefills), which pair up only while all ranks build together."""
         self._wait_for("ready")
 
     def _wait_for(self, word: str) -> None:
@@ -186,11 +190,16 @@ class TensorParallelRunner(ModelRunner):
     ) -> None:  # fmt: skip
         """calibration: as ModelRunner's; every rank runs the same sequences (their all-reduces pair up)."""
         spec = workers.spec
-        super().__init__(
-            model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
-            attention_backend=spec.attention_backend, kv_cache_dtype=spec.kv_cache_dtype,
-            quantization=spec.quantization, calibration=calibration,
-        )  # fmt: skip
+        try:
+            super().__init__(
+                model, spec.num_kv_blocks, spec.block_size, device, spec.dtype, spec.seed, spec.num_swap_blocks,
+                attention_backend=spec.attention_backend, kv_cache_dtype=spec.kv_cache_dtype,
+                quantization=spec.quantization, calibration=calibration,
+            )  # fmt: skip
+        except BaseException:
+            workers.shutdown()
+            raise
+        workers.wait_until_ready()
         self.workers = workers
 
     def execute(self, scheduled: list[ScheduledRequest], grammar: GrammarMask | None = None) -> StepResult:

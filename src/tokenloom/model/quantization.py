@@ -2,8 +2,9 @@
 
 Weights are symmetric per output channel (one float32 scale per row of the weight, its largest |w| over the largest
 code), made from whatever the checkpoint held (GGUF dequantized, or safetensors) after tensor-parallel sharding, so
-each rank quantizes its own slice. Activations are quantized per token on the fly, so one request's outlier token
-never coarsens another's rows: a request's output does not depend on the batch it ran in. The product of the codes
+each rank quantizes its own slice; where the runner has calibration inputs, each code is rounded by GPTQ against
+them (gptq.py) instead of to the nearest. Activations are quantized per token on the fly, so one request's outlier
+token never coarsens another's rows: a request's output does not depend on the batch it ran in. The product of the codes
 is summed exactly in int32, then scaled back by the row's and the column's scales:
 
     y[m, n] = x_scale[m] * w_scale[n] * sum_k xq[m, k] * wq[n, k]   (+ bias[n])
