@@ -37,7 +37,9 @@ SOURCES = [
 ]
 HEADERS = [
     CSRC / name
-    for name in ("work_sharing.h", "avx512_exp.h", "bf16_vec.h", "kv_codes.h", "int8_epilogue.h", "amx_tiles.h")
+    for name in (
+        "work_sharing.h", "avx512_exp.h", "bf16_vec.h", "kv_codes.h", "int8_epilogue.h", "int8_packing.h", "amx_tiles.h"
+    )
 ]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math
 # vectorises float sums and exp (glibc's SIMD expf is declared only under it); it also assumes no infinities, so

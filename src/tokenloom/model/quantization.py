@@ -146,7 +146,8 @@ def amx_kernel_available() -> bool:
 class Int8Linear(nn.Module):
     """Three kernels, one result: our VNNI kernel for steps of a few rows, our AMX kernel for larger ones where the CPU
     has AMX-INT8 (csrc/amx_int8_linear.cpp: both scales applied as the sums leave the tiles), else oneDNN's int8
-    matmul with the row scales applied after it. All three sum the same codes exactly and scale in one order."""
+    matmul with the row scales applied after it. All three sum the same codes exactly and scale in one order. On a
+    CPU with AVX2 but no VNNI, our AVX2 kernel alone, with 16-bit activation codes."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, hessian: torch.Tensor | None = None
@@ -240,13 +241,6 @@ class Fp8Linear(nn.Module):
         self.codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [N, K]; _scaled_mm takes its transpose
         self.weight_scale = scale[None, :].contiguous()
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-
-    def activation_codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's codes (rotated where the weight is) and its scale [M, 1]: int8, or int16 up to
-        activation_max_code on the AVX2 kernel."""
-        if self.activation_max_code == 127:
-            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
-        return torch.ops.tokenloom.quantize_rows_int16(rows, self.signs, self.activation_max_code)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -24,6 +24,7 @@
 
 #include "bf16_vec.h"
 #include "int8_epilogue.h"
+#include "int8_packing.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -31,35 +32,11 @@
 
 namespace {
 
-constexpr int kBlock = 16;  // output features per vector
-constexpr int kGroup = 4;   // inputs per 32-bit lane
+constexpr int kBlock = tokenloom::kInt8Block;  // output features per packed block
+constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
 constexpr int kRows = 4;    // rows of a register tile
 constexpr int kBlocks = 4;  // feature blocks of a register tile: 16 int32 accumulators
 constexpr int64_t kMinUnitBytes = 32 * 1024;
-
-// w: [N, K] int8 codes -> ([N / 16, K / 4, 16, 4] as [N / 16, K * 16] int8, the features' code sums [N] int32).
-std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2, "int8_pack_weight: int8 [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, "int8_pack_weight: N a multiple of 16, K of 4");
-  const at::Tensor src = w.contiguous();
-  at::Tensor packed = at::empty({n / kBlock, k * kBlock}, w.options());
-  at::Tensor sums = at::empty({n}, w.options().dtype(at::kInt));
-  const int8_t* s = src.const_data_ptr<int8_t>();
-  int8_t* d = packed.mutable_data_ptr<int8_t>();
-  int32_t* total = sums.mutable_data_ptr<int32_t>();
-  for (int64_t f = 0; f < n; ++f) {
-    const int64_t block = f / kBlock, lane = f % kBlock;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < k; ++i) {
-      const int64_t group = i / kGroup, within = i % kGroup;
-      d[block * k * kBlock + group * kBlock * kGroup + lane * kGroup + within] = s[f * k + i];
-      sum += s[f * k + i];
-    }
-    total[f] = sum;
-  }
-  return {packed, sums};
-}
 
 struct Scales {
   const float* rows;     // [M]
@@ -194,15 +171,12 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
-  m.def("int8_pack_weight(Tensor w) -> (Tensor, Tensor)");
-  m.def(
-      "int8_linear(Tensor codes, Tensor row_scales, Tensor packed, Tensor code_sums, Tensor weight_scales, "
-      "Tensor? bias, ScalarType out_dtype, bool gated=False) -> Tensor");
+  tokenloom::define_int8_linear_ops(m);
   m.def("int8_linear_isa() -> str", []() -> std::string { return "avx512_vnni"; });
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
-  m.impl("int8_pack_weight", &int8_pack_weight);
+  m.impl("int8_pack_weight", &tokenloom::int8_pack_weight);
   m.impl("int8_linear", &int8_linear);
 }
 

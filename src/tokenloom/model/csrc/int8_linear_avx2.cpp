@@ -25,6 +25,7 @@
 #include <string>
 
 #include "int8_epilogue.h"
+#include "int8_packing.h"
 #include "work_sharing.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__))
@@ -32,35 +33,11 @@
 
 namespace {
 
-constexpr int kBlock = 16;  // output features per packed block
-constexpr int kGroup = 4;   // inputs per group
+constexpr int kBlock = tokenloom::kInt8Block;  // output features per packed block
+constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
 constexpr int kRows = 6;    // rows of a register tile: 6 x 2 accumulators, 2 weight quarters, 1 input
 constexpr int64_t kMinUnitBytes = 32 * 1024;
 constexpr int64_t kChunkRows = 120;  // 20 tiles of 6 rows
-
-// w: [N, K] int8 codes -> ([N / 16, K / 4, 16, 4] as [N / 16, K * 16] int8, the features' code sums [N] int32), as
-// int8_linear.cpp packs it (the sums are what its VNNI kernel needs; this one does not read them).
-std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.dim() == 2, "int8_pack_weight: int8 [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % kBlock == 0 && k % kGroup == 0, "int8_pack_weight: N a multiple of 16, K of 4");
-  const at::Tensor src = w.contiguous();
-  at::Tensor packed = at::empty({n / kBlock, k * kBlock}, w.options());
-  at::Tensor sums = at::empty({n}, w.options().dtype(at::kInt));
-  const int8_t* s = src.const_data_ptr<int8_t>();
-  int8_t* d = packed.mutable_data_ptr<int8_t>();
-  int32_t* total = sums.mutable_data_ptr<int32_t>();
-  for (int64_t f = 0; f < n; ++f) {
-    const int64_t block = f / kBlock, lane = f % kBlock;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < k; ++i) {
-      d[block * k * kBlock + (i / kGroup) * kBlock * kGroup + lane * kGroup + i % kGroup] = s[f * k + i];
-      sum += s[f * k + i];
-    }
-    total[f] = sum;
-  }
-  return {packed, sums};
-}
 
 inline void store8(float* at, __m256 v) { _mm256_storeu_ps(at, v); }
 inline void store8(c10::BFloat16* at, __m256 v) {
@@ -175,15 +152,12 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
-  m.def("int8_pack_weight(Tensor w) -> (Tensor, Tensor)");
-  m.def(
-      "int8_linear(Tensor codes, Tensor row_scales, Tensor packed, Tensor code_sums, Tensor weight_scales, "
-      "Tensor? bias, ScalarType out_dtype, bool gated=False) -> Tensor");
+  tokenloom::define_int8_linear_ops(m);
   m.def("int8_linear_isa() -> str", []() -> std::string { return "avx2"; });
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
-  m.impl("int8_pack_weight", &int8_pack_weight);
+  m.impl("int8_pack_weight", &tokenloom::int8_pack_weight);
   m.impl("int8_linear", &int8_linear);
 }
 
