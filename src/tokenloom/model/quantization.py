@@ -159,14 +159,15 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features = weight.shape[1]
         # Without VNNI oneDNN's int8 matmul saturates (int8_linear_avx2.cpp says why): our AVX2 kernel runs every step.
-        every_step = int8_kernel_isa() == "avx2"
+        isa = int8_kernel_isa()
+        every_step = isa == "avx2"
         fits_own = weight.shape[0] % 16 == 0 and self.in_features % 4 == 0
         if every_step and not fits_own:
             raise ValueError(
                 f"--quantization int8 on this CPU (AVX2, no VNNI) needs linears of a multiple of 16 outputs and of 4"
                 f" inputs; this one is {weight.shape[0]} x {self.in_features}"
             )
-        self.gated = gated and weight.shape[0] % (2 * PACK_BLOCK) == 0 and small_step_kernel_available()
+        self.gated = gated and weight.shape[0] % (2 * PACK_BLOCK) == 0 and isa == "avx512_vnni"  # VNNI's epilogue
         self.out_features = weight.shape[0] // 2 if self.gated else weight.shape[0]
         if self.gated:
             weight, bias = gate_and_up_interleaved(weight), None if bias is None else gate_and_up_interleaved(bias)
@@ -182,7 +183,7 @@ class Int8Linear(nn.Module):
         # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums), which
         # scale the sums exactly as oneDNN.
         self.own: tuple[torch.Tensor, torch.Tensor] | None = None
-        if fits_own and int8_kernel_isa() is not None:
+        if fits_own and isa is not None:
             self.own = torch.ops.tokenloom.int8_pack_weight(codes)
         self.amx = (
             self.own is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
