@@ -107,3 +107,24 @@ def test_the_engine_rounds_every_decoder_linear_by_gptq(request, monkeypatch, mo
         assert torch.diagonal(hessian).sum() > 0
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("out_features", [64, 40])  # 40: not our kernels' 16-feature blocks, oneDNN's matmul alone
+def test_gptq_codes_serve_the_same_product_on_every_path(out_features):
+    """GPTQ's codes leave it transposed; every kernel must read them as the codes they are, at any row count."""
+    from helpers import needs_operator
+
+    needs_operator()
+    if not quantization.int8_available():
+        pytest.skip("no int8 kernels on this CPU")
+    weight = torch.randn(out_features, 128, generator=torch.Generator().manual_seed(5))
+    calibration = correlated_inputs(400, 128, 6)
+    try:
+        layer = quantization.Int8Linear(weight, None, hessian=calibration.double().T @ calibration.double())
+    except ValueError:
+        pytest.skip("this CPU's int8 kernel takes only 16-feature blocks")
+    x = correlated_inputs(40, 128, 7)
+    exact = x @ weight.T
+    out = layer(x)
+    assert (out - exact).norm() < 0.02 * exact.norm()
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(40)]), out)

@@ -176,9 +176,8 @@ class Int8Linear(nn.Module):
             weight = rotate(weight.detach().float(), self.signs)
             hessian = None if hessian is None else rotated_hessian(hessian, self.signs)
         scaled, scale = per_channel(weight, 127.0)
-        codes = (scaled.round().clamp(-127, 127) if hessian is None else gptq_codes(weight, hessian, scale)).to(
-            torch.int8
-        )
+        rounded = scaled.round().clamp(-127, 127) if hessian is None else gptq_codes(weight, hessian, scale)
+        codes = rounded.to(torch.int8).contiguous()  # oneDNN's prepack reads GPTQ's transposed codes as if contiguous
         self.weight_scale = scale
         # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums), which
         # scale the sums exactly as oneDNN.

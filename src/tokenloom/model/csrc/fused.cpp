@@ -437,7 +437,13 @@ void quantize_row(const scalar_t* x, float inv, int64_t n, int8_t* codes) {
 template <typename scalar_t>
 void quantize_row(const scalar_t* x, float inv, int64_t n, int16_t* codes) {
   int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 v_inv = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), v_inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtsepi32_epi16(q));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
   const __m256 v_inv = _mm256_set1_ps(inv);
   for (; i + 16 <= n; i += 16) {
     const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + i), v_inv));
