@@ -3,6 +3,8 @@ tokens stay those of the same model alone whatever the batch; a method the devic
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import needs_operator
@@ -13,6 +15,7 @@ from tokenloom.model.quantization import (
     Int8Linear,
     hadamard_matrix,
     int8_available,
+    int8_kernel_isa,
     per_channel,
     quantize_linears,
     rotate,
@@ -93,7 +96,8 @@ def test_16_bit_codes_bound_their_sums_to_int32():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True), (48, 32, False)])
-def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, out_features, bias):
+@pytest.mark.parametrize("activation_bits", [8, 16])
+def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, out_features, bias, activation_bits):
     g = torch.Generator().manual_seed(rows)
     linear = nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
@@ -102,7 +106,10 @@ def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, o
             linear.bias.copy_(torch.randn(out_features, generator=g))
     x = torch.randn(rows, in_features, generator=g)
     x[0, 3] = 40.0  # an outlier in one token: only its own row's scale grows
-    quantized = Int8Linear(linear.weight.to(dtype), None if linear.bias is None else linear.bias.to(dtype))
+    quantized = Int8Linear(
+        linear.weight.to(dtype), None if linear.bias is None else linear.bias.to(dtype), activation_bits=activation_bits
+    )
+    assert (quantized.activation_max_code > 127) == (activation_bits == 16 or int8_kernel_isa() == "avx2")
     ours = quantized(x.to(dtype)).float()
     # What the codes mean, in float64: per-token activations times per-channel weights, both rotated where the
     # inputs split into 64-blocks (the activations' codes as the operator made them: tested above).
@@ -110,7 +117,7 @@ def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, o
     weight = linear.weight.detach().to(dtype)
     if signs is not None:
         weight = rotate(weight.float(), signs)
-    codes, scales = quantized.activation_codes(x.to(dtype))  # int8, or int16 on the AVX2 kernel: tested above
+    codes, scales = quantized.activation_codes(x.to(dtype))  # int8 or int16, as the layer takes them: tested above
     activations = codes.double() * scales.double()
     scaled, scale = per_channel(weight, 127.0)  # the weight's codes, in float32
     w = scaled.round().clamp(-127, 127).double() * scale.double()[:, None]
@@ -163,9 +170,8 @@ def test_every_decoder_linear_is_quantized_and_the_head_is_not(tiny_llama):
     assert quantize_linears(nn.Sequential(), "int8") == 0
 
 
-@pytest.fixture(scope="module")
-def alone(tiny_llama):
-    llm = LLM(str(tiny_llama), dtype="float32", quantization="int8", max_num_seqs=1)
+def alone(tiny_llama, method: str) -> list[list[int]]:
+    llm = LLM(str(tiny_llama), dtype="float32", quantization=method, max_num_seqs=1)
     return [greedy_one(llm, p) for p in PROMPTS]
 
 
@@ -177,12 +183,16 @@ def greedy_one(llm: LLM, prompt: list[int]) -> list[int]:
     return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_batches_chunks_and_preemption_keep_each_requests_tokens(tiny_llama, alone):
-    llm = LLM(str(tiny_llama), dtype="float32", quantization="int8", max_num_batched_tokens=24, block_size=8,
+@pytest.mark.parametrize("method", ["int8", "int8_w8a16"])
+def test_batches_chunks_and_preemption_keep_each_requests_tokens(tiny_llama, method):
+    llm = LLM(str(tiny_llama), dtype="float32", quantization=method, max_num_batched_tokens=24, block_size=8,
               num_kv_blocks=14, max_num_seqs=4)  # fmt: skip
+    wide = [m.activation_max_code > 127 for m in llm.engine.core.runner.model.layers.modules()
+            if isinstance(m, Int8Linear)]  # fmt: skip
+    assert wide and all(wide) == (method == "int8_w8a16" or int8_kernel_isa() == "avx2") and len(set(wide)) == 1
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == alone
+    assert [o.outputs[0].token_ids for o in outputs] == alone(tiny_llama, method)
     assert llm.stats().num_preemptions > 0
 
 
@@ -204,7 +214,7 @@ def test_a_method_the_device_cannot_run_is_refused_at_start(tiny_llama):
     ("in_features", "out_features", "bias"), [(576, 1728, False), (1536, 576, False), (576, 960, True), (64, 48, True)]
 )
 @pytest.mark.parametrize("gated", [False, True])
-def test_every_kernel_gets_oneDNNs_bits(monkeypatch, dtype, in_features, out_features, bias, gated):
+def test_every_kernel_gets_oneDNNs_bits(dtype, in_features, out_features, bias, gated):
     """Steps of a few rows run our VNNI kernel (csrc/int8_linear.cpp), larger ones our AMX kernel where the CPU has
     AMX-INT8 and the shape fits its tiles (csrc/amx_int8_linear.cpp), else oneDNN's matmul; every one equals oneDNN's
     bits, so a request's tokens do not depend on how many rows its step had; gated (a [gate; up] projection giving
@@ -220,26 +230,41 @@ def test_every_kernel_gets_oneDNNs_bits(monkeypatch, dtype, in_features, out_fea
     assert layer.gated == (gated and out_features % 32 == 0)
     assert layer.out_features == (out_features // 2 if layer.gated else out_features)
     fits_tiles = out_features % 32 == 0 and in_features % 64 == 0
-    assert layer.own is not None and layer.amx == (fits_tiles and quantization.amx_kernel_available())
-    assert (layer.packed is None) == layer.amx  # oneDNN's packing is kept only where a step can reach it
-    monkeypatch.setattr(quantization, "amx_kernel_available", lambda: False)
-    reference = Int8Linear(weight, bias_values, gated=gated)
-    reference.own = None  # every step through oneDNN's matmul
+    amx_cpu = quantization.amx_kernel_available()
+    assert layer.own is not None and layer.amx == (fits_tiles and amx_cpu)
+    # oneDNN's packing is kept only where a step can reach it: on an AMX CPU, for what does not fit the tiles
+    assert (layer.packed is None) == (layer.amx or not amx_cpu)
+    reference = through_onednn_alone(layer)
     for rows in (1, 3, quantization.AMX_FROM_ROWS, quantization.SMALL_STEP_ROWS, 13, 32, 33, 100, 300):
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         assert torch.equal(layer(x), reference(x)), rows
 
 
-def test_a_gated_layer_gives_silu_of_gate_times_up():
+def through_onednn_alone(layer: Int8Linear) -> Int8Linear:
+    """A copy of the layer whose every step runs oneDNN's int8 matmul on the same codes."""
+    assert layer.own is not None
+    packed, _ = layer.own
+    n, k = packed.shape[0] * 16, layer.in_features
+    codes = packed.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k).contiguous()
+    reference = copy.copy(layer)
+    reference.own, reference.amx, reference.small_rows = None, False, 0
+    reference.packed = torch.ops.onednn.qlinear_prepack(codes, [64, k])
+    reference.weight_zero_point = torch.zeros(n, dtype=torch.long)
+    return reference
+
+
+@pytest.mark.parametrize("activation_bits", [8, 16])
+def test_a_gated_layer_gives_silu_of_gate_times_up(activation_bits):
     from tokenloom.model import quantization
 
     if not quantization.small_step_kernel_available():
         pytest.skip("the gated epilogue is in our AVX-512 kernels")
     g = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(2 * 96, 128, generator=g) * 0.1, torch.randn(2 * 96, generator=g)
-    plain, gated = Int8Linear(weight, bias), Int8Linear(weight, bias, gated=True)
+    plain = Int8Linear(weight, bias, activation_bits=activation_bits)
+    gated = Int8Linear(weight, bias, gated=True, activation_bits=activation_bits)
     assert gated.gated and gated.out_features == 96
-    for rows in (2, 40):
+    for rows in (2, 40, 300):
         x = torch.randn(rows, 128, generator=g)
         gate, up = plain(x).chunk(2, dim=-1)
         torch.testing.assert_close(gated(x), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)

@@ -121,4 +121,4 @@ def calibration_ids(tokenizer: Any, vocab_size: int) -> list[list[int]]:
 
 def calibration_for(quantization: str | None, tokenizer: Any, vocab_size: int) -> list[list[int]] | None:
     """What a runner calibrates with: the sequences for int8 weights (GPTQ), else None."""
-    return calibration_ids(tokenizer, vocab_size) if quantization == "int8" else None
+    return calibration_ids(tokenizer, vocab_size) if quantization in ("int8", "int8_w8a16") else None

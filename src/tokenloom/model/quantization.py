@@ -45,7 +45,8 @@ from tokenloom.model import cpu_kernel
 from tokenloom.model.gptq import gptq_codes
 from tokenloom.model.prepack import PACK_BLOCK, gate_and_up_interleaved
 
-QUANTIZATIONS = ("int8", "fp8")
+QUANTIZATIONS = ("int8", "int8_w8a16", "fp8")
+INT8_METHODS = ("int8", "int8_w8a16")  # int8 weights; int8_w8a16 with 16-bit activation codes on every CPU
 ROWS_HINT = 64  # the batch size oneDNN packs the weight for: a full decode step
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
@@ -70,9 +71,9 @@ def check_quantization(name: str | None, device: torch.device) -> None:
         return
     if name not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {name!r}; the methods: {', '.join(QUANTIZATIONS)}")
-    if name == "int8" and (device.type != "cpu" or not int8_available()):
+    if name in INT8_METHODS and (device.type != "cpu" or not int8_available()):
         raise ValueError(
-            "--quantization int8 runs our int8 kernels (AVX-512 VNNI or AVX2) and oneDNN's on a CPU; "
+            f"--quantization {name} runs our int8 kernels (AVX-512 VNNI or AVX2) and oneDNN's on a CPU; "
             f"here the device is {device.type}" + ("" if device.type != "cpu" else " and they are not available")
         )
     if name == "fp8" and (device.type != "cuda" or not hasattr(torch, "_scaled_mm")):
@@ -150,22 +151,28 @@ class Int8Linear(nn.Module):
     CPU with AVX2 but no VNNI, our AVX2 kernel alone, with 16-bit activation codes."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, hessian: torch.Tensor | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gated: bool = False,
+        hessian: torch.Tensor | None = None,
+        activation_bits: int = 8,
     ) -> None:
         """gated: the weight is a fused [gate; up] projection and the layer returns silu(gate) * up, computed from the
         float32 outputs as they leave the kernel (on every kernel alike: csrc/int8_epilogue.h). hessian: X^T X of
         calibration inputs ([K, K], before the rotation): the codes are rounded by GPTQ against it (gptq.py), else
-        to the nearest."""
+        to the nearest. activation_bits 16: 16-bit activation codes on every CPU (``int8_w8a16``); 8 takes them
+        where the CPU multiplies bytes (VNNI, AMX) and 16-bit ones where it multiplies words anyway (AVX2)."""
         super().__init__()
+        assert activation_bits in (8, 16)
         self.in_features = weight.shape[1]
-        # Without VNNI oneDNN's int8 matmul saturates (int8_linear_avx2.cpp says why): our AVX2 kernel runs every step.
         isa = int8_kernel_isa()
-        every_step = isa == "avx2"
+        wide = activation_bits == 16 or isa == "avx2"
         fits_own = weight.shape[0] % 16 == 0 and self.in_features % 4 == 0
-        if every_step and not fits_own:
+        if wide and not fits_own:
             raise ValueError(
-                f"--quantization int8 on this CPU (AVX2, no VNNI) needs linears of a multiple of 16 outputs and of 4"
-                f" inputs; this one is {weight.shape[0]} x {self.in_features}"
+                f"--quantization int8 with 16-bit activations (on this CPU: {isa}) needs linears of a multiple of 16"
+                f" outputs and of 4 inputs; this one is {weight.shape[0]} x {self.in_features}"
             )
         self.gated = gated and weight.shape[0] % (2 * PACK_BLOCK) == 0 and isa == "avx512_vnni"  # VNNI's epilogue
         self.out_features = weight.shape[0] // 2 if self.gated else weight.shape[0]
@@ -184,14 +191,15 @@ class Int8Linear(nn.Module):
         self.own: tuple[torch.Tensor, torch.Tensor] | None = None
         if fits_own and isa is not None:
             self.own = torch.ops.tokenloom.int8_pack_weight(codes)
-        self.amx = (
-            self.own is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
-            and amx_kernel_available()
-        )  # fmt: skip
+        amx_cpu = not wide and amx_kernel_available()
+        self.amx = amx_cpu and self.own is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
+        # Without AMX our kernel runs every step: oneDNN's int8 matmul saturates without VNNI (int8_linear_avx2.cpp)
+        # and, on the AMD CPUs with VNNI measured, ran its reference loops (2.5 s for one 300-row linear).
+        every_step = self.own is not None and not amx_cpu
         self.small_rows = sys.maxsize if every_step else AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
-        # The AVX2 kernel multiplies 16-bit words: activations get 16-bit codes there, as large as int32 sums allow.
-        self.activation_max_code = int16_activation_max_code(self.in_features) if every_step else 127
-        # oneDNN's packing only where a step can reach it: VNNI, but no AMX kernel for this shape or CPU.
+        # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).
+        self.activation_max_code = int16_activation_max_code(self.in_features) if wide else 127
+        # oneDNN's packing only where a step can reach it: no kernel of ours for this shape, or AMX's misfits.
         onednn = not (self.amx or every_step)
         self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features]) if onednn else None
         zeros = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device)
@@ -200,7 +208,7 @@ class Int8Linear(nn.Module):
 
     def activation_codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's codes (rotated where the weight is) and its scale [M, 1]: int8, or int16 up to
-        activation_max_code on the AVX2 kernel."""
+        activation_max_code."""
         if self.activation_max_code == 127:
             return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
         return torch.ops.tokenloom.quantize_rows_int16(rows, self.signs, self.activation_max_code)
@@ -264,9 +272,11 @@ def quantize_linears(
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                if method == "int8":
+                if method in INT8_METHODS:
                     hessian = None if hessians is None else hessians[f"{prefix}.{name}" if prefix else name]
-                    layer: nn.Module = Int8Linear(child.weight, child.bias, gated=name in gated, hessian=hessian)
+                    layer: nn.Module = Int8Linear(
+                        child.weight, child.bias, name in gated, hessian, 16 if method == "int8_w8a16" else 8
+                    )
                 else:
                     layer = Fp8Linear(child.weight, child.bias)
                 setattr(parent, name, layer)

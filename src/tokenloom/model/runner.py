@@ -101,7 +101,7 @@ class ModelRunner:
 
     def _quantize(self, method: str, calibration: list[list[int]] | None) -> None:
         check_quantization(method, self.device)
-        hessians = self._input_hessians(calibration) if method == "int8" and calibration else None
+        hessians = self._input_hessians(calibration) if method.startswith("int8") and calibration else None
         started = time.monotonic()
         count = self.model.quantize_weights(method, hessians)
         rounding = "by GPTQ" if hessians else "to the nearest"

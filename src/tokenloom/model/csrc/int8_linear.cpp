@@ -1,16 +1,19 @@
-// int8 linears for steps of a few rows, on CPUs with AVX-512 VNNI: tokenloom::int8_pack_weight and
-// tokenloom::int8_linear (--quantization int8, quantization.py).
+// int8 linears on CPUs with AVX-512 VNNI: tokenloom::int8_pack_weight and tokenloom::int8_linear
+// (--quantization int8 | int8_w8a16, quantization.py): steps of a few rows where the CPU has AMX (larger ones take
+// amx_int8_linear.cpp), every step where it has not.
 //
 // Why: at 1-12 rows oneDNN's int8 matmul took longer than the whole bf16 linear on our own kernel
-// (bf16_linear.cpp), so int8 weights halved batch-1 decode instead of speeding it up. A decode step reads each weight
-// once; int8 codes are half the bytes of bf16, and `vpdpbusd` multiplies 64 byte pairs per instruction.
+// (bf16_linear.cpp), so int8 weights halved batch-1 decode instead of speeding it up; and on an AMD CPU with VNNI
+// but no AMX oneDNN ran its reference loops at every size. A decode step reads each weight once; int8 codes are half
+// the bytes of bf16, and `vpdpbusd` multiplies 64 byte pairs per instruction.
 //
 // The weight's codes are packed for `vpdpbusd` (unsigned x signed bytes): for each block of 16 output features, the
-// K inputs in groups of 4, 16 features x 4 inputs to a 64-byte vector. The activations' codes (signed, from
+// K inputs in groups of 4, 16 features x 4 inputs to a 64-byte vector. The activations' int8 codes (signed, from
 // quantize_rows_int8) are shifted by +128 to unsigned; the shift's share, 128 x the sum of a feature's codes, is
-// taken back from the int32 sum, so the sum is exact. Then, as the oneDNN path scales it (sum x the feature's scale,
-// then x the row's scale plus the bias, fused), bit for bit: a request's output does not depend on which path its
-// step took.
+// taken back from the int32 sum, so the sum is exact. 16-bit codes (quantize_rows_int16) multiply the same packing,
+// sign-extended, by `vpdpwssd` (32 word pairs an instruction: half the rate, activations about as fine as float's).
+// Then, as the oneDNN path scales it (sum x the feature's scale, then x the row's scale plus the bias, fused), bit
+// for bit: a request's output does not depend on which path its step took.
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -21,6 +24,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "bf16_vec.h"
 #include "int8_epilogue.h"
@@ -34,9 +38,14 @@ namespace {
 
 constexpr int kBlock = tokenloom::kInt8Block;  // output features per packed block
 constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
-constexpr int kRows = 4;    // rows of a register tile
-constexpr int kBlocks = 4;  // feature blocks of a register tile: 16 int32 accumulators
+constexpr int kRows = 4;      // rows of a register tile
+constexpr int kBlocks8 = 4;   // feature blocks of a tile on int8 codes: 16 int32 accumulators
+constexpr int kBlocks16 = 2;  // on 16-bit codes: each block's sums in two halves, 16 accumulators again
 constexpr int64_t kMinUnitBytes = 32 * 1024;
+constexpr int64_t kChunkRows = 128;  // rows whose codes stay in L2 while a unit's blocks pass over them
+
+template <typename Code>
+constexpr int kBlocks = std::is_same_v<Code, int16_t> ? kBlocks16 : kBlocks8;
 
 struct Scales {
   const float* rows;     // [M]
@@ -45,16 +54,10 @@ struct Scales {
   const float* bias;     // [N] or null
 };
 
-// Rows x Blocks outputs from unsigned activation codes xu [Rows, K] (row stride k) and Blocks packed blocks;
-// gated, the blocks alternate gate and up and the tile writes Blocks / 2 blocks of silu(gate) x up.
-template <int Rows, int Blocks, bool Gated, typename T>
-void tile(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const Scales& s, int64_t feature, T* out,
-          int64_t ldo) {
-  static_assert(!Gated || Blocks % 2 == 0, "a gated tile holds gate and up blocks in pairs");
-  __m512i acc[Rows][Blocks];
-  for (int r = 0; r < Rows; ++r) {
-    for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_si512();
-  }
+// The int32 sums of Rows x Blocks x 16 outputs from unsigned activation codes xu [Rows, K] (row stride k), each
+// 4 of them times a packed 64-byte group by `vpdpbusd`; the +128 shift's share is still in them.
+template <int Rows, int Blocks>
+void sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, __m512i (&acc)[Rows][Blocks]) {
   for (int64_t g = 0; g < groups; ++g) {
     __m512i wv[Blocks];
     for (int b = 0; b < Blocks; ++b) wv[b] = _mm512_loadu_si512(w + b * groups + g);
@@ -65,11 +68,60 @@ void tile(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const 
       for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], xv, wv[b]);
     }
   }
+}
+
+// The same from 16-bit codes x (quantize_rows_int16), by `vpdpwssd`: a 64-byte group is two halves of 8 features x
+// 4 inputs, each sign-extended to 32 words; times the row's 4 codes, broadcast, a half's lanes 2f and 2f + 1 hold
+// feature f's two pair sums, which the end adds. Exact: the codes are small enough that no sum leaves int32.
+template <int Rows, int Blocks>
+void sums_of(const int16_t* x, int64_t k, const __m512i* w, int64_t groups, __m512i (&acc)[Rows][Blocks]) {
+  __m512i pairs[Rows][Blocks][2];
+  for (int r = 0; r < Rows; ++r) {
+    for (int b = 0; b < Blocks; ++b) pairs[r][b][0] = pairs[r][b][1] = _mm512_setzero_si512();
+  }
+  const auto* halves = reinterpret_cast<const __m256i*>(w);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[Blocks][2];
+    for (int b = 0; b < Blocks; ++b) {
+      for (int h = 0; h < 2; ++h) wv[b][h] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(halves + 2 * (b * groups + g) + h));
+    }
+    for (int r = 0; r < Rows; ++r) {
+      int64_t four;
+      std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
+      const __m512i xv = _mm512_set1_epi64(four);
+      for (int b = 0; b < Blocks; ++b) {
+        for (int h = 0; h < 2; ++h) pairs[r][b][h] = _mm512_dpwssd_epi32(pairs[r][b][h], xv, wv[b][h]);
+      }
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int r = 0; r < Rows; ++r) {
+    for (int b = 0; b < Blocks; ++b) {
+      const __m512i lo = pairs[r][b][0], hi = pairs[r][b][1];
+      acc[r][b] = _mm512_add_epi32(_mm512_permutex2var_epi32(lo, even, hi), _mm512_permutex2var_epi32(lo, odd, hi));
+    }
+  }
+}
+
+// Rows x Blocks outputs from activation codes x [Rows, K] (unsigned-shifted int8, or 16-bit) and Blocks packed
+// blocks; gated, the blocks alternate gate and up and the tile writes Blocks / 2 blocks of silu(gate) x up.
+template <typename Code, int Rows, int Blocks, bool Gated, typename T>
+void tile(const Code* x, int64_t k, const __m512i* w, int64_t groups, const Scales& s, int64_t feature, T* out,
+          int64_t ldo) {
+  static_assert(!Gated || Blocks % 2 == 0, "a gated tile holds gate and up blocks in pairs");
+  __m512i acc[Rows][Blocks];
+  for (int r = 0; r < Rows; ++r) {
+    for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_si512();
+  }
+  sums_of<Rows, Blocks>(x, k, w, groups, acc);
   __m512i shift[Blocks];
   __m512 weight_scale[Blocks], bias[Blocks];
   for (int b = 0; b < Blocks; ++b) {
     const int64_t f = feature + b * kBlock;
-    shift[b] = _mm512_slli_epi32(_mm512_loadu_si512(s.sums + f), 7);  // 128 x the code sum
+    // 128 x the code sum, for the unsigned shift of int8 codes
+    shift[b] = std::is_same_v<Code, uint8_t> ? _mm512_slli_epi32(_mm512_loadu_si512(s.sums + f), 7)
+                                             : _mm512_setzero_si512();
     weight_scale[b] = _mm512_loadu_ps(s.weights + f);
     bias[b] = s.bias ? _mm512_loadu_ps(s.bias + f) : _mm512_setzero_ps();
   }
@@ -89,41 +141,79 @@ void tile(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const 
   }
 }
 
-template <typename T>
-using TileFn = void (*)(const uint8_t*, int64_t, const __m512i*, int64_t, const Scales&, int64_t, T*, int64_t);
+template <typename Code, typename T>
+using TileFn = void (*)(const Code*, int64_t, const __m512i*, int64_t, const Scales&, int64_t, T*, int64_t);
 
-template <int Rows, bool Gated, typename T>
-TileFn<T> tile_for_blocks(int blocks) {
-  if constexpr (Gated) {
-    return blocks == 2 ? &tile<Rows, 2, true, T> : &tile<Rows, 4, true, T>;
+template <typename Code, int Rows, bool Gated, typename T>
+TileFn<Code, T> tile_for_blocks(int blocks) {
+  if constexpr (kBlocks<Code> == 2) {
+    if constexpr (Gated) return &tile<Code, Rows, 2, true, T>;
+    return blocks == 1 ? &tile<Code, Rows, 1, false, T> : &tile<Code, Rows, 2, false, T>;
+  } else if constexpr (Gated) {
+    return blocks == 2 ? &tile<Code, Rows, 2, true, T> : &tile<Code, Rows, 4, true, T>;
   } else {
     switch (blocks) {
-      case 1: return &tile<Rows, 1, false, T>;
-      case 2: return &tile<Rows, 2, false, T>;
-      case 3: return &tile<Rows, 3, false, T>;
-      default: return &tile<Rows, 4, false, T>;
+      case 1: return &tile<Code, Rows, 1, false, T>;
+      case 2: return &tile<Code, Rows, 2, false, T>;
+      case 3: return &tile<Code, Rows, 3, false, T>;
+      default: return &tile<Code, Rows, 4, false, T>;
     }
   }
 }
 
-template <bool Gated, typename T>
-TileFn<T> tile_for(int rows, int blocks) {
+template <typename Code, bool Gated, typename T>
+TileFn<Code, T> tile_for(int rows, int blocks) {
   switch (rows) {
-    case 1: return tile_for_blocks<1, Gated, T>(blocks);
-    case 2: return tile_for_blocks<2, Gated, T>(blocks);
-    case 3: return tile_for_blocks<3, Gated, T>(blocks);
-    default: return tile_for_blocks<4, Gated, T>(blocks);
+    case 1: return tile_for_blocks<Code, 1, Gated, T>(blocks);
+    case 2: return tile_for_blocks<Code, 2, Gated, T>(blocks);
+    case 3: return tile_for_blocks<Code, 3, Gated, T>(blocks);
+    default: return tile_for_blocks<Code, 4, Gated, T>(blocks);
   }
 }
 
-// codes [M, K] int8 (rows contiguous), row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums
-// and scales [N] float32, bias [N] or none -> [M, N] in out_dtype (float32 or bfloat16); gated (the features
-// [gate; up] interleaved per 16): [M, N / 2], silu(gate) x up.
+// out [M, width] from codes x [M, K] (rows contiguous): units of up to kChunkRows rows by enough feature blocks that
+// their weights are worth a thread's start; a unit's rows run in tiles over each of its blocks while it is in L1.
+template <typename Code>
+void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t blocks, const Scales& scales,
+               bool gated, at::Tensor& out) {
+  const int64_t groups = k / kGroup, block_bytes = k * kBlock, width = out.size(1);
+  constexpr int tile_blocks = kBlocks<Code>;
+  const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * tile_blocks));
+  const int64_t blocks_per_unit = tiles_per_unit * tile_blocks;
+  const int64_t block_units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
+  const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
+  auto run = [&](auto* op) {
+    using T = std::remove_pointer_t<decltype(op)>;
+    const std::function<void(int64_t)> body = [&](int64_t unit) {
+      const int64_t r0 = (unit / block_units) * kChunkRows, r1 = std::min(m, r0 + kChunkRows);
+      const int64_t b0 = (unit % block_units) * blocks_per_unit, b1 = std::min(blocks, b0 + blocks_per_unit);
+      for (int64_t b = b0; b < b1; b += tile_blocks) {
+        const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, b1 - b));
+        for (int64_t r = r0; r < r1; r += kRows) {
+          const int nr = static_cast<int>(std::min<int64_t>(kRows, r1 - r));
+          Scales at_rows = scales;
+          at_rows.rows += r;
+          T* at = op + r * width + (gated ? b / 2 : b) * kBlock;
+          const auto fn = gated ? tile_for<Code, true, T>(nr, nb) : tile_for<Code, false, T>(nr, nb);
+          fn(x + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
+        }
+      }
+    };
+    tokenloom::WorkSharing::instance().run(chunks * block_units, body);
+  };
+  tokenloom::with_output_data(out, run);
+}
+
+// codes [M, K] int8, or int16 small enough that 127 x K x their largest |code| fits int32 (rows contiguous),
+// row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums and scales [N] float32, bias [N] or
+// none -> [M, N] in out_dtype (float32 or bfloat16); gated (the features [gate; up] interleaved per 16): [M, N / 2],
+// silu(gate) x up.
 at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
                        const at::Tensor& code_sums, const at::Tensor& weight_scales,
                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated) {
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
-              "int8_linear: codes must be contiguous int8 [M, K]");
+  const bool wide = codes.scalar_type() == at::kShort;
+  TORCH_CHECK((wide || codes.scalar_type() == at::kChar) && codes.dim() == 2 && codes.is_contiguous(),
+              "int8_linear: codes must be contiguous int8 or int16 [M, K]");
   const int64_t m = codes.size(0), k = codes.size(1), blocks = packed.size(0), n = blocks * kBlock;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kBlock,
               "int8_linear: a weight from int8_pack_weight with the codes' K");
@@ -131,40 +221,20 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   const at::Tensor bias_f =
       tokenloom::checked_scales_and_bias("int8_linear", row_scales, m, weight_scales, n, bias, out_dtype);
   TORCH_CHECK(!gated || blocks % 2 == 0, "int8_linear: a gated weight has gate and up blocks in pairs");
-  const int64_t width = gated ? n / 2 : n;
-  at::Tensor out = at::empty({m, width}, codes.options().dtype(out_dtype));
+  at::Tensor out = at::empty({m, gated ? n / 2 : n}, codes.options().dtype(out_dtype));
   if (m == 0) return out;
+  const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
+                      code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr};
+  const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
+  if (wide) {
+    run_tiles(codes.const_data_ptr<int16_t>(), m, k, wp, blocks, scales, gated, out);
+    return out;
+  }
   at::Tensor shifted = at::empty({m, k}, codes.options().dtype(at::kByte));  // codes + 128, as unsigned bytes
   const int8_t* c = codes.const_data_ptr<int8_t>();
   uint8_t* u = shifted.mutable_data_ptr<uint8_t>();
   for (int64_t i = 0; i < m * k; ++i) u[i] = static_cast<uint8_t>(c[i] + 128);
-  const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
-                      code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr};
-  const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
-  const int64_t groups = k / kGroup;
-  const int64_t block_bytes = k * kBlock;
-  const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * kBlocks));
-  const int64_t blocks_per_unit = tiles_per_unit * kBlocks;
-  const int64_t units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
-  auto run = [&](auto* op) {
-    using T = std::remove_pointer_t<decltype(op)>;
-    const std::function<void(int64_t)> body = [&](int64_t unit) {
-      const int64_t b0 = unit * blocks_per_unit, b1 = std::min(blocks, b0 + blocks_per_unit);
-      for (int64_t b = b0; b < b1; b += kBlocks) {
-        const int nb = static_cast<int>(std::min<int64_t>(kBlocks, b1 - b));
-        for (int64_t r = 0; r < m; r += kRows) {
-          const int nr = static_cast<int>(std::min<int64_t>(kRows, m - r));
-          Scales at_rows = scales;
-          at_rows.rows += r;
-          T* at = op + r * width + (gated ? b / 2 : b) * kBlock;
-          const auto fn = gated ? tile_for<true, T>(nr, nb) : tile_for<false, T>(nr, nb);
-          fn(u + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
-        }
-      }
-    };
-    tokenloom::WorkSharing::instance().run(units, body);
-  };
-  tokenloom::with_output_data(out, run);
+  run_tiles(static_cast<const uint8_t*>(u), m, k, wp, blocks, scales, gated, out);
   return out;
 }
 
