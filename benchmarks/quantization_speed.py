@@ -29,6 +29,7 @@ CONFIGS = {
     "default": {},
     "--kv-cache-dtype int8": {"kv_cache_dtype": "int8"},
     "--quantization int8": {"quantization": "int8"},
+    "--quantization int8_w8a16": {"quantization": "int8_w8a16"},
     "both": {"kv_cache_dtype": "int8", "quantization": "int8"},
 }
 

@@ -38,14 +38,16 @@ namespace {
 
 constexpr int kBlock = tokenloom::kInt8Block;  // output features per packed block
 constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
-constexpr int kRows = 4;      // rows of a register tile
-constexpr int kBlocks8 = 4;   // feature blocks of a tile on int8 codes: 16 int32 accumulators
-constexpr int kBlocks16 = 2;  // on 16-bit codes: each block's sums in two halves, 16 accumulators again
 constexpr int64_t kMinUnitBytes = 32 * 1024;
 constexpr int64_t kChunkRows = 128;  // rows whose codes stay in L2 while a unit's blocks pass over them
 
-template <typename Code>
-constexpr int kBlocks = std::is_same_v<Code, int16_t> ? kBlocks16 : kBlocks8;
+// Register tiles: 4 rows x feature blocks, 16 int32 accumulators (16-bit codes sum each block in two halves). On
+// the Zen 5 measured, 6 x 4 and 8 x 3 tiles were no faster: `vpdpbusd` retires one a cycle there (RESULTS.md).
+template <typename Code, bool Gated>
+struct TileShape {
+  static constexpr int kRows = 4;
+  static constexpr int kBlocks = std::is_same_v<Code, int16_t> ? 2 : 4;
+};
 
 struct Scales {
   const float* rows;     // [M]
@@ -144,40 +146,31 @@ void tile(const Code* x, int64_t k, const __m512i* w, int64_t groups, const Scal
 template <typename Code, typename T>
 using TileFn = void (*)(const Code*, int64_t, const __m512i*, int64_t, const Scales&, int64_t, T*, int64_t);
 
-template <typename Code, int Rows, bool Gated, typename T>
+// The tile for a remainder of rows or blocks: the largest shape that fits them (gated blocks come in pairs).
+template <typename Code, int Rows, bool Gated, typename T, int Blocks = TileShape<Code, Gated>::kBlocks>
 TileFn<Code, T> tile_for_blocks(int blocks) {
-  if constexpr (kBlocks<Code> == 2) {
-    if constexpr (Gated) return &tile<Code, Rows, 2, true, T>;
-    return blocks == 1 ? &tile<Code, Rows, 1, false, T> : &tile<Code, Rows, 2, false, T>;
-  } else if constexpr (Gated) {
-    return blocks == 2 ? &tile<Code, Rows, 2, true, T> : &tile<Code, Rows, 4, true, T>;
-  } else {
-    switch (blocks) {
-      case 1: return &tile<Code, Rows, 1, false, T>;
-      case 2: return &tile<Code, Rows, 2, false, T>;
-      case 3: return &tile<Code, Rows, 3, false, T>;
-      default: return &tile<Code, Rows, 4, false, T>;
-    }
+  constexpr int step = Gated ? 2 : 1;
+  if constexpr (Blocks > step) {
+    if (blocks < Blocks) return tile_for_blocks<Code, Rows, Gated, T, Blocks - step>(blocks);
   }
+  return &tile<Code, Rows, Blocks, Gated, T>;
 }
 
-template <typename Code, bool Gated, typename T>
+template <typename Code, bool Gated, typename T, int Rows = TileShape<Code, Gated>::kRows>
 TileFn<Code, T> tile_for(int rows, int blocks) {
-  switch (rows) {
-    case 1: return tile_for_blocks<Code, 1, Gated, T>(blocks);
-    case 2: return tile_for_blocks<Code, 2, Gated, T>(blocks);
-    case 3: return tile_for_blocks<Code, 3, Gated, T>(blocks);
-    default: return tile_for_blocks<Code, 4, Gated, T>(blocks);
+  if constexpr (Rows > 1) {
+    if (rows < Rows) return tile_for<Code, Gated, T, Rows - 1>(rows, blocks);
   }
+  return tile_for_blocks<Code, Rows, Gated, T>(blocks);
 }
 
 // out [M, width] from codes x [M, K] (rows contiguous): units of up to kChunkRows rows by enough feature blocks that
 // their weights are worth a thread's start; a unit's rows run in tiles over each of its blocks while it is in L1.
-template <typename Code>
+template <typename Code, bool Gated>
 void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t blocks, const Scales& scales,
-               bool gated, at::Tensor& out) {
+               at::Tensor& out) {
   const int64_t groups = k / kGroup, block_bytes = k * kBlock, width = out.size(1);
-  constexpr int tile_blocks = kBlocks<Code>;
+  constexpr int tile_blocks = TileShape<Code, Gated>::kBlocks, tile_rows = TileShape<Code, Gated>::kRows;
   const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * tile_blocks));
   const int64_t blocks_per_unit = tiles_per_unit * tile_blocks;
   const int64_t block_units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
@@ -189,13 +182,12 @@ void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t b
       const int64_t b0 = (unit % block_units) * blocks_per_unit, b1 = std::min(blocks, b0 + blocks_per_unit);
       for (int64_t b = b0; b < b1; b += tile_blocks) {
         const int nb = static_cast<int>(std::min<int64_t>(tile_blocks, b1 - b));
-        for (int64_t r = r0; r < r1; r += kRows) {
-          const int nr = static_cast<int>(std::min<int64_t>(kRows, r1 - r));
+        for (int64_t r = r0; r < r1; r += tile_rows) {
+          const int nr = static_cast<int>(std::min<int64_t>(tile_rows, r1 - r));
           Scales at_rows = scales;
           at_rows.rows += r;
-          T* at = op + r * width + (gated ? b / 2 : b) * kBlock;
-          const auto fn = gated ? tile_for<Code, true, T>(nr, nb) : tile_for<Code, false, T>(nr, nb);
-          fn(x + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
+          T* at = op + r * width + (Gated ? b / 2 : b) * kBlock;
+          tile_for<Code, Gated, T>(nr, nb)(x + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
         }
       }
     };
@@ -226,15 +218,19 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
                       code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr};
   const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
+  auto run = [&](const auto* x) {
+    using Code = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
+    gated ? run_tiles<Code, true>(x, m, k, wp, blocks, scales, out) : run_tiles<Code, false>(x, m, k, wp, blocks, scales, out);
+  };
   if (wide) {
-    run_tiles(codes.const_data_ptr<int16_t>(), m, k, wp, blocks, scales, gated, out);
+    run(codes.const_data_ptr<int16_t>());
     return out;
   }
   at::Tensor shifted = at::empty({m, k}, codes.options().dtype(at::kByte));  // codes + 128, as unsigned bytes
   const int8_t* c = codes.const_data_ptr<int8_t>();
   uint8_t* u = shifted.mutable_data_ptr<uint8_t>();
   for (int64_t i = 0; i < m * k; ++i) u[i] = static_cast<uint8_t>(c[i] + 128);
-  run_tiles(static_cast<const uint8_t*>(u), m, k, wp, blocks, scales, gated, out);
+  run(static_cast<const uint8_t*>(u));
   return out;
 }
 
