@@ -43,10 +43,13 @@ constexpr int64_t kChunkRows = 128;  // rows whose codes stay in L2 while a unit
 
 // Register tiles: 4 rows x feature blocks, 16 int32 accumulators (16-bit codes sum each block in two halves). On
 // the Zen 5 measured, 6 x 4 and 8 x 3 tiles were no faster: `vpdpbusd` retires one a cycle there (RESULTS.md).
-template <typename Code, bool Gated>
+// A step of one or two rows on 16-bit codes (decode, bound by the weight's bytes) takes 2 x 4 tiles: four blocks'
+// weights in flight, as the int8 tiles have.
+template <typename Code, bool Gated, bool Few = false>
 struct TileShape {
-  static constexpr int kRows = 4;
-  static constexpr int kBlocks = std::is_same_v<Code, int16_t> ? 2 : 4;
+  static constexpr bool kWide = std::is_same_v<Code, int16_t>;
+  static constexpr int kRows = kWide && Few ? 2 : 4;
+  static constexpr int kBlocks = kWide && !Few ? 2 : 4;
 };
 
 struct Scales {
@@ -147,7 +150,7 @@ template <typename Code, typename T>
 using TileFn = void (*)(const Code*, int64_t, const __m512i*, int64_t, const Scales&, int64_t, T*, int64_t);
 
 // The tile for a remainder of rows or blocks: the largest shape that fits them (gated blocks come in pairs).
-template <typename Code, int Rows, bool Gated, typename T, int Blocks = TileShape<Code, Gated>::kBlocks>
+template <typename Code, int Rows, bool Gated, typename T, int Blocks>
 TileFn<Code, T> tile_for_blocks(int blocks) {
   constexpr int step = Gated ? 2 : 1;
   if constexpr (Blocks > step) {
@@ -156,21 +159,21 @@ TileFn<Code, T> tile_for_blocks(int blocks) {
   return &tile<Code, Rows, Blocks, Gated, T>;
 }
 
-template <typename Code, bool Gated, typename T, int Rows = TileShape<Code, Gated>::kRows>
+template <typename Code, bool Gated, typename T, int Rows, int Blocks>
 TileFn<Code, T> tile_for(int rows, int blocks) {
   if constexpr (Rows > 1) {
-    if (rows < Rows) return tile_for<Code, Gated, T, Rows - 1>(rows, blocks);
+    if (rows < Rows) return tile_for<Code, Gated, T, Rows - 1, Blocks>(rows, blocks);
   }
-  return tile_for_blocks<Code, Rows, Gated, T>(blocks);
+  return tile_for_blocks<Code, Rows, Gated, T, Blocks>(blocks);
 }
 
 // out [M, width] from codes x [M, K] (rows contiguous): units of up to kChunkRows rows by enough feature blocks that
 // their weights are worth a thread's start; a unit's rows run in tiles over each of its blocks while it is in L1.
-template <typename Code, bool Gated>
+template <typename Code, bool Gated, bool Few>
 void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t blocks, const Scales& scales,
                at::Tensor& out) {
   const int64_t groups = k / kGroup, block_bytes = k * kBlock, width = out.size(1);
-  constexpr int tile_blocks = TileShape<Code, Gated>::kBlocks, tile_rows = TileShape<Code, Gated>::kRows;
+  constexpr int tile_blocks = TileShape<Code, Gated, Few>::kBlocks, tile_rows = TileShape<Code, Gated, Few>::kRows;
   const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * tile_blocks));
   const int64_t blocks_per_unit = tiles_per_unit * tile_blocks;
   const int64_t block_units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
@@ -187,7 +190,7 @@ void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t b
           Scales at_rows = scales;
           at_rows.rows += r;
           T* at = op + r * width + (Gated ? b / 2 : b) * kBlock;
-          tile_for<Code, Gated, T>(nr, nb)(x + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
+          tile_for<Code, Gated, T, tile_rows, tile_blocks>(nr, nb)(x + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
         }
       }
     };
@@ -218,19 +221,28 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
                       code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr};
   const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
-  auto run = [&](const auto* x) {
+  auto run = [&](const auto* x, auto few) {
     using Code = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
-    gated ? run_tiles<Code, true>(x, m, k, wp, blocks, scales, out) : run_tiles<Code, false>(x, m, k, wp, blocks, scales, out);
+    constexpr bool kFew = decltype(few)::value;
+    if (gated) {
+      run_tiles<Code, true, kFew>(x, m, k, wp, blocks, scales, out);
+    } else {
+      run_tiles<Code, false, kFew>(x, m, k, wp, blocks, scales, out);
+    }
   };
   if (wide) {
-    run(codes.const_data_ptr<int16_t>());
+    if (m <= 2) {
+      run(codes.const_data_ptr<int16_t>(), std::true_type{});
+    } else {
+      run(codes.const_data_ptr<int16_t>(), std::false_type{});
+    }
     return out;
   }
   at::Tensor shifted = at::empty({m, k}, codes.options().dtype(at::kByte));  // codes + 128, as unsigned bytes
   const int8_t* c = codes.const_data_ptr<int8_t>();
   uint8_t* u = shifted.mutable_data_ptr<uint8_t>();
   for (int64_t i = 0; i < m * k; ++i) u[i] = static_cast<uint8_t>(c[i] + 128);
-  run(static_cast<const uint8_t*>(u));
+  run(static_cast<const uint8_t*>(u), std::false_type{});
   return out;
 }
 
