@@ -7,6 +7,7 @@ import os
 # Triton kernels run on CPU tensors under its interpreter: Triton reads this when it is imported, so before torch.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENLOOM_GPTQ_CACHE", "0")  # every engine rounds by GPTQ itself; test_gptq.py turns it on
 
 from pathlib import Path
 

@@ -128,3 +128,56 @@ def test_gptq_codes_serve_the_same_product_on_every_path(out_features):
     out = layer(x)
     assert (out - exact).norm() < 0.02 * exact.norm()
     assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(40)]), out)
+
+
+@pytest.fixture
+def codes_cache(tmp_path, monkeypatch):
+    from tokenloom.model import gptq_cache
+
+    monkeypatch.setenv("TOKENLOOM_GPTQ_CACHE", "1")
+    monkeypatch.setattr(gptq_cache, "cache_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def test_a_second_load_takes_the_codes_from_the_cache(tiny_llama, codes_cache, monkeypatch):
+    from helpers import needs_operator
+
+    needs_operator()
+    if not quantization.int8_available():
+        pytest.skip("no int8 kernels on this CPU")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = LLM(str(tiny_llama), dtype="float32", quantization="int8")
+    assert len(list(codes_cache.glob("*.pt"))) == 1
+    tokens = first.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def no_gptq(*args: object) -> torch.Tensor:
+        raise AssertionError("GPTQ ran although its codes were cached")
+
+    monkeypatch.setattr(quantization, "gptq_codes", no_gptq)
+    second = LLM(str(tiny_llama), dtype="float32", quantization="int8")
+    layers = [first.engine.core.runner.model.layers, second.engine.core.runner.model.layers]
+    pairs = zip(*([m for m in ls.modules() if isinstance(m, quantization.Int8Linear)] for ls in layers), strict=True)
+    assert all(torch.equal(a.rounded_codes(), b.rounded_codes()) for a, b in pairs)
+    assert second.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
+def test_the_key_changes_with_any_weight_or_the_calibration():
+    from tokenloom.model.gptq_cache import codes_key
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    calibration = [[1, 2, 3]]
+    key = codes_key(model, calibration, "avx2")
+    assert key == codes_key(model, [[1, 2, 3]], "avx2")
+    assert key != codes_key(model, [[1, 2, 4]], "avx2") and key != codes_key(model, calibration, "avx512_vnni")
+    with torch.no_grad():
+        model[1].weight[3, 5] += 1e-3
+    assert key != codes_key(model, calibration, "avx2")
+
+
+def test_a_file_that_does_not_load_is_recomputed_not_fatal(codes_cache):
+    from tokenloom.model.gptq_cache import load_codes, save_codes
+
+    save_codes("k", {"0": torch.ones(2, 2, dtype=torch.int8)})
+    assert torch.equal(load_codes("k")["0"], torch.ones(2, 2, dtype=torch.int8))
+    (codes_cache / "k.pt").write_bytes(b"not a torch file")
+    assert load_codes("k") is None and load_codes("absent") is None

@@ -242,10 +242,9 @@ def test_every_kernel_gets_oneDNNs_bits(dtype, in_features, out_features, bias, 
 
 def through_onednn_alone(layer: Int8Linear) -> Int8Linear:
     """A copy of the layer whose every step runs oneDNN's int8 matmul on the same codes."""
-    assert layer.own is not None
-    packed, _ = layer.own
-    n, k = packed.shape[0] * 16, layer.in_features
-    codes = packed.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k).contiguous()
+    codes = layer.rounded_codes()
+    assert codes is not None
+    n, k = codes.shape
     reference = copy.copy(layer)
     reference.own, reference.amx, reference.small_rows = None, False, 0
     reference.packed = torch.ops.onednn.qlinear_prepack(codes, [64, k])

@@ -201,11 +201,16 @@ class CausalLM(nn.Module):
         # A tied embedding stays, for lookups.
         self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
 
-    def quantize_weights(self, method: str, hessians: dict[str, torch.Tensor] | None = None) -> int:
+    def quantize_weights(
+        self,
+        method: str,
+        hessians: dict[str, torch.Tensor] | None = None,
+        codes: dict[str, torch.Tensor] | None = None,
+    ) -> int:
         """Every decoder layer's linear to its 8-bit form (quantization.py says what stays in the model's dtype);
         hessians, keyed by a linear's name under `layers` (gptq.recording_input_hessians(model.layers)), make GPTQ
-        round its int8 codes."""
-        return quantize_linears(self.layers, method, gated=GATED_PROJECTIONS, hessians=hessians)
+        round its int8 codes; codes, keyed the same, are an earlier load's (gptq_cache.py)."""
+        return quantize_linears(self.layers, method, gated=GATED_PROJECTIONS, hessians=hessians, codes=codes)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""

@@ -150,6 +150,12 @@ def amx_kernel_available() -> bool:
     )
 
 
+def unpacked_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int8_pack_weight's [N / 16, K * 16] back to the codes [N, K] (csrc/int8_packing.h has the layout)."""
+    n, k = packed.shape[0] * 16, in_features
+    return packed.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k).contiguous()
+
+
 class Int8Linear(nn.Module):
     """Three kernels, one result (the module's docstring says which runs where): our VNNI or AVX2 kernel, our AMX
     kernel for larger steps where the CPU has AMX-INT8, oneDNN's int8 matmul for shapes neither fits. All sum the same
@@ -162,12 +168,14 @@ class Int8Linear(nn.Module):
         gated: bool = False,
         hessian: torch.Tensor | None = None,
         activation_bits: int = 8,
+        codes: torch.Tensor | None = None,
     ) -> None:
         """gated: the weight is a fused [gate; up] projection and the layer returns silu(gate) * up, computed from the
         float32 outputs as they leave the kernel (on every kernel alike: csrc/int8_epilogue.h). hessian: X^T X of
         calibration inputs ([K, K], before the rotation): the codes are rounded by GPTQ against it (gptq.py), else
         to the nearest. activation_bits 16: 16-bit activation codes on every CPU (``int8_w8a16``); 8 takes them
-        where the CPU multiplies bytes (VNNI, AMX) and 16-bit ones where it multiplies words anyway (AVX2)."""
+        where the CPU multiplies bytes (VNNI, AMX) and 16-bit ones where it multiplies words anyway (AVX2). codes:
+        this weight's int8 codes as rounded_codes() gave them on an earlier load (gptq_cache.py), not rounded again."""
         super().__init__()
         assert activation_bits in (8, 16)
         self.in_features = weight.shape[1]
@@ -188,8 +196,11 @@ class Int8Linear(nn.Module):
             weight = rotate(weight.detach().float(), self.signs)
             hessian = None if hessian is None else rotated_hessian(hessian, self.signs)
         scaled, scale = per_channel(weight, 127.0)
-        rounded = scaled.round().clamp(-127, 127) if hessian is None else gptq_codes(weight, hessian, scale)
-        codes = rounded.to(torch.int8).contiguous()  # oneDNN's prepack reads GPTQ's transposed codes as if contiguous
+        if codes is None:
+            rounded = scaled.round().clamp(-127, 127) if hessian is None else gptq_codes(weight, hessian, scale)
+            codes = rounded.to(torch.int8)
+        assert codes.dtype == torch.int8 and codes.shape == weight.shape
+        codes = codes.contiguous()  # oneDNN's prepack reads GPTQ's transposed codes as if contiguous
         self.weight_scale = scale
         # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums), which
         # scale the sums exactly as oneDNN.
@@ -210,6 +221,11 @@ class Int8Linear(nn.Module):
         zeros = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device)
         self.weight_zero_point = zeros if onednn else None
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def rounded_codes(self) -> torch.Tensor | None:
+        """The weight's int8 codes [N, K] (rotated, gate and up interleaved where gated), read back from our kernels'
+        packing; None where only oneDNN's opaque packing holds them."""
+        return None if self.own is None else unpacked_codes(self.own[0], self.in_features)
 
     def activation_codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's codes (rotated where the weight is) and its scale [M, 1]: int8, or int16 up to
@@ -268,20 +284,27 @@ class Fp8Linear(nn.Module):
 
 
 def quantize_linears(
-    model: nn.Module, method: str, gated: frozenset[str] = frozenset(), hessians: dict[str, torch.Tensor] | None = None
+    model: nn.Module,
+    method: str,
+    gated: frozenset[str] = frozenset(),
+    hessians: dict[str, torch.Tensor] | None = None,
+    codes: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """Replaces every nn.Linear under `model` (the decoder layers) by its 8-bit form; returns how many. Those named in
     `gated` (a fused [gate; up] projection) return silu(gate) * up where the int8 kernels can (Int8Linear). hessians:
-    by a linear's name under `model`, its calibration inputs' X^T X, for GPTQ's rounding of its int8 codes."""
+    by a linear's name under `model`, its calibration inputs' X^T X, for GPTQ's rounding of its int8 codes; codes:
+    by name, the int8 codes an earlier load rounded (gptq_cache.py)."""
     count = 0
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 if method in INT8_METHODS:
-                    hessian = None if hessians is None else hessians[f"{prefix}.{name}" if prefix else name]
+                    full = f"{prefix}.{name}" if prefix else name
+                    hessian = None if hessians is None else hessians[full]
                     layer: nn.Module = Int8Linear(
-                        child.weight, child.bias, name in gated, hessian, 16 if method == "int8_w8a16" else 8
-                    )
+                        child.weight, child.bias, name in gated, hessian, 16 if method == "int8_w8a16" else 8,
+                        None if codes is None else codes[full],
+                    )  # fmt: skip
                 else:
                     layer = Fp8Linear(child.weight, child.bias)
                 setattr(parent, name, layer)

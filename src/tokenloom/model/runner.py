@@ -20,11 +20,12 @@ from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
 from tokenloom.model.gptq import recording_input_hessians
+from tokenloom.model.gptq_cache import codes_key, load_codes, save_gptq_codes
 from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count, cpu_has_amx
 from tokenloom.model.prepack import can_prepack
-from tokenloom.model.quantization import check_quantization
+from tokenloom.model.quantization import check_quantization, int8_kernel_isa
 from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
 from tokenloom.model.step_inputs import ModelInputs, StepInputBuilder
 from tokenloom.model.triton_attention import FlatBatch
@@ -101,10 +102,15 @@ class ModelRunner:
 
     def _quantize(self, method: str, calibration: list[list[int]] | None) -> None:
         check_quantization(method, self.device)
-        hessians = self._input_hessians(calibration) if method.startswith("int8") and calibration else None
         started = time.monotonic()
-        count = self.model.quantize_weights(method, hessians)
-        rounding = "by GPTQ" if hessians else "to the nearest"
+        by_gptq = method.startswith("int8") and bool(calibration)
+        key = codes_key(self.model.layers, calibration or [], str(int8_kernel_isa())) if by_gptq else None
+        codes = None if key is None else load_codes(key)
+        hessians = self._input_hessians(calibration or []) if by_gptq and codes is None else None
+        count = self.model.quantize_weights(method, hessians, codes)
+        if key is not None and hessians is not None:
+            save_gptq_codes(key, self.model.layers)
+        rounding = "from the GPTQ cache" if codes else "by GPTQ" if hessians else "to the nearest"
         logger.info("quantized %d linears to %s (rounded %s) in %.1fs", count, method, rounding,
                     time.monotonic() - started)  # fmt: skip
 
