@@ -57,7 +57,7 @@ def _path(key: str) -> Path:
 def load_codes(key: str) -> dict[str, torch.Tensor] | None:
     """The codes stored under key, by linear name, or None (none stored, or a file that does not load)."""
     path = _path(key)
-    if not (cache_enabled() and path.exists()):
+    if not path.exists():
         return None
     try:
         codes = torch.load(path, map_location="cpu", weights_only=True)

@@ -210,7 +210,7 @@ class Int8Linear(nn.Module):
         amx_cpu = not wide and amx_kernel_available()
         self.amx = amx_cpu and self.own is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
         # Without AMX our kernel runs every step: oneDNN's int8 matmul saturates without VNNI (int8_linear_avx2.cpp)
-        # and, on the AMD CPUs with VNNI measured, ran its reference loops (2.5 s for one 300-row linear).
+        # and, on the AMD CPU with VNNI measured (Zen 5), ran its reference loops (2.5 s for one 300-row linear).
         every_step = self.own is not None and not amx_cpu
         self.small_rows = sys.maxsize if every_step else AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
         # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).

@@ -20,12 +20,13 @@ from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
 from tokenloom.model.gptq import recording_input_hessians
+from tokenloom.model.gptq_cache import cache_enabled as gptq_cache_enabled
 from tokenloom.model.gptq_cache import codes_key, load_codes, save_gptq_codes
 from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count, cpu_has_amx
 from tokenloom.model.prepack import can_prepack
-from tokenloom.model.quantization import check_quantization, int8_kernel_isa
+from tokenloom.model.quantization import INT8_METHODS, check_quantization, int8_kernel_isa
 from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
 from tokenloom.model.step_inputs import ModelInputs, StepInputBuilder
 from tokenloom.model.triton_attention import FlatBatch
@@ -103,8 +104,9 @@ class ModelRunner:
     def _quantize(self, method: str, calibration: list[list[int]] | None) -> None:
         check_quantization(method, self.device)
         started = time.monotonic()
-        by_gptq = method.startswith("int8") and bool(calibration)
-        key = codes_key(self.model.layers, calibration or [], str(int8_kernel_isa())) if by_gptq else None
+        by_gptq = method in INT8_METHODS and bool(calibration)
+        cached = by_gptq and gptq_cache_enabled()
+        key = codes_key(self.model.layers, calibration or [], str(int8_kernel_isa())) if cached else None
         codes = None if key is None else load_codes(key)
         hessians = self._input_hessians(calibration or []) if by_gptq and codes is None else None
         count = self.model.quantize_weights(method, hessians, codes)
