@@ -20,6 +20,7 @@ START = "from tokenloom import LLM; LLM(quantization={q!r}, max_num_seqs=8, kv_c
 
 def start_seconds(quantization: str | None, cache: str) -> float:
     env = {**os.environ, "TOKENLOOM_GPTQ_CACHE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    # Only the GPTQ cache moves to the temporary directory: the compiled operators stay in $TOKENLOOM_CACHE.
     code = f"import tokenloom.model.gptq_cache as c, pathlib; c.cache_dir = lambda: pathlib.Path({cache!r}); "
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", code + START.format(q=quantization)], env=env, check=True,

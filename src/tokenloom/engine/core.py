@@ -35,7 +35,6 @@ from tokenloom.engine.kv_sizing import (
 from tokenloom.engine.speculation import Speculator
 from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.gptq import calibration_for
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.parallel_runner import (
@@ -47,6 +46,7 @@ from tokenloom.model.parallel_runner import (
     rank_device,
 )
 from tokenloom.model.platform import resolve_dtype
+from tokenloom.model.quantization import calibration_for
 from tokenloom.model.runner import ModelRunner
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import RequestMetrics

@@ -118,7 +118,3 @@ def calibration_ids(tokenizer: Any, vocab_size: int) -> list[list[int]]:
             sequences.append(tokenizer.encode(rendered, add_special_tokens=False))
     return [[t for t in s if 0 <= t < vocab_size] for s in sequences if s]
 
-
-def calibration_for(quantization: str | None, tokenizer: Any, vocab_size: int) -> list[list[int]] | None:
-    """What a runner calibrates with: the sequences for int8 weights (GPTQ), else None."""
-    return calibration_ids(tokenizer, vocab_size) if quantization in ("int8", "int8_w8a16") else None

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenloom.model import gptq
+from tokenloom.model import gptq, quantization
 from tokenloom.model.gguf_convert import cache_root
 from tokenloom.model.quantization import Int8Linear
 
@@ -37,12 +37,14 @@ def codes_key(layers: nn.Module, calibration: list[list[int]], layout: str) -> s
     """A hash of everything GPTQ's codes depend on: each decoder linear's name and weight bytes, the calibration ids,
     GPTQ's constants, the rotation and the kernels' layout (quantization.int8_kernel_isa)."""
     digest = hashlib.blake2b(digest_size=20)
-    digest.update(repr((FORMAT, gptq.BLOCK, gptq.ACT_ORDER, gptq.DAMPING, layout, calibration)).encode())
+    rotation = (quantization.ROTATION_BLOCK, quantization.ROTATION_SEED)
+    constants = (FORMAT, gptq.BLOCK, gptq.ACT_ORDER, gptq.DAMPING, rotation)
+    digest.update(repr((constants, layout, calibration)).encode())
     for name, module in layers.named_modules():
         if isinstance(module, nn.Linear):
             weight = module.weight.detach().contiguous().cpu()
             digest.update(f"{name}:{tuple(weight.shape)}:{weight.dtype}".encode())
-            digest.update(weight.view(torch.uint8).numpy().tobytes())
+            digest.update(weight.view(torch.uint8).numpy().data)  # the tensor's own buffer, not a copy
     return digest.hexdigest()
 
 
@@ -70,15 +72,19 @@ def load_codes(key: str) -> dict[str, torch.Tensor] | None:
 
 def save_gptq_codes(key: str, layers: nn.Module) -> None:
     """Stores the codes of every Int8Linear under `layers`, by name, where our kernels' packing holds them all."""
-    codes = {name: m.rounded_codes() for name, m in layers.named_modules() if isinstance(m, Int8Linear)}
-    if codes and all(c is not None for c in codes.values()):
-        save_codes(key, {name: c for name, c in codes.items() if c is not None})
+    codes: dict[str, torch.Tensor] = {}
+    for name, module in layers.named_modules():
+        if isinstance(module, Int8Linear):
+            rounded = module.rounded_codes()
+            if rounded is None:  # only oneDNN's opaque packing holds them: nothing to keep
+                return
+            codes[name] = rounded
+    if codes:
+        save_codes(key, codes)
 
 
 def save_codes(key: str, codes: dict[str, torch.Tensor]) -> None:
     """Writes atomically (a rename), so a rank or a process reading at the same time sees all of it or nothing."""
-    if not cache_enabled():
-        return
     path = _path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:

@@ -31,10 +31,10 @@ import zmq
 
 from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.ipc import broadcast, child_end, receive, send
-from tokenloom.model.gptq import calibration_for
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.platform import accelerator_count
+from tokenloom.model.quantization import calibration_for
 from tokenloom.model.runner import ModelRunner, StepResult
 from tokenloom.model.sampler import GrammarMask
 

@@ -43,18 +43,24 @@ already refined in float32 for the top candidates, llama.py), and the embedding 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from torch import nn
 
 from tokenloom.model import cpu_kernel
-from tokenloom.model.gptq import gptq_codes
+from tokenloom.model.gptq import calibration_ids, gptq_codes
 from tokenloom.model.prepack import PACK_BLOCK, gate_and_up_interleaved
 
 QUANTIZATIONS = ("int8", "int8_w8a16", "fp8")
 INT8_METHODS = ("int8", "int8_w8a16")  # int8 weights; int8_w8a16 with 16-bit activation codes on every CPU
 ROWS_HINT = 64  # the batch size oneDNN packs the weight for: a full decode step
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def calibration_for(quantization: str | None, tokenizer: Any, vocab_size: int) -> list[list[int]] | None:
+    """What a runner calibrates with: gptq.py's sequences for int8 weights (GPTQ rounds their codes), else None."""
+    return calibration_ids(tokenizer, vocab_size) if quantization in INT8_METHODS else None
 
 
 def int8_available() -> bool:

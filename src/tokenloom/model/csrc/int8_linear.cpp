@@ -45,7 +45,7 @@ constexpr int64_t kChunkRows = 128;  // rows whose codes stay in L2 while a unit
 // the Zen 5 measured, 6 x 4 and 8 x 3 tiles were no faster: `vpdpbusd` retires one a cycle there (RESULTS.md).
 // A step of one or two rows on 16-bit codes (decode, bound by the weight's bytes) takes 2 x 4 tiles: four blocks'
 // weights in flight, as the int8 tiles have.
-template <typename Code, bool Gated, bool Few = false>
+template <typename Code, bool Few>
 struct TileShape {
   static constexpr bool kWide = std::is_same_v<Code, int16_t>;
   static constexpr int kRows = kWide && Few ? 2 : 4;
@@ -173,7 +173,7 @@ template <typename Code, bool Gated, bool Few>
 void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t blocks, const Scales& scales,
                at::Tensor& out) {
   const int64_t groups = k / kGroup, block_bytes = k * kBlock, width = out.size(1);
-  constexpr int tile_blocks = TileShape<Code, Gated, Few>::kBlocks, tile_rows = TileShape<Code, Gated, Few>::kRows;
+  constexpr int tile_blocks = TileShape<Code, Few>::kBlocks, tile_rows = TileShape<Code, Few>::kRows;
   const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * tile_blocks));
   const int64_t blocks_per_unit = tiles_per_unit * tile_blocks;
   const int64_t block_units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
@@ -190,7 +190,8 @@ void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t b
           Scales at_rows = scales;
           at_rows.rows += r;
           T* at = op + r * width + (Gated ? b / 2 : b) * kBlock;
-          tile_for<Code, Gated, T, tile_rows, tile_blocks>(nr, nb)(x + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
+          const auto fn = tile_for<Code, Gated, T, tile_rows, tile_blocks>(nr, nb);
+          fn(x + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
         }
       }
     };
