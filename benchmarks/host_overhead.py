@@ -1,6 +1,6 @@
 """What the host spends per decode step, with the model's forward replaced by a stub.
 
-    .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30]
+    .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--no-freeze]
 
 On a GPU a small model's forward takes 1-3 ms a step; whatever the host spends around it (scheduling, building the
 step's inputs, sampling, turning tokens into text and outputs) is time the device may sit idle. This runs the real
@@ -8,11 +8,17 @@ engine (scheduler, KV cache manager, runner's input preparation, sampler, output
 SmolLM2 tokenizer) on a tiny random model whose forward is a stub returning zeros, with every request decoding,
 and prints microseconds per step in all and by phase. The logits the sampler reads are a real [rows, 49152]
 float32 tensor (greedy argmax over it on this CPU is part of "sample": on a GPU it runs on the device).
+
+The timed steps run with the start-up heap frozen, as `tokenloom serve` and the engine core process run theirs
+(utils.heap_frozen); `--no-freeze` runs them without, to show what a full collection costs. The line of each
+size also counts the collections of Python's oldest generation during the timed steps and their longest pause.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
 import shutil
 import tempfile
@@ -29,6 +35,7 @@ from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.config import EngineConfig
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.loader import resolve_checkpoint_dir
+from tokenloom.utils import heap_frozen
 
 VOCAB = 49152
 
@@ -46,6 +53,24 @@ def tiny_model_with_the_real_tokenizer(directory: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(real / name, directory / name)
     return directory
+
+
+class FullCollections:
+    """The pauses of Python's collections of its oldest generation (2) while watching."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self.watching = False
+        self._started = 0.0
+        gc.callbacks.append(self._observe)
+
+    def _observe(self, phase: str, info: dict[str, int]) -> None:
+        if not self.watching or info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._started)
 
 
 class Phases:
@@ -78,7 +103,7 @@ def stub_forward(engine: LLMEngine) -> None:
     runner.model.compute_logits = lambda hidden: logits[: hidden.shape[0]]
 
 
-def measure(model: Path, running: int, steps: int) -> dict[str, float]:
+def measure(model: Path, running: int, steps: int, freeze: bool = True) -> dict[str, float]:
     config = EngineConfig.from_kwargs(
         model=str(model), dtype="float32", max_num_seqs=running, max_num_batched_tokens=max(2048, running * 40),
         num_kv_blocks=running * 24, block_size=16, attention_backend="torch",
@@ -93,7 +118,7 @@ def measure(model: Path, running: int, steps: int) -> dict[str, float]:
     phases.wrap(runner, "sampler", "sample")
     phases.wrap(core.scheduler, "update_from_output", "update scheduler")
     phases.wrap(runner, "_sampling_batch", "sampling batch")
-    phases.wrap(engine, "_processed", "outputs (detokenize, stops)")
+    phases.wrap(engine.processor, "process", "outputs (detokenize, stops)")
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(running):
         engine.add_request([(7 * i + j) % 1000 + 10 for j in range(32)], params, request_id=f"r{i}")
@@ -101,16 +126,20 @@ def measure(model: Path, running: int, steps: int) -> dict[str, float]:
         engine.step()
     for _ in range(3):  # a few decode steps to warm up
         engine.step()
-    phases.timing = True
-    started = time.perf_counter()
-    for _ in range(steps):
-        outputs = engine.step()
-        assert len(outputs) == running, (len(outputs), running)
-    total = time.perf_counter() - started
-    phases.timing = False
+    collections = FullCollections()
+    with heap_frozen(collect_first=True) if freeze else contextlib.nullcontext():
+        phases.timing = collections.watching = True
+        started = time.perf_counter()
+        for _ in range(steps):
+            outputs = engine.step()
+            assert len(outputs) == running, (len(outputs), running)
+        total = time.perf_counter() - started
+        phases.timing = collections.watching = False
     per_step = {phase: 1e6 * seconds / steps for phase, seconds in phases.seconds.items()}
     per_step["all"] = 1e6 * total / steps
     per_step["other"] = per_step["all"] - sum(v for k, v in per_step.items() if k != "all")
+    per_step["full collections"] = len(collections.pauses)
+    per_step["longest (ms)"] = 1e3 * max(collections.pauses, default=0.0)
     return per_step
 
 
@@ -118,12 +147,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     args = parser.parse_args()
     print(f"commit {git_commit()}, {machine_info().get('cpu', '')}, load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model_with_the_real_tokenizer(Path(tmp))
         for running in (int(n) for n in args.running.split(",")):
-            figures = measure(model, running, args.steps)
+            figures = measure(model, running, args.steps, freeze=not args.no_freeze)
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
             print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"
                   f"  [{parts}]")  # fmt: skip

@@ -49,6 +49,7 @@ from tokenloom.ipc import child_end, receive, send
 from tokenloom.model.loader import load_model_info
 from tokenloom.model.platform import resolve_dtype
 from tokenloom.outputs import RequestMetrics, RequestOutput
+from tokenloom.utils import heap_frozen
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> Non
             core = EngineCore(config, *load_for_core(config))
             info = CoreInfo(core.max_model_len, core.request_limits(), core.runner.compiled is not None)
             send(outputs, CoreReady(info))
-            _serve(core, inputs, outputs)
+            with heap_frozen(collect_first=True):
+                _serve(core, inputs, outputs)
         except Exception:
             send(outputs, CoreFailed(traceback.format_exc()))
             raise

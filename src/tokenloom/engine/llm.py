@@ -14,6 +14,7 @@ from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
+from tokenloom.utils import heap_frozen
 
 PromptInput = str | dict[str, Any] | list[int]
 Conversation = list[dict[str, str]]
@@ -108,7 +109,8 @@ class LLM:
             disable=not use_tqdm,
             transient=True,
         )
-        with progress:
+        # What lives before the run is not walked by the run's full collections (cheap: no collection first).
+        with progress, heap_frozen(collect_first=False):
             task = progress.add_task("generate", total=len(request_ids), tokens=0)
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():

@@ -24,6 +24,7 @@ from tokenloom.server.app import build_app
 from tokenloom.server.connections import with_header_limits
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.tenants import load_tenants
+from tokenloom.utils import heap_frozen
 from tokenloom.version import git_commit
 
 ENGINE_DEATH_GRACE_S = 3.0  # after the engine dies, for the error events of what was in flight to leave
@@ -127,7 +128,8 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        yield
+        with heap_frozen(collect_first=True):
+            yield
         async_engine.draining = True
         async_engine.shutdown()
 
