@@ -1,5 +1,5 @@
 """What Python's full collections cost a server's streams: `tokenloom serve` with its start-up heap frozen (the
-default) against the same server with `TOKENLOOM_GC_FREEZE=0`, on mixed-64 over HTTP.
+default) against the same server with `TOKENLOOM_GC_FREEZE=0`, streaming over HTTP.
 
     .venv/bin/python benchmarks/gc_pauses.py [--rounds 2] [--workload decode-64]
 

@@ -56,16 +56,21 @@ def tiny_model_with_the_real_tokenizer(directory: Path) -> Path:
 
 
 class FullCollections:
-    """The pauses of Python's collections of its oldest generation (2) while watching."""
+    """The pauses of Python's collections of its oldest generation (2) inside the block."""
 
     def __init__(self) -> None:
         self.pauses: list[float] = []
-        self.watching = False
         self._started = 0.0
+
+    def __enter__(self) -> FullCollections:
         gc.callbacks.append(self._observe)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._observe)
 
     def _observe(self, phase: str, info: dict[str, int]) -> None:
-        if not self.watching or info["generation"] != 2:
+        if info["generation"] != 2:
             return
         if phase == "start":
             self._started = time.perf_counter()
@@ -126,15 +131,14 @@ def measure(model: Path, running: int, steps: int, freeze: bool = True) -> dict[
         engine.step()
     for _ in range(3):  # a few decode steps to warm up
         engine.step()
-    collections = FullCollections()
-    with heap_frozen(collect_first=True) if freeze else contextlib.nullcontext():
-        phases.timing = collections.watching = True
+    with heap_frozen(collect_first=True) if freeze else contextlib.nullcontext(), FullCollections() as collections:
+        phases.timing = True
         started = time.perf_counter()
         for _ in range(steps):
             outputs = engine.step()
             assert len(outputs) == running, (len(outputs), running)
         total = time.perf_counter() - started
-        phases.timing = collections.watching = False
+        phases.timing = False
     per_step = {phase: 1e6 * seconds / steps for phase, seconds in phases.seconds.items()}
     per_step["all"] = 1e6 * total / steps
     per_step["other"] = per_step["all"] - sum(v for k, v in per_step.items() if k != "all")
