@@ -58,6 +58,20 @@ CHATS = [
 KV_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 
 
+def teacher_sequences(engine: LLMEngine, new_tokens: int) -> list[tuple[list[int], int, torch.Tensor]]:
+    """Each prompt extended by transformers' float32 greedy continuation: (the ids, the prompt's length, the oracle's
+    float32 logits at every position)."""
+    path = resolve_checkpoint_dir(None)[1]
+    oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    sequences = []
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            generated = oracle.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0]
+            sequences.append((generated.tolist(), len(ids), oracle(generated[None]).logits[0]))
+    return sequences
+
+
 def step_logits(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
     """Logits of positions [start, end), run as one scheduled chunk over the cache the earlier chunks filled."""
     blocks = list(range(cdiv(end, engine.config.cache.block_size)))
@@ -122,16 +136,8 @@ def main() -> None:
         import tokenloom.engine.core
 
         tokenloom.engine.core.calibration_for = lambda *_: None
-    path = resolve_checkpoint_dir(None)[1]
-    oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    sequences = []
     engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64))
-    for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
-        with torch.inference_mode():
-            generated = oracle.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False)[0]
-            reference = oracle(generated[None]).logits[0].argmax(-1)
-        sequences.append((generated.tolist(), len(ids), reference))
+    sequences = [(ids, n, logits.argmax(-1)) for ids, n, logits in teacher_sequences(engine, args.new_tokens)]
     engine.shutdown()
     positions = sum(len(ids) - n for ids, n, _ in sequences)
     print(f"top-1 agreement with transformers float32, over {positions} positions after the prompts")

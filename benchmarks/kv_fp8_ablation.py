@@ -24,13 +24,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
-from kv_accuracy import CHATS, PROMPTS, step_logits
-from transformers import AutoModelForCausalLM
+from kv_accuracy import CHATS, step_logits, teacher_sequences
 
 from tokenloom import EngineConfig, LLMEngine, SamplingParams
 from tokenloom.core.request import Request
 from tokenloom.model import llama
-from tokenloom.model.loader import resolve_checkpoint_dir
 
 CODES = {"int8": (torch.int8, 127.0), "e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 # (K code, V code, how K is prepared)
@@ -120,16 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=160)
     args = parser.parse_args()
-    path = resolve_checkpoint_dir(None)[1]
-    oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, attention_backend="torch"))
-    sequences = []
-    for prompt in PROMPTS:
-        ids = engine.tokenizer.encode(prompt)
-        with torch.inference_mode():
-            generated = oracle.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False)[0]
-            reference = oracle(generated[None]).logits[0].log_softmax(-1)
-        sequences.append((generated.tolist(), len(ids), reference))
+    sequences = [(ids, n, logits.log_softmax(-1)) for ids, n, logits in teacher_sequences(engine, args.new_tokens)]
     config = engine.model_config
     fake = FakeQuant(config.num_layers, config.head_dim)
     fake.calibrate(engine, CHATS)
