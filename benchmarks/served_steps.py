@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,25 +26,26 @@ from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import httpx
-
 from tokenloom.bench.cost_model import Profile, StepShape, items_of
-from tokenloom.bench.local_server import free_port
+from tokenloom.bench.local_server import LocalServer
 
 CLI = [sys.executable, "-m", "tokenloom.cli"]
 
 
-def traced_server(log: Path, serve_args: list[str]) -> None:
-    """This process becomes `tokenloom serve`, each engine step written to `log` as a JSON line."""
+def traced_server(log: Path, cli_args: list[str]) -> None:
+    """This process becomes the command line (`serve ...`), each engine step written to `log` as a JSON line."""
     from tokenloom.cli import main
     from tokenloom.engine.llm_engine import LLMEngine
 
     out = log.open("w", buffering=1)  # a line a step, written as it ends: the server exits through uvicorn
-    step = LLMEngine.step
+    init, step = LLMEngine.__init__, LLMEngine.step
     seen: dict[str, Any] = {}
 
+    def observed(self: LLMEngine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.observe_steps(lambda output: seen.__setitem__("output", output))
+
     def traced(self: LLMEngine) -> list:
-        self.core.step_observer = lambda output: seen.__setitem__("output", output)
         seen.clear()
         started = time.perf_counter()
         outputs = step(self)
@@ -54,8 +54,8 @@ def traced_server(log: Path, serve_args: list[str]) -> None:
             out.write(json.dumps(record) + "\n")
         return outputs
 
-    LLMEngine.step = traced  # type: ignore[method-assign]
-    sys.argv = ["tokenloom", "serve", *serve_args]
+    LLMEngine.__init__, LLMEngine.step = observed, traced  # type: ignore[method-assign]
+    sys.argv = ["tokenloom", *cli_args]
     main()
 
 
@@ -116,24 +116,11 @@ def main() -> None:
     trace, log = args.out / f"{args.kind}.jsonl", args.out / f"{args.kind}-{args.request_rate:g}-steps.jsonl"
     subprocess.run([*CLI, "bench", "trace", "--kind", args.kind, "--num-requests", str(args.num_requests), "--seed",
                     "1", "-o", str(trace)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-    port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--traced-server", str(log), "--port", str(port),
-                               "--log-level", "warning"])  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(1200):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.25)
+    with LocalServer(launcher=[sys.executable, __file__, "--traced-server", str(log)]) as server:
         print(f"load average before: {os.getloadavg()[0]:.2f}")
-        subprocess.run([*CLI, "bench", "serve", "--base-url", url, "--trace", str(trace), "--request-rate",
+        subprocess.run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate",
                         str(args.request_rate), "-o", str(args.out / "real.json")], check=True,
                        stdout=subprocess.DEVNULL)  # fmt: skip
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     print(f"{args.kind} trace, {args.num_requests} requests at {args.request_rate:g} req/s; profile {args.profile}")
     compare(Profile.read(args.profile), steps)

@@ -21,12 +21,19 @@ def free_port() -> int:
 
 class LocalServer:
     def __init__(
-        self, *args: str, startup_timeout: float = 300.0, log_level: str = "warning", env: dict[str, str] | None = None
+        self,
+        *args: str,
+        startup_timeout: float = 300.0,
+        log_level: str = "warning",
+        env: dict[str, str] | None = None,
+        launcher: list[str] | None = None,
     ) -> None:
-        """env: more environment for the server (PYTHONPATH to serve another checkout's code)."""
+        """env: more environment for the server (PYTHONPATH to serve another checkout's code). launcher: what runs
+        the command line in place of `python -m tokenloom.cli` (a script that instruments the server first)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(self.port), "--log-level", log_level]
+        cli = launcher or [sys.executable, "-m", "tokenloom.cli"]
+        command = [*cli, "serve", "--port", str(self.port), "--log-level", log_level]
         environment = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **(env or {})}
         self.process = subprocess.Popen(
             [*command, *args], env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
