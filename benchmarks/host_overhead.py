@@ -1,6 +1,7 @@
 """What the host spends per decode step, with the model's forward replaced by a stub.
 
-    .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--no-freeze]
+    .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--prompt-len 32] [--final-only]
+                                                [--no-freeze]
 
 On a GPU a small model's forward takes 1-3 ms a step; whatever the host spends around it (scheduling, building the
 step's inputs, sampling, turning tokens into text and outputs) is time the device may sit idle. This runs the real
@@ -30,12 +31,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from tokenloom import SamplingParams
+from tokenloom import RequestOutputKind, SamplingParams
 from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.config import EngineConfig
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.loader import resolve_checkpoint_dir
-from tokenloom.utils import heap_frozen
+from tokenloom.utils import cdiv, heap_frozen
 
 VOCAB = 49152
 
@@ -108,10 +109,15 @@ def stub_forward(engine: LLMEngine) -> None:
     runner.model.compute_logits = lambda hidden: logits[: hidden.shape[0]]
 
 
-def measure(model: Path, running: int, steps: int, freeze: bool = True) -> dict[str, float]:
+def measure(
+    model: Path, running: int, steps: int, freeze: bool = True, prompt_len: int = 32, final_only: bool = False
+) -> dict[str, float]:
+    budget = max(2048, running * 40)
+    # Requests that start first decode while the last prompts prefill: none may finish before the timed steps end.
+    max_tokens = steps + 8 + cdiv(running * prompt_len, budget)
     config = EngineConfig.from_kwargs(
-        model=str(model), dtype="float32", max_num_seqs=running, max_num_batched_tokens=max(2048, running * 40),
-        num_kv_blocks=running * 24, block_size=16, attention_backend="torch",
+        model=str(model), dtype="float32", max_num_seqs=running, max_num_batched_tokens=budget,
+        num_kv_blocks=running * (cdiv(prompt_len + max_tokens, 16) + 1), block_size=16, attention_backend="torch",
     )  # fmt: skip
     engine = LLMEngine(config)
     stub_forward(engine)
@@ -124,10 +130,13 @@ def measure(model: Path, running: int, steps: int, freeze: bool = True) -> dict[
     phases.wrap(core.scheduler, "update_from_output", "update scheduler")
     phases.wrap(runner, "_sampling_batch", "sampling batch")
     phases.wrap(engine.processor, "process", "outputs (detokenize, stops)")
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
     for i in range(running):
-        engine.add_request([(7 * i + j) % 1000 + 10 for j in range(32)], params, request_id=f"r{i}")
-    while engine.stats().num_waiting > 0:  # every prompt prefilled
+        engine.add_request([(7 * i + j) % 1000 + 10 for j in range(prompt_len)], params, request_id=f"r{i}")
+    while engine.core.stats().num_waiting or any(  # until every prompt is prefilled and every request decodes
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running
+    ):
         engine.step()
     for _ in range(3):  # a few decode steps to warm up
         engine.step()
@@ -136,7 +145,7 @@ def measure(model: Path, running: int, steps: int, freeze: bool = True) -> dict[
         started = time.perf_counter()
         for _ in range(steps):
             outputs = engine.step()
-            assert len(outputs) == running, (len(outputs), running)
+            assert len(outputs) == (0 if final_only else running), (len(outputs), running)
         total = time.perf_counter() - started
         phases.timing = False
     per_step = {phase: 1e6 * seconds / steps for phase, seconds in phases.seconds.items()}
@@ -151,13 +160,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--running", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--prompt-len", type=int, default=32, help="each request's prompt: its context when timed")
+    parser.add_argument("--final-only", action="store_true", help="outputs as LLM.generate takes them: the last")
     parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     args = parser.parse_args()
     print(f"commit {git_commit()}, {machine_info().get('cpu', '')}, load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model_with_the_real_tokenizer(Path(tmp))
         for running in (int(n) for n in args.running.split(",")):
-            figures = measure(model, running, args.steps, freeze=not args.no_freeze)
+            freeze = not args.no_freeze
+            figures = measure(model, running, args.steps, freeze, args.prompt_len, args.final_only)
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
             print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"
                   f"  [{parts}]")  # fmt: skip

@@ -10,7 +10,15 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.outputs import CompletionOutput, RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]

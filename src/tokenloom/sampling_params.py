@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -30,6 +31,15 @@ class StructuredOutputsParams:
                 raise ValueError("StructuredOutputsParams: choice must be a non-empty list of non-empty strings")
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request's caller is given, as vLLM names them: one after every step that brought it tokens,
+    each with all of its text and tokens so far (CUMULATIVE: streaming, per-token metrics), or only the last one
+    (FINAL_ONLY: ``LLM.generate``, which then builds no output for the steps between)."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops; names and defaults follow vLLM and the OpenAI API."""
@@ -50,6 +60,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (computes the whole prompt)
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -107,6 +107,8 @@ def run_step(scheduler: Scheduler) -> SchedulerOutput:
         assert context == request.all_token_ids[: len(context)], f"{request.request_id}'s KV is corrupt"
         if item.sample:
             sampled[request.request_id] = [fake_next_token(context)]
+    assert output.num_batched_tokens == sum(item.num_tokens for item in output.scheduled)
+    assert output.num_prefill_tokens == sum(item.num_tokens for item in output.scheduled if item.is_prefill)
     scheduler.update_from_output(output, sampled)
     scheduler.check_invariants()
     return output
@@ -135,6 +137,15 @@ def make_request(i: int, prompt_len: int, max_tokens: int) -> Request:
     rng = random.Random(i)
     prompt = [rng.randrange(VOCAB - 1) for _ in range(prompt_len)]
     return Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_a_slice_of_a_requests_tokens_spans_prompt_and_output():
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=8))
+    request.output_token_ids += [4, 5, 6]
+    every = request.all_token_ids
+    for start in range(len(every)):
+        for end in range(start, len(every) + 1):
+            assert request.token_ids_slice(start, end) == every[start:end], (start, end)
 
 
 def test_budget_and_sequence_cap_are_respected_and_everyone_finishes():

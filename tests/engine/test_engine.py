@@ -401,3 +401,53 @@ def test_kv_cache_on_an_accelerator_takes_what_gpu_memory_utilization_leaves(tin
     # On a CPU the cache is sized by bytes, as before: the device's memory is never asked.
     assert not sizes_kv_from_device_memory(core.config, torch.device("cpu"))
     assert sizes_kv_from_device_memory(core.config, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_a_final_only_request_gets_one_output_equal_to_the_cumulative_last(tiny_chat_model, in_process):
+    """RequestOutputKind.FINAL_ONLY (what LLM.generate asks): no output for the steps between, and the one at the
+    end carries the same tokens, text, stop and logprobs as the last cumulative output of the same request."""
+    from tokenloom import RequestOutputKind
+    from tokenloom.engine.core_process import CoreProcessEngine
+
+    config = EngineConfig.from_kwargs(model=str(tiny_chat_model), dtype="float32")
+    engine = LLMEngine(config) if in_process else CoreProcessEngine(config)
+    prompt = list(range(40, 60))
+
+    def run(stop: list[str]) -> dict[str, list]:
+        outputs: dict[str, list] = {}
+        for kind in RequestOutputKind:
+            params = SamplingParams(
+                temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, stop=stop, output_kind=kind
+            )
+            engine.add_request(prompt, params, request_id=f"{kind.name}-{len(stop)}")
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs.setdefault(output.request_id.split("-")[0], []).append(output)
+        return outputs
+
+    try:
+        unstopped = run([])
+        text = unstopped["CUMULATIVE"][-1].outputs[0].text
+        stopped = run([text[3:5]])  # a stop string the text completes: found in text the final-only caller never sees
+    finally:
+        engine.shutdown()
+    for outputs in (unstopped, stopped):
+        cumulative, final = outputs["CUMULATIVE"], outputs["FINAL_ONLY"]
+        assert len(cumulative) > 1 and len(final) == 1 and final[0].finished
+        expected, got = cumulative[-1].outputs[0], final[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            expected.token_ids, expected.text, expected.finish_reason, expected.stop_reason
+        )  # fmt: skip
+        assert got.logprobs == expected.logprobs and got.cumulative_logprob == expected.cumulative_logprob
+    assert stopped["FINAL_ONLY"][0].outputs[0].stop_reason == text[3:5], "the stop string ended it"
+    assert len(stopped["FINAL_ONLY"][0].outputs[0].text) < len(text)
+
+
+def test_generate_takes_final_outputs_without_changing_the_callers_params(tiny_llama):
+    from tokenloom import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = LLM(str(tiny_llama)).generate(prompts(3), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6, 6] and all(o.finished for o in outputs)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE

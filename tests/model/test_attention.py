@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import needs_operator
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, paged_attention
-from tokenloom.model.step_inputs import group_by_context_length
+from tokenloom.model.step_inputs import StepInputBuilder, group_by_context_length
 from tokenloom.utils import cdiv
 
 BLOCK = 4
@@ -201,3 +202,18 @@ def test_bfloat16_operator_gives_a_sequence_the_same_output_alone_or_in_a_crowd(
         v = cache_v[slots].float().view(ctx, kv_heads, head_dim)
         reference = dense_reference(q[i].float(), k, v, scale)
         torch.testing.assert_close(crowd[i].float(), reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_block_tables_hold_each_rows_blocks_of_its_context_and_zeros_after(block_size):
+    """The step's block tables, built for the whole batch at once, against a row-by-row build: a row's table
+    holds the blocks its context reaches (a request's later blocks are not read) and zeros to the widest row."""
+    builder = StepInputBuilder(block_size, torch.device("cpu"), torch.float32, "torch", 2, None, False, 1)
+    rows = [(1, [7, 9]), (block_size, [3]), (block_size + 1, [5, 2, 8]), (5 * block_size - 1, [11, 4, 6, 1, 10, 12])]
+    width = max(cdiv(context, block_size) for context, _ in rows)
+    by_row = [
+        ids[: cdiv(context, block_size)] + [0] * (width - cdiv(context, block_size)) for context, ids in rows
+    ]
+    for dtype in (np.int32, np.int64):
+        tables = builder.block_tables(rows, dtype)
+        assert tables.dtype == dtype and tables.tolist() == by_row

@@ -21,6 +21,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}  # the same blocks' ids: a step reads them for every request
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # how many leading blocks of a request are in the cache index
         self.prefix_cache_queries = 0  # in tokens, as vLLM counts them
@@ -39,7 +40,8 @@ class KVCacheManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._blocks.get(request_id, [])]
+        """A copy of the request's block ids, in order (a copy of ints: no walk over its blocks)."""
+        return self._block_ids.get(request_id, [])[:]
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks that starts the request's tokens.
@@ -82,16 +84,22 @@ class KVCacheManager:
     def _allocate(self, request: Request, num_tokens: int, cached_blocks: Sequence[KVBlock]) -> bool:
         blocks = self._blocks.setdefault(request.request_id, [])
         num_needed = cdiv(num_tokens, self.block_size) - len(blocks) - len(cached_blocks)
+        if num_needed <= 0 and not cached_blocks:  # most decode steps: the last block has room
+            return True
         # Cache hits that sit in the free queue stop being free once we take them.
         num_available = self.pool.num_free_blocks - sum(1 for b in cached_blocks if b.ref_cnt == 0)
         if num_needed > num_available:
             return False
+        ids = self._block_ids.setdefault(request.request_id, [])
         if cached_blocks:
             self.pool.touch(cached_blocks)
             blocks.extend(cached_blocks)
+            ids.extend(block.block_id for block in cached_blocks)
             self._num_registered[request.request_id] = len(blocks)
         if num_needed > 0:
-            blocks.extend(self.pool.allocate(num_needed))
+            new = self.pool.allocate(num_needed)
+            blocks.extend(new)
+            ids.extend(block.block_id for block in new)
         return True
 
     def register_computed_blocks(self, request: Request) -> None:
@@ -119,6 +127,7 @@ class KVCacheManager:
         if len(blocks) > keep:
             self.pool.release(reversed(blocks[keep:]))
             del blocks[keep:]
+            del self._block_ids[request.request_id][keep:]
 
     def num_shared_prefix_tokens(self, request: Request) -> int:
         """Computed tokens in the request's leading blocks that other requests hold too."""
@@ -132,6 +141,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Gives back every block the request holds; the last blocks go first to eviction, its shared prefix last."""
         blocks = self._blocks.pop(request.request_id, [])
+        self._block_ids.pop(request.request_id, None)
         self.pool.release(reversed(blocks))
         self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
@@ -149,6 +159,8 @@ class KVCacheManager:
     def check_invariants(self, live_request_ids: set[str]) -> None:
         self.pool.check_invariants()
         assert set(self._blocks) <= live_request_ids, "blocks held by a request that is gone"
+        for request_id, blocks in self._blocks.items():
+            assert self._block_ids.get(request_id, []) == [b.block_id for b in blocks], "block ids out of step"
         holders: dict[int, int] = {}
         for blocks in self._blocks.values():
             for block in blocks:

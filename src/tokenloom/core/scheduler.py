@@ -164,7 +164,7 @@ class Scheduler:
                 self._preempt(victim, output)
                 if victim is request:
                     return budget
-            output.scheduled.append(self._scheduled(request, num_new, drafts))
+            output.add(self._scheduled(request, num_new, drafts))
             budget -= num_new
             i += 1
         return budget
@@ -179,7 +179,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 self._swap_in(request, num_still_cached, output)
-                output.scheduled.append(self._scheduled(request, num_new))
+                output.add(self._scheduled(request, num_new))
                 budget -= num_new
                 continue
             cached_blocks = self.kv.find_cached_prefix(request)
@@ -195,7 +195,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._start_running(request, num_cached)
-            output.scheduled.append(self._scheduled(request, num_new))
+            output.add(self._scheduled(request, num_new))
             budget -= num_new
 
     def _stall_free(
@@ -210,10 +210,8 @@ class Scheduler:
         num_new = min(remaining, budget)
         if remaining <= 1 + num_drafts:
             return num_new
-        if self.max_num_partial_prefills:
-            prefills = sum(1 for s in output.scheduled if s.is_prefill)
-            if prefills >= self.max_num_partial_prefills:
-                return 0
+        if self.max_num_partial_prefills and output.num_prefill_chunks >= self.max_num_partial_prefills:
+            return 0
         if self.long_prefill_token_threshold:
             num_new = min(num_new, self.long_prefill_token_threshold)
         return num_new

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from tokenloom.core.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: tokens [start, start + len(token_ids)) and where their KV goes."""
+    """One request's share of a step: tokens [start, start + len(token_ids)) and where their KV goes.
+
+    Fixed once made: its counts are worked out once here, since every part of the step asks for them."""
 
     request: Request
     start: int
@@ -20,28 +22,38 @@ class ScheduledRequest:
     # Proposed tokens after the request's last one, verified in this step: token_ids ends with them, and the step
     # yields 1 to len(draft_token_ids) + 1 tokens.
     draft_token_ids: list[int] = field(default_factory=list)
+    num_tokens: int = field(init=False)
+    # The chunk computes prompt (or recomputed) tokens: more than the last token and its drafts, or not up to the
+    # last token.
+    is_prefill: bool = field(init=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def is_prefill(self) -> bool:
-        """The chunk computes prompt (or recomputed) tokens: more than the last token and its drafts, or not up to
-        the last token."""
-        return not self.sample or self.num_tokens > 1 + len(self.draft_token_ids)
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.token_ids)
+        self.is_prefill = not self.sample or self.num_tokens > 1 + len(self.draft_token_ids)
 
 
 @dataclass
 class SchedulerOutput:
+    """A step's schedule. Requests join it through ``add``, which keeps its token counts."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot), copied first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block), copied second
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0  # of prefill chunks (is_prefill); the rest are decode tokens and their drafts
+    num_prefill_chunks: int = 0
+
+    def add(self, item: ScheduledRequest) -> None:
+        self.scheduled.append(item)
+        self.num_batched_tokens += item.num_tokens
+        if item.is_prefill:
+            self.num_prefill_tokens += item.num_tokens
+            self.num_prefill_chunks += 1
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    def num_decode_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_prefill_tokens
 
     @property
     def is_empty(self) -> bool:

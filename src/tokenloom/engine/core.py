@@ -287,8 +287,7 @@ class EngineCore:
         self.speculator.observe_verifications(output, tokens)
         outputs += [self._advanced(request, sampled[request.request_id][:kept]) for request, kept in advanced]
         self.speculator.propose(self.scheduler.running, output.num_batched_tokens)
-        decode_tokens = sum(s.num_tokens for s in output.scheduled if not s.is_prefill)  # drafts too
-        stats = StepStats(output.num_batched_tokens - decode_tokens, decode_tokens, len(output.preempted), seconds)
+        stats = StepStats(output.num_prefill_tokens, output.num_decode_tokens, len(output.preempted), seconds)
         return EngineCoreOutputs(outputs, stats)
 
     def _advanced(self, request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:

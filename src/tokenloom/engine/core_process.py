@@ -225,6 +225,8 @@ class CoreProcessEngine(EngineClient):
             for output in report.outputs:
                 if output.request_id in self._in_flight:
                     result = self.processor.process(output, self)
+                    if result is None:  # a final-only request's step between
+                        continue
                     if result.finished:
                         del self._in_flight[output.request_id]
                     results.append(result)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Sequence
 from typing import Any, cast
@@ -13,7 +14,7 @@ from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.utils import heap_frozen
 
 PromptInput = str | dict[str, Any] | list[int]
@@ -60,7 +61,11 @@ class LLM:
         `priority` (one per prompt, lower first) matters under scheduling_policy="priority".
         """
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        # Only each request's final output is read here: the steps between build none (as vLLM's LLM asks).
+        params_list = [
+            dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            for params in _as_params_list(sampling_params, len(prompt_list))
+        ]
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")

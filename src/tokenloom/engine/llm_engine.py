@@ -69,8 +69,10 @@ class LLMEngine(EngineClient):
     # ---- the step -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output for every request that received a token (or failed) in it."""
-        return [self.processor.process(output, self) for output in self.core.step().outputs]
+        """Runs one step; returns an output for every request that received a token (or failed) in it, except the
+        unfinished ones whose caller takes only final outputs (RequestOutputKind.FINAL_ONLY)."""
+        results = (self.processor.process(output, self) for output in self.core.step().outputs)
+        return [result for result in results if result is not None]
 
     def observe_steps(self, observer: Callable[[SchedulerOutput], None] | None) -> None:
         """Shows `observer` each step's schedule before it runs (a profiler's hook); None stops it."""

@@ -14,7 +14,9 @@ from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 class RequestEnding(Protocol):
@@ -74,14 +76,19 @@ class OutputProcessor:
                     return stop
         return None
 
-    def process(self, output: EngineCoreOutput, ending: RequestEnding) -> RequestOutput:
+    def process(self, output: EngineCoreOutput, ending: RequestEnding) -> RequestOutput | None:
         """The one output path, for the in-process engine and the core process alike: the step's tokens into text
         and logprobs; a completed stop string ends the request as stopped, and a failure here (detokenizing,
-        matching stops, building the output) fails it alone, each through the engine's ``ending``."""
+        matching stops, building the output) fails it alone, each through the engine's ``ending``.
+
+        None where the caller takes only the request's final output (RequestOutputKind.FINAL_ONLY) and this is not
+        it: its tokens are absorbed, no RequestOutput is built."""
         try:
             stop = None if output.error is not None else self.absorb(output)
             if stop is not None:
                 output = ending.stopped(output, stop)
+            if not output.finished and self._states[output.request_id].params.output_kind is FINAL_ONLY:
+                return None
             return self.make_output(output)
         except Exception as error:
             return self.make_output(ending.failed(output, error))
