@@ -1,7 +1,7 @@
 """What the host spends per decode step, with the model's forward replaced by a stub.
 
     .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--prompt-len 32] [--final-only]
-                                                [--no-freeze]
+                                                [--attention-backend torch] [--no-freeze]
 
 On a GPU a small model's forward takes 1-3 ms a step; whatever the host spends around it (scheduling, building the
 step's inputs, sampling, turning tokens into text and outputs) is time the device may sit idle. This runs the real
@@ -110,14 +110,21 @@ def stub_forward(engine: LLMEngine) -> None:
 
 
 def measure(
-    model: Path, running: int, steps: int, freeze: bool = True, prompt_len: int = 32, final_only: bool = False
+    model: Path,
+    running: int,
+    steps: int,
+    freeze: bool = True,
+    prompt_len: int = 32,
+    final_only: bool = False,
+    attention_backend: str = "torch",
 ) -> dict[str, float]:
     budget = max(2048, running * 40)
     # Requests that start first decode while the last prompts prefill: none may finish before the timed steps end.
     max_tokens = steps + 8 + cdiv(running * prompt_len, budget)
     config = EngineConfig.from_kwargs(
         model=str(model), dtype="float32", max_num_seqs=running, max_num_batched_tokens=budget,
-        num_kv_blocks=running * (cdiv(prompt_len + max_tokens, 16) + 1), block_size=16, attention_backend="torch",
+        num_kv_blocks=running * (cdiv(prompt_len + max_tokens, 16) + 1), block_size=16,
+        attention_backend=attention_backend,
     )  # fmt: skip
     engine = LLMEngine(config)
     stub_forward(engine)
@@ -161,6 +168,7 @@ def main() -> None:
     parser.add_argument("--running", default="64,256,1024")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt-len", type=int, default=32, help="each request's prompt: its context when timed")
+    parser.add_argument("--attention-backend", default="torch", help="triton: the inputs a GPU step is given")
     parser.add_argument("--final-only", action="store_true", help="outputs as LLM.generate takes them: the last")
     parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     args = parser.parse_args()
@@ -169,7 +177,9 @@ def main() -> None:
         model = tiny_model_with_the_real_tokenizer(Path(tmp))
         for running in (int(n) for n in args.running.split(",")):
             freeze = not args.no_freeze
-            figures = measure(model, running, args.steps, freeze, args.prompt_len, args.final_only)
+            figures = measure(
+                model, running, args.steps, freeze, args.prompt_len, args.final_only, args.attention_backend
+            )
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
             print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"
                   f"  [{parts}]")  # fmt: skip

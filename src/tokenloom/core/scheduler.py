@@ -147,7 +147,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             remaining = request.num_tokens - request.num_computed_tokens
-            drafts, request.spec_token_ids = request.spec_token_ids, []
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
             if remaining == 1 and drafts:  # a decode with proposals: its last token and as many drafts as fit
                 drafts = drafts[: max(0, min(budget, self.max_model_len - request.num_tokens) - 1)]
                 remaining += len(drafts)
@@ -288,10 +290,12 @@ class Scheduler:
                 continue
             tokens = sampled[request.request_id]
             num_accepted = len(tokens) - 1
-            assert 0 <= num_accepted <= len(item.draft_token_ids), "more tokens than drafts + 1"
-            assert tokens[:num_accepted] == item.draft_token_ids[:num_accepted], "accepted tokens are the drafts"
             if item.draft_token_ids:
+                assert 0 <= num_accepted <= len(item.draft_token_ids), "more tokens than drafts + 1"
+                assert tokens[:num_accepted] == item.draft_token_ids[:num_accepted], "accepted tokens are the drafts"
                 self.stats.spec.observe(len(item.draft_token_ids), num_accepted)
+            else:
+                assert num_accepted == 0, "one token, without drafts"
             if request.first_token_time is None:
                 request.first_token_time = now
             num_before = request.num_tokens

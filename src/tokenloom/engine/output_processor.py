@@ -42,6 +42,7 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] | None
     output_token_ids: list[int]
     stop_text: str | None = None  # the text up to a stop string, once one is found
+    cumulative_logprob: float = 0.0  # of the tokens in logprobs, summed as they come (not over all at every step)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once the core sends them
 
 
@@ -69,7 +70,9 @@ class OutputProcessor:
             state.output_token_ids.append(token.token_id)
             state.detokenizer.add(token.token_id)
             if state.logprobs is not None and token.logprob is not None:
-                state.logprobs.append(_logprob_entry(token))
+                entry = _logprob_entry(token)
+                state.logprobs.append(entry)
+                state.cumulative_logprob += entry[token.token_id].logprob
             if not output.finished and state.params.stop:
                 stop = self._completed_stop(state)
                 if stop is not None:
@@ -106,10 +109,7 @@ class OutputProcessor:
             return RequestOutput(
                 output.request_id, None, state.prompt_token_ids, [completion], True, output.metrics, error=output.error
             )
-        cumulative = None
-        if state.logprobs is not None:
-            tokens = state.output_token_ids
-            cumulative = sum(e[t].logprob for e, t in zip(state.logprobs, tokens, strict=False))
+        cumulative = None if state.logprobs is None else state.cumulative_logprob
         completion = CompletionOutput(
             index=0,
             text=self._text(state, output.finished),

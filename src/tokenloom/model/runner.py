@@ -189,8 +189,8 @@ class ModelRunner:
             return result
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         items = inputs.sampled_items
-        first_rows = np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])
         if grammar is not None:
+            first_rows = self._first_rows(items)
             row_of = {item.request.request_id: int(row) for item, row in zip(items, first_rows, strict=False)}
             rows = [
                 row_of[rid] + offset for rid, offset in zip(grammar.request_ids, grammar.row_offsets(), strict=True)
@@ -202,6 +202,7 @@ class ModelRunner:
             )
         except Exception:
             # Something in the batch raised: sample request by request to find whose it was.
+            first_rows = self._first_rows(items)
             for item, lo, hi in zip(items, first_rows[:-1], first_rows[1:], strict=True):
                 request_id = item.request.request_id
                 try:
@@ -209,6 +210,11 @@ class ModelRunner:
                 except Exception as error:
                     result.failed[request_id] = error
         return result
+
+    @staticmethod
+    def _first_rows(items: list[ScheduledRequest]) -> np.ndarray:
+        """Where each sampled request's logits rows start (its last token's row, then its drafts'), and the end."""
+        return np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> list[list[SampledToken]]:
         """Each request's new tokens: one sampled, or its drafts verified (the accepted ones and one more)."""
