@@ -1,7 +1,7 @@
 """What the host spends per decode step, with the model's forward replaced by a stub.
 
     .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--prompt-len 32] [--final-only]
-                                                [--attention-backend torch] [--no-freeze]
+                                                [--attention-backend torch] [--async-output-proc] [--no-freeze]
 
 On a GPU a small model's forward takes 1-3 ms a step; whatever the host spends around it (scheduling, building the
 step's inputs, sampling, turning tokens into text and outputs) is time the device may sit idle. This runs the real
@@ -9,6 +9,13 @@ engine (scheduler, KV cache manager, runner's input preparation, sampler, output
 SmolLM2 tokenizer) on a tiny random model whose forward is a stub returning zeros, with every request decoding,
 and prints microseconds per step in all and by phase. The logits the sampler reads are a real [rows, 49152]
 float32 tensor (greedy argmax over it on this CPU is part of "sample": on a GPU it runs on the device).
+
+`--prompt-len` sets each request's context (a decode step's host work grows with it where the host copies what a
+request holds; 32 by default, as the first figures), `--final-only` asks for outputs as `LLM.generate` does (none
+between steps), `--attention-backend triton` builds the inputs a GPU step gets (set TRITON_INTERPRET=1 on a CPU),
+and `--async-output-proc` reads each step's tokens while the next one is launched. "device idle" is the host time
+from reading a step's tokens to the next step's inputs being ready: with a forward of no time, what a device would
+wait each step (with asynchronous output processing the rest of the host's work runs while a step is launched).
 
 The timed steps run with the start-up heap frozen, as `tokenloom serve` and the engine core process run theirs
 (utils.heap_frozen); `--no-freeze` runs them without, to show what a full collection costs. The line of each
@@ -100,6 +107,45 @@ class Phases:
         setattr(owner, name, timed)
 
 
+class DeviceIdle:
+    """Host time from reading a step's tokens to the next step's inputs being ready: with a forward of no time,
+    what the device would sit idle each step. Everything else the host does overlaps a launched step when output
+    processing is asynchronous (--async-output-proc); without it, all of a step's host time is in this gap."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds = 0.0
+        self.timing = False
+        self._read_at: float | None = None
+        runner = engine.core.runner
+        prepare = runner.prepare_inputs
+
+        def prepared(*args, **kwargs):
+            inputs = prepare(*args, **kwargs)
+            if self.timing and self._read_at is not None:
+                self.seconds += time.perf_counter() - self._read_at
+            return inputs
+
+        runner.prepare_inputs = prepared
+        from tokenloom.model import runner as runner_module
+
+        # A checkout from before launched steps reads its tokens at the end of execute.
+        owner, name = (
+            (runner_module.LaunchedStep, "wait") if hasattr(runner_module, "LaunchedStep") else (runner, "execute")
+        )
+        read = getattr(owner, name)
+
+        def reading(*args, **kwargs):
+            result = read(*args, **kwargs)
+            self._read_at = time.perf_counter()
+            return result
+
+        setattr(owner, name, reading)
+        self._restore = (owner, name, read)
+
+    def close(self) -> None:
+        setattr(*self._restore)
+
+
 def _final_only() -> object:
     from tokenloom import RequestOutputKind
 
@@ -123,11 +169,14 @@ def measure(
     prompt_len: int = 32,
     final_only: bool = False,
     attention_backend: str = "torch",
+    async_output_proc: bool = False,
 ) -> dict[str, float]:
     budget = max(2048, running * 40)
     # Requests that start first decode while the last prompts prefill: none may finish before the timed steps end.
     max_tokens = steps + 8 + cdiv(running * prompt_len, budget)
+    overlap = {"async_output_proc": True} if async_output_proc else {}  # asked only where wanted, as above
     config = EngineConfig.from_kwargs(
+        **overlap,
         model=str(model), dtype="float32", max_num_seqs=running, max_num_batched_tokens=budget,
         num_kv_blocks=running * (cdiv(prompt_len + max_tokens, 16) + 1), block_size=16,
         attention_backend=attention_backend,
@@ -139,10 +188,12 @@ def measure(
     phases.wrap(core.scheduler, "schedule", "schedule")
     phases.wrap(runner, "prepare_inputs", "prepare inputs")
     phases.wrap(runner, "_forward", "forward (stub)")
-    phases.wrap(runner, "sampler", "sample")
+    # The sampler's entry point (a checkout from before launched steps called the sampler itself).
+    phases.wrap(*((runner.sampler, "sample") if hasattr(runner.sampler, "sample") else (runner, "sampler")), "sample")
     phases.wrap(core.scheduler, "update_from_output", "update scheduler")
     phases.wrap(runner, "_sampling_batch", "sampling batch")
     phases.wrap(engine.processor, "process", "outputs (detokenize, stops)")
+    idle = DeviceIdle(engine)
     # Only asked for where wanted, so that the script also measures a checkout from before output kinds.
     kind = {"output_kind": _final_only()} if final_only else {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kind)
@@ -155,16 +206,18 @@ def measure(
     for _ in range(3):  # a few decode steps to warm up
         engine.step()
     with heap_frozen(collect_first=True) if freeze else contextlib.nullcontext(), FullCollections() as collections:
-        phases.timing = True
+        phases.timing = idle.timing = True
         started = time.perf_counter()
         for _ in range(steps):
             outputs = engine.step()
             assert len(outputs) == (0 if final_only else running), (len(outputs), running)
         total = time.perf_counter() - started
-        phases.timing = False
+        phases.timing = idle.timing = False
+    idle.close()
     per_step = {phase: 1e6 * seconds / steps for phase, seconds in phases.seconds.items()}
     per_step["all"] = 1e6 * total / steps
     per_step["other"] = per_step["all"] - sum(v for k, v in per_step.items() if k != "all")
+    per_step["device idle"] = 1e6 * idle.seconds / steps
     per_step["full collections"] = len(collections.pauses)
     per_step["longest (ms)"] = 1e3 * max(collections.pauses, default=0.0)
     return per_step
@@ -176,6 +229,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt-len", type=int, default=32, help="each request's prompt: its context when timed")
     parser.add_argument("--attention-backend", default="torch", help="triton: the inputs a GPU step is given")
+    parser.add_argument("--async-output-proc", action="store_true", help="read each step while the next one runs")
     parser.add_argument("--final-only", action="store_true", help="outputs as LLM.generate takes them: the last")
     parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     args = parser.parse_args()
@@ -185,8 +239,9 @@ def main() -> None:
         for running in (int(n) for n in args.running.split(",")):
             freeze = not args.no_freeze
             figures = measure(
-                model, running, args.steps, freeze, args.prompt_len, args.final_only, args.attention_backend
-            )
+                model, running, args.steps, freeze, args.prompt_len, args.final_only, args.attention_backend,
+                args.async_output_proc,
+            )  # fmt: skip
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
             print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"
                   f"  [{parts}]")  # fmt: skip

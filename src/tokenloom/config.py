@@ -137,6 +137,12 @@ class SchedulerConfig:
     blocks to a host-memory pool and back (recompute when the pool is full); 'auto' picks the cheaper per victim."""
     batching: Batching = "continuous"
     """'continuous' re-forms the batch every step; 'static' admits a batch only when the previous one has finished."""
+    async_output_proc: bool | None = None
+    """Asynchronous output processing (vLLM V0's, on by default there on CUDA): the next step is scheduled and
+    launched on the device before this step's tokens are turned into outputs (detokenized, checked for stop strings,
+    delivered), so the device runs while the host does that. A request ended by what the output side finds (a stop
+    string, an abort) has computed one more token, never shown. None (auto): on for an accelerator, off on a CPU,
+    where the step runs on the host itself and nothing overlaps; True also on a CPU (the same tokens, no gain)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -152,6 +158,9 @@ class SchedulerConfig:
         _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
         _require(self.batching in get_args(Batching), "batching must be 'continuous' or 'static'")
         _require(self.scheduling_policy in POLICY_NAMES, f"scheduling_policy must be one of {', '.join(POLICY_NAMES)}")
+
+    def overlaps_output_processing(self, device_type: str) -> bool:
+        return device_type != "cpu" if self.async_output_proc is None else self.async_output_proc
 
 
 @dataclass(frozen=True)

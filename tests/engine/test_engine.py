@@ -52,6 +52,10 @@ UNDER_PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=1
         dict(max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=12, block_size=8, scheduling_policy="fair"),
         dict(UNDER_PRESSURE, preemption_mode="swap", num_swap_blocks=64),
         dict(UNDER_PRESSURE, preemption_mode="auto", num_swap_blocks=4, scheduling_policy="priority"),
+        # Asynchronous output processing (each step's outputs read while the next one runs): the same tokens.
+        dict(max_num_seqs=4, max_num_batched_tokens=20, async_output_proc=True),
+        dict(UNDER_PRESSURE, async_output_proc=True),
+        dict(UNDER_PRESSURE, preemption_mode="swap", num_swap_blocks=64, async_output_proc=True),
     ],
 )
 def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
@@ -253,12 +257,15 @@ def solo_outputs(tiny_loaded):
     num_swap_blocks=st.sampled_from([2, 64]),
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
     seed=st.integers(0, 1000),
+    async_output_proc=st.booleans(),
 )
 def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
-    tiny_loaded, solo_outputs, preemption_mode, workload, aborts, num_swap_blocks, policy, seed
+    tiny_loaded, solo_outputs, preemption_mode, workload, aborts, num_swap_blocks, policy, seed, async_output_proc
 ):
-    """Real tensors this time: a wrong swap copy or block table changes the tokens."""
+    """Real tensors this time: a wrong swap copy or block table changes the tokens. With asynchronous output
+    processing an abort lands while the request's next step is in flight."""
     config = EngineConfig.from_kwargs(
+        async_output_proc=async_output_proc,
         max_num_seqs=4,
         max_num_batched_tokens=32,
         num_kv_blocks=10,
@@ -451,3 +458,85 @@ def test_generate_takes_final_outputs_without_changing_the_callers_params(tiny_l
     outputs = LLM(str(tiny_llama)).generate(prompts(3), params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6, 6] and all(o.finished for o in outputs)
     assert params.output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_async_output_processing_reads_each_step_at_the_next_call(tiny_chat_model):
+    """With asynchronous output processing a call returns the outputs of the step launched by the call before
+    (the first returns none, and the engine stays busy until the last launched step is read); the text, stops and
+    logprobs are the synchronous engine's, and a request stopped by its text has computed one more token, unseen."""
+    prompt = list(range(40, 60))
+
+    def run(async_output_proc: bool, stop: list[str]) -> tuple[list[int], list, LLMEngine]:
+        config = EngineConfig.from_kwargs(model=str(tiny_chat_model), async_output_proc=async_output_proc)
+        engine = LLMEngine(config)
+        assert engine.core.overlaps_outputs is async_output_proc
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1, stop=stop)
+        engine.add_request(prompt, params, request_id="r")
+        counts, outputs = [], []
+        while engine.has_unfinished_requests():
+            step_outputs = engine.step()
+            counts.append(len(step_outputs))
+            outputs += step_outputs
+        return counts, outputs, engine
+
+    counts, outputs, _ = run(True, [])
+    assert counts == [0] + [1] * 10, "each call reads the step before; the last reads the last step, launching none"
+    sync_counts, sync_outputs, _ = run(False, [])
+    assert sync_counts == [1] * 10
+    assert [(o.outputs[0].text, o.outputs[0].logprobs) for o in outputs] == [
+        (o.outputs[0].text, o.outputs[0].logprobs) for o in sync_outputs
+    ]
+    stop = [outputs[-1].outputs[0].text[3:5]]
+    _, stopped, engine = run(True, stop)
+    _, sync_stopped, sync_engine = run(False, stop)
+    last, sync_last = stopped[-1].outputs[0], sync_stopped[-1].outputs[0]
+    assert (last.text, last.token_ids, last.stop_reason) == (sync_last.text, sync_last.token_ids, sync_last.stop_reason)
+    assert last.finish_reason == "stop" and len(last.token_ids) < 10
+    assert engine.stats().computed_tokens == sync_engine.stats().computed_tokens + 1
+    assert engine.stats().kv_blocks_in_use == 0 and not engine.has_unfinished_requests()
+
+
+def test_async_output_processing_is_on_for_accelerators_and_off_on_a_cpu_unless_asked():
+    from tokenloom.config import SchedulerConfig
+
+    assert SchedulerConfig().overlaps_output_processing("cuda")
+    assert not SchedulerConfig().overlaps_output_processing("cpu")
+    assert SchedulerConfig(async_output_proc=True).overlaps_output_processing("cpu")
+    assert not SchedulerConfig(async_output_proc=False).overlaps_output_processing("cuda")
+
+
+def test_streams_through_the_async_front_with_async_output_processing(tiny_llama, solo_reference):
+    """The server's front over an engine whose outputs are read a step late: every stream gets the tokens of a solo
+    run, one stream left after its third output is aborted, and no KV block is left behind."""
+    config = EngineConfig.from_kwargs(model=str(tiny_llama), max_num_seqs=4, async_output_proc=True)
+    front = AsyncEngine(LLMEngine(config))
+    front.start()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def run() -> tuple[list[list[int]], int]:
+        streams = [await front.submit(p["prompt_token_ids"], params, f"r{i}") for i, p in enumerate(prompts(10))]
+        left = streams.pop()
+        seen = 0
+        async for _ in left:
+            seen += 1
+            if seen == 3:
+                break
+        await left.aclose()  # as a client hanging up
+
+        async def last(stream) -> list[int]:
+            final = None
+            async for output in stream:
+                final = output
+            return final.outputs[0].token_ids
+
+        return await asyncio.gather(*(last(s) for s in streams)), seen
+
+    try:
+        tokens, seen = asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while front.stats().kv_blocks_in_use and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        front.shutdown()
+    assert tokens == solo_reference[:9] and seen == 3
+    assert front.stats().kv_blocks_in_use == 0 and front.stats().num_running == 0

@@ -28,11 +28,11 @@ class PoisonedSampler:
     def __init__(self, sampler: Sampler, poisoned: SamplingParams, after_tokens: int) -> None:
         self.sampler, self.poisoned, self.after_tokens = sampler, poisoned, after_tokens
 
-    def __call__(self, logits, batch):
+    def sample(self, logits, batch):
         for params, output in zip(batch.params, batch.output_token_ids, strict=True):
             if params is self.poisoned and len(output) >= self.after_tokens:
                 raise RuntimeError("injected sampling fault")
-        return self.sampler(logits, batch)
+        return self.sampler.sample(logits, batch)
 
 
 class FailingDetokenizer:

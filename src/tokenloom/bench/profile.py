@@ -11,6 +11,7 @@ HTTP for the front's latency (measure_front_latency).
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import random
 import statistics
@@ -110,8 +111,12 @@ def measure_lone_prefills(timer: StepTimer, grid: Grid, rng: random.Random, keep
 
 
 def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0, front_requests: int = 12) -> Profile:
-    """The engine's steps over the grid, the fitted model, and (unless front_requests is 0) the front's latency."""
-    engine = LLMEngine(config)
+    """The engine's steps over the grid, the fitted model, and (unless front_requests is 0) the front's latency.
+
+    Its steps are read as they are launched (no asynchronous output processing): a call that read the step before
+    and launched the next would time one step's device work under the next one's shape."""
+    scheduler = dataclasses.replace(config.scheduler, async_output_proc=False)
+    engine = LLMEngine(dataclasses.replace(config, scheduler=scheduler))
     try:
         timer = StepTimer(engine)
         rng = random.Random(seed)

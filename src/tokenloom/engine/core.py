@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -47,11 +48,20 @@ from tokenloom.model.parallel_runner import (
 )
 from tokenloom.model.platform import resolve_dtype
 from tokenloom.model.quantization import calibration_for
-from tokenloom.model.runner import ModelRunner
+from tokenloom.model.runner import LaunchedStep, ModelRunner
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import RequestMetrics
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A step launched on the device and not yet read."""
+
+    output: SchedulerOutput
+    launched: LaunchedStep
+    started: float  # perf_counter at its launch
 
 
 class EngineCore:
@@ -98,6 +108,8 @@ class EngineCore:
         self._prompt_logprobs: dict[str, dict[int, SampledToken]] = {}
         # Shown every non-empty step's schedule: `tokenloom simulate profile` measures steps by their shape.
         self.step_observer: Callable[[SchedulerOutput], None] | None = None
+        self.overlaps_outputs = config.scheduler.overlaps_output_processing(device.type)
+        self._in_flight: _InFlight | None = None  # the step launched by the last call, when outputs overlap
 
     def _make_runner(self, loaded: LoadedModel, device: torch.device) -> ModelRunner:
         """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
@@ -228,7 +240,8 @@ class EngineCore:
         return output
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is here, or a launched step is still to be read."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def request_ids(self) -> list[str]:
         return list(self.scheduler.requests)
@@ -256,15 +269,34 @@ class EngineCore:
     # ---- the step -----------------------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        """Runs one scheduler step; returns an output for every request that received a token or failed in it."""
+        """Runs one scheduler step; returns an output for every request that received a token or failed in it.
+
+        With asynchronous output processing (``overlaps_outputs``) a step is read one call later: each call
+        first reads the step launched by the call before (waiting for the device), then schedules and launches the
+        next, and returns the outputs of the one it read, so the caller turns them into text while the device runs.
+        """
         outputs = [
             self.fail(rid, error) for rid, error in self._failed_on_arrival.items() if rid in self.scheduler.requests
         ]
         self._failed_on_arrival.clear()
+        stats = None
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            finished, stats = self._finish(in_flight)
+            outputs += finished
         output = self.scheduler.schedule()
         self._make_swap_copies(output.swap_out, output.swap_in)
         if output.is_empty:
-            return EngineCoreOutputs(outputs)
+            return EngineCoreOutputs(outputs, stats)
+        launched = self._launch(output, outputs)
+        if self.overlaps_outputs:
+            self._in_flight = launched
+            return EngineCoreOutputs(outputs, stats)
+        finished, stats = self._finish(launched)
+        return EngineCoreOutputs(outputs + finished, stats)
+
+    def _launch(self, output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> _InFlight:
+        """Queues the scheduled step on the device; the requests whose grammar fails here join `outputs`."""
         if self.step_observer is not None:
             self.step_observer(output)
         started = time.perf_counter()
@@ -273,22 +305,28 @@ class EngineCore:
         )
         # A request whose grammar failed is finished before the step; the step still computes its tokens, unused.
         outputs += [self.fail(request_id, error) for request_id, error in grammar_failed.items()]
-        result = self.runner.execute(output.scheduled, grammar)
-        seconds = time.perf_counter() - started
+        return _InFlight(output, self.runner.launch(output.scheduled, grammar), started)
+
+    def _finish(self, step: _InFlight) -> tuple[list[EngineCoreOutput], StepStats]:
+        """Reads a launched step's tokens (waiting for the device) and advances its requests; a request ended while
+        the step ran (aborted, or stopped by its text) is passed over."""
+        output = step.output
+        result = step.launched.wait()
+        seconds = time.perf_counter() - step.started
         self.preemptor.observe_step(output.num_batched_tokens, seconds)
         self.speculator.observe_step(output.num_batched_tokens, seconds)
-        outputs += [self.fail(rid, error) for rid, error in result.failed.items() if rid in self.scheduler.requests]
+        live = self.scheduler.requests
+        outputs = [self.fail(rid, error) for rid, error in result.failed.items() if rid in live]
         for request_id, entries in result.prompt_logprobs.items():
-            if request_id in self.scheduler.requests:  # a recomputed chunk overwrites; a failed request keeps none
+            if request_id in live:  # a recomputed chunk overwrites; a failed request keeps none
                 self._prompt_logprobs.setdefault(request_id, {}).update(entries)
         sampled = result.sampled
-        tokens = {rid: [t.token_id for t in new] for rid, new in sampled.items()}
+        tokens = {rid: [t.token_id for t in new] for rid, new in sampled.items() if rid in live}
         advanced = self.scheduler.update_from_output(output, tokens)
         self.speculator.observe_verifications(output, tokens)
         outputs += [self._advanced(request, sampled[request.request_id][:kept]) for request, kept in advanced]
         self.speculator.propose(self.scheduler.running, output.num_batched_tokens)
-        stats = StepStats(output.num_prefill_tokens, output.num_decode_tokens, len(output.preempted), seconds)
-        return EngineCoreOutputs(outputs, stats)
+        return outputs, StepStats(output.num_prefill_tokens, output.num_decode_tokens, len(output.preempted), seconds)
 
     def _advanced(self, request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:
         """The output of a request that got tokens: its grammar advanced (and finished, if done), its prompt

@@ -35,7 +35,7 @@ from tokenloom.model.llama import CausalLM
 from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.platform import accelerator_count
 from tokenloom.model.quantization import calibration_for
-from tokenloom.model.runner import ModelRunner, StepResult
+from tokenloom.model.runner import LaunchedStep, ModelRunner
 from tokenloom.model.sampler import GrammarMask
 
 logger = logging.getLogger(__name__)
@@ -202,9 +202,9 @@ class TensorParallelRunner(ModelRunner):
         workers.wait_until_ready()
         self.workers = workers
 
-    def execute(self, scheduled: list[ScheduledRequest], grammar: GrammarMask | None = None) -> StepResult:
+    def launch(self, scheduled: list[ScheduledRequest], grammar: GrammarMask | None = None) -> LaunchedStep:
         self.workers.send(("forward", scheduled))
-        return super().execute(scheduled, grammar)
+        return super().launch(scheduled, grammar)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self.workers.send(("swap_out", pairs))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +43,27 @@ class StepResult:
     failed: dict[str, Exception] = field(default_factory=dict)  # requests whose sampling raised
     # Per request asking for prompt logprobs: prompt token index -> that token's logprob and the top alternatives.
     prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
+
+
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; ``wait()`` gives its result once the sampled
+    tokens reach the host (at once on a CPU, where the step ran as it was launched)."""
+
+    def __init__(
+        self,
+        result: StepResult,
+        request_ids: list[str] | None = None,
+        sampled: Callable[[], list[list[SampledToken]]] | None = None,
+    ) -> None:
+        self._result = result
+        self._request_ids = request_ids or []
+        self._sampled = sampled
+
+    def wait(self) -> StepResult:
+        if self._sampled is not None:
+            self._result.sampled = dict(zip(self._request_ids, self._sampled(), strict=True))
+            self._sampled = None
+        return self._result
 
 
 class ModelRunner:
@@ -168,7 +190,6 @@ class ModelRunner:
         torch.cuda.empty_cache()  # what the step took goes back, so the free memory read next does not count it twice
         return int(peak)
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], grammar: GrammarMask | None = None) -> StepResult:
         """Runs one step; samples a token for each request whose chunk reached its last token, from the tokens its
         grammar allows if it has one.
@@ -176,6 +197,13 @@ class ModelRunner:
         Sampling is where one request's settings can raise; such a request is failed alone (in
         ``StepResult.failed``) and the others still get their tokens. A failing forward fails the whole step.
         """
+        return self.launch(scheduled, grammar).wait()
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledRequest], grammar: GrammarMask | None = None) -> LaunchedStep:
+        """``execute`` without waiting for the device: the step's forward and sampling are queued, and the sampled
+        tokens come to the host when the returned step's ``wait()`` is called (verifying drafts, computing prompt
+        logprobs and sampling request by request after a failure read the device before returning)."""
         inputs = self.prepare_inputs(scheduled)
         hidden = self._forward(inputs)
         result = StepResult()
@@ -186,7 +214,7 @@ class ModelRunner:
             except Exception as error:
                 result.failed[request_id] = error
         if not inputs.sampled_items:
-            return result
+            return LaunchedStep(result)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         items = inputs.sampled_items
         if grammar is not None:
@@ -197,31 +225,32 @@ class ModelRunner:
             ]
             mask_disallowed(logits, rows, grammar.bitmask)
         try:
-            result.sampled = dict(
-                zip((item.request.request_id for item in items), self._sample(logits, items), strict=True)
-            )
+            return LaunchedStep(result, [item.request.request_id for item in items], self._sample(logits, items))
         except Exception:
             # Something in the batch raised: sample request by request to find whose it was.
             first_rows = self._first_rows(items)
             for item, lo, hi in zip(items, first_rows[:-1], first_rows[1:], strict=True):
                 request_id = item.request.request_id
                 try:
-                    result.sampled[request_id] = self._sample(logits[int(lo) : int(hi)], [item])[0]
+                    result.sampled[request_id] = self._sample(logits[int(lo) : int(hi)], [item])()[0]
                 except Exception as error:
                     result.failed[request_id] = error
-        return result
+        return LaunchedStep(result)
 
     @staticmethod
     def _first_rows(items: list[ScheduledRequest]) -> np.ndarray:
         """Where each sampled request's logits rows start (its last token's row, then its drafts'), and the end."""
         return np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])
 
-    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> list[list[SampledToken]]:
-        """Each request's new tokens: one sampled, or its drafts verified (the accepted ones and one more)."""
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> Callable[[], list[list[SampledToken]]]:
+        """What reads each request's new tokens: one sampled, or its drafts verified (the accepted ones and one
+        more; verification reads the device here, the plain samples only when called)."""
         batch = self._sampling_batch(items)
         if any(item.draft_token_ids for item in items):
-            return self.sampler.verify(logits, batch, [item.draft_token_ids for item in items])
-        return [[token] for token in self.sampler(logits, batch)]
+            verified = self.sampler.verify(logits, batch, [item.draft_token_ids for item in items])
+            return lambda: verified
+        sampled = self.sampler.sample(logits, batch)
+        return lambda: [[token] for token in sampled.tokens()]
 
     @torch.inference_mode()
     def forward_only(self, scheduled: list[ScheduledRequest]) -> None:

@@ -70,14 +70,70 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class SampledOnDevice:
+    """A step's sampled tokens (and the logprobs asked for) while they are still on the device: their copy to the
+    host is under way, and ``tokens()`` waits for it. Between the two the host may prepare and launch the next
+    step, so the device never waits for the host's reading of this one."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # the chosen, the top values, their ids
+        params: list[SamplingParams],
+    ) -> None:
+        self.params = params
+        self._host = [_copy_to_host(tensor) for tensor in (tokens, *(logprobs or ()))]
+        self._ready = _recorded_event(tokens.device)
+
+    def tokens(self) -> list[SampledToken]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_list = self._host[0].tolist()
+        if len(self._host) == 1:
+            return [SampledToken(t) for t in token_list]
+        chosen, top_values, top_ids = (tensor.tolist() for tensor in self._host[1:])
+        results = []
+        for row, params in enumerate(self.params):
+            if params.logprobs is None:
+                results.append(SampledToken(token_list[row]))
+                continue
+            n = params.logprobs
+            pairs = list(zip(top_ids[row][:n], top_values[row][:n], strict=True))
+            results.append(SampledToken(token_list[row], chosen[row], pairs))
+        return results
+
+
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor on the host: itself on a CPU; from an accelerator, a pinned copy made in stream order, without
+    waiting (read it only after the event that follows it)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _recorded_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the work queued so far on the device's current stream (None on a CPU: nothing to wait for)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
+        return self.sample(logits, batch).tokens()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledOnDevice:
+        """Samples each row on the logits' device; the tokens come to the host when ``tokens()`` is read."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if any(p.uses_penalties for p in batch.params):
@@ -85,7 +141,7 @@ class Sampler:
         tokens = row_argmax(logits)
         if not batch.all_greedy:
             tokens = self._sample_random(logits, batch, tokens)
-        return self._results(tokens, raw_logprobs, batch)
+        return self._on_device(tokens, raw_logprobs, batch)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor):
         params = batch.params
@@ -150,11 +206,11 @@ class Sampler:
         kept_tokens = [[*d[: len(r) - 1], token_list[r[-1]]] for d, r in zip(drafts, kept_rows, strict=True)]
         flat_rows = [row for r in kept_rows for row in r]
         flat_tokens = [t for ts in kept_tokens for t in ts]
-        results = self._results(
+        results = self._on_device(
             torch.tensor(flat_tokens, device=logits.device),
             None if raw_logprobs is None else raw_logprobs[torch.tensor(flat_rows, device=logits.device)],
             _select_rows(rows, flat_rows),
-        )
+        ).tokens()
         grouped, at = [], 0
         for r in kept_rows:
             grouped.append(results[at : at + len(r)])
@@ -192,24 +248,14 @@ class Sampler:
                 values[row] = torch.rand((), generator=generator, device=device)
         return values
 
-    def _results(
-        self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch
-    ) -> list[SampledToken]:
-        token_list = tokens.tolist()
+    @staticmethod
+    def _on_device(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch) -> SampledOnDevice:
+        """The tokens and the logprobs the batch asks for, gathered on the device and sent to the host."""
         if raw_logprobs is None or batch.max_logprobs is None:
-            return [SampledToken(t) for t in token_list]
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            return SampledOnDevice(tokens, None, batch.params)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-        results = []
-        for row, params in enumerate(batch.params):
-            if params.logprobs is None:
-                results.append(SampledToken(token_list[row]))
-                continue
-            n = params.logprobs
-            pairs = list(zip(top_ids[row][:n], top_values[row][:n], strict=True))
-            results.append(SampledToken(token_list[row], chosen[row], pairs))
-        return results
+        return SampledOnDevice(tokens, (chosen, top.values, top.indices), batch.params)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
