@@ -1,7 +1,8 @@
 """What the host spends per decode step, with the model's forward replaced by a stub.
 
     .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--prompt-len 32] [--final-only]
-                                                [--attention-backend torch] [--async-output-proc] [--no-freeze]
+                                                [--attention-backend torch] [--async-output-proc]
+                                                [--async-scheduling] [--no-freeze]
 
 On a GPU a small model's forward takes 1-3 ms a step; whatever the host spends around it (scheduling, building the
 step's inputs, sampling, turning tokens into text and outputs) is time the device may sit idle. This runs the real
@@ -13,9 +14,9 @@ float32 tensor (greedy argmax over it on this CPU is part of "sample": on a GPU 
 `--prompt-len` sets each request's context (a decode step's host work grows with it where the host copies what a
 request holds; 32 by default, as the first figures), `--final-only` asks for outputs as `LLM.generate` does (none
 between steps), `--attention-backend triton` builds the inputs a GPU step gets (set TRITON_INTERPRET=1 on a CPU),
-and `--async-output-proc` reads each step's tokens while the next one is launched. "device idle" is the host time
-from reading a step's tokens to the next step's inputs being ready: with a forward of no time, what a device would
-wait each step (with asynchronous output processing the rest of the host's work runs while a step is launched).
+`--async-output-proc` reads each step's tokens after the next one is launched, and `--async-scheduling` schedules
+each step before the one before is read. "device idle" is the host time from reading a step's tokens to the next
+step's inputs being ready (DeviceIdle): what a device whose step takes long would wait between two steps.
 
 The timed steps run with the start-up heap frozen, as `tokenloom serve` and the engine core process run theirs
 (utils.heap_frozen); `--no-freeze` runs them without, to show what a full collection costs. The line of each
@@ -108,40 +109,62 @@ class Phases:
 
 
 class DeviceIdle:
-    """Host time from reading a step's tokens to the next step's inputs being ready: with a forward of no time,
-    what the device would sit idle each step. Everything else the host does overlaps a launched step when output
-    processing is asynchronous (--async-output-proc); without it, all of a step's host time is in this gap."""
+    """Host time from reading a step's tokens to the next step's inputs being ready (none where the next step was
+    launched before this one was read): with a forward that took long, what the device would wait between the two.
+    Without overlap all of a step's host work is in it; with asynchronous output processing the outputs' part runs
+    while a step is on the device; with asynchronous scheduling everything does."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.seconds = 0.0
         self.timing = False
-        self._read_at: float | None = None
+        self._prepared: dict[int, float] = {}  # launch number -> when its inputs were ready
+        self._read: dict[int, float] = {}  # launch number -> when its tokens were read
         runner = engine.core.runner
         prepare = runner.prepare_inputs
 
         def prepared(*args, **kwargs):
             inputs = prepare(*args, **kwargs)
-            if self.timing and self._read_at is not None:
-                self.seconds += time.perf_counter() - self._read_at
+            if self.timing:
+                self._prepared[len(self._prepared) + len(self._untimed)] = time.perf_counter()
+            else:
+                self._untimed.append(None)
             return inputs
 
+        self._untimed: list[None] = []
         runner.prepare_inputs = prepared
         from tokenloom.model import runner as runner_module
 
-        # A checkout from before launched steps reads its tokens at the end of execute.
-        owner, name = (
-            (runner_module.LaunchedStep, "wait") if hasattr(runner_module, "LaunchedStep") else (runner, "execute")
-        )
+        # A checkout from before launched steps reads its tokens at the end of execute, right after preparing them.
+        if hasattr(runner_module, "LaunchedStep"):
+            owner, name = runner_module.LaunchedStep, "wait"
+        else:
+            owner, name = runner, "execute"
         read = getattr(owner, name)
+        launches = self._launch_numbers = {}  # id of a launched step -> its launch number
 
         def reading(*args, **kwargs):
             result = read(*args, **kwargs)
-            # A read before the timed steps does not count: the heap is frozen between (a full collection first).
-            self._read_at = time.perf_counter() if self.timing else None
+            number = launches.get(id(args[0]), len(self._prepared) + len(self._untimed) - 1)
+            if self.timing:
+                self._read[number] = time.perf_counter()
             return result
 
         setattr(owner, name, reading)
+        if hasattr(runner, "launch"):
+            launch = runner.launch
+
+            def launching(*args, **kwargs):
+                step = launch(*args, **kwargs)
+                launches[id(step)] = len(self._prepared) + len(self._untimed) - 1
+                return step
+
+            runner.launch = launching
         self._restore = (owner, name, read)
+
+    @property
+    def seconds(self) -> float:
+        return sum(
+            max(0.0, self._prepared[n + 1] - at) for n, at in self._read.items() if n + 1 in self._prepared
+        )
 
     def close(self) -> None:
         setattr(*self._restore)
@@ -171,11 +194,14 @@ def measure(
     final_only: bool = False,
     attention_backend: str = "torch",
     async_output_proc: bool = False,
+    async_scheduling: bool = False,
 ) -> dict[str, float]:
     budget = max(2048, running * 40)
     # Requests that start first decode while the last prompts prefill: none may finish before the timed steps end.
     max_tokens = steps + 8 + cdiv(running * prompt_len, budget)
-    overlap = {"async_output_proc": True} if async_output_proc else {}  # asked only where wanted, as above
+    # Asked only where wanted, as above.
+    overlap = {"async_output_proc": True} if async_output_proc else {}
+    overlap.update({"async_scheduling": True} if async_scheduling else {})
     config = EngineConfig.from_kwargs(
         **overlap,
         model=str(model), dtype="float32", max_num_seqs=running, max_num_batched_tokens=budget,
@@ -192,6 +218,9 @@ def measure(
     # The sampler's entry point (a checkout from before launched steps called the sampler itself).
     phases.wrap(*((runner.sampler, "sample") if hasattr(runner.sampler, "sample") else (runner, "sampler")), "sample")
     phases.wrap(core.scheduler, "update_from_output", "update scheduler")
+    for name in ("advance_provisionally", "settle"):  # what updates the scheduler when it schedules ahead
+        if hasattr(core.scheduler, name):
+            phases.wrap(core.scheduler, name, "update scheduler")
     phases.wrap(runner, "_sampling_batch", "sampling batch")
     phases.wrap(engine.processor, "process", "outputs (detokenize, stops)")
     idle = DeviceIdle(engine)
@@ -231,6 +260,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32, help="each request's prompt: its context when timed")
     parser.add_argument("--attention-backend", default="torch", help="triton: the inputs a GPU step is given")
     parser.add_argument("--async-output-proc", action="store_true", help="read each step while the next one runs")
+    parser.add_argument("--async-scheduling", action="store_true", help="schedule each step before the last is read")
     parser.add_argument("--final-only", action="store_true", help="outputs as LLM.generate takes them: the last")
     parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     args = parser.parse_args()
@@ -241,7 +271,7 @@ def main() -> None:
             freeze = not args.no_freeze
             figures = measure(
                 model, running, args.steps, freeze, args.prompt_len, args.final_only, args.attention_backend,
-                args.async_output_proc,
+                args.async_output_proc, args.async_scheduling,
             )  # fmt: skip
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
             print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"

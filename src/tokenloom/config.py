@@ -143,6 +143,13 @@ class SchedulerConfig:
     delivered), so the device runs while the host does that. A request ended by what the output side finds (a stop
     string, an abort) has computed one more token, never shown. None (auto): on for an accelerator, off on a CPU,
     where the step runs on the host itself and nothing overlaps; True also on a CPU (the same tokens, no gain)."""
+    async_scheduling: bool = False
+    """Asynchronous scheduling (vLLM V1's flag): each step is scheduled and launched before the step before it is
+    read, its decode rows' tokens taken on the device from that step's samples, so the scheduler and the input
+    preparation run while the device does too (implies asynchronous output processing). Steps are read first, as
+    without it, while a request with a grammar or penalties is live (they need the tokens on the host); not with
+    speculative decoding or tensor parallelism. A request that ends at a token scheduled ahead of has computed one
+    more, never shown."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -158,8 +165,14 @@ class SchedulerConfig:
         _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
         _require(self.batching in get_args(Batching), "batching must be 'continuous' or 'static'")
         _require(self.scheduling_policy in POLICY_NAMES, f"scheduling_policy must be one of {', '.join(POLICY_NAMES)}")
+        _require(
+            not (self.async_scheduling and self.async_output_proc is False),
+            "async_scheduling reads each step after launching the next: it needs async_output_proc",
+        )
 
     def overlaps_output_processing(self, device_type: str) -> bool:
+        if self.async_scheduling:
+            return True
         return device_type != "cpu" if self.async_output_proc is None else self.async_output_proc
 
 
@@ -310,6 +323,13 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = dataclasses.field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeDecodingConfig = dataclasses.field(default_factory=SpeculativeDecodingConfig)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.async_scheduling:
+            # Drafts are proposed from the tokens just sampled, and tensor-parallel workers are sent token ids:
+            # both need each step's tokens on the host before the next step is scheduled.
+            _require(self.speculative.speculative_config is None, "async_scheduling does not speculate")
+            _require(self.parallel.tensor_parallel_size == 1, "async_scheduling runs on one rank")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -56,6 +56,14 @@ UNDER_PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=1
         dict(max_num_seqs=4, max_num_batched_tokens=20, async_output_proc=True),
         dict(UNDER_PRESSURE, async_output_proc=True),
         dict(UNDER_PRESSURE, preemption_mode="swap", num_swap_blocks=64, async_output_proc=True),
+        # Asynchronous scheduling (each step scheduled before the one before is read, placeholders for its tokens).
+        dict(max_num_seqs=16, max_num_batched_tokens=1024, async_scheduling=True),
+        dict(max_num_seqs=4, max_num_batched_tokens=20, async_scheduling=True),
+        dict(UNDER_PRESSURE, async_scheduling=True),
+        dict(UNDER_PRESSURE, preemption_mode="swap", num_swap_blocks=64, async_scheduling=True),
+        dict(UNDER_PRESSURE, preemption_mode="auto", num_swap_blocks=4, scheduling_policy="priority",
+             async_scheduling=True),
+        dict(max_num_seqs=3, max_num_batched_tokens=64, batching="static", async_scheduling=True),
     ],
 )
 def test_greedy_outputs_match_solo_runs(tiny_llama, solo_reference, config):
@@ -257,15 +265,16 @@ def solo_outputs(tiny_loaded):
     num_swap_blocks=st.sampled_from([2, 64]),
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
     seed=st.integers(0, 1000),
-    async_output_proc=st.booleans(),
+    overlap=st.sampled_from(["none", "async_output_proc", "async_scheduling"]),
 )
 def test_random_arrivals_and_aborts_under_kv_pressure_keep_greedy_outputs(
-    tiny_loaded, solo_outputs, preemption_mode, workload, aborts, num_swap_blocks, policy, seed, async_output_proc
+    tiny_loaded, solo_outputs, preemption_mode, workload, aborts, num_swap_blocks, policy, seed, overlap
 ):
     """Real tensors this time: a wrong swap copy or block table changes the tokens. With asynchronous output
-    processing an abort lands while the request's next step is in flight."""
+    processing an abort lands while the request's next step is in flight; with asynchronous scheduling, also while
+    a step holding its placeholder is, and preemptions meet requests whose last token is one."""
     config = EngineConfig.from_kwargs(
-        async_output_proc=async_output_proc,
+        **({} if overlap == "none" else {overlap: True}),
         max_num_seqs=4,
         max_num_batched_tokens=32,
         num_kv_blocks=10,
@@ -540,3 +549,72 @@ def test_streams_through_the_async_front_with_async_output_processing(tiny_llama
         front.shutdown()
     assert tokens == solo_reference[:9] and seen == 3
     assert front.stats().kv_blocks_in_use == 0 and front.stats().num_running == 0
+
+
+@pytest.mark.parametrize("overlap", ["async_output_proc", "async_scheduling"])
+def test_a_request_ended_at_a_stop_token_has_the_tokens_of_a_synchronous_engine(tiny_llama, overlap):
+    """Stop token ids and max_tokens end a request at the same token as without overlap, also where the next step
+    was scheduled ahead of the stop (its token computed for nothing, and dropped)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = LLM(str(tiny_llama)).generate(prompts(6, seed=3), params, use_tqdm=False)
+    # Each prompt's stop token: one from the middle of its own greedy output.
+    stops = [
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[o.outputs[0].token_ids[5]]) for o in reference
+    ]
+    expected = LLM(str(tiny_llama)).generate(prompts(6, seed=3), stops, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **{overlap: True})
+    got = llm.generate(prompts(6, seed=3), stops, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in got] == [
+        (o.outputs[0].token_ids, o.outputs[0].stop_reason) for o in expected
+    ]
+    assert all(o.outputs[0].finish_reason == "stop" and len(o.outputs[0].token_ids) <= 6 for o in got)
+    stats = llm.stats()
+    assert stats.generated_tokens == sum(len(o.outputs[0].token_ids) for o in got)
+    assert stats.kv_blocks_in_use == 0 and stats.num_running == 0
+
+
+def test_async_scheduling_shares_decoded_blocks_through_the_prefix_cache(tiny_llama):
+    """Blocks filled by decoded tokens are cached once their tokens are read (never while one is a placeholder):
+    a later prompt made of an earlier request's prompt and output hits them as without asynchronous scheduling."""
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    first = list(range(10, 23))
+
+    def run(**config) -> tuple[list[list[int]], int]:
+        llm = LLM(str(tiny_llama), block_size=4, **config)
+        out = llm.generate({"prompt_token_ids": first}, params, use_tqdm=False)[0].outputs[0].token_ids
+        again = llm.generate({"prompt_token_ids": first + out + [7]}, params, use_tqdm=False)[0]
+        return [out, again.outputs[0].token_ids], again.metrics.num_cached_tokens
+
+    expected, expected_hits = run()
+    got, hits = run(async_scheduling=True)
+    assert got == expected and hits == expected_hits == 24  # 13 + 14 - 1 computed tokens: 6 full blocks
+
+
+def test_async_scheduling_reads_each_step_first_while_a_request_needs_its_tokens(tiny_llama):
+    """A request with penalties needs the tokens of the step before on the host: while one is live, steps are read
+    before the next is scheduled, and every request gets the tokens a synchronous engine gives it."""
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    penalized = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3)
+    batch = prompts(4, seed=5)
+    params = [plain, penalized, plain, plain]
+    expected = token_ids(LLM(str(tiny_llama)).generate(batch, params, use_tqdm=False))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), async_scheduling=True))
+    ahead = []
+    for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
+        engine.add_request(prompt["prompt_token_ids"], p, request_id=str(i))
+    finished = {}
+    while engine.has_unfinished_requests():
+        ahead.append(engine.core._may_schedule_ahead())
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [finished[str(i)] for i in range(4)] == expected
+    assert not any(ahead[:4]) and all(ahead[6:]), "read first while the penalized request lives, ahead after it"
+
+
+def test_async_scheduling_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="does not speculate"):
+        EngineConfig.from_kwargs(async_scheduling=True, speculative_config={"method": "suffix"})
+    with pytest.raises(ValueError, match="one rank"):
+        EngineConfig.from_kwargs(async_scheduling=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs async_output_proc"):
+        EngineConfig.from_kwargs(async_scheduling=True, async_output_proc=False)
+    assert EngineConfig.from_kwargs(async_scheduling=True).scheduler.overlaps_output_processing("cpu")

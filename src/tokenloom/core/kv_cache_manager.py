@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenloom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
-from tokenloom.core.request import Request
+from tokenloom.core.request import PLACEHOLDER_TOKEN, Request
 from tokenloom.utils import cdiv
 
 
@@ -54,7 +54,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         hashes = self._full_block_hashes(request, tokens)
         hits: list[KVBlock] = []
-        for i in range((len(tokens) - 1) // self.block_size):
+        for i in range(min(len(hashes), (len(tokens) - 1) // self.block_size)):
             block = self.pool.lookup(hashes[i], self._block_tokens(tokens, i))
             if block is None:
                 break
@@ -102,17 +102,20 @@ class KVCacheManager:
             ids.extend(block.block_id for block in new)
         return True
 
-    def register_computed_blocks(self, request: Request) -> None:
-        """Makes the request's newly completed blocks findable by later requests with the same prefix."""
+    def register_computed_blocks(self, request: Request, num_known_tokens: int | None = None) -> None:
+        """Makes the request's newly completed blocks findable by later requests with the same prefix; only blocks
+        within its first num_known_tokens (default: all) tokens, where a later token is still a placeholder."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_computed = request.num_computed_tokens if num_known_tokens is None else num_known_tokens
+        num_full = min(request.num_computed_tokens, num_computed) // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
         tokens = request.all_token_ids
         hashes = self._full_block_hashes(request, tokens)
         blocks = self._blocks[request.request_id]
+        assert len(hashes) >= num_full, "a computed block to register holds a placeholder"
         for i in range(start, num_full):
             self.pool.cache_full_block(blocks[i], hashes[i], self._block_tokens(tokens, i))
         self._num_registered[request.request_id] = num_full
@@ -150,10 +153,14 @@ class KVCacheManager:
         return tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
 
     def _full_block_hashes(self, request: Request, tokens: list[int]) -> list[BlockHash]:
+        """The chained hashes of the request's full blocks, up to the first that holds a placeholder (a token still
+        on the device: its block is hashed once the token is known)."""
         hashes = self._hashes.setdefault(request.request_id, [])
         for i in range(len(hashes), len(tokens) // self.block_size):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, self._block_tokens(tokens, i)))
+            block_tokens = self._block_tokens(tokens, i)
+            if PLACEHOLDER_TOKEN in block_tokens:
+                break
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block_tokens))
         return hashes
 
     def check_invariants(self, live_request_ids: set[str]) -> None:

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.utils import cdiv
 
+# A sampled token not yet read from the device: the scheduler, scheduling a step ahead of the one that samples it,
+# appends this in its place, and the runner takes the token from that step's device tensor (scheduler.py).
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -24,7 +24,7 @@ from tokenloom.core.batching_gate import make_gate
 from tokenloom.core.kv_cache_manager import KVCacheManager
 from tokenloom.core.policy import make_policy
 from tokenloom.core.preemption import Preemptor, SwapSpace
-from tokenloom.core.request import Request, RequestLimits, RequestStatus
+from tokenloom.core.request import PLACEHOLDER_TOKEN, Request, RequestLimits, RequestStatus
 from tokenloom.core.scheduler_output import ScheduledRequest, SchedulerOutput, SchedulerStats
 
 
@@ -146,6 +146,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self._ends_at_pending_token(request):
+                i += 1  # scheduled ahead: the token on its way is its last, whatever it is
+                continue
             remaining = request.num_tokens - request.num_computed_tokens
             drafts = request.spec_token_ids
             if drafts:
@@ -270,6 +273,62 @@ class Scheduler:
             draft_token_ids=drafts,
         )
 
+    # ---- scheduling ahead: a step scheduled before the one before it is read ------------------------------
+
+    def advance_provisionally(self, output: SchedulerOutput) -> None:
+        """Takes a launched step as done before its tokens are read, so the next step can be scheduled while it
+        runs: each chunk counts as computed, and each request that samples gets a placeholder token (the runner
+        reads the real one from the device). ``settle`` puts in the tokens once read. No drafts here."""
+        for item in output.scheduled:
+            request = item.request
+            assert not item.draft_token_ids, "drafts are verified only in steps read before the next is scheduled"
+            request.num_computed_tokens += item.num_tokens
+            if item.sample:
+                request.output_token_ids.append(PLACEHOLDER_TOKEN)
+            self.kv.register_computed_blocks(request, self._num_known_tokens(request))
+
+    def settle(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
+        """Puts the tokens of a step taken by ``advance_provisionally`` in place of its placeholders, and finishes
+        a request that a stop condition holds at (its placeholders after that token are dropped: a step scheduled
+        ahead computed them for nothing). Returns the requests that received a token, each with 1."""
+        now = self.clock()
+        advanced = []
+        for item in output.scheduled:
+            request = item.request
+            if request.finished or not item.sample:
+                continue  # aborted or stopped while the step ran; a chunk before the last was counted already
+            index = item.start + item.num_tokens - request.num_prompt_tokens  # the output index of its token
+            assert request.output_token_ids[index] == PLACEHOLDER_TOKEN, "a placeholder is settled once"
+            (request.output_token_ids[index],) = sampled[request.request_id]
+            self.stats.generated_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            advanced.append((request, 1))
+            status = self._stop_status(request, index)
+            if status is not None:
+                del request.output_token_ids[index + 1 :]
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+                self.finish_request(request, status)
+            elif request.status == RequestStatus.RUNNING:  # not preempted while it ran: its blocks are its own
+                self.kv.register_computed_blocks(request, self._num_known_tokens(request))
+        return advanced
+
+    def _num_known_tokens(self, request: Request) -> int:
+        """The tokens before the request's first placeholder. Its placeholders are its last tokens: one from the
+        step in flight, and a second while the step launched after it is taken as done before the first is read."""
+        output, num_pending = request.output_token_ids, 0
+        while num_pending < len(output) and output[-1 - num_pending] == PLACEHOLDER_TOKEN:
+            num_pending += 1
+        assert num_pending <= 2, "at most two steps of a request are in flight"
+        return request.num_tokens - num_pending
+
+    def _ends_at_pending_token(self, request: Request) -> bool:
+        """A request whose placeholder token will end it by length, whatever the token is."""
+        output = request.output_token_ids
+        if not output or output[-1] != PLACEHOLDER_TOKEN:
+            return False
+        return len(output) >= request.sampling_params.max_tokens or request.num_tokens >= self.max_model_len
+
     # ---- after the step ----------------------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
@@ -323,21 +382,23 @@ class Scheduler:
         for token in tokens:
             request.output_token_ids.append(token)
             self.stats.generated_tokens += 1
-            status = self._stop_status(request)
+            status = self._stop_status(request, request.num_output_tokens - 1)
             if status is not None:
                 return status
         return None
 
-    def _stop_status(self, request: Request) -> RequestStatus | None:
+    def _stop_status(self, request: Request, index: int) -> RequestStatus | None:
+        """Whether the request ends at its output token `index` (tokens after it, if any, are placeholders)."""
         params = request.sampling_params
-        token = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
+        token = request.output_token_ids[index]
+        num_output = index + 1
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or request.num_prompt_tokens + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -62,6 +62,7 @@ class _InFlight:
     output: SchedulerOutput
     launched: LaunchedStep
     started: float  # perf_counter at its launch
+    provisional: bool  # the scheduler took it as done at its launch (scheduling ahead): its tokens are settled
 
 
 class EngineCore:
@@ -109,7 +110,9 @@ class EngineCore:
         # Shown every non-empty step's schedule: `tokenloom simulate profile` measures steps by their shape.
         self.step_observer: Callable[[SchedulerOutput], None] | None = None
         self.overlaps_outputs = config.scheduler.overlaps_output_processing(device.type)
+        self.schedules_ahead = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None  # the step launched by the last call, when outputs overlap
+        self._penalized: set[str] = set()  # live requests with penalties: their sampling reads the host's tokens
 
     def _make_runner(self, loaded: LoadedModel, device: torch.device) -> ModelRunner:
         """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
@@ -211,6 +214,8 @@ class EngineCore:
         """Queues a request. One whose grammar does not compile here fails in the next step, alone (the client
         compiles every grammar before a request gets here, so this is the last resort, not the check)."""
         self.scheduler.add_request(request)
+        if request.sampling_params.uses_penalties:
+            self._penalized.add(request.request_id)
         spec = request.sampling_params.structured_outputs
         if spec is not None:
             try:
@@ -280,23 +285,37 @@ class EngineCore:
         ]
         self._failed_on_arrival.clear()
         stats = None
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            finished, stats = self._finish(in_flight)
+        ahead = self._may_schedule_ahead()
+        if self._in_flight is not None and not (ahead and self._in_flight.provisional):
+            finished, stats = self._finish(self._take_in_flight())
             outputs += finished
         output = self.scheduler.schedule()
         self._make_swap_copies(output.swap_out, output.swap_in)
-        if output.is_empty:
-            return EngineCoreOutputs(outputs, stats)
-        launched = self._launch(output, outputs)
-        if self.overlaps_outputs:
+        launched = None if output.is_empty else self._launch(output, outputs, provisional=ahead)
+        if self._in_flight is not None:  # scheduled ahead of it: read it now, while the step just launched runs
+            finished, stats = self._finish(self._take_in_flight())
+            outputs += finished
+        if launched is not None and self.overlaps_outputs:
             self._in_flight = launched
-            return EngineCoreOutputs(outputs, stats)
-        finished, stats = self._finish(launched)
-        return EngineCoreOutputs(outputs + finished, stats)
+        elif launched is not None:
+            finished, stats = self._finish(launched)
+            outputs += finished
+        return EngineCoreOutputs(outputs, stats)
 
-    def _launch(self, output: SchedulerOutput, outputs: list[EngineCoreOutput]) -> _InFlight:
-        """Queues the scheduled step on the device; the requests whose grammar fails here join `outputs`."""
+    def _may_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is read: asked for, and no live request
+        needs its tokens on the host first (a grammar's mask, penalties' counts)."""
+        return self.schedules_ahead and not self._penalized and not len(self.structured)
+
+    def _take_in_flight(self) -> _InFlight:
+        in_flight, self._in_flight = self._in_flight, None
+        assert in_flight is not None
+        return in_flight
+
+    def _launch(self, output: SchedulerOutput, outputs: list[EngineCoreOutput], provisional: bool) -> _InFlight:
+        """Queues the scheduled step on the device; the requests whose grammar fails here join `outputs`.
+        provisional: the scheduler takes the step as done at once (placeholders for its tokens), so the next step
+        can be scheduled before this one is read."""
         if self.step_observer is not None:
             self.step_observer(output)
         started = time.perf_counter()
@@ -305,7 +324,10 @@ class EngineCore:
         )
         # A request whose grammar failed is finished before the step; the step still computes its tokens, unused.
         outputs += [self.fail(request_id, error) for request_id, error in grammar_failed.items()]
-        return _InFlight(output, self.runner.launch(output.scheduled, grammar), started)
+        launched = self.runner.launch(output.scheduled, grammar)
+        if provisional:
+            self.scheduler.advance_provisionally(output)
+        return _InFlight(output, launched, started, provisional)
 
     def _finish(self, step: _InFlight) -> tuple[list[EngineCoreOutput], StepStats]:
         """Reads a launched step's tokens (waiting for the device) and advances its requests; a request ended while
@@ -322,7 +344,8 @@ class EngineCore:
                 self._prompt_logprobs.setdefault(request_id, {}).update(entries)
         sampled = result.sampled
         tokens = {rid: [t.token_id for t in new] for rid, new in sampled.items() if rid in live}
-        advanced = self.scheduler.update_from_output(output, tokens)
+        update = self.scheduler.settle if step.provisional else self.scheduler.update_from_output
+        advanced = update(output, tokens)
         self.speculator.observe_verifications(output, tokens)
         outputs += [self._advanced(request, sampled[request.request_id][:kept]) for request, kept in advanced]
         self.speculator.propose(self.scheduler.running, output.num_batched_tokens)
@@ -365,6 +388,7 @@ class EngineCore:
         request_id = request.request_id
         self.runner.release(request_id)
         self.structured.remove(request_id)
+        self._penalized.discard(request_id)
         self._prompt_logprobs.pop(request_id, None)
         self.speculator.release(request)
 

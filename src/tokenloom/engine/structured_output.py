@@ -176,6 +176,9 @@ class StructuredOutputManager:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
+    def __len__(self) -> int:
+        return len(self._matchers)
+
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 

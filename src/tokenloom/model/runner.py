@@ -28,7 +28,14 @@ from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count, cpu_has_amx
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.quantization import INT8_METHODS, check_quantization, int8_kernel_isa
-from tokenloom.model.sampler import GrammarMask, SampledToken, Sampler, SamplingBatch, mask_disallowed
+from tokenloom.model.sampler import (
+    GrammarMask,
+    SampledOnDevice,
+    SampledToken,
+    Sampler,
+    SamplingBatch,
+    mask_disallowed,
+)
 from tokenloom.model.step_inputs import ModelInputs, StepInputBuilder
 from tokenloom.model.triton_attention import FlatBatch
 
@@ -43,6 +50,16 @@ class StepResult:
     failed: dict[str, Exception] = field(default_factory=dict)  # requests whose sampling raised
     # Per request asking for prompt logprobs: prompt token index -> that token's logprob and the top alternatives.
     prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
+
+
+@dataclass
+class VerifiedDrafts:
+    """Each request's kept tokens after verifying its drafts (read from the device as they were verified)."""
+
+    kept: list[list[SampledToken]]
+
+    def per_request(self) -> list[list[SampledToken]]:
+        return self.kept
 
 
 class LaunchedStep:
@@ -122,6 +139,8 @@ class ModelRunner:
         if can_prepack(device, dtype):
             model.prepack_weights(layers=quantization is None)
         self._generators: dict[str, torch.Generator] = {}
+        # The last step's sampled token ids on the device, by request: a step scheduled ahead reads its placeholders.
+        self._last_sampled: tuple[list[str], torch.Tensor] | None = None
 
     def _quantize(self, method: str, calibration: list[list[int]] | None) -> None:
         check_quantization(method, self.device)
@@ -205,6 +224,9 @@ class ModelRunner:
         tokens come to the host when the returned step's ``wait()`` is called (verifying drafts, computing prompt
         logprobs and sampling request by request after a failure read the device before returning)."""
         inputs = self.prepare_inputs(scheduled)
+        if inputs.placeholders:
+            self._fill_placeholders(inputs)
+        self._last_sampled = None
         hidden = self._forward(inputs)
         result = StepResult()
         for chunk, first_row in inputs.prompt_chunks:
@@ -224,17 +246,24 @@ class ModelRunner:
                 row_of[rid] + offset for rid, offset in zip(grammar.request_ids, grammar.row_offsets(), strict=True)
             ]
             mask_disallowed(logits, rows, grammar.bitmask)
+        request_ids = [item.request.request_id for item in items]
         try:
-            return LaunchedStep(result, [item.request.request_id for item in items], self._sample(logits, items))
+            sampled = self._sample(logits, items)
+            if isinstance(sampled, SampledOnDevice):
+                self._last_sampled = (request_ids, sampled.device_tokens)
+            return LaunchedStep(result, request_ids, sampled.per_request)
         except Exception:
             # Something in the batch raised: sample request by request to find whose it was.
             first_rows = self._first_rows(items)
             for item, lo, hi in zip(items, first_rows[:-1], first_rows[1:], strict=True):
                 request_id = item.request.request_id
                 try:
-                    result.sampled[request_id] = self._sample(logits[int(lo) : int(hi)], [item])()[0]
+                    result.sampled[request_id] = self._sample(logits[int(lo) : int(hi)], [item]).per_request()[0]
                 except Exception as error:
                     result.failed[request_id] = error
+        # A failed request's row reads 0: the step it is in is read after it fails, and passes it over.
+        tokens = [result.sampled[rid][0].token_id if rid in result.sampled else 0 for rid in request_ids]
+        self._last_sampled = (request_ids, torch.tensor(tokens, device=self.device))
         return LaunchedStep(result)
 
     @staticmethod
@@ -242,15 +271,22 @@ class ModelRunner:
         """Where each sampled request's logits rows start (its last token's row, then its drafts'), and the end."""
         return np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])
 
-    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> Callable[[], list[list[SampledToken]]]:
-        """What reads each request's new tokens: one sampled, or its drafts verified (the accepted ones and one
-        more; verification reads the device here, the plain samples only when called)."""
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> SampledOnDevice | VerifiedDrafts:
+        """Each request's new tokens: one sampled (still on the device), or its drafts verified (read here: the
+        accepted ones and one more)."""
         batch = self._sampling_batch(items)
         if any(item.draft_token_ids for item in items):
-            verified = self.sampler.verify(logits, batch, [item.draft_token_ids for item in items])
-            return lambda: verified
-        sampled = self.sampler.sample(logits, batch)
-        return lambda: [[token] for token in sampled.tokens()]
+            return VerifiedDrafts(self.sampler.verify(logits, batch, [item.draft_token_ids for item in items]))
+        return self.sampler.sample(logits, batch)
+
+    def _fill_placeholders(self, inputs: ModelInputs) -> None:
+        """Puts in each placeholder the token its request sampled in the step before, on the device."""
+        assert self._last_sampled is not None, "placeholders, but the step before sampled nothing"
+        request_ids, tokens = self._last_sampled
+        row_of = {request_id: row for row, request_id in enumerate(request_ids)}
+        rows = np.array([row for row, _ in inputs.placeholders], dtype=np.int64)
+        sources = np.array([row_of[request_id] for _, request_id in inputs.placeholders], dtype=np.int64)
+        inputs.input_ids[self.inputs.tensor(rows)] = tokens[self.inputs.tensor(sources)]
 
     @torch.inference_mode()
     def forward_only(self, scheduled: list[ScheduledRequest]) -> None:

@@ -82,8 +82,13 @@ class SampledOnDevice:
         params: list[SamplingParams],
     ) -> None:
         self.params = params
+        self.device_tokens = tokens  # what a step scheduled ahead of this one reads its placeholders from
         self._host = [_copy_to_host(tensor) for tensor in (tokens, *(logprobs or ()))]
         self._ready = _recorded_event(tokens.device)
+
+    def per_request(self) -> list[list[SampledToken]]:
+        """Each row's token as its request's list of new tokens (one; verifying drafts gives several)."""
+        return [[token] for token in self.tokens()]
 
     def tokens(self) -> list[SampledToken]:
         if self._ready is not None:

@@ -12,6 +12,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from tokenloom.core.request import PLACEHOLDER_TOKEN
 from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
 from tokenloom.model.kv_quant import KVFormat
@@ -29,6 +30,8 @@ class ModelInputs:
     sample_rows: torch.Tensor  # the rows of each sampled request's last token and its drafts, request by request
     sampled_items: list[ScheduledRequest]
     prompt_chunks: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # (chunk, its first row)
+    # (row, request id) of each token that is a placeholder: sampled by the step before, still on the device.
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +70,9 @@ class StepInputBuilder:
         input_ids = np.fromiter((t for s in ordered for t in s.token_ids), dtype=np.int64)
         positions, slot_mapping = self._positions_and_slots(ordered, len(input_ids))
         ends = np.cumsum([s.num_tokens for s in ordered])
+        holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN).tolist()
+        owners = np.searchsorted(ends, holes, side="right").tolist()
+        placeholders = [(row, ordered[owner].request.request_id) for row, owner in zip(holes, owners, strict=True)]
         sample_rows = [
             row
             for s, end in zip(ordered, ends, strict=True)
@@ -95,6 +101,7 @@ class StepInputBuilder:
             sample_rows=self.tensor(np.array(sample_rows, dtype=np.int64)),
             sampled_items=[s for s in ordered if s.sample],
             prompt_chunks=prompt_chunks,
+            placeholders=placeholders,
         )
 
     def scratch_prefill(self, num_tokens: int) -> AttentionMetadata:
