@@ -696,3 +696,23 @@ def test_speculative_steps_keep_outputs_budgets_and_blocks(setup):
     assert scheduler.kv.num_used_blocks == 0
     if "num_blocks" in setup:
         assert scheduler.stats.num_preemptions > 0
+
+
+def test_a_block_holding_a_placeholder_is_never_hashed_nor_cached():
+    """A token scheduled ahead is a placeholder until read: the block holding it is neither registered in the
+    prefix cache nor hashed (a hash would be the placeholder's), and once the token is in, it is."""
+    from tokenloom.core.request import PLACEHOLDER_TOKEN
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    request = Request("r", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8))
+    assert kv.allocate_slots(request, 8)
+    request.output_token_ids += [7, PLACEHOLDER_TOKEN]  # the second block: 5, 6, 7 and a token on its way
+    request.num_computed_tokens = 8
+    kv.register_computed_blocks(request, num_known_tokens=7)
+    twin = Request("t", [1, 2, 3, 4, 5, 6, 7, 9, 10], SamplingParams(max_tokens=8))
+    assert len(kv.find_cached_prefix(twin)) == 1, "only the first block is cached"
+    assert len(kv.find_cached_prefix(request)) == 1, "its own lookup stops before the placeholder"
+    request.output_token_ids[-1] = 9
+    kv.register_computed_blocks(request)
+    assert len(kv.find_cached_prefix(twin)) == 2
+    kv.check_invariants({"r"})

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.config import SpeculativeConfig
 from tokenloom.core.spec_decode import NgramProposer, SpeculationGate, SuffixProposer
 from tokenloom.model.sampler import Sampler, SamplingBatch
+from tokenloom.speculative_config import SpeculativeConfig
 
 VOCAB = 512
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

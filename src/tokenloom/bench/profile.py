@@ -115,7 +115,7 @@ def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0, fro
 
     Its steps are read as they are launched (no asynchronous output processing): a call that read the step before
     and launched the next would time one step's device work under the next one's shape."""
-    scheduler = dataclasses.replace(config.scheduler, async_output_proc=False)
+    scheduler = dataclasses.replace(config.scheduler, async_output_proc=False, async_scheduling=False)
     engine = LLMEngine(dataclasses.replace(config, scheduler=scheduler))
     try:
         timer = StepTimer(engine)

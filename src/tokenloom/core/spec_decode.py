@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from tokenloom.config import SpeculativeConfig
 from tokenloom.core.preemption import LinearCostFit
+from tokenloom.speculative_config import SpeculativeConfig
 
 SEPARATOR = -1  # between outputs in the global index: no key and no continuation crosses it
 MAX_CANDIDATES = 16  # most recent occurrences of a key examined per proposal

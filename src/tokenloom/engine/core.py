@@ -10,7 +10,6 @@ measured costs auto preemption compares) is private to the core.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from tokenloom.core.request import Request, RequestLimits, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineCoreOutputs, EngineStats, QueueState, StepStats
+from tokenloom.engine.core_setup import make_runner
 from tokenloom.engine.kv_sizing import (
     configured_kv_blocks,
     kv_block_bytes,
@@ -36,19 +36,8 @@ from tokenloom.engine.kv_sizing import (
 from tokenloom.engine.speculation import Speculator
 from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.loader import LoadedModel, load_model
-from tokenloom.model.parallel import TensorParallelGroup
-from tokenloom.model.parallel_runner import (
-    TensorParallelRunner,
-    TensorParallelWorkers,
-    WorkerSpec,
-    backend_for,
-    free_local_init_method,
-    rank_device,
-)
-from tokenloom.model.platform import resolve_dtype
-from tokenloom.model.quantization import calibration_for
-from tokenloom.model.runner import LaunchedStep, ModelRunner
+from tokenloom.model.loader import LoadedModel
+from tokenloom.model.runner import LaunchedStep
 from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import RequestMetrics
 
@@ -75,7 +64,9 @@ class EngineCore:
         per_block = self.kv_bytes_per_block()
         self.num_kv_blocks = 1 if sized_by_device else configured_kv_blocks(config, per_block, self.max_model_len)
         self.num_swap_blocks = swap_blocks_for(config, per_block)
-        self.runner = self._make_runner(loaded, device)
+        self.runner = make_runner(
+            config, loaded, device, dtype, self.num_kv_blocks, self.num_swap_blocks, self.max_model_len
+        )
         if sized_by_device:
             self.num_kv_blocks = self._kv_blocks_from_device_memory(device)
             self.runner.allocate_kv_cache(self.num_kv_blocks)
@@ -114,43 +105,6 @@ class EngineCore:
         self._in_flight: _InFlight | None = None  # the step launched by the last call, when outputs overlap
         self._penalized: set[str] = set()  # live requests with penalties: their sampling reads the host's tokens
 
-    def _make_runner(self, loaded: LoadedModel, device: torch.device) -> ModelRunner:
-        """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
-        size = self.config.parallel.tensor_parallel_size
-        calibration = calibration_for(self.config.model.quantization, loaded.tokenizer, loaded.config.vocab_size)
-        if size == 1:
-            return ModelRunner(
-                loaded.model,
-                self.num_kv_blocks,
-                self.config.cache.block_size,
-                device,
-                self.dtype,
-                self.config.model.seed,
-                self.num_swap_blocks,
-                compile_step=self.config.compiles_step(device.type),
-                attention_backend=self.config.model.attention_backend,
-                kv_cache_dtype=self.config.cache.kv_cache_dtype,
-                quantization=self.config.model.quantization,
-                calibration=calibration,
-            )
-        spec = WorkerSpec(
-            model=self.config.model.model,
-            max_model_len=self.max_model_len,
-            dtype=self.dtype,
-            device=self.config.model.device,
-            num_kv_blocks=self.num_kv_blocks,
-            block_size=self.config.cache.block_size,
-            num_swap_blocks=self.num_swap_blocks,
-            seed=self.config.model.seed,
-            world_size=size,
-            init_method=self.config.parallel.distributed_init_method or free_local_init_method(),
-            backend=backend_for(self.config.model.device, size),
-            num_threads=torch.get_num_threads(),
-            attention_backend=self.config.model.attention_backend,
-            kv_cache_dtype=self.config.cache.kv_cache_dtype,
-            quantization=self.config.model.quantization,
-        )
-        return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
 
     @property
     def healthy(self) -> bool:
@@ -463,21 +417,3 @@ class EngineCore:
             spec_decode_num_accepted_tokens=s.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(s.spec.accepted_per_position),
         )
-
-
-def load_for_core(
-    config: EngineConfig, loaded: LoadedModel | None = None
-) -> tuple[LoadedModel, torch.dtype, torch.device]:
-    """What an EngineCore is built from: the weights (rank 0's shard under tensor parallelism), the dtype "auto"
-    resolves to here, and the device (with torch's thread count set first: the config's, or under tensor
-    parallelism the cores shared out between the ranks)."""
-    size = config.parallel.tensor_parallel_size
-    threads = config.model.num_threads or (max(1, (os.cpu_count() or 1) // size) if size > 1 else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    device = rank_device(config.model.device, 0) if size > 1 else torch.device(config.model.device)
-    dtype = resolve_dtype(config.model.dtype, device)
-    if loaded is None:
-        group = TensorParallelGroup(rank=0, world_size=size)
-        loaded = load_model(config.model.model, config.model.max_model_len, dtype, device, group)
-    return loaded, dtype, device

@@ -27,7 +27,7 @@ import zmq
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
 from tokenloom.engine.client import EngineClient, PreparedRequest
-from tokenloom.engine.core import EngineCore, load_for_core
+from tokenloom.engine.core import EngineCore
 from tokenloom.engine.core_messages import (
     AbortRequest,
     AddRequest,
@@ -45,6 +45,7 @@ from tokenloom.engine.core_messages import (
     WatchQueue,
 )
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
+from tokenloom.engine.core_setup import load_for_core
 from tokenloom.ipc import child_end, receive, send
 from tokenloom.model.loader import load_model_info
 from tokenloom.model.platform import resolve_dtype

@@ -16,8 +16,9 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.request import RequestStatus
 from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.client import EngineClient, PreparedRequest
-from tokenloom.engine.core import EngineCore, load_for_core
+from tokenloom.engine.core import EngineCore
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
+from tokenloom.engine.core_setup import load_for_core
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput

@@ -8,11 +8,11 @@ length, and only those its grammar allows.
 
 from __future__ import annotations
 
-from tokenloom.config import SpeculativeConfig
 from tokenloom.core.request import Request
 from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.core.spec_decode import Proposer, SpeculationGate, make_proposer
 from tokenloom.engine.structured_output import StructuredOutputManager
+from tokenloom.speculative_config import SpeculativeConfig
 
 
 class Speculator:

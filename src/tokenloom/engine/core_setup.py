@@ -1,0 +1,88 @@
+"""What an engine core is built from: the weights, dtype and device (``load_for_core``), and its runner: the only
+one, or rank 0 of a tensor-parallel group whose workers it starts (``make_runner``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.model.loader import LoadedModel, load_model
+from tokenloom.model.parallel import TensorParallelGroup
+from tokenloom.model.parallel_runner import (
+    TensorParallelRunner,
+    TensorParallelWorkers,
+    WorkerSpec,
+    backend_for,
+    free_local_init_method,
+    rank_device,
+)
+from tokenloom.model.platform import resolve_dtype
+from tokenloom.model.quantization import calibration_for
+from tokenloom.model.runner import ModelRunner
+
+
+def load_for_core(
+    config: EngineConfig, loaded: LoadedModel | None = None
+) -> tuple[LoadedModel, torch.dtype, torch.device]:
+    """What an EngineCore is built from: the weights (rank 0's shard under tensor parallelism), the dtype "auto"
+    resolves to here, and the device (with torch's thread count set first: the config's, or under tensor
+    parallelism the cores shared out between the ranks)."""
+    size = config.parallel.tensor_parallel_size
+    threads = config.model.num_threads or (max(1, (os.cpu_count() or 1) // size) if size > 1 else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = rank_device(config.model.device, 0) if size > 1 else torch.device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    if loaded is None:
+        group = TensorParallelGroup(rank=0, world_size=size)
+        loaded = load_model(config.model.model, config.model.max_model_len, dtype, device, group)
+    return loaded, dtype, device
+
+
+def make_runner(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_kv_blocks: int,
+    num_swap_blocks: int,
+    max_model_len: int,
+) -> ModelRunner:
+    """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
+    size = config.parallel.tensor_parallel_size
+    calibration = calibration_for(config.model.quantization, loaded.tokenizer, loaded.config.vocab_size)
+    if size == 1:
+        return ModelRunner(
+            loaded.model,
+            num_kv_blocks,
+            config.cache.block_size,
+            device,
+            dtype,
+            config.model.seed,
+            num_swap_blocks,
+            compile_step=config.compiles_step(device.type),
+            attention_backend=config.model.attention_backend,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+            quantization=config.model.quantization,
+            calibration=calibration,
+        )
+    spec = WorkerSpec(
+        model=config.model.model,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        device=config.model.device,
+        num_kv_blocks=num_kv_blocks,
+        block_size=config.cache.block_size,
+        num_swap_blocks=num_swap_blocks,
+        seed=config.model.seed,
+        world_size=size,
+        init_method=config.parallel.distributed_init_method or free_local_init_method(),
+        backend=backend_for(config.model.device, size),
+        num_threads=torch.get_num_threads(),
+        attention_backend=config.model.attention_backend,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        quantization=config.model.quantization,
+    )
+    return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
