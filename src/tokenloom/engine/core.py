@@ -105,7 +105,6 @@ class EngineCore:
         self._in_flight: _InFlight | None = None  # the step launched by the last call, when outputs overlap
         self._penalized: set[str] = set()  # live requests with penalties: their sampling reads the host's tokens
 
-
     @property
     def healthy(self) -> bool:
         return self.runner.healthy
@@ -233,6 +232,8 @@ class EngineCore:
         With asynchronous output processing (``overlaps_outputs``) a step is read one call later: each call
         first reads the step launched by the call before (waiting for the device), then schedules and launches the
         next, and returns the outputs of the one it read, so the caller turns them into text while the device runs.
+        With asynchronous scheduling (``schedules_ahead``) the next step is scheduled and launched before the one
+        in flight is read, its tokens taken as placeholders (scheduler.advance_provisionally, then settle).
         """
         outputs = [
             self.fail(rid, error) for rid, error in self._failed_on_arrival.items() if rid in self.scheduler.requests
