@@ -109,10 +109,12 @@ class SampledOnDevice:
 
 
 def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor on the host: itself on a CPU; from an accelerator, a pinned copy made in stream order, without
-    waiting (read it only after the event that follows it)."""
+    """The tensor on the host: itself on a CPU; from a CUDA device, a pinned copy made in stream order, without
+    waiting (read it only after the event that follows it); from another accelerator, a copy made now."""
     if tensor.device.type == "cpu":
         return tensor
+    if tensor.device.type != "cuda":  # no event to wait on there
+        return tensor.cpu()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     return host
