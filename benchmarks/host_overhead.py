@@ -116,20 +116,19 @@ class DeviceIdle:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.timing = False
-        self._prepared: dict[int, float] = {}  # launch number -> when its inputs were ready
-        self._read: dict[int, float] = {}  # launch number -> when its tokens were read
+        self._launches = 0  # steps whose inputs were prepared so far
+        self._prepared: dict[int, float] = {}  # launch number -> when its inputs were ready (timed steps only)
+        self._read: dict[int, float] = {}  # launch number -> when its tokens were read (timed steps only)
         runner = engine.core.runner
         prepare = runner.prepare_inputs
 
         def prepared(*args, **kwargs):
             inputs = prepare(*args, **kwargs)
+            self._launches += 1
             if self.timing:
-                self._prepared[len(self._prepared) + len(self._untimed)] = time.perf_counter()
-            else:
-                self._untimed.append(None)
+                self._prepared[self._launches] = time.perf_counter()
             return inputs
 
-        self._untimed: list[None] = []
         runner.prepare_inputs = prepared
         from tokenloom.model import runner as runner_module
 
@@ -139,13 +138,12 @@ class DeviceIdle:
         else:
             owner, name = runner, "execute"
         read = getattr(owner, name)
-        launches = self._launch_numbers = {}  # id of a launched step -> its launch number
+        launch_of: dict[int, int] = {}  # id of a launched step -> its launch number
 
         def reading(*args, **kwargs):
             result = read(*args, **kwargs)
-            number = launches.get(id(args[0]), len(self._prepared) + len(self._untimed) - 1)
             if self.timing:
-                self._read[number] = time.perf_counter()
+                self._read[launch_of.get(id(args[0]), self._launches)] = time.perf_counter()
             return result
 
         setattr(owner, name, reading)
@@ -154,7 +152,7 @@ class DeviceIdle:
 
             def launching(*args, **kwargs):
                 step = launch(*args, **kwargs)
-                launches[id(step)] = len(self._prepared) + len(self._untimed) - 1
+                launch_of[id(step)] = self._launches
                 return step
 
             runner.launch = launching

@@ -148,8 +148,8 @@ class SchedulerConfig:
     read, its decode rows' tokens taken on the device from that step's samples, so the scheduler and the input
     preparation run while the device does too (implies asynchronous output processing). Steps are read first, as
     without it, while a request with a grammar or penalties is live (they need the tokens on the host); not with
-    speculative decoding or tensor parallelism. A request that ends at a token scheduled ahead of has computed one
-    more, never shown."""
+    speculative decoding or tensor parallelism. A request that ends at a token the next step was already scheduled
+    past has computed one more token, never shown."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -708,7 +708,7 @@ def test_a_block_holding_a_placeholder_is_never_hashed_nor_cached():
     assert kv.allocate_slots(request, 8)
     request.output_token_ids += [7, PLACEHOLDER_TOKEN]  # the second block: 5, 6, 7 and a token on its way
     request.num_computed_tokens = 8
-    kv.register_computed_blocks(request, num_known_tokens=7)
+    kv.register_computed_blocks(request)
     twin = Request("t", [1, 2, 3, 4, 5, 6, 7, 9, 10], SamplingParams(max_tokens=8))
     assert len(kv.find_cached_prefix(twin)) == 1, "only the first block is cached"
     assert len(kv.find_cached_prefix(request)) == 1, "its own lookup stops before the placeholder"

@@ -541,10 +541,9 @@ def test_streams_through_the_async_front_with_async_output_processing(tiny_llama
         return await asyncio.gather(*(last(s) for s in streams)), seen
 
     try:
+        # No wait needed after: the abort is applied before the engine's next step, and a request's blocks are freed
+        # in the step that finishes it, before its last output is delivered.
         tokens, seen = asyncio.run(run())
-        deadline = time.monotonic() + 10
-        while front.stats().kv_blocks_in_use and time.monotonic() < deadline:
-            time.sleep(0.05)
     finally:
         front.shutdown()
     assert tokens == solo_reference[:9] and seen == 3

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tokenloom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from tokenloom.core.request import PLACEHOLDER_TOKEN, Request
@@ -20,8 +20,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._blocks: dict[str, list[KVBlock]] = {}
-        self._block_ids: dict[str, list[int]] = {}  # the same blocks' ids: a step reads them for every request
+        # Each request's blocks, by id (the pool's blocks[id] is the block): a step reads them for every request.
+        self._block_ids: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # how many leading blocks of a request are in the cache index
         self.prefix_cache_queries = 0  # in tokens, as vLLM counts them
@@ -82,60 +82,53 @@ class KVCacheManager:
         return len(hits)
 
     def _allocate(self, request: Request, num_tokens: int, cached_blocks: Sequence[KVBlock]) -> bool:
-        blocks = self._blocks.setdefault(request.request_id, [])
-        num_needed = cdiv(num_tokens, self.block_size) - len(blocks) - len(cached_blocks)
+        ids = self._block_ids.setdefault(request.request_id, [])
+        num_needed = cdiv(num_tokens, self.block_size) - len(ids) - len(cached_blocks)
         if num_needed <= 0 and not cached_blocks:  # most decode steps: the last block has room
             return True
         # Cache hits that sit in the free queue stop being free once we take them.
         num_available = self.pool.num_free_blocks - sum(1 for b in cached_blocks if b.ref_cnt == 0)
         if num_needed > num_available:
             return False
-        ids = self._block_ids.setdefault(request.request_id, [])
         if cached_blocks:
             self.pool.touch(cached_blocks)
-            blocks.extend(cached_blocks)
             ids.extend(block.block_id for block in cached_blocks)
-            self._num_registered[request.request_id] = len(blocks)
+            self._num_registered[request.request_id] = len(ids)
         if num_needed > 0:
-            new = self.pool.allocate(num_needed)
-            blocks.extend(new)
-            ids.extend(block.block_id for block in new)
+            ids.extend(block.block_id for block in self.pool.allocate(num_needed))
         return True
 
-    def register_computed_blocks(self, request: Request, num_known_tokens: int | None = None) -> None:
-        """Makes the request's newly completed blocks findable by later requests with the same prefix; only blocks
-        within its first num_known_tokens (default: all) tokens, where a later token is still a placeholder."""
+    def register_computed_blocks(self, request: Request) -> None:
+        """Makes the request's newly completed blocks findable by later requests with the same prefix (up to the
+        first that holds a placeholder: the rest wait for its token, and a later call registers them)."""
         if not self.enable_prefix_caching:
             return
-        num_computed = request.num_computed_tokens if num_known_tokens is None else num_known_tokens
-        num_full = min(request.num_computed_tokens, num_computed) // self.block_size
+        num_full = request.num_computed_tokens // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
         tokens = request.all_token_ids
-        hashes = self._full_block_hashes(request, tokens)
-        blocks = self._blocks[request.request_id]
-        assert len(hashes) >= num_full, "a computed block to register holds a placeholder"
+        hashes, ids = self._full_block_hashes(request, tokens), self._block_ids[request.request_id]
+        num_full = min(num_full, len(hashes))
         for i in range(start, num_full):
-            self.pool.cache_full_block(blocks[i], hashes[i], self._block_tokens(tokens, i))
+            self.pool.cache_full_block(self.pool.blocks[ids[i]], hashes[i], self._block_tokens(tokens, i))
         self._num_registered[request.request_id] = num_full
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Gives back the request's blocks beyond the first num_tokens tokens (slots taken for drafts it rejected).
 
         Those blocks hold no computed token, so none is in the prefix cache index."""
-        blocks = self._blocks.get(request.request_id, [])
+        ids = self._block_ids.get(request.request_id, [])
         keep = cdiv(num_tokens, self.block_size)
         assert keep >= self._num_registered.get(request.request_id, 0), "a registered block would be given back"
-        if len(blocks) > keep:
-            self.pool.release(reversed(blocks[keep:]))
-            del blocks[keep:]
-            del self._block_ids[request.request_id][keep:]
+        if len(ids) > keep:
+            self.pool.release(self._blocks(reversed(ids[keep:])))
+            del ids[keep:]
 
     def num_shared_prefix_tokens(self, request: Request) -> int:
         """Computed tokens in the request's leading blocks that other requests hold too."""
         num_shared = 0
-        for block in self._blocks.get(request.request_id, []):
+        for block in self._blocks(self._block_ids.get(request.request_id, [])):
             if block.ref_cnt < 2:
                 break
             num_shared += 1
@@ -143,11 +136,13 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Gives back every block the request holds; the last blocks go first to eviction, its shared prefix last."""
-        blocks = self._blocks.pop(request.request_id, [])
-        self._block_ids.pop(request.request_id, None)
-        self.pool.release(reversed(blocks))
+        ids = self._block_ids.pop(request.request_id, [])
+        self.pool.release(self._blocks(reversed(ids)))
         self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+
+    def _blocks(self, ids: Iterable[int]) -> list[KVBlock]:
+        return [self.pool.blocks[block_id] for block_id in ids]
 
     def _block_tokens(self, tokens: list[int], index: int) -> tuple[int, ...]:
         return tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
@@ -165,12 +160,10 @@ class KVCacheManager:
 
     def check_invariants(self, live_request_ids: set[str]) -> None:
         self.pool.check_invariants()
-        assert set(self._blocks) <= live_request_ids, "blocks held by a request that is gone"
-        for request_id, blocks in self._blocks.items():
-            assert self._block_ids.get(request_id, []) == [b.block_id for b in blocks], "block ids out of step"
+        assert set(self._block_ids) <= live_request_ids, "blocks held by a request that is gone"
         holders: dict[int, int] = {}
-        for blocks in self._blocks.values():
-            for block in blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for ids in self._block_ids.values():
+            for block_id in ids:
+                holders[block_id] = holders.get(block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id} ref count is off"

@@ -285,7 +285,7 @@ class Scheduler:
             request.num_computed_tokens += item.num_tokens
             if item.sample:
                 request.output_token_ids.append(PLACEHOLDER_TOKEN)
-            self.kv.register_computed_blocks(request, self._num_known_tokens(request))
+            self.kv.register_computed_blocks(request)
 
     def settle(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
         """Puts the tokens of a step taken by ``advance_provisionally`` in place of its placeholders, and finishes
@@ -310,17 +310,8 @@ class Scheduler:
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
                 self.finish_request(request, status)
             elif request.status == RequestStatus.RUNNING:  # not preempted while it ran: its blocks are its own
-                self.kv.register_computed_blocks(request, self._num_known_tokens(request))
+                self.kv.register_computed_blocks(request)
         return advanced
-
-    def _num_known_tokens(self, request: Request) -> int:
-        """The tokens before the request's first placeholder. Its placeholders are its last tokens: one from the
-        step in flight, and a second while the step launched after it is taken as done before the first is read."""
-        output, num_pending = request.output_token_ids, 0
-        while num_pending < len(output) and output[-1 - num_pending] == PLACEHOLDER_TOKEN:
-            num_pending += 1
-        assert num_pending <= 2, "at most two steps of a request are in flight"
-        return request.num_tokens - num_pending
 
     def _ends_at_pending_token(self, request: Request) -> bool:
         """A request whose placeholder token will end it by length, whatever the token is."""

@@ -260,7 +260,7 @@ class EngineCore:
     def _may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is read: asked for, and no live request
         needs its tokens on the host first (a grammar's mask, penalties' counts)."""
-        return self.schedules_ahead and not self._penalized and not len(self.structured)
+        return self.schedules_ahead and not self._penalized and not self.structured
 
     def _take_in_flight(self) -> _InFlight:
         in_flight, self._in_flight = self._in_flight, None

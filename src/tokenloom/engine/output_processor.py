@@ -16,8 +16,6 @@ from tokenloom.model.sampler import SampledToken
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
-FINAL_ONLY = RequestOutputKind.FINAL_ONLY
-
 
 class RequestEnding(Protocol):
     """How an engine ends a request that its output side decided to end; each returns the ended request's output."""
@@ -90,7 +88,8 @@ class OutputProcessor:
             stop = None if output.error is not None else self.absorb(output)
             if stop is not None:
                 output = ending.stopped(output, stop)
-            if not output.finished and self._states[output.request_id].params.output_kind is FINAL_ONLY:
+            kind = self._states[output.request_id].params.output_kind
+            if not output.finished and kind is RequestOutputKind.FINAL_ONLY:
                 return None
             return self.make_output(output)
         except Exception as error:
