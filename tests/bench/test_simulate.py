@@ -10,7 +10,16 @@ import pytest
 
 from tokenloom import EngineConfig, LLMEngine, SamplingParams
 from tokenloom.advisor.capacity import Target, fewest_replicas, layout_at, parse_prices
-from tokenloom.bench.cost_model import FEATURES, Device, FittedStepModel, Profile, RooflineStepModel, StepShape
+from tokenloom.bench.cost_model import (
+    FEATURES,
+    Device,
+    FittedStepModel,
+    Profile,
+    RooflineStepModel,
+    ServedOverhead,
+    ServedStepModel,
+    StepShape,
+)
 from tokenloom.bench.loadgen import arrival_offsets, burst_aligned
 from tokenloom.bench.scorecard import SCORECARD_KEYS, SLO
 from tokenloom.bench.simulator import SimulatedEngine, SimulatedRequest, arrivals, decision, simulate
@@ -120,6 +129,41 @@ def test_the_fit_recovers_a_known_line_and_never_goes_negative():
     assert model.fit_error["p90"] < 1e-6
 
 
+def test_the_served_overhead_is_a_line_over_the_streams_and_never_negative():
+    def points(per_step: float, per_row: float) -> list[dict[str, float]]:
+        return [{"streams": n, "itl_p50_s": 0.02 + per_step + per_row * n, "model_s": 0.02} for n in (1, 4, 16)]
+
+    fitted = ServedOverhead.fit(points(0.003, 0.0005))
+    assert (fitted.per_step_s, fitted.per_row_s) == (pytest.approx(0.003), pytest.approx(0.0005))
+    shrinking = ServedOverhead.fit(points(0.004, -0.0001))  # a line falling with the streams: one constant instead
+    assert shrinking.per_row_s == 0 and shrinking.per_step_s == pytest.approx(0.004 - 0.0001 * 7)
+    faster = ServedOverhead.fit(points(-0.002, 0.001))  # below the model at one stream: per row only, through 0
+    assert faster.per_step_s == 0 and faster.per_row_s > 0
+    decode = StepShape.of_items([(300, 1, 1, False)] * 4)
+    served = ServedStepModel(ConstantStep(0.02), fitted)
+    assert served.seconds(decode) == pytest.approx(0.02 + 0.003 + 4 * 0.0005)
+    assert served.seconds(StepShape.of_items([(0, 64, 0, True)])) == pytest.approx(0.023)  # a chunk that samples none
+
+
+def test_a_profile_without_a_served_overhead_simulates_the_engine_alone(tmp_path):
+    model = FittedStepModel("m", {"steps": 0.01})
+    path = tmp_path / "old.json"
+    Profile(model, {}, {}).write(path)
+    data = json.loads(path.read_text())
+    del data["served_overhead"]  # written before it was measured
+    path.write_text(json.dumps(data))
+    old = Profile.read(path)
+    assert old.served_step_model() is old.step_model
+    measured = ServedOverhead(0.002, 0.001, [{"streams": 1, "itl_p50_s": 0.013, "model_s": 0.01}])
+    steps = [{"items": [[c, 1, 1, False]] * d, "copied_blocks": 0, "seconds": 0.01 + 1e-3 * d + 1e-6 * c * d}
+             for d in (1, 2, 4, 8, 16) for c in (10, 100, 400, 900, 2000)]  # fmt: skip
+    Profile(model, {}, {}, steps, served_overhead=measured).write(path)
+    again = Profile.read(path)
+    assert again.served_overhead == measured
+    assert again.refitted().served_overhead == measured  # a refit keeps what was measured over HTTP
+    assert again.served_step_model().seconds(StepShape.of_items([(10, 1, 1, False)] * 2)) == pytest.approx(0.014)
+
+
 def test_the_roofline_is_bound_by_bandwidth_when_decoding_and_by_flops_when_prefilling():
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
                                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -199,10 +243,15 @@ def test_prices_are_one_figure_or_one_per_accelerator():
 def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     profile = tmp_path / "profile.json"
     model = ["--model", str(tiny_chat_model), "--dtype", "float32"]
-    assert main(["simulate", "profile", "--quick", "--front-requests", "2", *model, "-o", str(profile)]) == 0
+    served = ["--front-requests", "2", "--served-streams", "1,3"]
+    assert main(["simulate", "profile", "--quick", *served, *model, "-o", str(profile)]) == 0
     saved = Profile.read(profile)
     assert len(saved.steps) > 20 and saved.step_model.fit_error["held_out_steps"] > 0
     assert saved.engine["max_model_len"] == 2048 and saved.front_latency_s >= 0
+    overhead = saved.served_overhead
+    assert [p["streams"] for p in overhead.points] == [1, 3]
+    assert all(p["itl_p50_s"] > 0 and p["model_s"] > 0 for p in overhead.points)
+    assert overhead.per_step_s >= 0 and overhead.per_row_s >= 0
     trace = tmp_path / "chat.jsonl"
     requests = make_trace("chat", 20, seed=2)
     write_trace(requests, trace)

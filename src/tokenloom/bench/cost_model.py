@@ -5,7 +5,8 @@ with: the tokens through the linears, the rows whose logits are computed, the qu
 the keys decode rows read, the sequences, and the KV blocks copied for swapping. Vidur (MLSys 2024) fits one
 regressor per operator; on these machines one line over these sums, fitted to the engine's whole measured steps
 (scheduling, the model, sampling and output processing together), is what `tokenloom simulate profile` makes, and
-its error on held-out steps is in the profile (`fit_error`).
+its error on held-out steps is in the profile (`fit_error`). A server's steps cost more than the engine's alone
+(its event loop and streams share the cores): `ServedOverhead`, fitted from a few streams over HTTP, adds that.
 
 For accelerators not at hand, `RooflineStepModel` takes a datasheet (bf16 FLOP/s, memory bandwidth) and the
 model's shapes: a step takes its layers' launch cost plus the larger of its FLOPs and its bytes at the peak rates
@@ -15,6 +16,7 @@ times an efficiency, plus the host's time per step. The efficiencies and the hos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -82,7 +84,8 @@ def items_of(output: SchedulerOutput) -> list[Item]:
 
 
 class StepModel(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def seconds(self, shape: StepShape) -> float: ...
 
@@ -214,6 +217,48 @@ def _layer_parameters(m: ModelConfig) -> int:
 
 
 @dataclass
+class ServedOverhead:
+    """What a step costs a server beyond the engine's own step of the same shape: per_step_s + per_row_s x the rows
+    it samples. Fitted from decode steps of a few concurrent streams timed by a client over HTTP (profile.py's
+    measure_served_decode): the server's event loop and streams share the cores with the step, which a profile of
+    the engine alone does not see. `points` keeps what it was fitted from: streams, measured ITL p50, model seconds."""
+
+    per_step_s: float = 0.0
+    per_row_s: float = 0.0
+    points: list[dict[str, float]] = field(default_factory=list)
+
+    def seconds(self, shape: StepShape) -> float:
+        return self.per_step_s + self.per_row_s * shape.sampled_rows
+
+    @classmethod
+    def fit(cls, points: list[dict[str, float]]) -> ServedOverhead:
+        """Least squares of (ITL p50 - model seconds) on the streams, neither coefficient below 0."""
+        rows = np.array([p["streams"] for p in points], dtype=float)
+        extra = np.array([p["itl_p50_s"] - p["model_s"] for p in points])
+        slope, intercept = np.polyfit(rows, extra, 1) if len(points) > 1 else (0.0, float(extra.mean()))
+        if slope < 0:
+            slope, intercept = 0.0, float(extra.mean())
+        if intercept < 0:
+            intercept, slope = 0.0, max(0.0, float(rows @ extra / (rows @ rows)))
+        return cls(float(intercept), float(slope), points)
+
+
+@dataclass
+class ServedStepModel:
+    """A step model of the engine alone, plus what serving adds to each step (ServedOverhead)."""
+
+    engine: StepModel
+    overhead: ServedOverhead
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine.name}, served"
+
+    def seconds(self, shape: StepShape) -> float:
+        return self.engine.seconds(shape) + self.overhead.seconds(shape)
+
+
+@dataclass
 class Profile:
     """`tokenloom simulate profile`'s output: the fitted model and the engine it was measured on."""
 
@@ -223,12 +268,19 @@ class Profile:
     # Every measured step: its scheduled requests (Item), blocks copied and seconds, so a model can be refitted.
     steps: list[dict[str, Any]] = field(default_factory=list)
     front_latency_s: float = 0.0  # a request's time outside the steps, over HTTP (profile.measure_front_latency)
+    served_overhead: ServedOverhead = field(default_factory=ServedOverhead)  # zero where not measured
 
     def refitted(self) -> Profile:
-        """The same measurements with the step model fitted again (after the features change)."""
+        """The same measurements with the step model fitted again (after the features change); what was measured
+        over HTTP is kept as it was."""
         shapes, seconds = self.shapes()
-        return Profile(FittedStepModel.fit(self.step_model.name, shapes, seconds), self.machine, self.engine,
-                       self.steps, self.front_latency_s)  # fmt: skip
+        return dataclasses.replace(self, step_model=FittedStepModel.fit(self.step_model.name, shapes, seconds))
+
+    def served_step_model(self) -> StepModel:
+        """What a served step costs: the fitted engine step plus the served overhead, where one was measured."""
+        if not self.served_overhead.points:
+            return self.step_model
+        return ServedStepModel(self.step_model, self.served_overhead)
 
     def shapes(self) -> tuple[list[StepShape], list[float]]:
         return shapes_of(self.steps)
@@ -241,7 +293,7 @@ class Profile:
         data = json.loads(Path(path).read_text())
         return cls(
             FittedStepModel(**data["step_model"]), data["machine"], data["engine"], data.get("steps", []),
-            data.get("front_latency_s", 0.0),
+            data.get("front_latency_s", 0.0), ServedOverhead(**data.get("served_overhead", {})),
         )  # fmt: skip
 
 

@@ -46,9 +46,13 @@ def burst_aligned(requests: list[TraceRequest], offsets: list[float]) -> list[fl
     return aligned
 
 
-async def send_one(client: httpx.AsyncClient, model: str | None, request: TraceRequest, start: float) -> RequestRecord:
+async def send_one(
+    client: httpx.AsyncClient, model: str | None, request: TraceRequest, start: float, ignore_eos: bool = False
+) -> RequestRecord:
+    """One streamed chat request, timed; ignore_eos (vLLM's extension, as `vllm bench serve --ignore-eos`) asks for
+    all of its max_tokens."""
     record = RequestRecord(id=request.id, start=start)
-    body = {
+    body: dict[str, object] = {
         "messages": request.messages,
         "max_tokens": request.max_tokens,
         "stream": True,
@@ -56,6 +60,8 @@ async def send_one(client: httpx.AsyncClient, model: str | None, request: TraceR
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "temperature": 0,
     }
+    if ignore_eos:
+        body["ignore_eos"] = True
     if model:
         body["model"] = model
     if request.priority:

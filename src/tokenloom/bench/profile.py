@@ -6,11 +6,13 @@ for a few steps, then joined by one prefill of P tokens for each P in the grid (
 prefills of each lone size run alone, twice. Each step is timed whole, `LLMEngine.step()` from the schedule to the
 outputs, greedy as `bench serve` asks, and kept with its scheduled requests (cost_model.Item), so the model can be
 refitted. A warm-up pass runs first and is not kept. Last, a server with default flags is started and timed over
-HTTP for the front's latency (measure_front_latency).
+HTTP (measure_served): a few concurrent streams decoding, for what a served step costs beyond the engine's own
+(cost_model.ServedOverhead), then requests one at a time for the front's latency.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import platform
 import random
@@ -20,11 +22,27 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tokenloom.bench.cost_model import FittedStepModel, Profile, StepShape, items_of, shapes_of
+import httpx
+
+from tokenloom.bench.cost_model import (
+    FittedStepModel,
+    Profile,
+    ServedOverhead,
+    ServedStepModel,
+    StepShape,
+    items_of,
+    shapes_of,
+)
+from tokenloom.bench.loadgen import send_one
+from tokenloom.bench.local_server import LocalServer
 from tokenloom.bench.provenance import cpu_flags, machine_info
+from tokenloom.bench.scorecard import RequestRecord
+from tokenloom.bench.simulator import prompt_tokens
+from tokenloom.bench.trace import TraceRequest, chat_requests
 from tokenloom.config import EngineConfig
 from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.model.loader import load_tokenizer
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -49,6 +67,11 @@ QUICK = Grid(
     contexts=(64, 256), decode_rows=(1, 4, 16), prefills=(32, 200), lone_prefills=(16, 100, 400), decode_steps=3,
     max_prompt_tokens=4096,
 )  # fmt: skip
+
+
+SERVED_STREAMS = (1, 4, 16)  # concurrent streams whose decode steps measure the served overhead
+SERVED_TOKENS = 48  # each stream's output (ignore_eos); its first SERVED_SKIP gaps are left out (prefills join)
+SERVED_SKIP = 4
 
 
 class StepTimer:
@@ -110,8 +133,15 @@ def measure_lone_prefills(timer: StepTimer, grid: Grid, rng: random.Random, keep
             timer.step(keep)
 
 
-def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0, front_requests: int = 12) -> Profile:
-    """The engine's steps over the grid, the fitted model, and (unless front_requests is 0) the front's latency.
+def profile_engine(
+    config: EngineConfig,
+    grid: Grid = Grid(),
+    seed: int = 0,
+    front_requests: int = 12,
+    served_streams: tuple[int, ...] = SERVED_STREAMS,
+) -> Profile:
+    """The engine's steps over the grid, the fitted model, and (unless front_requests is 0) what serving adds over
+    HTTP: the front's latency and the served steps' overhead (none where served_streams is empty).
 
     Its steps are read as they are launched (no asynchronous output processing): a call that read the step before
     and launched the next would time one step's device work under the next one's shape."""
@@ -145,38 +175,63 @@ def profile_engine(config: EngineConfig, grid: Grid = Grid(), seed: int = 0, fro
     finally:
         engine.shutdown()
     model = FittedStepModel.fit(f"profile of {platform.node() or 'this machine'}", *shapes_of(timer.steps))
-    front = measure_front_latency(config.model.model, model, front_requests) if front_requests else 0.0
-    return Profile(model, machine_description(), measured, timer.steps, front_latency_s=front)
+    profile = Profile(model, machine_description(), measured, timer.steps)
+    if front_requests:
+        profile.front_latency_s, profile.served_overhead = measure_served(
+            config.model.model, model, front_requests, served_streams
+        )
+    return profile
 
 
-def measure_front_latency(model: str | None, step_model: FittedStepModel, requests: int = 12) -> float:
-    """What a request spends outside the engine's steps when served over HTTP (the chat template, tokenization,
-    the hand-off to the engine loop, streaming the token back): the median over requests sent one at a time of the
-    client's TTFT less the step model's time for the request's prefill. Measured on a server with default flags."""
-    import asyncio
+def measure_served(
+    model: str | None, step_model: FittedStepModel, front_requests: int, streams: tuple[int, ...]
+) -> tuple[float, ServedOverhead]:
+    """What serving over HTTP adds to the engine's steps, on a server with default flags:
 
-    import httpx
+    - the served overhead: for each number of streams, that many chat requests sent at once, each decoding
+      SERVED_TOKENS tokens; the median gap between their tokens (the client's ITL) against the step model's time for
+      a decode step of that many rows at their median context; fitted as a cost per step and per row
+      (ServedOverhead.fit);
+    - the front's latency: what a request spends outside the steps (the chat template, tokenization, the hand-off
+      to the engine loop, streaming the token back): the median over requests sent one at a time of the client's
+      TTFT less the served model's time for the request's prefill step."""
 
-    from tokenloom.bench.loadgen import send_one
-    from tokenloom.bench.local_server import LocalServer
-    from tokenloom.bench.simulator import prompt_tokens
-    from tokenloom.bench.trace import TraceRequest, chat_requests
-    from tokenloom.model.loader import load_tokenizer
-
-    warm_up, trace = chat_requests(random.Random(1), 4), chat_requests(random.Random(0), requests)
-    for request in warm_up + trace:
-        request.max_tokens = 2
     tokens = prompt_tokens(load_tokenizer(model))
-
-    async def ttfts(url: str, sent: list[TraceRequest]) -> list[float]:
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            return [(await send_one(client, None, r, 0.0)).ttft or 0.0 for r in sent]
-
+    by_streams = {count: chat_requests(random.Random(100 + count), count) for count in streams}
+    one_at_a_time = chat_requests(random.Random(0), front_requests)
     with LocalServer(*(["--model", model] if model else [])) as server:
-        asyncio.run(ttfts(server.url, warm_up))  # other prompts: a prompt sent twice would be a prefix-cache hit
-        measured = asyncio.run(ttfts(server.url, trace))
-    prefill = [step_model.seconds(StepShape.of_items([(0, len(tokens(r)), 1, True)])) for r in trace]
-    return max(0.0, statistics.median(m - p for m, p in zip(measured, prefill, strict=True)))
+        decoded, first = asyncio.run(_served_records(server.url, by_streams, one_at_a_time))
+    points = []
+    for count, records in decoded.items():
+        gaps = [gap for record in records for gap in record.token_gaps[SERVED_SKIP:]]
+        context = statistics.median(len(tokens(r)) for r in by_streams[count]) + SERVED_SKIP + SERVED_TOKENS // 2
+        shape = StepShape.of_items([(int(context), 1, 1, False)] * count)
+        points.append({"streams": count, "itl_p50_s": statistics.median(gaps), "model_s": step_model.seconds(shape)})
+    overhead = ServedOverhead.fit(points) if points else ServedOverhead()
+    served = ServedStepModel(step_model, overhead)
+    prefill = [served.seconds(StepShape.of_items([(0, len(tokens(r)), 1, True)])) for r in one_at_a_time]
+    ttfts = [r.ttft or 0.0 for r in first]
+    return max(0.0, statistics.median(m - p for m, p in zip(ttfts, prefill, strict=True))), overhead
+
+
+async def _served_records(
+    url: str, by_streams: dict[int, list[TraceRequest]], one_at_a_time: list[TraceRequest]
+) -> tuple[dict[int, list[RequestRecord]], list[RequestRecord]]:
+    """Over one client, as `bench serve` sends: a warm-up, each group of streams at once (ignore_eos, SERVED_TOKENS
+    each), then the front's requests one at a time (2 tokens each). Their records."""
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+        async def together(requests: list[TraceRequest], max_tokens: int, ignore_eos: bool) -> list[RequestRecord]:
+            for request in requests:
+                request.max_tokens = max_tokens
+            return list(await asyncio.gather(*(send_one(client, None, r, 0.0, ignore_eos) for r in requests)))
+
+        # Other prompts than those measured: a prompt sent twice would hit the prefix cache.
+        await together(chat_requests(random.Random(1), 4), 2, False)
+        decoded = {count: await together(sent, SERVED_TOKENS, True) for count, sent in by_streams.items()}
+        first = [(await together([request], 2, False))[0] for request in one_at_a_time]
+    return decoded, first
 
 
 def machine_description() -> dict[str, str]:

@@ -27,7 +27,7 @@ from tokenloom.bench.cost_model import (
     StepModel,
     datasheet,
 )
-from tokenloom.bench.profile import QUICK, Grid, profile_engine
+from tokenloom.bench.profile import QUICK, SERVED_STREAMS, Grid, profile_engine
 from tokenloom.bench.scorecard import SLO
 from tokenloom.bench.simulator import (
     SimulatedEngine,
@@ -75,6 +75,11 @@ def add_simulate_command(commands) -> argparse.ArgumentParser:
     simulate_parser.add_argument(
         "--front-requests", type=int, default=12, help="profile: requests sent over HTTP to time the front (0: none)"
     )
+    simulate_parser.add_argument(
+        "--served-streams",
+        default=",".join(map(str, SERVED_STREAMS)),
+        help="profile: numbers of concurrent streams timed over HTTP for the served overhead ('' for none)",
+    )
     trace = simulate_parser.add_argument_group("the trace, as `bench serve` takes it")
     trace.add_argument("--trace", default=None, help="a trace file; else one is made from --kind")
     trace.add_argument("--kind", choices=KINDS, default="chat")
@@ -93,7 +98,9 @@ def run_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
         if args.from_steps:
             profile = Profile.read(args.from_steps).refitted()
         else:
-            profile = profile_engine(config, QUICK if args.quick else Grid(), front_requests=args.front_requests)
+            streams = tuple(int(n) for n in args.served_streams.split(",") if n.strip())
+            grid = QUICK if args.quick else Grid()
+            profile = profile_engine(config, grid, front_requests=args.front_requests, served_streams=streams)
         profile.write(args.output)
         error = profile.step_model.fit_error
         print(
@@ -167,7 +174,7 @@ def profile_setup(profile: Profile, config: EngineConfig, model: ModelConfig) ->
         weights_bytes=parameter_count(model) * element,
         front_latency_s=profile.front_latency_s,
     )
-    return engine, profile.step_model
+    return engine, profile.served_step_model()
 
 
 def roofline_setup(
