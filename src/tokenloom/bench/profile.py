@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -72,6 +73,11 @@ QUICK = Grid(
 SERVED_STREAMS = (1, 4, 16)  # concurrent streams whose decode steps measure the served overhead
 SERVED_TOKENS = 48  # each stream's output (ignore_eos); its first SERVED_SKIP gaps are left out (prefills join)
 SERVED_SKIP = 4
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two prompts share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class StepTimer:
@@ -178,13 +184,13 @@ def profile_engine(
     profile = Profile(model, machine_description(), measured, timer.steps)
     if front_requests:
         profile.front_latency_s, profile.served_overhead = measure_served(
-            config.model.model, model, front_requests, served_streams
+            config.model.model, model, front_requests, served_streams, config.cache.block_size
         )
     return profile
 
 
 def measure_served(
-    model: str | None, step_model: FittedStepModel, front_requests: int, streams: tuple[int, ...]
+    model: str | None, step_model: FittedStepModel, front_requests: int, streams: tuple[int, ...], block_size: int
 ) -> tuple[float, ServedOverhead]:
     """What serving over HTTP adds to the engine's steps, on a server with default flags:
 
@@ -194,13 +200,15 @@ def measure_served(
       (ServedOverhead.fit);
     - the front's latency: what a request spends outside the steps (the chat template, tokenization, the hand-off
       to the engine loop, streaming the token back): the median over requests sent one at a time of the client's
-      TTFT less the served model's time for the request's prefill step."""
+      TTFT less the served model's time for the request's prefill step, of the tokens the prefix cache did not hold
+      (every chat prompt starts with the same system message, so after the first its leading blocks are hits)."""
 
     tokens = prompt_tokens(load_tokenizer(model))
+    warm_up = chat_requests(random.Random(1), 4)  # other prompts than those measured
     by_streams = {count: chat_requests(random.Random(100 + count), count) for count in streams}
     one_at_a_time = chat_requests(random.Random(0), front_requests)
     with LocalServer(*(["--model", model] if model else [])) as server:
-        decoded, first = asyncio.run(_served_records(server.url, by_streams, one_at_a_time))
+        decoded, first = asyncio.run(_served_records(server.url, warm_up, by_streams, one_at_a_time))
     points = []
     for count, records in decoded.items():
         gaps = [gap for record in records for gap in record.token_gaps[SERVED_SKIP:]]
@@ -209,13 +217,19 @@ def measure_served(
         points.append({"streams": count, "itl_p50_s": statistics.median(gaps), "model_s": step_model.seconds(shape)})
     overhead = ServedOverhead.fit(points) if points else ServedOverhead()
     served = ServedStepModel(step_model, overhead)
-    prefill = [served.seconds(StepShape.of_items([(0, len(tokens(r)), 1, True)])) for r in one_at_a_time]
+    sent_before = [tokens(r) for r in [*warm_up, *(r for group in by_streams.values() for r in group)]]
+    prefill = []
+    for request in one_at_a_time:
+        prompt = tokens(request)
+        cached = min(max(map(partial(common_prefix, prompt), sent_before)), len(prompt) - 1) // block_size * block_size
+        prefill.append(served.seconds(StepShape.of_items([(cached, len(prompt) - cached, 1, True)])))
+        sent_before.append(prompt)
     ttfts = [r.ttft or 0.0 for r in first]
     return max(0.0, statistics.median(m - p for m, p in zip(ttfts, prefill, strict=True))), overhead
 
 
 async def _served_records(
-    url: str, by_streams: dict[int, list[TraceRequest]], one_at_a_time: list[TraceRequest]
+    url: str, warm_up: list[TraceRequest], by_streams: dict[int, list[TraceRequest]], one_at_a_time: list[TraceRequest]
 ) -> tuple[dict[int, list[RequestRecord]], list[RequestRecord]]:
     """Over one client, as `bench serve` sends: a warm-up, each group of streams at once (ignore_eos, SERVED_TOKENS
     each), then the front's requests one at a time (2 tokens each). Their records."""
@@ -227,8 +241,7 @@ async def _served_records(
                 request.max_tokens = max_tokens
             return list(await asyncio.gather(*(send_one(client, None, r, 0.0, ignore_eos) for r in requests)))
 
-        # Other prompts than those measured: a prompt sent twice would hit the prefix cache.
-        await together(chat_requests(random.Random(1), 4), 2, False)
+        await together(warm_up, 2, False)
         decoded = {count: await together(sent, SERVED_TOKENS, True) for count, sent in by_streams.items()}
         first = [(await together([request], 2, False))[0] for request in one_at_a_time]
     return decoded, first
