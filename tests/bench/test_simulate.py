@@ -254,6 +254,10 @@ def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     saved = Profile.read(profile)
     assert len(saved.steps) > 20 and saved.step_model.fit_error["held_out_steps"] > 0
     assert saved.engine["max_model_len"] == 2048 and saved.front_latency_s >= 0
+    items = [[tuple(i) for i in step["items"]] for step in saved.steps]
+    assert [(128, 16, 1, True)] in items  # a prompt whose first 128 tokens the request before it left cached
+    joins = [step for step in items if (256, 16, 1, True) in step]  # a decoding request's prompt, and 16 more
+    assert joins and all(len(step) > 1 for step in joins)
     overhead = saved.served_overhead
     assert [p["streams"] for p in overhead.points] == [1, 3]
     assert all(p["itl_p50_s"] > 0 and p["model_s"] > 0 for p in overhead.points)

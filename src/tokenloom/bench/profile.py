@@ -2,12 +2,14 @@
 
 For each context length C and number of decoding requests D in the grid, D requests with C-token prompts (random
 token ids, so no prefix is shared) are prefilled (those steps are measured too: full budget chunks), then decoded
-for a few steps, then joined by one prefill of P tokens for each P in the grid (a mixed step), then aborted; then
-prefills of each lone size run alone, twice. Each step is timed whole, `LLMEngine.step()` from the schedule to the
-outputs, greedy as `bench serve` asks, and kept with its scheduled requests (cost_model.Item), so the model can be
-refitted. A warm-up pass runs first and is not kept. Last, a server with default flags is started and timed over
-HTTP (measure_served): a few concurrent streams decoding, for what a served step costs beyond the engine's own
-(cost_model.ServedOverhead), then requests one at a time for the front's latency.
+for a few steps, then joined by one prefill of P tokens for each P in the grid (a mixed step) and by one whose
+prompt is a decoding request's prompt and a few tokens more (a prefix-cache hit: a short chunk after a long cached
+past, as agent and RAG traces make), then aborted; then prefills of each lone size run alone, twice, and prompts
+whose leading tokens a request before them left in the prefix cache. Each step is timed whole, `LLMEngine.step()`
+from the schedule to the outputs, greedy as `bench serve` asks, and kept with its scheduled requests
+(cost_model.Item), so the model can be refitted. A warm-up pass runs first and is not kept. Last, a server with
+default flags is started and timed over HTTP (measure_served): a few concurrent streams decoding, for what a served
+step costs beyond the engine's own (cost_model.ServedOverhead), then requests one at a time for the front's latency.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class Grid:
     decode_rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefills: tuple[int, ...] = (32, 256, 1024)
     lone_prefills: tuple[int, ...] = (16, 48, 96, 160, 256, 384, 640, 1024, 1536, 2048)  # each alone in a step
+    # (cached tokens, new tokens): a prompt whose leading tokens the request before it left in the prefix cache
+    cached_prefills: tuple[tuple[int, int], ...] = ((512, 32), (512, 160), (1024, 64), (2048, 32), (2048, 256),
+                                                    (4096, 96))  # fmt: skip
+    prefix_join: int = 64  # new tokens of the join that reuses a decoding request's prompt (0: none)
     decode_steps: int = 4
     max_prompt_tokens: int = 16384  # D x C at most, per point: bounds the profile's time
 
@@ -65,8 +71,8 @@ class Grid:
 
 
 QUICK = Grid(
-    contexts=(64, 256), decode_rows=(1, 4, 16), prefills=(32, 200), lone_prefills=(16, 100, 400), decode_steps=3,
-    max_prompt_tokens=4096,
+    contexts=(64, 256), decode_rows=(1, 4, 16), prefills=(32, 200), lone_prefills=(16, 100, 400),
+    cached_prefills=((128, 16),), prefix_join=16, decode_steps=3, max_prompt_tokens=4096,
 )  # fmt: skip
 
 
@@ -108,12 +114,10 @@ def measure_point(timer: StepTimer, grid: Grid, context: int, rows: int, rng: ra
     engine = timer.engine
     vocab = engine.model_config.vocab_size
     # Greedy, as `bench serve` asks: sampling at a temperature costs more per row.
-    long_params = SamplingParams(max_tokens=grid.decode_steps + len(grid.prefills) + 2, ignore_eos=True,
-                                 temperature=0.0)  # fmt: skip
-    ids = {
-        engine.add_request([rng.randrange(10, vocab) for _ in range(context)], long_params).request_id
-        for _ in range(rows)
-    }
+    joins = len(grid.prefills) + (1 if grid.prefix_join else 0)
+    long_params = SamplingParams(max_tokens=grid.decode_steps + joins + 2, ignore_eos=True, temperature=0.0)
+    prompts = [[rng.randrange(10, vocab) for _ in range(context)] for _ in range(rows)]
+    ids = {engine.add_request(prompt, long_params).request_id for prompt in prompts}
     decoding: set[str] = set()
     while decoding != ids:  # the prefill chunks, until every request has its first token
         decoding |= timer.step(keep) & ids
@@ -123,6 +127,10 @@ def measure_point(timer: StepTimer, grid: Grid, context: int, rows: int, rng: ra
         engine.add_request(
             [rng.randrange(10, vocab) for _ in range(prefill)], SamplingParams(max_tokens=1, temperature=0.0)
         )
+        timer.step(keep)
+    if grid.prefix_join:  # the first request's prompt is cached: only the new tokens are computed
+        hit = prompts[0] + [rng.randrange(10, vocab) for _ in range(grid.prefix_join)]
+        engine.add_request(hit, SamplingParams(max_tokens=1, temperature=0.0))
         timer.step(keep)
     for request_id in ids:
         engine.abort_request(request_id)
@@ -137,6 +145,19 @@ def measure_lone_prefills(timer: StepTimer, grid: Grid, rng: random.Random, keep
         engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
         while engine.has_unfinished_requests():
             timer.step(keep)
+
+
+def measure_cached_prefills(timer: StepTimer, grid: Grid, rng: random.Random, keep: bool) -> None:
+    engine = timer.engine
+    for cached, new in grid.cached_prefills:
+        if cached + new + 1 >= engine.max_model_len:
+            continue
+        prefix = [rng.randrange(10, engine.model_config.vocab_size) for _ in range(cached)]
+        suffix = [rng.randrange(10, engine.model_config.vocab_size) for _ in range(new)]
+        for prompt in (prefix, prefix + suffix):  # the first leaves the prefix in the cache for the second
+            engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+            while engine.has_unfinished_requests():
+                timer.step(keep)
 
 
 def profile_engine(
@@ -164,6 +185,7 @@ def profile_engine(
             measure_point(timer, grid, context, rows, rng, keep=True)
         for _ in range(2):
             measure_lone_prefills(timer, grid, rng, keep=True)
+            measure_cached_prefills(timer, grid, rng, keep=True)
         kv, stats = engine.kv_cache(), engine.stats()
         measured: dict[str, int | str | bool | None] = {
             "num_kv_blocks": kv.num_blocks,
