@@ -21,7 +21,6 @@ from tokenloom.bench.cost_model import (
     StepShape,
 )
 from tokenloom.bench.loadgen import arrival_offsets, burst_aligned
-from tokenloom.bench.profile import common_prefix
 from tokenloom.bench.scorecard import SCORECARD_KEYS, SLO
 from tokenloom.bench.simulator import SimulatedEngine, SimulatedRequest, arrivals, decision, simulate
 from tokenloom.bench.trace import TraceRequest, make_trace, write_trace
@@ -144,11 +143,6 @@ def test_the_served_overhead_is_a_line_over_the_streams_and_never_negative():
     served = ServedStepModel(ConstantStep(0.02), fitted)
     assert served.seconds(decode) == pytest.approx(0.02 + 0.003 + 4 * 0.0005)
     assert served.seconds(StepShape.of_items([(0, 64, 0, True)])) == pytest.approx(0.023)  # a chunk that samples none
-
-
-def test_common_prefix_counts_the_leading_tokens_two_prompts_share():
-    assert common_prefix([5, 6, 7, 8], [5, 6, 9]) == 2
-    assert common_prefix([5, 6], [5, 6, 7]) == 2 and common_prefix([1], [2]) == 0
 
 
 def test_a_profile_without_a_served_overhead_simulates_the_engine_alone(tmp_path):

@@ -22,7 +22,6 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import httpx
@@ -31,7 +30,6 @@ from tokenloom.bench.cost_model import (
     FittedStepModel,
     Profile,
     ServedOverhead,
-    ServedStepModel,
     StepShape,
     items_of,
     shapes_of,
@@ -45,6 +43,7 @@ from tokenloom.bench.trace import TraceRequest, chat_requests
 from tokenloom.config import EngineConfig
 from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.metrics_text import find, parse
 from tokenloom.model.loader import load_tokenizer
 from tokenloom.sampling_params import SamplingParams
 
@@ -79,11 +78,6 @@ QUICK = Grid(
 SERVED_STREAMS = (1, 4, 16)  # concurrent streams whose decode steps measure the served overhead
 SERVED_TOKENS = 48  # each stream's output (ignore_eos); its first SERVED_SKIP gaps are left out (prefills join)
 SERVED_SKIP = 4
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two prompts share."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 class StepTimer:
@@ -206,13 +200,13 @@ def profile_engine(
     profile = Profile(model, machine_description(), measured, timer.steps)
     if front_requests:
         profile.front_latency_s, profile.served_overhead = measure_served(
-            config.model.model, model, front_requests, served_streams, config.cache.block_size
+            config.model.model, model, front_requests, served_streams
         )
     return profile
 
 
 def measure_served(
-    model: str | None, step_model: FittedStepModel, front_requests: int, streams: tuple[int, ...], block_size: int
+    model: str | None, step_model: FittedStepModel, front_requests: int, streams: tuple[int, ...]
 ) -> tuple[float, ServedOverhead]:
     """What serving over HTTP adds to the engine's steps, on a server with default flags:
 
@@ -222,15 +216,14 @@ def measure_served(
       (ServedOverhead.fit);
     - the front's latency: what a request spends outside the steps (the chat template, tokenization, the hand-off
       to the engine loop, streaming the token back): the median over requests sent one at a time of the client's
-      TTFT less the served model's time for the request's prefill step, of the tokens the prefix cache did not hold
-      (every chat prompt starts with the same system message, so after the first its leading blocks are hits)."""
-
+      TTFT less the server's own time from scheduling the request to its first token (its /metrics prefill time),
+      so that the front does not absorb the step model's error on these prompts."""
     tokens = prompt_tokens(load_tokenizer(model))
     warm_up = chat_requests(random.Random(1), 4)  # other prompts than those measured
     by_streams = {count: chat_requests(random.Random(100 + count), count) for count in streams}
     one_at_a_time = chat_requests(random.Random(0), front_requests)
     with LocalServer(*(["--model", model] if model else [])) as server:
-        decoded, first = asyncio.run(_served_records(server.url, warm_up, by_streams, one_at_a_time))
+        decoded, fronts = asyncio.run(_served_records(server.url, warm_up, by_streams, one_at_a_time))
     points = []
     for count, records in decoded.items():
         gaps = [gap for record in records for gap in record.token_gaps[SERVED_SKIP:]]
@@ -238,23 +231,15 @@ def measure_served(
         shape = StepShape.of_items([(int(context), 1, 1, False)] * count)
         points.append({"streams": count, "itl_p50_s": statistics.median(gaps), "model_s": step_model.seconds(shape)})
     overhead = ServedOverhead.fit(points) if points else ServedOverhead()
-    served = ServedStepModel(step_model, overhead)
-    sent_before = [tokens(r) for r in [*warm_up, *(r for group in by_streams.values() for r in group)]]
-    prefill = []
-    for request in one_at_a_time:
-        prompt = tokens(request)
-        cached = min(max(map(partial(common_prefix, prompt), sent_before)), len(prompt) - 1) // block_size * block_size
-        prefill.append(served.seconds(StepShape.of_items([(cached, len(prompt) - cached, 1, True)])))
-        sent_before.append(prompt)
-    ttfts = [r.ttft or 0.0 for r in first]
-    return max(0.0, statistics.median(m - p for m, p in zip(ttfts, prefill, strict=True))), overhead
+    return max(0.0, statistics.median(fronts)) if fronts else 0.0, overhead
 
 
 async def _served_records(
     url: str, warm_up: list[TraceRequest], by_streams: dict[int, list[TraceRequest]], one_at_a_time: list[TraceRequest]
-) -> tuple[dict[int, list[RequestRecord]], list[RequestRecord]]:
+) -> tuple[dict[int, list[RequestRecord]], list[float]]:
     """Over one client, as `bench serve` sends: a warm-up, each group of streams at once (ignore_eos, SERVED_TOKENS
-    each), then the front's requests one at a time (2 tokens each). Their records."""
+    each), then the front's requests one at a time (2 tokens each). The groups' records, and each front request's
+    client TTFT less the server's prefill time for it."""
 
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
 
@@ -265,8 +250,26 @@ async def _served_records(
 
         await together(warm_up, 2, False)
         decoded = {count: await together(sent, SERVED_TOKENS, True) for count, sent in by_streams.items()}
-        first = [(await together([request], 2, False))[0] for request in one_at_a_time]
-    return decoded, first
+        fronts = []
+        seen = await _prefill_seconds(client, -1)
+        for request in one_at_a_time:
+            (record,) = await together([request], 2, False)
+            counted = await _prefill_seconds(client, seen[0])
+            fronts.append((record.ttft or 0.0) - (counted[1] - seen[1]))
+            seen = counted
+    return decoded, fronts
+
+
+async def _prefill_seconds(client: httpx.AsyncClient, counted_before: float) -> tuple[float, float]:
+    """The server's count and sum of request prefill times (/metrics), once the count has passed counted_before: a
+    request's metrics are observed as its last output is delivered, which may come after the client's last chunk."""
+    for _ in range(100):
+        samples = parse((await client.get("/metrics")).text)
+        count = find(samples, "request_prefill_time_seconds_count") or 0.0
+        if count > counted_before:
+            return count, find(samples, "request_prefill_time_seconds_sum") or 0.0
+        await asyncio.sleep(0.02)
+    raise RuntimeError("the server's /metrics did not count the request's prefill time within 2 s")
 
 
 def machine_description() -> dict[str, str]:
