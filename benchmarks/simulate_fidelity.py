@@ -87,11 +87,9 @@ def per_request_error(real: list[dict], simulated: list[dict], figure: str) -> s
 
 
 def without_overhead(profile: str, written: str) -> None:
-    """The profile with its served overhead taken out: the engine's steps alone, and the front's latency as it was
-    measured before there was an overhead (against the engine's prefill step alone, so one step's overhead more)."""
+    """The profile with its served overhead taken out: the engine's steps alone (the front's latency, measured
+    from the server's own prefill times, stays)."""
     data = json.loads(Path(profile).read_text())
-    overhead = data.get("served_overhead") or {}
-    data["front_latency_s"] += overhead.get("per_step_s", 0.0) + overhead.get("per_row_s", 0.0)
     data["served_overhead"] = {}
     Path(written).write_text(json.dumps(data))
 

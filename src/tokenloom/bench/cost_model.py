@@ -220,7 +220,7 @@ def _layer_parameters(m: ModelConfig) -> int:
 class ServedOverhead:
     """What a step costs a server beyond the engine's own step of the same shape: per_step_s + per_row_s x the rows
     it samples. Fitted from decode steps of a few concurrent streams timed by a client over HTTP (profile.py's
-    measure_served_decode): the server's event loop and streams share the cores with the step, which a profile of
+    measure_served): the server's event loop and streams share the cores with the step, which a profile of
     the engine alone does not see. `points` keeps what it was fitted from: streams, measured ITL p50, model seconds."""
 
     per_step_s: float = 0.0
@@ -267,7 +267,7 @@ class Profile:
     engine: dict[str, int | str | bool | None]  # num_kv_blocks, block_size, max_model_len, the flags
     # Every measured step: its scheduled requests (Item), blocks copied and seconds, so a model can be refitted.
     steps: list[dict[str, Any]] = field(default_factory=list)
-    front_latency_s: float = 0.0  # a request's time outside the steps, over HTTP (profile.measure_front_latency)
+    front_latency_s: float = 0.0  # a request's time outside the steps, over HTTP (profile.measure_served)
     served_overhead: ServedOverhead = field(default_factory=ServedOverhead)  # zero where not measured
 
     def refitted(self) -> Profile:
