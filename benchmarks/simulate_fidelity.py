@@ -69,7 +69,8 @@ def main() -> None:
             for used, written in ((profile, simulated), (engine_alone, alone)):
                 run([*CLI, "simulate", "--trace", str(trace), "--request-rate", str(rate), "--profile", used,
                      "--output-lengths", str(real), "-o", str(written)])  # fmt: skip
-            print(row(kind, rate, real, simulated) + f" {worst_of_four(real, alone)} |", flush=True)
+            engine_alone_worst = worst_of_four(scorecard(real), scorecard(alone))
+            print(row(kind, rate, real, simulated) + f" {engine_alone_worst} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
@@ -94,8 +95,12 @@ def without_overhead(profile: str, written: str) -> None:
     Path(written).write_text(json.dumps(data))
 
 
-def worst_of_four(real_path: Path, simulated_path: Path) -> str:
-    real, simulated = (json.loads(p.read_text())["scorecard"] for p in (real_path, simulated_path))
+def scorecard(path: Path) -> dict:
+    return json.loads(path.read_text())["scorecard"]
+
+
+def worst_of_four(real: dict, simulated: dict) -> str:
+    """The largest relative error of output tok/s, TTFT p50 and p95, E2E p95 between two scorecards."""
     errors = [abs(simulated[f] / real[f] - 1) for f in FIGURES if f != "itl_p50_s" and real[f] and simulated[f]]
     return f"{max(errors):.0%}" if errors else "-"
 
@@ -108,7 +113,7 @@ def row(kind: str, rate: float, real_path: Path, simulated_path: Path) -> str:
         a, b = real[name], simulated[name]
         unit = "" if name == "output_tok_s" else " s"
         cells.append(f"{a:.3g} / {b:.3g}{unit} ({b / a:.2f}x)" if a and b else f"{a} / {b}")
-    worst = worst_of_four(real_path, simulated_path)
+    worst = worst_of_four(real, simulated)
     each = ", ".join(per_request_error(real_run["records"], simulated_run["records"], f) for f in ("ttft", "e2e"))
     return f"| {kind} | {rate:g} | " + " | ".join(cells) + f" | {worst} | {each} |"
 

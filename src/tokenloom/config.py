@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from tokenloom.speculative_config import SpeculativeConfig
+from tokenloom.speculative_config import SpeculativeConfig, require
 
 Batching = Literal["continuous", "static"]
 DType = Literal["auto", "float32", "bfloat16", "float16", "half", "float"]
@@ -68,12 +68,12 @@ class ModelLoadConfig:
     def __post_init__(self) -> None:
         for name in ("num_threads", "max_model_len"):
             _require_positive_or_none(self, name)
-        _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
+        require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
         backends = get_args(AttentionBackend)
-        _require(self.attention_backend in backends, f"attention_backend must be one of {', '.join(backends)}")
-        _require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
+        require(self.attention_backend in backends, f"attention_backend must be one of {', '.join(backends)}")
+        require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
         methods = get_args(Quantization)
-        _require(self.quantization in (None, *methods), f"quantization must be one of {', '.join(methods)}")
+        require(self.quantization in (None, *methods), f"quantization must be one of {', '.join(methods)}")
 
     def compiles_step(self, device_type: str) -> bool:
         if self.enforce_eager is None:
@@ -106,13 +106,13 @@ class CacheConfig:
     per token, so the same memory holds about twice the tokens."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.block_size, int) and self.block_size > 0, "block_size must be a positive integer")
+        require(isinstance(self.block_size, int) and self.block_size > 0, "block_size must be a positive integer")
         for name in ("num_kv_blocks", "kv_cache_memory", "num_swap_blocks"):
             _require_positive_or_none(self, name)
-        _require(isinstance(self.swap_space, int | float) and self.swap_space >= 0, "swap_space must be >= 0 GiB")
-        _require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
+        require(isinstance(self.swap_space, int | float) and self.swap_space >= 0, "swap_space must be >= 0 GiB")
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         kinds = get_args(KVCacheDType)
-        _require(self.kv_cache_dtype in kinds, f"kv_cache_dtype must be one of {', '.join(kinds)}")
+        require(self.kv_cache_dtype in kinds, f"kv_cache_dtype must be one of {', '.join(kinds)}")
 
 
 @dataclass(frozen=True)
@@ -154,18 +154,18 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"{name} must be a positive integer")
+            require(isinstance(value, int) and value > 0, f"{name} must be a positive integer")
         for name in ("long_prefill_token_threshold", "max_num_partial_prefills"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0")
-        _require(
+            require(isinstance(value, int) and value >= 0, f"{name} must be an integer >= 0")
+        require(
             self.enable_chunked_prefill or not self.long_prefill_token_threshold,
             "long_prefill_token_threshold needs chunked prefill",
         )
-        _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
-        _require(self.batching in get_args(Batching), "batching must be 'continuous' or 'static'")
-        _require(self.scheduling_policy in POLICY_NAMES, f"scheduling_policy must be one of {', '.join(POLICY_NAMES)}")
-        _require(
+        require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
+        require(self.batching in get_args(Batching), "batching must be 'continuous' or 'static'")
+        require(self.scheduling_policy in POLICY_NAMES, f"scheduling_policy must be one of {', '.join(POLICY_NAMES)}")
+        require(
             not (self.async_scheduling and self.async_output_proc is False),
             "async_scheduling reads each step after launching the next: it needs async_output_proc",
         )
@@ -187,7 +187,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         size = self.tensor_parallel_size
-        _require(isinstance(size, int) and size > 0, "tensor_parallel_size must be a positive integer")
+        require(isinstance(size, int) and size > 0, "tensor_parallel_size must be a positive integer")
 
 
 @dataclass(frozen=True)
@@ -206,8 +206,8 @@ class StructuredOutputsConfig:
     def __post_init__(self) -> None:
         for name in ("grammar_cache_bytes", "max_grammar_bytes"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"{name} must be a positive integer")
-        _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be positive")
+            require(isinstance(value, int) and value > 0, f"{name} must be a positive integer")
+        require(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be positive")
 
 
 @dataclass(frozen=True)
@@ -244,8 +244,8 @@ class EngineConfig:
         if self.scheduler.async_scheduling:
             # Drafts are proposed from the tokens just sampled, and tensor-parallel workers are sent token ids:
             # both need each step's tokens on the host before the next step is scheduled.
-            _require(self.speculative.speculative_config is None, "async_scheduling does not speculate")
-            _require(self.parallel.tensor_parallel_size == 1, "async_scheduling runs on one rank")
+            require(self.speculative.speculative_config is None, "async_scheduling does not speculate")
+            require(self.parallel.tensor_parallel_size == 1, "async_scheduling runs on one rank")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -375,12 +375,7 @@ class ServerConfig:
 
 def _require_positive_or_none(config: object, name: str) -> None:
     value = getattr(config, name)
-    _require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(f"EngineConfig: {message}")
+    require(value is None or (isinstance(value, int) and value > 0), f"{name} must be a positive integer")
 
 
 def _require_server(ok: bool, message: str) -> None:

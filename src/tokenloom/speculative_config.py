@@ -40,9 +40,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         methods = get_args(SpeculativeMethod)
-        _require(self.method in methods, f"speculative_config: method must be one of {', '.join(methods)}")
+        require(self.method in methods, f"speculative_config: method must be one of {', '.join(methods)}")
         if self.method == "ngram":
-            _require(
+            require(
                 self.num_speculative_tokens is not None,
                 "speculative_config: num_speculative_tokens must be given for method 'ngram'",
             )
@@ -58,14 +58,14 @@ class SpeculativeConfig:
             "suffix_decoding_max_tree_depth",
         ):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value > 0, f"speculative_config: {name} must be a positive integer")
-        _require(
+            require(isinstance(value, int) and value > 0, f"speculative_config: {name} must be a positive integer")
+        require(
             self.num_lookup[0] <= self.num_lookup[1],
             "speculative_config: prompt_lookup_min must be <= prompt_lookup_max",
         )
-        _require(self.suffix_decoding_max_cached_requests >= 0, "speculative_config: max_cached_requests must be >= 0")
-        _require(self.suffix_decoding_max_spec_factor > 0, "speculative_config: max_spec_factor must be positive")
-        _require(0 <= self.suffix_decoding_min_token_prob <= 1, "speculative_config: min_token_prob must be in [0, 1]")
+        require(self.suffix_decoding_max_cached_requests >= 0, "speculative_config: max_cached_requests must be >= 0")
+        require(self.suffix_decoding_max_spec_factor > 0, "speculative_config: max_spec_factor must be positive")
+        require(0 <= self.suffix_decoding_min_token_prob <= 1, "speculative_config: min_token_prob must be in [0, 1]")
 
     @property
     def num_lookup(self) -> tuple[int, int]:
@@ -87,14 +87,15 @@ class SpeculativeConfig:
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise ValueError(f"EngineConfig: speculative_config is not valid JSON: {error}") from None
-        _require(isinstance(value, dict), "speculative_config must be a JSON object")
+        require(isinstance(value, dict), "speculative_config must be a JSON object")
         assert isinstance(value, dict)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
-        _require(not unknown, f"speculative_config: unknown key(s) {unknown}; the keys are: {', '.join(sorted(known))}")
+        require(not unknown, f"speculative_config: unknown key(s) {unknown}; the keys are: {', '.join(sorted(known))}")
         return cls(**value)
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
+    """An EngineConfig check (the speculative config is part of it; config.py's checks call this one too)."""
     if not ok:
         raise ValueError(f"EngineConfig: {message}")
