@@ -176,6 +176,11 @@ def check_bf16_agreement(root: Path, device: str, backends: list[str], lines: li
         path = root / arch
         oracle = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(device)
         for backend in backends:
+            if backend == "triton" and not device.startswith("cuda"):
+                # Triton's interpreter (CPU tensors) gets tl.dot of bf16 tiles wrong outright (a 16 x 16 product off
+                # by ~1e10 with Triton 3.6 and 3.9), so a CPU smoke run can check bf16 only on the plain path.
+                emit(lines, f"| {arch} | {backend} | skipped: the interpreter's bf16 dot is wrong |")
+                continue
             config = EngineConfig.from_kwargs(model=str(path), device=device, dtype="bfloat16", num_kv_blocks=64,
                                               block_size=16, enforce_eager=True, attention_backend=backend)  # fmt: skip
             runner = LLMEngine(config).core.runner
@@ -333,7 +338,8 @@ def host_overhead(lines: list[str]) -> None:
     for extra in ([], ["--async-output-proc"], ["--async-scheduling"], ["--final-only", "--async-scheduling"]):
         command = [sys.executable, str(script), "--running", "64,256", "--prompt-len", "512", *extra]
         done = subprocess.run(command, capture_output=True, text=True)
-        emit(lines, f"\nhost overhead (forward stubbed) {' '.join(extra)}:\n" + done.stdout.strip())
+        failure = f"\nFAILED ({done.returncode}): {done.stderr.strip()[-1500:]}" if done.returncode else ""
+        emit(lines, f"\nhost overhead (forward stubbed) {' '.join(extra)}:\n" + done.stdout.strip() + failure)
 
 
 def main() -> None:

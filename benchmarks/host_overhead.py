@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import gzip
 import os
 import shutil
 import tempfile
@@ -43,13 +44,14 @@ from tokenloom import SamplingParams
 from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.config import EngineConfig
 from tokenloom.engine.llm_engine import LLMEngine
-from tokenloom.model.loader import resolve_checkpoint_dir
 from tokenloom.utils import cdiv, heap_frozen
 
 VOCAB = 49152
 
 
 def tiny_model_with_the_real_tokenizer(directory: Path) -> Path:
+    """The tokenizer is SmolLM2-135M-Instruct's as the engine converts it from the embedded GGUF, kept in
+    benchmarks/data: a GPU machine runs this without the embedded model (its GGUF is too large to carry there)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -58,9 +60,10 @@ def tiny_model_with_the_real_tokenizer(directory: Path) -> Path:
         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=2,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    real = resolve_checkpoint_dir(None)[1]
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(real / name, directory / name)
+    data = Path(__file__).parent / "data"
+    with gzip.open(data / "smollm2-tokenizer.json.gz") as packed, open(directory / "tokenizer.json", "wb") as out:
+        shutil.copyfileobj(packed, out)
+    shutil.copy(data / "smollm2-tokenizer_config.json", directory / "tokenizer_config.json")
     return directory
 
 

@@ -4,20 +4,13 @@ one, or rank 0 of a tensor-parallel group whose workers it starts (``make_runner
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
 from tokenloom.config import EngineConfig
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.parallel import TensorParallelGroup
-from tokenloom.model.parallel_runner import (
-    TensorParallelRunner,
-    TensorParallelWorkers,
-    WorkerSpec,
-    backend_for,
-    free_local_init_method,
-    rank_device,
-)
 from tokenloom.model.platform import resolve_dtype
 from tokenloom.model.quantization import calibration_for
 from tokenloom.model.runner import ModelRunner
@@ -33,7 +26,9 @@ def load_for_core(
     threads = config.model.num_threads or (max(1, (os.cpu_count() or 1) // size) if size > 1 else None)
     if threads is not None:
         torch.set_num_threads(threads)
-    device = rank_device(config.model.device, 0) if size > 1 else torch.device(config.model.device)
+    device = torch.device(config.model.device)
+    if size > 1:
+        device = parallel_runner().rank_device(config.model.device, 0)
     dtype = resolve_dtype(config.model.dtype, device)
     if loaded is None:
         group = TensorParallelGroup(rank=0, world_size=size)
@@ -68,7 +63,8 @@ def make_runner(
             quantization=config.model.quantization,
             calibration=calibration,
         )
-    spec = WorkerSpec(
+    tp = parallel_runner()
+    spec = tp.WorkerSpec(
         model=config.model.model,
         max_model_len=max_model_len,
         dtype=dtype,
@@ -78,11 +74,19 @@ def make_runner(
         num_swap_blocks=num_swap_blocks,
         seed=config.model.seed,
         world_size=size,
-        init_method=config.parallel.distributed_init_method or free_local_init_method(),
-        backend=backend_for(config.model.device, size),
+        init_method=config.parallel.distributed_init_method or tp.free_local_init_method(),
+        backend=tp.backend_for(config.model.device, size),
         num_threads=torch.get_num_threads(),
         attention_backend=config.model.attention_backend,
         kv_cache_dtype=config.cache.kv_cache_dtype,
         quantization=config.model.quantization,
     )
-    return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
+    return tp.TensorParallelRunner(loaded.model, tp.TensorParallelWorkers(spec), device, calibration)
+
+
+def parallel_runner() -> types.ModuleType:
+    """The tensor-parallel runner's module, imported only when there are ranks to run: it needs the IPC library
+    (pyzmq), which a GPU image running one rank may lack."""
+    from tokenloom.model import parallel_runner
+
+    return parallel_runner
