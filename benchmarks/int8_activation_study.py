@@ -17,6 +17,10 @@ model is counted over the positions after the prompts. The variants:
 With --ablation, where the loss is instead: W8A8 rotated everywhere but one kind of linear (q/k/v, o, gate/up, down),
 which keeps float activations (its weights still int8, rotated); and the LM head quantized as well (rotated int8
 weights, with float or int8 activations), which the engine leaves in bf16.
+
+With --per-layer, the other way round: rotated int8 weights with float activations everywhere (W8A16), and 8-bit
+activations in one kind of linear, or in one decoder layer, at a time; beside top-1, the mean KL divergence from the
+float32 model's next-token distribution (x 1e3), which adds up over where the loss comes from where top-1 flips.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=160)
     parser.add_argument("--ablation", action="store_true", help="which linears' 8-bit activations cost the most")
+    parser.add_argument("--per-layer", action="store_true", help="8-bit activations one kind, one layer at a time")
     parser.add_argument("--gptq", action="store_true", help="weights rounded by GPTQ against calibration inputs")
     parser.add_argument(
         "--calibration", choices=["engine", "sampled", "both"], default="engine",
@@ -104,20 +109,24 @@ def main() -> None:
         for prompt in PROMPTS:
             ids = tokenizer.encode(prompt)
             generated = model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False)[0]
-            sequences.append((generated, len(ids), model(generated[None]).logits[0].argmax(-1)))
+            sequences.append((generated, len(ids), torch.log_softmax(model(generated[None]).logits[0], -1)))
     linears = {name: m for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
     parents = {name: (model.model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) for name in linears}
     maxima = calibrate(model, tokenizer, linears)
     hessians = rotated_hessians(model, tokenizer, linears, args.calibration) if args.gptq else {}
 
-    def agreement() -> float:
+    def agreement() -> tuple[float, float]:
+        """Top-1 agreement, and the mean KL divergence (x 1e3) from the float32 model's distribution."""
         agree = total = 0
+        divergence = 0.0
         with torch.inference_mode():
             for ids, prompt_len, reference in sequences:
-                ours = model(ids[None]).logits[0].argmax(-1)
-                agree += int((ours[prompt_len:] == reference[prompt_len:]).sum())
+                ours = torch.log_softmax(model(ids[None]).logits[0], -1)[prompt_len:]
+                theirs = reference[prompt_len:]
+                agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+                divergence += float((theirs.exp() * (theirs - ours)).sum())
                 total += len(ids) - prompt_len
-        return agree / total
+        return agree / total, divergence / total * 1e3
 
     variants: dict[str, Callable[[str, torch.nn.Linear], torch.nn.Module]] = {
         "weights only": lambda n, m: FakeQuantLinear(m.weight, identity, identity),
@@ -132,6 +141,8 @@ def main() -> None:
     }
     if args.ablation:
         variants = ablations()
+    if args.per_layer:
+        variants = one_at_a_time(model.config.num_hidden_layers)
     if args.gptq:
         variants = {
             f"W8A8 rotated, GPTQ weights ({args.calibration} calibration)": lambda n, m: GptqLinear(
@@ -140,7 +151,7 @@ def main() -> None:
         }
     positions = sum(len(ids) - n for ids, n, _ in sequences)
     print(f"top-1 agreement with the float32 model over {positions} positions (float32 arithmetic)")
-    print("| variant | top-1 |\n|---|---:|")
+    print("| variant | top-1 | mean KL x 1e3 |\n|---|---:|---:|")
     for label, make in variants.items():
         for name, linear in linears.items():
             parent, attr = parents[name]
@@ -148,7 +159,8 @@ def main() -> None:
         head = model.lm_head
         if label.startswith("LM head"):
             model.lm_head = lm_head_variant(label, head)
-        print(f"| {label} | {agreement():.1%} |", flush=True)
+        top1, divergence = agreement()
+        print(f"| {label} | {top1:.1%} | {divergence:.2f} |", flush=True)
         model.lm_head = head
     for name, linear in linears.items():
         parent, attr = parents[name]
@@ -175,6 +187,26 @@ def ablations() -> dict[str, Callable[[str, torch.nn.Linear], torch.nn.Module]]:
         "LM head int8 weights, float activations (and W8A8 rotated)": lambda n, m: rotated(m, fake_tokens),
         "LM head W8A8 (and W8A8 rotated)": lambda n, m: rotated(m, fake_tokens),
     }
+    return variants
+
+
+def one_at_a_time(num_layers: int) -> dict[str, Callable[[str, torch.nn.Linear], torch.nn.Module]]:
+    """W8A16 rotated everywhere, then 8-bit activations in one kind of linear, or one layer, at a time."""
+
+    def int8_inputs_where(chosen: Callable[[str], bool]) -> Callable[[str, torch.nn.Linear], torch.nn.Module]:
+        return lambda n, m: rotated(m, fake_tokens if chosen(n) else identity)
+
+    def layer(name: str) -> int:
+        return int(name.split(".")[1])  # layers.<i>.self_attn.q_proj
+
+    variants = {
+        "W8A16 rotated": int8_inputs_where(lambda n: False),
+        "W8A8 rotated": int8_inputs_where(lambda n: True),
+    }
+    for kind, names in KINDS.items():
+        variants[f"8-bit inputs to {kind} only"] = int8_inputs_where(lambda n, kind=names: n.rsplit(".", 1)[1] in kind)
+    for i in range(num_layers):
+        variants[f"8-bit inputs in layer {i} only"] = int8_inputs_where(lambda n, i=i: layer(n) == i)
     return variants
 
 
