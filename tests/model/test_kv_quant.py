@@ -227,11 +227,22 @@ def test_the_same_memory_holds_about_twice_the_tokens_of_bf16(tiny_llama):
     assert layer_bytes * cfg.num_layers <= memory
 
 
-def test_the_triton_backend_refuses_an_8_bit_cache_at_start(tiny_llama):
-    with pytest.raises(ValueError, match=r"kv-cache-dtype int8.*Triton"):
-        LLM(str(tiny_llama), dtype="float32", kv_cache_dtype="int8", attention_backend="triton")
+def test_an_unknown_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig.from_kwargs(kv_cache_dtype="int4")
+
+
+def test_the_triton_backend_serves_an_8_bit_cache_with_chunks_preemption_and_prefix_hits(tiny_llama, alone):
+    """The Triton kernels write and read the same entries (under the interpreter here): each prompt's tokens are
+    those it gets alone on the default path. int8 only: the interpreter's float32-to-fp8 conversion is wrong where
+    rounding carries into the exponent (test_triton_attention.py), which the GPU's is not."""
+    name, expected = alone
+    if name != "int8":
+        pytest.skip("the interpreter's fp8 conversion is not the GPU's")
+    llm = LLM(str(tiny_llama), dtype="float32", kv_cache_dtype=name, attention_backend="triton", **PRESSURE)
+    assert greedy(llm) == expected
+    stats = llm.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.kv_blocks_in_use == 0
 
 
 def test_two_tensor_parallel_ranks_give_the_tokens_of_one(tiny_llama, alone):

@@ -25,10 +25,11 @@ assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler needs the kernel
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from tokenloom.model import triton_attention  # noqa: E402
+from tokenloom.model import kv_quant, triton_attention  # noqa: E402
 from tokenloom.model.step_inputs import TRITON_BLOCK_N  # noqa: E402
 
-TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+         torch.uint8: "u8"}  # fmt: skip
 # (query heads, KV heads, head size): SmolLM2-135M, Llama-3.1-8B, and a group that is not a power of two
 SHAPES = [(9, 3, 64), (32, 8, 128), (12, 2, 64)]
 STEPS = {  # (query tokens, context tokens) per sequence
@@ -71,37 +72,56 @@ def signature(kernel: Any, arguments: dict[str, Any]) -> tuple[dict[str, str], d
 
 
 def launch_as_the_engine_does(dtype: torch.dtype, block_size: int = 16) -> None:
-    """Call the backend's two entry points over every shape and step kind, on CPU tensors."""
+    """Call the backend's entry points over every shape and step kind, on CPU tensors: a cache of the model's
+    dtype, and (the SmolLM2 shape) each 8-bit format."""
     for num_heads, num_kv, head_dim in SHAPES:
-        for seqs in STEPS.values():
-            blocks = sum(-(-ctx // block_size) for _, ctx in seqs)
+        launch_over_the_cache(dtype, num_heads, num_kv, head_dim, block_size, None)
+    for fmt in kv_quant.FORMATS.values():
+        launch_over_the_cache(dtype, *SHAPES[0], block_size, fmt)
+
+
+def launch_over_the_cache(
+    dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int, block_size: int, fmt: kv_quant.KVFormat | None
+) -> None:
+    """Each step kind's launches over one cache: the model's dtype (fmt None) or an 8-bit format."""
+    for seqs in STEPS.values():
+        blocks = sum(-(-ctx // block_size) for _, ctx in seqs)
+        if fmt is None:
             cache_k = torch.zeros(blocks * block_size, num_kv * head_dim, dtype=dtype)
-            cache_v = torch.zeros_like(cache_k)
-            tables = torch.zeros(len(seqs), max(-(-ctx // block_size) for _, ctx in seqs), dtype=torch.int32)
-            loc, first = [0], 0
-            for s, (q_len, ctx) in enumerate(seqs):
-                count = -(-ctx // block_size)
-                tables[s, :count] = torch.arange(first, first + count)
-                first += count
-                loc.append(loc[-1] + q_len)
-            batch = triton_attention.FlatBatch(
-                query_start_loc=torch.tensor(loc, dtype=torch.int32),
-                context_lens=torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32),
-                block_tables=tables,
-                max_query_len=max(q for q, _ in seqs),
-                max_context_len=max(ctx for _, ctx in seqs),
-            )
-            tokens = loc[-1]
-            q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype)
-            out = torch.empty_like(q)
-            kv = torch.zeros(tokens, num_kv * head_dim, dtype=dtype)
-            slots = torch.arange(tokens, dtype=torch.int64)
+        else:
+            cache_k = torch.zeros(blocks * block_size, fmt.row_bytes(num_kv, head_dim), dtype=torch.uint8)
+        cache_v = torch.zeros_like(cache_k)
+        tables = torch.zeros(len(seqs), max(-(-ctx // block_size) for _, ctx in seqs), dtype=torch.int32)
+        loc, first = [0], 0
+        for s, (q_len, ctx) in enumerate(seqs):
+            count = -(-ctx // block_size)
+            tables[s, :count] = torch.arange(first, first + count)
+            first += count
+            loc.append(loc[-1] + q_len)
+        batch = triton_attention.FlatBatch(
+            query_start_loc=torch.tensor(loc, dtype=torch.int32),
+            context_lens=torch.tensor([ctx for _, ctx in seqs], dtype=torch.int32),
+            block_tables=tables,
+            max_query_len=max(q for q, _ in seqs),
+            max_context_len=max(ctx for _, ctx in seqs),
+        )
+        tokens = loc[-1]
+        q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype)
+        out = torch.empty_like(q)
+        kv = torch.zeros(tokens, num_kv * head_dim, dtype=dtype)
+        slots = torch.arange(tokens, dtype=torch.int64)
+        if fmt is None:
             triton_attention.write_kv(cache_k, cache_v, kv, kv, slots)
-            splits = triton_attention.split_count(batch, num_kv, TRITON_BLOCK_N, target_programs=132 * 4)
-            for num_splits in sorted({1, splits}):
-                triton_attention.unified_attention(
-                    q, cache_k, cache_v, batch, block_size, head_dim**-0.5, out, num_splits=num_splits
-                )
+        else:
+            triton_attention.write_kv_codes(
+                cache_k, cache_v, kv, kv, slots, fmt.kind, fmt.max_code, head_dim, block_size
+            )
+        splits = triton_attention.split_count(batch, num_kv, TRITON_BLOCK_N, target_programs=132 * 4)
+        for num_splits in sorted({1, splits}):
+            triton_attention.unified_attention(
+                q, cache_k, cache_v, batch, block_size, head_dim**-0.5, out, num_splits=num_splits,
+                kv_quant=0 if fmt is None else fmt.kind,
+            )  # fmt: skip
 
 
 def main() -> int:
@@ -109,7 +129,12 @@ def main() -> int:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: Hopper, H100/H200)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     args = parser.parse_args()
-    kernels = [triton_attention._attention_kernel, triton_attention._combine_kernel, triton_attention._write_kv_kernel]
+    kernels = [
+        triton_attention._attention_kernel,
+        triton_attention._combine_kernel,
+        triton_attention._write_kv_kernel,
+        triton_attention._write_kv_codes_kernel,
+    ]
     launches = record_launches(kernels)
     for name in args.dtypes.split(","):
         launch_as_the_engine_does(getattr(torch, name))

@@ -4,7 +4,6 @@ one, or rank 0 of a tensor-parallel group whose workers it starts (``make_runner
 from __future__ import annotations
 
 import os
-import types
 
 import torch
 
@@ -28,7 +27,9 @@ def load_for_core(
         torch.set_num_threads(threads)
     device = torch.device(config.model.device)
     if size > 1:
-        device = parallel_runner().rank_device(config.model.device, 0)
+        from tokenloom.model.parallel_runner import rank_device  # see make_runner
+
+        device = rank_device(config.model.device, 0)
     dtype = resolve_dtype(config.model.dtype, device)
     if loaded is None:
         group = TensorParallelGroup(rank=0, world_size=size)
@@ -63,8 +64,17 @@ def make_runner(
             quantization=config.model.quantization,
             calibration=calibration,
         )
-    tp = parallel_runner()
-    spec = tp.WorkerSpec(
+    # Imported only when there are ranks to run: the tensor-parallel runner needs the IPC library (pyzmq), which a
+    # GPU image serving one rank may lack (tests/engine/test_gpu_image_imports.py).
+    from tokenloom.model.parallel_runner import (
+        TensorParallelRunner,
+        TensorParallelWorkers,
+        WorkerSpec,
+        backend_for,
+        free_local_init_method,
+    )
+
+    spec = WorkerSpec(
         model=config.model.model,
         max_model_len=max_model_len,
         dtype=dtype,
@@ -74,19 +84,11 @@ def make_runner(
         num_swap_blocks=num_swap_blocks,
         seed=config.model.seed,
         world_size=size,
-        init_method=config.parallel.distributed_init_method or tp.free_local_init_method(),
-        backend=tp.backend_for(config.model.device, size),
+        init_method=config.parallel.distributed_init_method or free_local_init_method(),
+        backend=backend_for(config.model.device, size),
         num_threads=torch.get_num_threads(),
         attention_backend=config.model.attention_backend,
         kv_cache_dtype=config.cache.kv_cache_dtype,
         quantization=config.model.quantization,
     )
-    return tp.TensorParallelRunner(loaded.model, tp.TensorParallelWorkers(spec), device, calibration)
-
-
-def parallel_runner() -> types.ModuleType:
-    """The tensor-parallel runner's module, imported only when there are ranks to run: it needs the IPC library
-    (pyzmq), which a GPU image running one rank may lack."""
-    from tokenloom.model import parallel_runner
-
-    return parallel_runner
+    return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)

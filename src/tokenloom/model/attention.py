@@ -86,6 +86,12 @@ def write_kv(
     which needs head_dim."""
     if meta is not None and meta.kv_format is not None:
         assert head_dim > 0, "an 8-bit cache quantizes per head"
+        fmt = meta.kv_format
+        if meta.flat is not None:  # both caches in one launch, padded rows (slot -1) skipped
+            triton_attention.write_kv_codes(
+                cache_k, cache_v, k, v, slots, fmt.kind, fmt.max_code, head_dim, meta.block_size
+            )
+            return
         kv_quant.write(cache_k, k, slots, meta.kv_format, head_dim, meta.block_size)
         kv_quant.write(cache_v, v, slots, meta.kv_format, head_dim, meta.block_size)
         return
@@ -156,9 +162,11 @@ def paged_attention(
     """q: [T, heads, d]; k, v: [T, kv_heads * d] (this step's, already in the cache). Returns [T, heads, d]."""
     out = torch.empty_like(q)
     if meta.flat is not None:
+        kv_quant_kind = 0 if meta.kv_format is None else meta.kv_format.kind
         return triton_attention.unified_attention(
-            q, cache_k, cache_v, meta.flat, meta.block_size, scale, out, num_splits=meta.num_splits
-        )
+            q, cache_k, cache_v, meta.flat, meta.block_size, scale, out, num_splits=meta.num_splits,
+            kv_quant=kv_quant_kind,
+        )  # fmt: skip
     ws, block_size, fmt = meta.workspace, meta.block_size, meta.kv_format
     head_dim = q.shape[-1]
 

@@ -108,7 +108,7 @@ class ModelRunner:
         cfg = model.config
         self.attention_backend = resolve_backend(attention_backend, device, dtype)
         self.kv_format = kv_format(kv_cache_dtype)
-        check_kv_format(self.kv_format, self.attention_backend)
+        check_kv_format(self.kv_format, self.attention_backend, device)
         row, cache_dtype = self._cache_row()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_kv_cache(num_kv_blocks)
@@ -416,12 +416,14 @@ class ModelRunner:
         return generator
 
 
-def check_kv_format(fmt: KVFormat | None, backend: str) -> None:
+def check_kv_format(fmt: KVFormat | None, backend: str, device: torch.device) -> None:
     """An 8-bit cache needs kernels that read it: refused at start, never a silent fallback to another path."""
-    if fmt is not None and backend == "triton":
+    if fmt is None or backend != "triton" or fmt.code_dtype == torch.int8 or device.type != "cuda":
+        return
+    if torch.cuda.get_device_capability(device) < (8, 9):  # fp8 conversions came with Ada and Hopper
         raise ValueError(
-            f"--kv-cache-dtype {fmt.name}: the Triton attention kernels read only a cache of the model's dtype; "
-            "use --kv-cache-dtype auto, or --attention-backend torch or cpu"
+            f"--kv-cache-dtype {fmt.name}: the Triton kernels' fp8 codes need a GPU of compute capability 8.9 or "
+            f"newer (this one: {torch.cuda.get_device_name(device)}); use --kv-cache-dtype int8"
         )
 
 

@@ -13,6 +13,11 @@ online softmax in float32, and stops at the tile's last causal key. With ``num_s
 long contexts would leave most of a GPU's SMs idle) each program takes one share of the keys and writes its partial
 output and log-sum-exp; a second launch combines the shares.
 
+An 8-bit cache (kv_quant.py: each (token, KV head) an entry of d codes and a float32 scale, laid out head by head
+inside each block) is read the same way, ``kv_quant`` saying which codes (1 int8, 2 fp8 e4m3, 3 fp8 e5m2): each
+tile's codes are multiplied by their scales as they are loaded, so the cache is never widened in memory; and
+``write_kv_codes`` quantizes a step's K and V into their entries in one launch, as kv_quant.write does.
+
 Written for CUDA; on CPU tensors it runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests
 check it against the plain-PyTorch path (in float32: the interpreter's bf16 dot is not exact).
 """
@@ -23,6 +28,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from tokenloom.model.config import SCALE_BYTES
 
 try:  # Triton ships with CUDA builds of torch; the CPU build may lack it (then this backend is unavailable)
     import triton
@@ -78,11 +85,14 @@ def unified_attention(
     num_splits: int = 1,
     block_q: int = 16,
     block_n: int = 32,
+    kv_quant: int = 0,
 ) -> torch.Tensor:
-    """q, out: [T, heads, d]; cache_k, cache_v: [slots, kv_heads * d]. Writes and returns out."""
+    """q, out: [T, heads, d]; cache_k, cache_v: [slots, kv_heads * d], or with kv_quant (an 8-bit cache's
+    KVFormat.kind) [slots, kv_heads * (d + 4)] bytes. Writes and returns out."""
     assert triton is not None, "the Triton attention backend needs Triton"
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = cache_k.shape[1] // head_dim
+    num_kv_heads = cache_k.shape[1] // (head_dim + SCALE_BYTES if kv_quant else head_dim)
+    assert not kv_quant or (cache_k.dtype == torch.uint8 and head_dim % SCALE_BYTES == 0), "entries of bytes"
     assert num_heads % num_kv_heads == 0 and cache_k.shape == cache_v.shape
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and cache_k.stride(-1) == 1 and cache_v.stride(-1) == 1
     group = num_heads // num_kv_heads
@@ -100,7 +110,7 @@ def unified_attention(
         stride_qt=q.stride(0), stride_qh=q.stride(1), stride_kv=cache_k.stride(0),
         stride_bt=batch.block_tables.stride(0),
         scale=scale, block_size=block_size, head_dim=head_dim, group=group, num_splits=num_splits,
-        BLOCK_Q=block_q, BLOCK_N=block_n, GROUP_P=group_p, HEAD_P=head_p,
+        BLOCK_Q=block_q, BLOCK_N=block_n, GROUP_P=group_p, HEAD_P=head_p, KV_QUANT=kv_quant,
     )  # fmt: skip
     if num_splits == 1:
         _attention_kernel[grid](
@@ -135,6 +145,34 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: t
     )
 
 
+def write_kv_codes(
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    kind: int,
+    max_code: float,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    """This step's K and V quantized into their entries of an 8-bit cache, both in one launch: the bytes
+    kv_quant.write leaves (the same scales and codes, rounded to nearest even). k, v: [T, kv_heads * d]."""
+    assert triton is not None
+    k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
+    num_tokens, row = k.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = row // head_dim
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cache_k.stride() == cache_v.stride()
+    assert cache_k.shape[1] == num_kv_heads * (head_dim + SCALE_BYTES) and head_dim % SCALE_BYTES == 0
+    _write_kv_codes_kernel[(num_tokens,)](
+        k, v, cache_k, cache_v, slots, k.stride(0), v.stride(0), cache_k.stride(0), block_size, num_kv_heads,
+        head_dim, 1.0 / max_code, max_code, KV_QUANT=kind, HEADS_P=_next_power_of_2(num_kv_heads),
+        HEAD_P=_next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
 if triton is not None:
 
     @triton.jit
@@ -144,7 +182,7 @@ if triton is not None:
         stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
         scale, block_size, head_dim, group, num_splits,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_P: tl.constexpr, HEAD_P: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, KV_QUANT: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -181,7 +219,7 @@ if triton is not None:
         for tile in range(first_tile, end_tile):
             m_i, l_i, acc = _attend_tile(
                 q, K, V, BT + seq * stride_bt, m_i, l_i, acc, tile * BLOCK_N + keys, ctx_len, query_pos, row_ok,
-                kv_head * head_dim + dims, dim_ok, stride_kv, block_size, scale,
+                kv_head, dims, dim_ok, head_dim, stride_kv, block_size, scale, KV_QUANT,
             )  # fmt: skip
 
         out_rows = q_start + token
@@ -200,17 +238,22 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(
-        q, K, V, table, m_i, l_i, acc, key_pos, ctx_len, query_pos, row_ok, columns, dim_ok, stride_kv, block_size,
-        scale,
+        q, K, V, table, m_i, l_i, acc, key_pos, ctx_len, query_pos, row_ok, kv_head, dims, dim_ok, head_dim,
+        stride_kv, block_size, scale, KV_QUANT: tl.constexpr,
     ):  # fmt: skip
         """One tile of keys, read in place through the sequence's block table, folded into the online softmax."""
         key_ok = key_pos < ctx_len
         block = tl.load(table + key_pos // block_size, mask=key_ok, other=0)
-        slot = block.to(tl.int64) * block_size + key_pos % block_size
-        kv_offsets = slot[:, None] * stride_kv + columns[None, :]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(K + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_offsets, mask=kv_mask, other=0.0)
+        if KV_QUANT == 0:
+            slot = block.to(tl.int64) * block_size + key_pos % block_size
+            kv_offsets = slot[:, None] * stride_kv + (kv_head * head_dim + dims)[None, :]
+            k = tl.load(K + kv_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(V + kv_offsets, mask=kv_mask, other=0.0)
+        else:
+            entry = _entry_offset(block.to(tl.int64), key_pos % block_size, kv_head, head_dim, stride_kv, block_size)
+            k = _read_entries(K, entry, dims, kv_mask, key_ok, head_dim, KV_QUANT).to(q.dtype)
+            v = _read_entries(V, entry, dims, kv_mask, key_ok, head_dim, KV_QUANT).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         visible = (key_pos[None, :] <= query_pos[:, None]) & key_ok[None, :] & row_ok[:, None]
         scores = tl.where(visible, scores, float("-inf"))
@@ -221,6 +264,66 @@ if triton is not None:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _entry_offset(block, in_block, kv_head, head_dim, stride_row, block_size):
+        """Byte offset of a (slot, KV head) entry of an 8-bit cache: blocks of rows, each head's entries together."""
+        entry_bytes = head_dim + 4
+        return block * block_size * stride_row + kv_head * block_size * entry_bytes + in_block * entry_bytes
+
+    @triton.jit
+    def _code_pointer(CACHE, offsets, KV_QUANT: tl.constexpr):
+        if KV_QUANT == 1:
+            return (CACHE + offsets).to(tl.pointer_type(tl.int8))
+        elif KV_QUANT == 2:
+            return (CACHE + offsets).to(tl.pointer_type(tl.float8e4nv))
+        else:
+            return (CACHE + offsets).to(tl.pointer_type(tl.float8e5))
+
+    @triton.jit
+    def _read_entries(CACHE, entry, dims, mask, key_ok, head_dim, KV_QUANT: tl.constexpr):
+        """A tile of keys' codes times their scales, in float32; masked keys read as zeros."""
+        codes = tl.load(_code_pointer(CACHE, entry[:, None] + dims[None, :], KV_QUANT), mask=mask, other=0.0)
+        scales = tl.load((CACHE + entry + head_dim).to(tl.pointer_type(tl.float32)), mask=key_ok, other=0.0)
+        return codes.to(tl.float32) * scales[:, None]
+
+    @triton.jit
+    def _write_kv_codes_kernel(
+        K, V, CK, CV, SLOTS, stride_k, stride_v, stride_c, block_size, num_kv_heads, head_dim, inv_max_code,
+        max_code, KV_QUANT: tl.constexpr, HEADS_P: tl.constexpr, HEAD_P: tl.constexpr,
+    ):  # fmt: skip
+        token = tl.program_id(0)
+        slot = tl.load(SLOTS + token).to(tl.int64)
+        if slot >= 0:  # slot -1: a padded row of a CUDA graph, nothing to write
+            heads = tl.arange(0, HEADS_P)
+            dims = tl.arange(0, HEAD_P)
+            head_ok = heads < num_kv_heads
+            ok = head_ok[:, None] & (dims[None, :] < head_dim)
+            entry = _entry_offset(slot // block_size, slot % block_size, heads, head_dim, stride_c, block_size)
+            columns = heads[:, None] * head_dim + dims[None, :]
+            _write_entries(K + token * stride_k + columns, CK, entry, dims, ok, head_ok, head_dim, inv_max_code,
+                           max_code, KV_QUANT)  # fmt: skip
+            _write_entries(V + token * stride_v + columns, CV, entry, dims, ok, head_ok, head_dim, inv_max_code,
+                           max_code, KV_QUANT)  # fmt: skip
+
+    @triton.jit
+    def _write_entries(
+        values_ptrs, CACHE, entry, dims, ok, head_ok, head_dim, inv_max_code, max_code, KV_QUANT: tl.constexpr
+    ):
+        """One token's heads: scale = max |value| / max code (1 for a head of zeros), codes = value / scale rounded
+        to nearest even, in kv_quant.encode's float32 operations (an IEEE reciprocal, then a product)."""
+        values = tl.load(values_ptrs, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(values), 1)
+        scale = tl.where(amax > 0.0, amax * inv_max_code, 1.0)
+        inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        scaled = tl.minimum(tl.maximum(values * inverse[:, None], -max_code), max_code)
+        code_ptrs = _code_pointer(CACHE, entry[:, None] + dims[None, :], KV_QUANT)
+        if KV_QUANT == 1:
+            # 1.5 * 2^23 added and taken away: float32 addition rounds the fraction off, to nearest even
+            tl.store(code_ptrs, ((scaled + 12582912.0) - 12582912.0).to(tl.int8), mask=ok)
+        else:
+            tl.store(code_ptrs, scaled.to(code_ptrs.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
+        tl.store((CACHE + entry + head_dim).to(tl.pointer_type(tl.float32)), scale, mask=head_ok)
 
     @triton.jit
     def _combine_kernel(
