@@ -1,21 +1,25 @@
 """The engine on a CUDA device: greedy tokens against transformers in float32, and offline speed.
 
     python benchmarks/gpu_check.py --device cuda [--out gpu.md] [--quick] [--tensor-parallel 2] [--skip-speed]
-        [--models smollm2,llama8b] [--backends torch,triton]
+        [--models smollm2,llama8b] [--backends torch,triton] [--budget-s 560]
 
-Needs only torch, transformers, safetensors, numpy, rich and Triton (what a GPU image has), with ``src`` on
-PYTHONPATH; no weights: the correctness cases use tiny random checkpoints of two architectures (every attention
-backend, eager and compiled), and the speed runs random models of SmolLM2-135M's and Llama-3.1-8B's shapes in
-bf16 (speed does not depend on the values of the weights) on mixed-64 and nano-vllm's workload (256 requests,
-input and output lengths uniform in 100-1,024), plus batch-1 decode of the 8B shape against the HBM roofline (weight
-bytes over the measured copy bandwidth) and the host's time per step; bf16 top-1 agreement with float32
-transformers on the tiny checkpoints, teacher-forced. CI never runs it; on CPU tensors it runs
-as a smoke test with ``TRITON_INTERPRET=1 --device cpu --quick``.
+Needs only torch, transformers, safetensors, numpy, rich and Triton (what the H200 image has; not pyzmq, which only
+--tensor-parallel needs), with ``src`` on PYTHONPATH; no weights: the correctness cases use tiny random checkpoints
+of two architectures (every attention backend, eager and compiled; an int8 and an fp8 KV cache too), and the speed
+runs random models of SmolLM2-135M's and Llama-3.1-8B's shapes in bf16 (speed does not depend on the values of the
+weights) on mixed-64 and nano-vllm's workload (256 requests, input and output lengths uniform in 100-1,024), plus
+continuous against static batching and the GPU's busy share under torch.profiler (SmolLM2's shape), batch-1 decode
+of the 8B shape against the HBM roofline (weight bytes over the measured copy bandwidth), the host's time per step
+(host_overhead.py), and the 8B shape with 8-bit caches; bf16 top-1 agreement with float32 transformers on the tiny
+checkpoints, teacher-forced. No speed run starts after --budget-s seconds (a skipped one is listed as such), so the
+report comes back whole within the device tool's 600-second limit. Every row is written to --out as it is measured.
+CI never runs it; on CPU tensors it runs as a smoke test with ``TRITON_INTERPRET=1 --device cpu --quick``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import random
@@ -62,6 +66,7 @@ ENGINE_CASES = {
 
 
 OUT: Path | None = None
+DEADLINE = math.inf  # --budget-s from the start: no speed run starts after it
 
 
 def emit(lines: list[str], line: str) -> None:
@@ -139,7 +144,8 @@ def check_correctness(root: Path, device: str, backends: list[str], lines: list[
         expected = oracle_tokens(path, prompts, 12, device)
         for case, knobs in ENGINE_CASES.items():
             for backend in backends:
-                for eager in (True, False):
+                # The plain path compiled is no one's default on a GPU (Triton is): eager, as the reference, will do.
+                for eager in (True, False) if backend != "torch" else (True,):
                     llm = LLM(str(path), device=device, dtype="float32", enforce_eager=eager,
                               attention_backend=backend, **knobs)  # fmt: skip
                     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
@@ -237,7 +243,7 @@ def check_8bit_cache(root: Path, device: str, backends: list[str], lines: list[s
     for name in formats:
         expected = None
         for backend in ["torch", *(b for b in backends if b != "torch")]:
-            for eager in (True, False):
+            for eager in (True, False) if backend != "torch" else (True,):
                 llm = LLM(str(path), device=device, dtype="float32", enforce_eager=eager, attention_backend=backend,
                           kv_cache_dtype=name, **ENGINE_CASES["chunked + preempted"])  # fmt: skip
                 outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
@@ -261,13 +267,19 @@ def nano_vllm_workload(num_requests: int, seed: int, vocab: int):
     return Workload(prompts, [rng.randint(100, 1024) for _ in range(num_requests)])
 
 
+SPEED_HEADER = """| model shape | workload | attention | step | start-up s | seconds | output tok/s | prompt tok |
+|---|---|---|---|---:|---:|---:|---:|"""
+
+
 def measure_speed(root: Path, device: str, quick: bool, models: list[str], backends: list[str], lines: list[str]):
-    lines += [
-        "",
-        "| model shape | workload | attention | step | start-up s | seconds | output tok/s | prompt tok |",
-        "|---|---|---|---|---:|---:|---:|---:|",
-    ]
+    """Each shape's runs in the order the issue needs them, so a run stopped by --budget-s loses the least: the
+    Triton step eager and graphed, asynchronous scheduling, then the plain path (SmolLM2's shape only: the 8B shape's
+    gathers would take minutes), continuous against static batching and the GPU's busy share (SmolLM2's shape), the
+    8B shape's batch-1 roofline, and last the 8-bit caches (issue 24)."""
+    lines += ["", SPEED_HEADER]
     for name in models:
+        if out_of_time(lines, f"{name} | every run", needs=120.0):  # its random checkpoint alone takes a while
+            continue
         config = dict(MODELS[name], num_hidden_layers=2) if quick else MODELS[name]
         path = save_random_checkpoint("llama", config, root / f"{name}-shape", torch.bfloat16)
         workloads = [("mixed-64", mixed_workload(64, 0, config["vocab_size"]), 64, 2048)]
@@ -275,31 +287,53 @@ def measure_speed(root: Path, device: str, quick: bool, models: list[str], backe
         for label, work, seqs, budget in workloads:
             if quick:
                 work.prompts, work.max_tokens = [p[:64] for p in work.prompts[:4]], [4] * 4
-            for backend in backends:
-                for eager in (True, False):
-                    run_one(lines, device, path, name, label, work, seqs, budget, backend, eager)
-            if name == "smollm2" and "triton" in backends:  # where the host's share of a step is largest
-                run_one(lines, device, path, name, label, work, seqs, budget, "triton", False, overlap=False)
+            run = functools.partial(run_one, lines, device, path, name, label, work, seqs, budget)
+            others = [b for b in backends if b != "triton" and (name == "smollm2" or quick)]
             if "triton" in backends:
-                run_one(lines, device, path, name, label, work, seqs, budget, "triton", False, ahead=True)
-            if "triton" in backends and label == "nano-vllm-256" and (name == "llama8b" or quick):
-                for kv_dtype in ("int8", "fp8_e4m3"):  # issue 24: an 8-bit cache where KV bytes weigh most
-                    run_one(lines, device, path, name, label, work, seqs, budget, "triton", False, ahead=True,
-                            kv_dtype=kv_dtype)  # fmt: skip
+                run("triton", eager=True)
+                run("triton", eager=False)
+                run("triton", eager=False, ahead=True)
+                if name == "smollm2":  # where the host's share of a step is largest
+                    run("triton", eager=False, overlap=False)
+            for backend in others:
+                run(backend, eager=True)
+                run(backend, eager=False)
+        if name == "smollm2" and "triton" in backends:
+            label, work, seqs, budget = workloads[0]
+            run_one(lines, device, path, name, label, work, seqs, budget, "triton", eager=False, batching="static")
+            gpu_busy_share(lines, device, path, quick)
         if name == "llama8b" and not quick:
             batch_one_roofline(lines, device, path, config)
+        if "triton" in backends and (name == "llama8b" or quick):
+            # Issue 24: an 8-bit cache where KV bytes weigh most
+            label, work, seqs, budget = workloads[-1]
+            emit(lines, "\n" + SPEED_HEADER)
+            for kv_dtype in ("int8", "fp8_e4m3"):
+                run_one(lines, device, path, name, label, work, seqs, budget, "triton", eager=False, ahead=True,
+                        kv_dtype=kv_dtype)  # fmt: skip
         shutil.rmtree(path, ignore_errors=True)
 
 
+def out_of_time(lines: list[str], what: str, needs: float = 45.0) -> bool:
+    """Whether --budget-s leaves too little for one more measurement; says so in the report."""
+    if time.monotonic() + needs < DEADLINE:
+        return False
+    emit(lines, f"| {what} | skipped: the time budget (--budget-s) is spent |")
+    return True
+
+
 def run_one(
-    lines, device, path, name, label, work, seqs, budget, backend, eager, overlap=None, ahead=False, kv_dtype="auto"
-) -> None:
+    lines, device, path, name, label, work, seqs, budget, backend, eager, overlap=None, ahead=False, kv_dtype="auto",
+    batching="continuous",
+) -> None:  # fmt: skip
     """overlap: asynchronous output processing (None: the engine's default, on for an accelerator); ahead:
     asynchronous scheduling; kv_dtype: --kv-cache-dtype."""
+    if out_of_time(lines, f"{name} | {label} | {backend}"):
+        return
     started = time.perf_counter()
     llm = LLM(str(path), device=device, dtype="bfloat16", enforce_eager=eager, attention_backend=backend,
               max_num_seqs=seqs, max_num_batched_tokens=budget, async_output_proc=overlap,
-              async_scheduling=ahead, kv_cache_dtype=kv_dtype)  # fmt: skip
+              async_scheduling=ahead, kv_cache_dtype=kv_dtype, batching=batching)  # fmt: skip
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [7] * 40}] * 2, warm, use_tqdm=False)
     startup = time.perf_counter() - started
@@ -316,6 +350,7 @@ def run_one(
         else ", outputs read after the next launch" if core.overlaps_outputs else ", outputs read in step"
     )  # fmt: skip
     step += "" if kv_dtype == "auto" else f", {kv_dtype} KV cache"
+    step += "" if batching == "continuous" else f", {batching} batching"
     emit(
         lines,
         f"| {name} | {label} | {backend} | {step} | {startup:.1f} | {seconds:.2f} | "
@@ -324,6 +359,45 @@ def run_one(
     del llm
     gc.collect()
     if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def gpu_busy_share(lines: list[str], device: str, path: Path, quick: bool) -> None:
+    """How much of a decode-heavy stretch the GPU is busy: 64 requests of 128 prompt tokens and 64 new ones, Triton
+    graphed, outputs read in step and with asynchronous scheduling, under torch.profiler recording CUDA activity
+    alone (no host-side tracing to slow the host); busy = the union of kernel and copy intervals over the span from
+    the first to the last."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not device.startswith("cuda"):
+        emit(lines, "\nGPU busy share: needs CUDA (skipped)")
+        return
+    prompts = [{"prompt_token_ids": [(97 * i + j) % 40000 + 100 for j in range(128)]} for i in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=8 if quick else 64, ignore_eos=True)
+    for ahead in (False, True):
+        if out_of_time(lines, f"GPU busy share, async scheduling {ahead}"):
+            return
+        llm = LLM(str(path), device=device, dtype="bfloat16", enforce_eager=False, max_num_seqs=64,
+                  async_scheduling=ahead)  # fmt: skip
+        llm.generate(prompts[:2], params, use_tqdm=False)
+        synchronize(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, params, use_tqdm=False)
+            synchronize(device)
+        spans = sorted(
+            (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
+        )
+        busy, reach = 0.0, -math.inf
+        for start, end in spans:
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        total = (reach - spans[0][0]) if spans else 0.0
+        share = f"{100 * busy / total:.0f}% busy over {total / 1e3:.0f} ms" if total > 0 else "no CUDA events seen"
+        mode = "async scheduling" if ahead else "outputs read after the next launch"
+        emit(lines, f"\nGPU busy share, SmolLM2 shape, 64 x (128 + 64) tokens, graphed, {mode}: {share}")
+        del llm
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -386,7 +460,7 @@ def host_overhead(lines: list[str]) -> None:
     import subprocess
 
     script = Path(__file__).with_name("host_overhead.py")
-    for extra in ([], ["--async-output-proc"], ["--async-scheduling"], ["--final-only", "--async-scheduling"]):
+    for extra in (["--async-output-proc"], ["--async-scheduling"]):  # the default on a GPU, and the step ahead
         command = [sys.executable, str(script), "--running", "64,256", "--prompt-len", "512", *extra]
         done = subprocess.run(command, capture_output=True, text=True)
         failure = f"\nFAILED ({done.returncode}): {done.stderr.strip()[-1500:]}" if done.returncode else ""
@@ -402,9 +476,12 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true", help="correctness only")
     parser.add_argument("--models", default="smollm2,llama8b", help=f"speed on these shapes: {', '.join(MODELS)}")
     parser.add_argument("--backends", default="torch,triton", help="attention backends to check and time")
+    parser.add_argument("--budget-s", type=float, default=560.0,
+                        help="no speed run starts after this many seconds (the device tool stops a command at 600)")
     args = parser.parse_args()
-    global OUT
+    global OUT, DEADLINE
     OUT = args.out
+    DEADLINE = time.monotonic() + args.budget_s
     # Every engine here compiles the same model class anew; dynamo's default limit of recompilations per code
     # object (8) is reached after a few engines in one process.
     for name in ("recompile_limit", "cache_size_limit"):
@@ -420,8 +497,8 @@ def main() -> None:
         if args.tensor_parallel > 1:
             ok &= check_tensor_parallel(Path(tmp), args.device, args.tensor_parallel, lines)
         if not args.skip_speed:
+            host_overhead(lines)  # before the speed runs, which stop themselves at the time budget
             measure_speed(Path(tmp), args.device, args.quick, args.models.split(","), backends, lines)
-            host_overhead(lines)
     emit(lines, f"\ncorrectness: {'all equal' if ok else 'MISMATCH'}")
     sys.exit(0 if ok else 1)
 
