@@ -92,8 +92,8 @@ def write_kv(
                 cache_k, cache_v, k, v, slots, fmt.kind, fmt.max_code, head_dim, meta.block_size
             )
             return
-        kv_quant.write(cache_k, k, slots, meta.kv_format, head_dim, meta.block_size)
-        kv_quant.write(cache_v, v, slots, meta.kv_format, head_dim, meta.block_size)
+        kv_quant.write(cache_k, k, slots, fmt, head_dim, meta.block_size)
+        kv_quant.write(cache_v, v, slots, fmt, head_dim, meta.block_size)
         return
     if meta is not None and meta.flat is not None:  # both caches in one launch
         triton_attention.write_kv(cache_k, cache_v, k, v, slots)

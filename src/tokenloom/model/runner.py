@@ -417,7 +417,8 @@ class ModelRunner:
 
 
 def check_kv_format(fmt: KVFormat | None, backend: str, device: torch.device) -> None:
-    """An 8-bit cache needs kernels that read it: refused at start, never a silent fallback to another path."""
+    """An 8-bit cache on a path that cannot run it is refused at start, never a silent fallback to another path: every
+    backend reads every format, but the Triton kernels' fp8 conversions need an Ada or Hopper GPU."""
     if fmt is None or backend != "triton" or fmt.code_dtype == torch.int8 or device.type != "cuda":
         return
     if torch.cuda.get_device_capability(device) < (8, 9):  # fp8 conversions came with Ada and Hopper
