@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -324,7 +323,7 @@ def test_attention_over_an_8_bit_cache_equals_attention_over_its_decoded_values(
     torch.testing.assert_close(out, expected)
 
 
-def test_every_kernel_compiles_for_a_hopper_gpu():
+def test_every_kernel_compiles_for_a_hopper_gpu(tmp_path):
     """The interpreter never compiles a kernel: each specialization the engine launches (SmolLM2's and
     Llama-3.1-8B's head shapes, decode, prefill and mixed steps, split-K, bf16 and float32, each 8-bit cache) is
     compiled here for
@@ -334,7 +333,7 @@ def test_every_kernel_compiles_for_a_hopper_gpu():
         pytest.skip("this Triton wheel ships no ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(tokenloom.__file__).parents[1]), env.get("PYTHONPATH", "")])
-    env["TRITON_CACHE_DIR"] = str(Path(tempfile.mkdtemp(prefix="triton-aot-")))
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
     script = Path(__file__).with_name("triton_aot_compile.py")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
