@@ -12,7 +12,8 @@ continuous against static batching and the GPU's busy share under torch.profiler
 of the 8B shape against the HBM roofline (weight bytes over the measured copy bandwidth), the host's time per step
 (host_overhead.py), and the 8B shape with 8-bit caches; bf16 top-1 agreement with float32 transformers on the tiny
 checkpoints, teacher-forced. No speed run starts after --budget-s seconds (a skipped one is listed as such), so the
-report comes back whole within the device tool's 600-second limit. Every row is written to --out as it is measured.
+report comes back whole within the device tool's 600-second limit. Every row is written to --out as it is measured;
+a configuration that raises becomes a FAILED row (its traceback on stderr) and the run goes on.
 CI never runs it; on CPU tensors it runs as a smoke test with ``TRITON_INTERPRET=1 --device cpu --quick``.
 """
 
@@ -27,7 +28,10 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -67,6 +71,8 @@ ENGINE_CASES = {
 
 OUT: Path | None = None
 DEADLINE = math.inf  # --budget-s from the start: no speed run starts after it
+FAILURES: list[str] = []  # what raised (guarded): the run is not all equal
+T = TypeVar("T")
 
 
 def emit(lines: list[str], line: str) -> None:
@@ -75,6 +81,21 @@ def emit(lines: list[str], line: str) -> None:
     print(line, flush=True)
     if OUT is not None:
         OUT.write_text("\n".join(lines) + "\n")
+
+
+def guarded(lines: list[str], what: str, measure: Callable[[], T]) -> T | None:
+    """measure(), or None where it raised: its error becomes a row of the report (and its traceback goes to
+    stderr) and the run goes on, so one broken configuration on a lent GPU costs its own row, not the rest."""
+    try:
+        return measure()
+    except Exception as error:
+        traceback.print_exc()
+        FAILURES.append(what)
+        emit(lines, f"| {what} | FAILED: {type(error).__name__}: {' '.join(str(error).split())[:300]} |")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
 
 
 def save_random_checkpoint(arch: str, config: dict, directory: Path, dtype: torch.dtype) -> Path:
@@ -136,7 +157,6 @@ def check_tensor_parallel(root: Path, device: str, size: int, lines: list[str]) 
 def check_correctness(root: Path, device: str, backends: list[str], lines: list[str]) -> bool:
     rng = random.Random(0)
     prompts = [[rng.randrange(511) for _ in range(rng.randint(3, 60))] for _ in range(10)]
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     all_ok = True
     lines += ["| architecture | engine case | attention | step | tokens equal transformers' |", "|---|---|---|---|---|"]
     for arch in ("llama", "qwen3"):
@@ -146,15 +166,23 @@ def check_correctness(root: Path, device: str, backends: list[str], lines: list[
             for backend in backends:
                 # The plain path compiled is no one's default on a GPU (Triton is): eager, as the reference, will do.
                 for eager in (True, False) if backend != "torch" else (True,):
-                    llm = LLM(str(path), device=device, dtype="float32", enforce_eager=eager,
-                              attention_backend=backend, **knobs)  # fmt: skip
-                    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-                    got = [o.outputs[0].token_ids for o in outputs]
-                    same = sum(g == e for g, e in zip(got, expected, strict=True))
-                    all_ok &= same == len(prompts)
                     step = "eager" if eager else ("compiled + decode graphs" if backend == "triton" else "compiled")
-                    emit(lines, f"| {arch} | {case} | {backend} | {step} | {same}/{len(prompts)} |")
+                    row = f"{arch} | {case} | {backend} | {step}"
+                    engine = dict(knobs, enforce_eager=eager, attention_backend=backend)
+                    check = functools.partial(greedy_matches, path, device, prompts, expected, engine)
+                    same = guarded(lines, row, check)
+                    all_ok &= same == len(prompts)
+                    if same is not None:
+                        emit(lines, f"| {row} | {same}/{len(prompts)} |")
     return all_ok
+
+
+def greedy_matches(path: Path, device: str, prompts: list[list[int]], expected: list[list[int]], knobs: dict) -> int:
+    """How many prompts' 12 greedy float32 tokens from an engine built with knobs equal the expected ones."""
+    llm = LLM(str(path), device=device, dtype="float32", **knobs)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    return sum(o.outputs[0].token_ids == e for o, e in zip(outputs, expected, strict=True))
 
 
 def check_bf16_agreement(root: Path, device: str, backends: list[str], lines: list[str]) -> bool:
@@ -233,29 +261,36 @@ def check_8bit_cache(root: Path, device: str, backends: list[str], lines: list[s
             triton_attention.write_kv_codes(caches[0], caches[1], k, v, slots, fmt.kind, fmt.max_code, 128, 16)
             kv_quant.write(caches[2], k, slots, fmt, 128, 16)
             kv_quant.write(caches[3], v, slots, fmt, 128, 16)
-            same = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-            all_ok &= same
-            emit(lines, f"| {name} | Triton write = PyTorch write, bytes | {'equal' if same else 'DIFFERENT'} |")
+            equal = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+            all_ok &= equal
+            emit(lines, f"| {name} | Triton write = PyTorch write, bytes | {'equal' if equal else 'DIFFERENT'} |")
     rng = random.Random(5)
     prompts = [[rng.randrange(511) for _ in range(rng.randint(3, 60))] for _ in range(10)]
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     path = root / "llama"
     for name in formats:
-        expected = None
+        expected: list[list[int]] | None = None
         for backend in ["torch", *(b for b in backends if b != "torch")]:
             for eager in (True, False) if backend != "torch" else (True,):
-                llm = LLM(str(path), device=device, dtype="float32", enforce_eager=eager, attention_backend=backend,
-                          kv_cache_dtype=name, **ENGINE_CASES["chunked + preempted"])  # fmt: skip
-                outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-                got = [o.outputs[0].token_ids for o in outputs]
-                expected = expected or got
-                same = sum(g == e for g, e in zip(got, expected, strict=True))
+                row = f"{name} | llama, chunked + preempted, {backend} {'eager' if eager else 'compiled'} = torch eager"
+                engine = dict(ENGINE_CASES["chunked + preempted"], enforce_eager=eager, attention_backend=backend,
+                              kv_cache_dtype=name)  # fmt: skip
+                if expected is None:  # the plain path's tokens are the reference here
+                    expected = guarded(lines, row, functools.partial(greedy_tokens, path, device, prompts, engine))
+                    same = None if expected is None else len(prompts)
+                else:
+                    check = functools.partial(greedy_matches, path, device, prompts, expected, engine)
+                    same = guarded(lines, row, check)
                 all_ok &= same == len(prompts)
-                step = "eager" if eager else "compiled"
-                emit(lines, f"| {name} | llama, chunked + preempted, {backend} {step} = torch eager | "
-                            f"{same}/{len(prompts)} |")  # fmt: skip
-                del llm
+                if same is not None:
+                    emit(lines, f"| {row} | {same}/{len(prompts)} |")
     return all_ok
+
+
+def greedy_tokens(path: Path, device: str, prompts: list[list[int]], knobs: dict) -> list[list[int]]:
+    llm = LLM(str(path), device=device, dtype="float32", **knobs)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                         use_tqdm=False)]  # fmt: skip
 
 
 def nano_vllm_workload(num_requests: int, seed: int, vocab: int):
@@ -301,9 +336,9 @@ def measure_speed(root: Path, device: str, quick: bool, models: list[str], backe
         if name == "smollm2" and "triton" in backends:
             label, work, seqs, budget = workloads[0]
             run_one(lines, device, path, name, label, work, seqs, budget, "triton", eager=False, batching="static")
-            gpu_busy_share(lines, device, path, quick)
-        if name == "llama8b" and not quick:
-            batch_one_roofline(lines, device, path, config)
+            guarded(lines, "GPU busy share", functools.partial(gpu_busy_share, lines, device, path, quick))
+        if name == "llama8b" and not quick and not out_of_time(lines, "batch-1 roofline"):
+            guarded(lines, "batch-1 roofline", functools.partial(batch_one_roofline, lines, device, path, config))
         if "triton" in backends and (name == "llama8b" or quick):
             # Issue 24: an 8-bit cache where KV bytes weigh most
             label, work, seqs, budget = workloads[-1]
@@ -330,6 +365,14 @@ def run_one(
     asynchronous scheduling; kv_dtype: --kv-cache-dtype."""
     if out_of_time(lines, f"{name} | {label} | {backend}"):
         return
+    guarded(lines, f"{name} | {label} | {backend} | eager {eager}, async scheduling {ahead}, {kv_dtype} cache",
+            lambda: timed_run(lines, device, path, name, label, work, seqs, budget, backend, eager, overlap, ahead,
+                              kv_dtype, batching))  # fmt: skip
+
+
+def timed_run(
+    lines, device, path, name, label, work, seqs, budget, backend, eager, overlap, ahead, kv_dtype, batching
+) -> None:  # fmt: skip
     started = time.perf_counter()
     llm = LLM(str(path), device=device, dtype="bfloat16", enforce_eager=eager, attention_backend=backend,
               max_num_seqs=seqs, max_num_batched_tokens=budget, async_output_proc=overlap,
@@ -491,16 +534,20 @@ def main() -> None:
     lines = [f"device: {name}; torch {torch.__version__}", ""]
     with tempfile.TemporaryDirectory() as tmp:
         backends = args.backends.split(",")
-        ok = check_correctness(Path(tmp), args.device, backends, lines)
-        ok &= check_bf16_agreement(Path(tmp), args.device, backends, lines)
-        ok &= check_8bit_cache(Path(tmp), args.device, backends, lines)
+        root, device = Path(tmp), args.device
+        ok = bool(guarded(lines, "correctness", lambda: check_correctness(root, device, backends, lines)))
+        ok &= bool(guarded(lines, "bf16 agreement", lambda: check_bf16_agreement(root, device, backends, lines)))
+        ok &= bool(guarded(lines, "8-bit cache", lambda: check_8bit_cache(root, device, backends, lines)))
         if args.tensor_parallel > 1:
-            ok &= check_tensor_parallel(Path(tmp), args.device, args.tensor_parallel, lines)
+            size = args.tensor_parallel
+            ok &= bool(guarded(lines, "tensor parallel", lambda: check_tensor_parallel(root, device, size, lines)))
         if not args.skip_speed:
             host_overhead(lines)  # before the speed runs, which stop themselves at the time budget
-            measure_speed(Path(tmp), args.device, args.quick, args.models.split(","), backends, lines)
-    emit(lines, f"\ncorrectness: {'all equal' if ok else 'MISMATCH'}")
-    sys.exit(0 if ok else 1)
+            models = args.models.split(",")
+            guarded(lines, "speed", lambda: measure_speed(root, device, args.quick, models, backends, lines))
+    verdict = "all equal" if ok and not FAILURES else f"MISMATCH or FAILED ({len(FAILURES)} failed: {FAILURES[:8]})"
+    emit(lines, f"\ncorrectness: {verdict}")
+    sys.exit(0 if ok and not FAILURES else 1)
 
 
 if __name__ == "__main__":
