@@ -143,11 +143,12 @@ def measure_lone_prefills(timer: StepTimer, grid: Grid, rng: random.Random, keep
 
 def measure_cached_prefills(timer: StepTimer, grid: Grid, rng: random.Random, keep: bool) -> None:
     engine = timer.engine
+    vocab = engine.model_config.vocab_size
     for cached, new in grid.cached_prefills:
         if cached + new + 1 >= engine.max_model_len:
             continue
-        prefix = [rng.randrange(10, engine.model_config.vocab_size) for _ in range(cached)]
-        suffix = [rng.randrange(10, engine.model_config.vocab_size) for _ in range(new)]
+        prefix = [rng.randrange(10, vocab) for _ in range(cached)]
+        suffix = [rng.randrange(10, vocab) for _ in range(new)]
         for prompt in (prefix, prefix + suffix):  # the first leaves the prefix in the cache for the second
             engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
             while engine.has_unfinished_requests():
