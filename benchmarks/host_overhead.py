@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import gc
 import gzip
 import os
@@ -196,6 +197,7 @@ def measure(
     attention_backend: str = "torch",
     async_output_proc: bool = False,
     async_scheduling: bool = False,
+    profile_to: Path | None = None,
 ) -> dict[str, float]:
     budget = max(2048, running * 40)
     # Requests that start first decode while the last prompts prefill: none may finish before the timed steps end.
@@ -237,13 +239,17 @@ def measure(
     for _ in range(3):  # a few decode steps to warm up
         engine.step()
     with heap_frozen(collect_first=True) if freeze else contextlib.nullcontext(), FullCollections() as collections:
+        profiler = cProfile.Profile() if profile_to else None
         phases.timing = idle.timing = True
         started = time.perf_counter()
-        for _ in range(steps):
-            outputs = engine.step()
-            assert len(outputs) == (0 if final_only else running), (len(outputs), running)
+        with profiler or contextlib.nullcontext():
+            for _ in range(steps):
+                outputs = engine.step()
+                assert len(outputs) == (0 if final_only else running), (len(outputs), running)
         total = time.perf_counter() - started
         phases.timing = idle.timing = False
+    if profiler is not None and profile_to is not None:
+        profiler.dump_stats(profile_to)
     idle.close()
     per_step = {phase: 1e6 * seconds / steps for phase, seconds in phases.seconds.items()}
     per_step["all"] = 1e6 * total / steps
@@ -264,6 +270,7 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action="store_true", help="schedule each step before the last is read")
     parser.add_argument("--final-only", action="store_true", help="outputs as LLM.generate takes them: the last")
     parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
+    parser.add_argument("--profile", type=Path, help="write cProfile's stats of the timed steps to PROFILE.<running>")
     args = parser.parse_args()
     print(f"commit {git_commit()}, {machine_info().get('cpu', '')}, load {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -273,6 +280,7 @@ def main() -> None:
             figures = measure(
                 model, running, args.steps, freeze, args.prompt_len, args.final_only, args.attention_backend,
                 args.async_output_proc, args.async_scheduling,
+                args.profile.with_suffix(f".{running}") if args.profile else None,
             )  # fmt: skip
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
             print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"

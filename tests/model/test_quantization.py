@@ -168,6 +168,11 @@ def test_every_decoder_linear_is_quantized_and_the_head_is_not(tiny_llama):
     assert len(linears) == 4 * len(model.layers)  # qkv, o, gate_up, down
     assert not any(isinstance(m, nn.Linear) for m in model.layers.modules())
     assert quantize_linears(nn.Sequential(), "int8") == 0
+    # The C++ operators' step calls the quantized linears, not those it gathered before (GPTQ's recording forward).
+    assert llm.engine.core.runner.attention_backend == "cpu"
+    for layer, operators in zip(model.layers, model.operator_layers(), strict=True):
+        assert operators.qkv_proj.__self__ is layer.self_attn.qkv_proj
+        assert operators.down_proj.__self__ is layer.mlp.down_proj
 
 
 def alone(tiny_llama, method: str) -> list[list[int]]:

@@ -6,7 +6,9 @@ attention metadata, and returns hidden states. Logits are computed only for the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +25,8 @@ from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 REFINED_TOP_K = 8  # bf16 logits recomputed in float32 per sampled row (see CausalLM.compute_logits)
-# The plain path: cos and sin of this step's positions. The C++ path: the positions and the whole float32 tables.
-Rope = tuple[torch.Tensor, ...]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos and sin of this step's positions (the plain path)
+Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -33,19 +35,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        if fused:  # over the last dimension, as F.rms_norm: the op takes rows
-            return torch.ops.tokenloom.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): a sublayer's output joins the residual stream, normed for the next.
 
         The stream is float32 whatever x's dtype; the normed output is in x's dtype, for the next matmul.
         """
-        if fused:
-            torch.ops.tokenloom.fused_add_rms_norm(x, residual, self.weight, self.eps)  # both in place
-            return x, residual
         residual = residual + x
         if residual.dtype == x.dtype:
             return self(residual), residual
@@ -70,28 +67,20 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, rope: Rope, hidden, kv_cache: KVCache | None, meta: AttentionMetadata | None) -> torch.Tensor:
-        """meta None: the compiled graph, which reaches the cache through the layer_attention operator."""
+        """meta None: the compiled graph, which reaches the cache through the layer_attention operator. (The C++
+        operators' step does not come here: OperatorLayer.forward.)"""
         num_tokens = hidden.shape[0]
-        fused = meta is not None and meta.use_cpu_kernel
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q, fused), self.k_norm(k, fused)
-        if not fused:
-            q, k = apply_rotary(q, k, *rope)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
         if meta is None:  # the compiled graph: attention and the cache write are one opaque operator
             out = layer_attention(q, k.reshape(num_tokens, self.kv_size), v, self.layer_index, self.scale)
         else:
             assert kv_cache is not None, "the eager step passes each layer its cache"
-            if fused:  # in place on views into the qkv output, and k and v into their cache slots: no copies
-                positions, cos, sin = rope
-                kind = 0 if meta.kv_format is None else meta.kv_format.kind
-                torch.ops.tokenloom.rotary_embedding_and_cache(
-                    q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, kind, meta.block_size
-                )
-            else:
-                write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, meta, self.head_dim)
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, meta, self.head_dim)
             out = paged_attention(q, k.reshape(num_tokens, self.kv_size), v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
@@ -103,11 +92,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(self.gate_up_proj, "gated", False):  # packed or int8: the projection applies silu(gate) * up itself
             return self.tp.all_reduce(self.down_proj(self.gate_up_proj(x)))
-        if fused:
-            return self.tp.all_reduce(self.down_proj(torch.ops.tokenloom.silu_and_mul(self.gate_up_proj(x))))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
@@ -124,11 +111,82 @@ class DecoderLayer(nn.Module):
         self, rope: Rope, hidden, residual: torch.Tensor, kv_cache: KVCache | None, meta: AttentionMetadata | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out: the residual add is fused into the next norm, as vLLM does."""
-        fused = meta is not None and meta.use_cpu_kernel
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual, fused)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual, fused)
-        return self.mlp(hidden, fused), residual
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def _call_of(linear: nn.Module) -> Linear:
+    """How the operator step calls a linear with 2-D rows of unit stride: a plain nn.Linear through the module, so
+    hooks on it still run (GPTQ records its inputs that way); a packed or quantized one, which nothing hooks,
+    straight to its forward for rows where it has one."""
+    if type(linear) is nn.Linear:
+        return linear
+    return getattr(linear, "rows_forward", linear.forward)
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorLayer:
+    """One decoder layer as the C++ operators' step runs it (cpu_kernel.py): the same computation as DecoderLayer,
+    its weights and linears gathered once, so that a step calls the operators with no module dispatch between them.
+    At batch 1 that dispatch was ~3 of a 12 ms forward on our 2-core CPUs (benchmarks/RESULTS.md)."""
+
+    input_norm: torch.Tensor
+    qkv_proj: Linear
+    q_norm: torch.Tensor | None  # Qwen3's per-head norms
+    k_norm: torch.Tensor | None
+    o_proj: Linear
+    post_norm: torch.Tensor
+    gate_up_proj: Linear
+    gated: bool  # the projection returns silu(gate) * up itself
+    down_proj: Linear
+    tp: TensorParallelGroup
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> OperatorLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return cls(
+            input_norm=layer.input_layernorm.weight, qkv_proj=_call_of(attn.qkv_proj),
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+            o_proj=_call_of(attn.o_proj), post_norm=layer.post_attention_layernorm.weight,
+            gate_up_proj=_call_of(mlp.gate_up_proj), gated=getattr(mlp.gate_up_proj, "gated", False),
+            down_proj=_call_of(mlp.down_proj), tp=attn.tp, eps=layer.input_layernorm.eps,
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, scale=attn.scale,
+        )  # fmt: skip
+
+    def forward(
+        self, hidden, residual: torch.Tensor, positions, cos, sin, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """DecoderLayer.forward on the operators: hidden in and out, the float32 residual stream added to in place."""
+        ops = torch.ops.tokenloom
+        num_tokens, q_size, kv_size = hidden.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        ops.fused_add_rms_norm(hidden, residual, self.input_norm, self.eps)  # both in place
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps).view(q.shape)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps).view(k.shape)
+        # In place on views into the qkv output, and k and v into their cache slots: no copies.
+        kind = 0 if meta.kv_format is None else meta.kv_format.kind
+        ops.rotary_embedding_and_cache(
+            q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, kind, meta.block_size
+        )
+        out = paged_attention(q, k.reshape(num_tokens, kv_size), v, kv_cache[0], kv_cache[1], meta, self.scale)
+        hidden = self.o_proj(out.reshape(num_tokens, q_size))
+        if self.tp.world_size > 1:
+            hidden = self.tp.all_reduce(hidden)
+        ops.fused_add_rms_norm(hidden, residual, self.post_norm, self.eps)
+        hidden = self.gate_up_proj(hidden)
+        hidden = self.down_proj(hidden if self.gated else ops.silu_and_mul(hidden))
+        return self.tp.all_reduce(hidden) if self.tp.world_size > 1 else hidden
 
 
 # Fused [gate; up] projections: their packed and int8 kernels may return silu(gate) * up themselves.
@@ -147,6 +205,7 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Module | None = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self._operator_layers: list[OperatorLayer] | None = None
 
     def forward(
         self, input_ids, positions, kv_caches: list[KVCache] | None = None, meta: AttentionMetadata | None = None
@@ -154,17 +213,26 @@ class CausalLM(nn.Module):
         """Eager with the cache and metadata given; without them, as traced for the compiled step (compiled.py),
         where the attention operator finds both in the forward context and the compiler fuses the small ops."""
         hidden = self.embed_tokens(input_ids)
-        # The C++ op indexes the whole float32 tables by position itself; else this step's rows, looked up once.
-        rope: Rope
-        if meta is not None and meta.use_cpu_kernel:
-            rope = (positions, *self.rotary.float32_tables())
-        else:
-            rope = self.rotary.tables(positions, hidden.dtype)
         # The residual stream is kept in float32: in bfloat16, 30 layers of rounded adds cost top-1 agreement.
         residual = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        if meta is not None and meta.use_cpu_kernel:
+            assert kv_caches is not None, "the C++ operators' step reads and writes the cache"
+            # The C++ op indexes the whole float32 tables by position itself.
+            cos, sin = self.rotary.float32_tables()
+            for operators, kv_cache in zip(self.operator_layers(), kv_caches, strict=True):
+                hidden = operators.forward(hidden, residual, positions, cos, sin, kv_cache, meta)
+            return residual + hidden
+        rope = self.rotary.tables(positions, hidden.dtype)  # this step's rows, looked up once
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, None if kv_caches is None else kv_caches[i], meta)
         return residual + hidden  # the final stream, float32; compute_logits norms the rows that are sampled
+
+    def operator_layers(self) -> list[OperatorLayer]:
+        """The layers as the C++ operators' step runs them, gathered on first use; prepack_weights and
+        quantize_weights, which replace the linears, gather them again."""
+        if self._operator_layers is None:
+            self._operator_layers = [OperatorLayer.of(cast(DecoderLayer, layer)) for layer in self.layers]
+        return self._operator_layers
 
     def compute_logits(self, stream: torch.Tensor) -> torch.Tensor:
         """Float32 logits of rows of the final residual stream (what forward returns).
@@ -198,6 +266,7 @@ class CausalLM(nn.Module):
         small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0))
         if layers:
             prepack_linears(self.layers, gated=GATED_PROJECTIONS, small_batch=small)
+            self._operator_layers = None
         # A tied embedding stays, for lookups.
         self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
 
@@ -210,6 +279,7 @@ class CausalLM(nn.Module):
         """Every decoder layer's linear to its 8-bit form (quantization.py says what stays in the model's dtype);
         hessians, keyed by a linear's name under `layers` (gptq.recording_input_hessians(model.layers)), make GPTQ
         round its int8 codes; codes, keyed the same, are an earlier load's (gptq_cache.py)."""
+        self._operator_layers = None
         return quantize_linears(self.layers, method, gated=GATED_PROJECTIONS, hessians=hessians, codes=codes)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -108,6 +108,11 @@ def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: b
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    return _own_linear_rows(rows, packed, out_features, amx).view(*x.shape[:-1], out_features)
+
+
+def _own_linear_rows(rows: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
+    """_own_linear for 2-D rows of unit stride."""
     out = rows.new_empty(rows.shape[0], out_features)
     gated = 2 * out_features == packed.shape[0] * PACK_BLOCK
     if amx and rows.shape[0] >= AMX_FROM_ROWS:
@@ -116,7 +121,7 @@ def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: b
         torch.ops.tokenloom.bf16_linear_silu_and_mul(rows, packed, out)
     else:
         torch.ops.tokenloom.bf16_linear(rows, packed, out)
-    return out.view(*x.shape[:-1], out_features)
+    return out
 
 
 @packed_linear.register_fake
@@ -174,6 +179,14 @@ class PackedLinear(nn.Module):
         if self.small is not None and x.numel() <= SMALL_BATCH_ROWS * self.in_features:
             return _own_linear(x, self.small, self.out_features, amx=False)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """forward for 2-D rows of unit stride (the C++ operators' step, llama.OperatorLayer): no reshapes."""
+        if self.own:
+            return _own_linear_rows(rows, self.packed, self.out_features, self.amx)
+        if self.small is not None and rows.shape[0] <= SMALL_BATCH_ROWS:
+            return _own_linear_rows(rows, self.small, self.out_features, amx=False)
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
 
 def prepack_linears(model: nn.Module, gated: frozenset[str] = frozenset(), small_batch: bool = False) -> int:
