@@ -244,24 +244,26 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
+        return self.rows_forward(rows).view(*x.shape[:-1], self.out_features)
+
+    def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """forward for 2-D rows of unit stride (the C++ operators' step calls this: llama.OperatorLayer)."""
         codes, row_scales = self.activation_codes(rows)
         if self.own is not None and rows.shape[0] <= self.small_rows:
             packed, code_sums = self.own
-            out = torch.ops.tokenloom.int8_linear(
-                codes, row_scales, packed, code_sums, self.weight_scale, self.bias, x.dtype, self.gated
+            return torch.ops.tokenloom.int8_linear(
+                codes, row_scales, packed, code_sums, self.weight_scale, self.bias, rows.dtype, self.gated
             )
-        elif self.amx:
+        if self.amx:
             assert self.own is not None
-            out = torch.ops.tokenloom.int8_amx_linear(
-                codes, row_scales, self.own[0], self.weight_scale, self.bias, x.dtype, self.gated
+            return torch.ops.tokenloom.int8_amx_linear(
+                codes, row_scales, self.own[0], self.weight_scale, self.bias, rows.dtype, self.gated
             )
-        else:
-            sums = torch.ops.onednn.qlinear_pointwise(
-                codes, 1.0, 0, self.packed, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32,
-                "none", [], "",
-            )  # fmt: skip
-            out = torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, x.dtype, self.gated)
-        return out.view(*x.shape[:-1], self.out_features)
+        sums = torch.ops.onednn.qlinear_pointwise(
+            codes, 1.0, 0, self.packed, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32,
+            "none", [], "",
+        )  # fmt: skip
+        return torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, rows.dtype, self.gated)
 
 
 class Fp8Linear(nn.Module):
