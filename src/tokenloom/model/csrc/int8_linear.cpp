@@ -41,16 +41,19 @@ constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
 constexpr int64_t kMinUnitBytes = 32 * 1024;
 constexpr int64_t kChunkRows = 128;  // rows whose codes stay in L2 while a unit's blocks pass over them
 
-// Register tiles: 4 rows x feature blocks, 16 int32 accumulators (16-bit codes sum each block in two halves). On
-// the Zen 5 measured, 6 x 4 and 8 x 3 tiles were no faster: `vpdpbusd` retires one a cycle there (RESULTS.md).
-// A step of one or two rows on 16-bit codes (decode, bound by the weight's bytes) takes 2 x 4 tiles: four blocks'
-// weights in flight, as the int8 tiles have.
+// Register tiles of rows x feature blocks, 16 int32 accumulators (16-bit codes sum each block in two halves). A
+// step of few rows (decode, bound by the weight's bytes) keeps four blocks' weights in flight: 4 x 4 tiles on int8
+// codes, 2 x 4 on 16-bit ones. Larger steps on int8 codes take 8 x 2 tiles, which load half the weight vectors per
+// `vpdpbusd`: on a Zen 4 they ran the decoder's shapes at 64-1,024 rows 1.2-1.6x faster than 4 x 4 (6 x 4, 4 x 6,
+// 10 x 2 and 12 x 2 were slower than either; on the Zen 5 measured before, 6 x 4 and 8 x 3 were no faster than
+// 4 x 4; RESULTS.md). Larger 16-bit steps take 4 x 2.
 template <typename Code, bool Few>
 struct TileShape {
   static constexpr bool kWide = std::is_same_v<Code, int16_t>;
-  static constexpr int kRows = kWide && Few ? 2 : 4;
-  static constexpr int kBlocks = kWide && !Few ? 2 : 4;
+  static constexpr int kRows = Few ? (kWide ? 2 : 4) : (kWide ? 4 : 8);
+  static constexpr int kBlocks = Few ? 4 : 2;
 };
+constexpr int64_t kFewRows = 8;  // int8 steps of fewer rows take the few-row tiles
 
 struct Scales {
   const float* rows;     // [M]
@@ -243,7 +246,11 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   const int8_t* c = codes.const_data_ptr<int8_t>();
   uint8_t* u = shifted.mutable_data_ptr<uint8_t>();
   for (int64_t i = 0; i < m * k; ++i) u[i] = static_cast<uint8_t>(c[i] + 128);
-  run(static_cast<const uint8_t*>(u), std::false_type{});
+  if (m < kFewRows) {
+    run(static_cast<const uint8_t*>(u), std::true_type{});
+  } else {
+    run(static_cast<const uint8_t*>(u), std::false_type{});
+  }
   return out;
 }
 
