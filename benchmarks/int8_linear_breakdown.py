@@ -3,10 +3,12 @@
     .venv/bin/python benchmarks/int8_linear_breakdown.py [--rows 64,512,2048]
 
 For SmolLM2-135M's linear shapes (K x N: 576 x 1536 gate/up, 1536 x 576 down, 576 x 576 q/o) and steps of M rows
-above the small-step kernel's: torch's bf16 linear against `Int8Linear` (what --quantization int8 runs), and its
+above the small-step kernel's: torch's bf16 linear and the engine's packed one (prepack.PackedLinear) against
+`Int8Linear` (what --quantization int8 runs), and its
 parts timed alone: the per-token quantization with the Hadamard rotation (our C++ operator); our AMX kernel (int32
 sums in tiles, both scales applied as they leave, bf16 out), where the CPU has AMX-INT8; and the path without it,
-oneDNN's int8 GEMM (float32 out) followed by the per-row rescale to bf16 (our operator). Random weights of those
+oneDNN's int8 GEMM (float32 out) followed by the per-row rescale to bf16 (our operator), where the layer keeps
+oneDNN's packing (not where our VNNI kernel runs every step: a CPU with VNNI and no AMX). Random weights of those
 shapes; milliseconds per call, the best of 7 rounds of 10 calls after 3 warm-up calls.
 """
 
@@ -21,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-from tokenloom.model import cpu_kernel, quantization
+from tokenloom.model import cpu_kernel, prepack, quantization
 from tokenloom.model.quantization import Int8Linear
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576))
@@ -62,6 +64,10 @@ def measured_row(weight: torch.Tensor, m: int) -> str:
     linear, plain, weight_bf16 = Int8Linear(weight, None), onednn_layer(weight), weight.bfloat16()
     x = torch.randn(m, linear.in_features).bfloat16()
     bf16 = milliseconds(lambda: torch.nn.functional.linear(x, weight_bf16))
+    packed_bf16 = "-"
+    if prepack.can_prepack(x.device, x.dtype):  # the engine's bf16 linear: our kernel's packing, or oneDNN's
+        packed_linear = prepack.PackedLinear(weight_bf16, None)
+        packed_bf16 = f"{milliseconds(lambda: packed_linear(x)):.2f}"
     int8 = milliseconds(lambda: linear(x))
     quantize = milliseconds(lambda: torch.ops.tokenloom.quantize_rows_int8(x, linear.signs))
     codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(x, linear.signs)
@@ -70,12 +76,14 @@ def measured_row(weight: torch.Tensor, m: int) -> str:
         assert linear.own is not None
         packed, scale = linear.own[0], linear.weight_scale
         amx = f"{milliseconds(lambda: torch.ops.tokenloom.int8_amx_linear(codes, row_scales, packed, scale, None, x.dtype)):.2f}"  # noqa: E501
-    matmul = milliseconds(lambda: onednn_gemm(plain, codes))
-    sums = onednn_gemm(plain, codes)
-    rescale = milliseconds(lambda: torch.ops.tokenloom.scale_rows(sums, row_scales, None, x.dtype))
+    matmul = rescale = "-"
+    if plain.packed is not None:  # without AMX, where our VNNI kernel runs every step, no oneDNN packing is made
+        matmul = f"{milliseconds(lambda: onednn_gemm(plain, codes)):.2f}"
+        sums = onednn_gemm(plain, codes)
+        rescale = f"{milliseconds(lambda: torch.ops.tokenloom.scale_rows(sums, row_scales, None, x.dtype)):.2f}"
     shape = f"{linear.in_features} x {linear.out_features}"
-    return (f"| {shape} | {m} | {bf16:.2f} | {int8:.2f} | {bf16 / int8:.2f}x | {quantize:.2f} | {amx} | {matmul:.2f} "
-            f"| {rescale:.2f} |")  # fmt: skip
+    return (f"| {shape} | {m} | {bf16:.2f} | {packed_bf16} | {int8:.2f} | {bf16 / int8:.2f}x | {quantize:.2f} | {amx} "
+            f"| {matmul} | {rescale} |")  # fmt: skip
 
 
 def main() -> None:
@@ -85,9 +93,9 @@ def main() -> None:
     assert cpu_kernel.load_kernel(), "the C++ operators did not build"
     torch.manual_seed(0)
     print(f"load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} threads")
-    print("| K x N | M | bf16 ms | int8 ms | int8 / bf16 speed | quantize + rotate | AMX kernel | oneDNN int8 GEMM "
-          "| rescale |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| K x N | M | bf16 ms (F.linear) | bf16 ms (packed, the engine's) | int8 ms | int8 / F.linear speed "
+          "| quantize + rotate | AMX kernel | oneDNN int8 GEMM | rescale |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for k, n in SHAPES:
         weight = torch.randn(n, k) * 0.05
         for m in (int(r) for r in args.rows.split(",")):
