@@ -248,7 +248,7 @@ def measure(
                 assert len(outputs) == (0 if final_only else running), (len(outputs), running)
         total = time.perf_counter() - started
         phases.timing = idle.timing = False
-    if profiler is not None and profile_to is not None:
+    if profiler is not None:
         profiler.dump_stats(profile_to)
     idle.close()
     per_step = {phase: 1e6 * seconds / steps for phase, seconds in phases.seconds.items()}

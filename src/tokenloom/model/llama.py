@@ -180,13 +180,10 @@ class OperatorLayer:
             q, k, v, positions, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, kind, meta.block_size
         )
         out = paged_attention(q, k.reshape(num_tokens, kv_size), v, kv_cache[0], kv_cache[1], meta, self.scale)
-        hidden = self.o_proj(out.reshape(num_tokens, q_size))
-        if self.tp.world_size > 1:
-            hidden = self.tp.all_reduce(hidden)
+        hidden = self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, q_size)))
         ops.fused_add_rms_norm(hidden, residual, self.post_norm, self.eps)
         hidden = self.gate_up_proj(hidden)
-        hidden = self.down_proj(hidden if self.gated else ops.silu_and_mul(hidden))
-        return self.tp.all_reduce(hidden) if self.tp.world_size > 1 else hidden
+        return self.tp.all_reduce(self.down_proj(hidden if self.gated else ops.silu_and_mul(hidden)))
 
 
 # Fused [gate; up] projections: their packed and int8 kernels may return silu(gate) * up themselves.

@@ -101,14 +101,17 @@ def packed_linear(
     return _own_linear(x, packed, out_features, amx)
 
 
+def unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as 2-D rows [-1, last dim] of unit stride, the form the linear kernels take (a view where it can be)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
     """x times a weight packed by bf16_pack_weight ([N / 16, K * 16]); a gated [gate; up] weight is the one whose
     out_features are half its N, and gives silu(gate) * up. amx: steps of AMX_FROM_ROWS rows and more take our AMX
     kernel (the same layout)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return _own_linear_rows(rows, packed, out_features, amx).view(*x.shape[:-1], out_features)
+    return _own_linear_rows(unit_stride_rows(x), packed, out_features, amx).view(*x.shape[:-1], out_features)
 
 
 def _own_linear_rows(rows: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
@@ -174,14 +177,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, self.out_features, self.amx)
-        if self.own:
-            return _own_linear(x, self.packed, self.out_features, self.amx)
-        if self.small is not None and x.numel() <= SMALL_BATCH_ROWS * self.in_features:
-            return _own_linear(x, self.small, self.out_features, amx=False)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.rows_forward(unit_stride_rows(x)).view(*x.shape[:-1], self.out_features)
 
     def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """forward for 2-D rows of unit stride (the C++ operators' step, llama.OperatorLayer): no reshapes."""
+        """forward for 2-D rows of unit stride (what forward passes, and the C++ operators' step: llama.OperatorLayer,
+        whose rows are already so)."""
         if self.own:
             return _own_linear_rows(rows, self.packed, self.out_features, self.amx)
         if self.small is not None and rows.shape[0] <= SMALL_BATCH_ROWS:

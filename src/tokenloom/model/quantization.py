@@ -50,7 +50,7 @@ from torch import nn
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.gptq import calibration_ids, gptq_codes
-from tokenloom.model.prepack import PACK_BLOCK, gate_and_up_interleaved
+from tokenloom.model.prepack import PACK_BLOCK, gate_and_up_interleaved, unit_stride_rows
 
 QUANTIZATIONS = ("int8", "int8_w8a16", "fp8")
 INT8_METHODS = ("int8", "int8_w8a16")  # int8 weights; int8_w8a16 with 16-bit activation codes on every CPU
@@ -241,10 +241,7 @@ class Int8Linear(nn.Module):
         return torch.ops.tokenloom.quantize_rows_int16(rows, self.signs, self.activation_max_code)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        return self.rows_forward(rows).view(*x.shape[:-1], self.out_features)
+        return self.rows_forward(unit_stride_rows(x)).view(*x.shape[:-1], self.out_features)
 
     def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """forward for 2-D rows of unit stride (the C++ operators' step calls this: llama.OperatorLayer)."""

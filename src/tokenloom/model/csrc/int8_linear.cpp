@@ -225,32 +225,32 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
                       code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr};
   const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
-  auto run = [&](const auto* x, auto few) {
+  // few: the step takes its code type's few-row tiles (TileShape)
+  auto run = [&](const auto* x, bool few) {
     using Code = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
-    constexpr bool kFew = decltype(few)::value;
-    if (gated) {
-      run_tiles<Code, true, kFew>(x, m, k, wp, blocks, scales, out);
+    auto with_tiles = [&](auto few_rows) {
+      constexpr bool kFew = decltype(few_rows)::value;
+      if (gated) {
+        run_tiles<Code, true, kFew>(x, m, k, wp, blocks, scales, out);
+      } else {
+        run_tiles<Code, false, kFew>(x, m, k, wp, blocks, scales, out);
+      }
+    };
+    if (few) {
+      with_tiles(std::true_type{});
     } else {
-      run_tiles<Code, false, kFew>(x, m, k, wp, blocks, scales, out);
+      with_tiles(std::false_type{});
     }
   };
   if (wide) {
-    if (m <= 2) {
-      run(codes.const_data_ptr<int16_t>(), std::true_type{});
-    } else {
-      run(codes.const_data_ptr<int16_t>(), std::false_type{});
-    }
+    run(codes.const_data_ptr<int16_t>(), m <= 2);
     return out;
   }
   at::Tensor shifted = at::empty({m, k}, codes.options().dtype(at::kByte));  // codes + 128, as unsigned bytes
   const int8_t* c = codes.const_data_ptr<int8_t>();
   uint8_t* u = shifted.mutable_data_ptr<uint8_t>();
   for (int64_t i = 0; i < m * k; ++i) u[i] = static_cast<uint8_t>(c[i] + 128);
-  if (m < kFewRows) {
-    run(static_cast<const uint8_t*>(u), std::true_type{});
-  } else {
-    run(static_cast<const uint8_t*>(u), std::false_type{});
-  }
+  run(static_cast<const uint8_t*>(u), m < kFewRows);
   return out;
 }
 
