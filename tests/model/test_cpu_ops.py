@@ -217,8 +217,8 @@ def test_with_amx_a_small_batch_goes_to_our_operator_and_a_large_one_to_onednn(m
     layer = prepack.PackedLinear(weight, None, small_batch=True, amx_kernel=False)
     assert layer.small is not None and layer.packed.is_mkldnn
     used = []
-    own = prepack._own_linear
-    monkeypatch.setattr(prepack, "_own_linear", lambda *a, **k: used.append(a[0].numel() // 64) or own(*a, **k))
+    own = prepack._own_linear_rows
+    monkeypatch.setattr(prepack, "_own_linear_rows", lambda *a, **k: used.append(a[0].numel() // 64) or own(*a, **k))
     for rows in (1, prepack.SMALL_BATCH_ROWS, prepack.SMALL_BATCH_ROWS + 1, 64):
         x = torch.randn(rows, 64, generator=g).bfloat16()
         torch.testing.assert_close(layer(x).float(), F.linear(x.float(), weight.float()), rtol=1e-2, atol=5e-2)
