@@ -175,6 +175,35 @@ def test_every_decoder_linear_is_quantized_and_the_head_is_not(tiny_llama):
         assert operators.down_proj.__self__ is layer.mlp.down_proj
 
 
+@pytest.mark.parametrize("method", ["int8", "int8_w8a16"])
+def test_an_int8_models_logits_are_its_int8_heads_but_where_they_decide_the_token(tiny_llama, method):
+    """The full logits come from the head's int8 copy; each row's best candidates are refined in float32 from the
+    plain weight, so the token the head decides is float32's."""
+    import torch.nn.functional as F
+
+    from tokenloom.model.llama import REFINED_TOP_K
+
+    if int8_kernel_isa() is None:
+        pytest.skip("no int8 kernel of ours on this CPU: the head stays as it is")
+    model = LLM(str(tiny_llama), dtype="bfloat16", quantization=method).engine.core.runner.model
+    head = model._int8_head
+    assert isinstance(head, Int8Linear)
+    if int8_kernel_isa() == "avx512_vnni":  # 8-bit codes for both methods where the CPU multiplies bytes
+        assert head.activation_max_code == 127
+    assert LLM(str(tiny_llama), dtype="bfloat16").engine.core.runner.model._int8_head is None
+    stream = 3 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits = model.compute_logits(stream)
+    normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight.float(), model.norm.eps)
+    exact = normed @ model._head_weight().float().T
+    top = logits.topk(REFINED_TOP_K).indices
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top))
+    rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, top, False)
+    int8_logits = head.rows_forward(normed.to(torch.bfloat16), out_dtype=torch.float32)
+    assert torch.equal(logits[rest], int8_logits[rest])
+    assert not torch.equal(int8_logits[rest], exact[rest])  # not the plain head's: its own codes
+
+
 def alone(tiny_llama, method: str) -> list[list[int]]:
     llm = LLM(str(tiny_llama), dtype="float32", quantization=method, max_num_seqs=1)
     return [greedy_one(llm, p) for p in PROMPTS]

@@ -19,7 +19,7 @@ from tokenloom.model.config import ModelConfig
 from tokenloom.model.forward_context import layer_attention
 from tokenloom.model.parallel import SINGLE, TensorParallelGroup
 from tokenloom.model.prepack import PackedLinear, linear_weight_bytes, prepack_linears, small_batch_copies_pay
-from tokenloom.model.quantization import quantize_linears
+from tokenloom.model.quantization import Int8Linear, int8_head, quantize_linears
 from tokenloom.model.reductions import row_topk_indices
 from tokenloom.model.rotary import RotaryEmbedding, apply_rotary
 
@@ -203,6 +203,7 @@ class CausalLM(nn.Module):
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self._operator_layers: list[OperatorLayer] | None = None
+        self._int8_head: Int8Linear | None = None  # an int8 model's approximate logits (quantize_weights)
 
     def forward(
         self, input_ids, positions, kv_caches: list[KVCache] | None = None, meta: AttentionMetadata | None = None
@@ -237,13 +238,17 @@ class CausalLM(nn.Module):
         In float32 this is the final norm and the LM head. In bfloat16 the head's matmul rounds logits to a grid
         of 0.125 near 25, coarser than the gap between a model's top two tokens at many positions; so the logits
         of each row's best REFINED_TOP_K candidates are computed again in float32, from the float32 normed row.
+        With int8 weights every logit comes from the head's int8 copy (quantization.int8_head), refined the same way.
         """
         normed = F.rms_norm(stream, (stream.shape[-1],), self.norm.weight.float(), self.norm.eps)
         head_weight = self._head_weight()
-        if head_weight.dtype == torch.float32:
+        if self._int8_head is not None:  # int8 weights: the int8 head's logits, their best candidates refined below
+            logits = self._int8_head.rows_forward(normed.to(head_weight.dtype), out_dtype=torch.float32)
+        elif head_weight.dtype == torch.float32:
             return F.linear(normed, head_weight)
-        rounded = normed.to(head_weight.dtype)
-        logits = (F.linear(rounded, head_weight) if self.lm_head is None else self.lm_head(rounded)).float()
+        else:
+            rounded = normed.to(head_weight.dtype)
+            logits = (F.linear(rounded, head_weight) if self.lm_head is None else self.lm_head(rounded)).float()
         top = row_topk_indices(logits, REFINED_TOP_K)
         exact = torch.einsum("rh,rkh->rk", normed, head_weight[top].float())
         return logits.scatter_(1, top, exact)
@@ -264,8 +269,9 @@ class CausalLM(nn.Module):
         if layers:
             prepack_linears(self.layers, gated=GATED_PROJECTIONS, small_batch=small)
             self._operator_layers = None
-        # A tied embedding stays, for lookups.
-        self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
+        # A tied embedding stays, for lookups. An int8 model's logits come from its int8 head: no packed copy.
+        if self._int8_head is None:
+            self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
 
     def quantize_weights(
         self,
@@ -277,6 +283,7 @@ class CausalLM(nn.Module):
         hessians, keyed by a linear's name under `layers` (gptq.recording_input_hessians(model.layers)), make GPTQ
         round its int8 codes; codes, keyed the same, are an earlier load's (gptq_cache.py)."""
         self._operator_layers = None
+        self._int8_head = int8_head(self._head_weight(), method)
         return quantize_linears(self.layers, method, gated=GATED_PROJECTIONS, hessians=hessians, codes=codes)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -36,8 +36,11 @@ teacher-forced against float32 (benchmarks/RESULTS.md), per-token W8A8 agreed on
 94.9% with SmoothQuant's per-channel smoothing (alpha 0.5), 98.2% rotated. On the CPU the rotation is fused into
 the activations' quantization (a fast transform in registers, ``tokenloom::quantize_rows_int8``).
 
-The LM head and the embeddings stay in the model's dtype: the head's logits decide every token (and bf16 logits are
-already refined in float32 for the top candidates, llama.py), and the embedding is a lookup, not a matmul.
+The embeddings stay in the model's dtype (a lookup, not a matmul), and so does the LM head's weight, which the
+logits' refinement reads; but with int8 weights the head's full logits come from an int8 copy of it (``int8_head``:
+at one row it streams half the bytes, at 64 rows it multiplies bytes), and compute_logits (llama.py) recomputes each
+row's best candidates in float32 from the plain weight, as it does for bf16 logits. So the tokens the head decides
+(greedy's argmax, the top logprobs) are exact whatever its codes are; only the tail of the distribution is int8's.
 """
 
 from __future__ import annotations
@@ -75,6 +78,19 @@ def int8_kernel_isa() -> str | None:
     if not (cpu_kernel.load_kernel() and cpu_kernel.has_operator("int8_linear_isa")):
         return None
     return str(torch.ops.tokenloom.int8_linear_isa())
+
+
+def int8_head(weight: torch.Tensor, method: str) -> Int8Linear | None:
+    """An int8 copy of the LM head's weight for the approximate logits of an int8 model (module docstring), or None
+    where our kernels cannot run it (no kernel for this CPU, or a shape they do not fit): oneDNN's int8 matmul, its
+    fallback, ran its reference loops on the AMD CPUs measured."""
+    if method not in INT8_METHODS or weight.device.type != "cpu" or int8_kernel_isa() is None:
+        return None
+    if weight.shape[0] % 16 or weight.shape[1] % 4:
+        return None
+    # 8-bit activation codes where the CPU multiplies bytes, for both methods: the refinement makes the best
+    # candidates exact, and 16-bit codes multiply at half the rate (slower than the bf16 head from ~64 rows).
+    return Int8Linear(weight.detach(), None, activation_bits=8)
 
 
 def check_quantization(name: str | None, device: torch.device) -> None:
@@ -243,24 +259,26 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.rows_forward(unit_stride_rows(x)).view(*x.shape[:-1], self.out_features)
 
-    def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """forward for 2-D rows of unit stride (the C++ operators' step calls this: llama.OperatorLayer)."""
+    def rows_forward(self, rows: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """forward for 2-D rows of unit stride (the C++ operators' step calls this: llama.OperatorLayer); the output
+        in out_dtype (float32 for the LM head's logits), by default the rows' dtype."""
         codes, row_scales = self.activation_codes(rows)
+        dtype = out_dtype or rows.dtype
         if self.own is not None and rows.shape[0] <= self.small_rows:
             packed, code_sums = self.own
             return torch.ops.tokenloom.int8_linear(
-                codes, row_scales, packed, code_sums, self.weight_scale, self.bias, rows.dtype, self.gated
+                codes, row_scales, packed, code_sums, self.weight_scale, self.bias, dtype, self.gated
             )
         if self.amx:
             assert self.own is not None
             return torch.ops.tokenloom.int8_amx_linear(
-                codes, row_scales, self.own[0], self.weight_scale, self.bias, rows.dtype, self.gated
+                codes, row_scales, self.own[0], self.weight_scale, self.bias, dtype, self.gated
             )
         sums = torch.ops.onednn.qlinear_pointwise(
             codes, 1.0, 0, self.packed, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32,
             "none", [], "",
         )  # fmt: skip
-        return torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, rows.dtype, self.gated)
+        return torch.ops.tokenloom.scale_rows(sums, row_scales, self.bias, dtype, self.gated)
 
 
 class Fp8Linear(nn.Module):
