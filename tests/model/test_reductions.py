@@ -1,13 +1,26 @@
-"""The chunked argmax and top-k give torch's answers, ties and odd shapes included."""
+"""Row argmax and top-k give torch's answers, ties and odd shapes included: through tokenloom::row_topk where the
+C++ operators are built, and through the chunked torch path (other devices and dtypes)."""
 
 import pytest
 import torch
+from helpers import needs_operator
 
+from tokenloom.model import cpu_kernel
 from tokenloom.model.reductions import CHUNK, row_argmax, row_topk_indices
 
 
+@pytest.fixture(params=["operator", "chunked"])
+def path(request, monkeypatch):
+    if request.param == "operator":
+        needs_operator()
+        assert cpu_kernel.has_row_topk()
+    else:
+        monkeypatch.setattr(cpu_kernel, "has_row_topk", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("vocab", [CHUNK * 96, CHUNK * 4, CHUNK * 4 + 3, 100])
-def test_row_argmax_is_torchs_first_maximum(vocab):
+def test_row_argmax_is_torchs_first_maximum(vocab, path):
     generator = torch.Generator().manual_seed(vocab)
     # Small integers: many ties, so "the first maximum" is tested, not just "a maximum".
     x = torch.randint(-50, 50, (64, vocab), generator=generator).float()
@@ -20,7 +33,7 @@ def test_row_argmax_is_torchs_first_maximum(vocab):
 
 @pytest.mark.parametrize("vocab", [CHUNK * 96, CHUNK * 8 + 1])
 @pytest.mark.parametrize("k", [1, 8])
-def test_row_topk_indices_hold_torchs_top_values(vocab, k):
+def test_row_topk_indices_hold_torchs_top_values(vocab, k, path):
     generator = torch.Generator().manual_seed(k)
     x = torch.randn(64, vocab, generator=generator)
     x[0, :k] = 100.0 + torch.arange(k)  # all of the top values in one chunk
@@ -29,3 +42,27 @@ def test_row_topk_indices_hold_torchs_top_values(vocab, k):
     assert ours.shape == (64, k)
     assert torch.equal(x.gather(1, ours).sort(dim=-1).values, x.topk(k, dim=-1).values.sort(dim=-1).values)
     assert torch.equal(ours[0].sort().values, torch.arange(k))
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 33, 49152])
+@pytest.mark.parametrize("k", [1, 3, 8, 64])
+def test_the_operator_keeps_the_largest_first_and_the_first_of_equals(n, k):
+    needs_operator()
+    if k > n:
+        pytest.skip("k is at most the row's width")
+    generator = torch.Generator().manual_seed(n * 100 + k)
+    x = torch.randint(-20, 20, (5, n), generator=generator).float()  # ties everywhere
+    x[1] = float("-inf")  # every token masked: still k indices, the first k
+    x[2, n // 2] = float("nan")  # ranks below every other value
+    x[3, n - 1] = 1e9  # the largest as the very last value
+    wide = torch.zeros(5, n + 7)
+    wide[:, :n] = x
+    for rows in (x, wide[:, :n]):  # contiguous, and rows with a stride
+        ours = torch.ops.tokenloom.row_topk(rows, k)
+        for r in (0, 1, 3, 4):
+            values = x[r]
+            # Largest first; among equal values the earlier index first: a stable sort, descending.
+            expected = torch.tensor(sorted(range(n), key=lambda i: -values[i].item())[:k])
+            assert torch.equal(ours[r], expected), (r, ours[r], expected)
+        if n > k:  # k values besides the NaN: it is not among the chosen
+            assert not torch.isnan(x[2, ours[2]]).any()

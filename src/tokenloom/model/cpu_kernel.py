@@ -33,7 +33,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / name
     for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp", "int8_linear.cpp",
-                 "int8_linear_avx2.cpp", "amx_int8_linear.cpp", "amx_bf16_linear.cpp")
+                 "int8_linear_avx2.cpp", "amx_int8_linear.cpp", "amx_bf16_linear.cpp", "row_topk.cpp")
 ]
 HEADERS = [
     CSRC / name
@@ -99,6 +99,11 @@ def _cpu_identity() -> str:
 def has_prefill_op() -> bool:
     """The bf16 prefill operator is built only where the compiler targets AVX-512 BF16."""
     return load_kernel() and has_operator("prefill_attention")
+
+
+def has_row_topk() -> bool:
+    """tokenloom::row_topk (every build has it), once the operators are built."""
+    return load_kernel() and has_operator("row_topk")
 
 
 def has_operator(name: str) -> bool:

@@ -1,16 +1,27 @@
-"""Row-wise argmax and top-k over a vocabulary, in two passes instead of one.
+"""Row-wise argmax and top-k over a vocabulary, faster than torch's on the CPU.
 
 On the CPU, torch's argmax and topk over the last dimension of [64, 49152] float32 logits ran at about 1 GB/s
-(2.7 ms and 3.0 ms per step on our 2-core machine), while amax over 512-wide chunks of the same rows took 0.2 ms.
-So both first take each chunk's maximum, then search only the chunks that can hold the answer. Results are
-exactly torch's: argmax returns the first maximum, and top-k the same set of values.
+(2.7 ms and 3.0 ms per step on our 2-core machine). Where the C++ operators are built, tokenloom::row_topk reads each
+row once (csrc/row_topk.cpp). Elsewhere (other devices, dtypes) both first take each 512-wide chunk's maximum, then
+search only the chunks that can hold the answer. Results are torch's: argmax returns the first maximum, and top-k
+the same set of values.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tokenloom.model import cpu_kernel
+
 CHUNK = 512
+MAX_K = 64  # the most the operator keeps per row
+
+
+def _operator_takes(x: torch.Tensor, k: int) -> bool:
+    return (
+        x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
+        and k <= min(MAX_K, x.shape[-1]) and x.shape[0] > 0 and cpu_kernel.has_row_topk()
+    )  # fmt: skip
 
 
 def _chunks(x: torch.Tensor) -> int | None:
@@ -23,6 +34,8 @@ def _chunks(x: torch.Tensor) -> int | None:
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a [rows, vocab] tensor (the first maximum, as torch's)."""
+    if _operator_takes(x, 1):
+        return torch.ops.tokenloom.row_topk(x, 1)[:, 0]
     num_chunks = _chunks(x)
     if num_chunks is None:
         return x.argmax(dim=-1)
@@ -35,6 +48,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 def row_topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """The indices of each row's k largest values (as x.topk(k, dim=-1).indices, up to the order of ties)."""
+    if _operator_takes(x, k):
+        return torch.ops.tokenloom.row_topk(x, k)
     num_chunks = _chunks(x)
     if num_chunks is None or k > num_chunks:
         return x.topk(k, dim=-1).indices
