@@ -7,10 +7,12 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import needs_operator
 from torch import nn
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.model.llama import REFINED_TOP_K
 from tokenloom.model.quantization import (
     Int8Linear,
     hadamard_matrix,
@@ -179,10 +181,6 @@ def test_every_decoder_linear_is_quantized(tiny_llama):
 def test_an_int8_models_logits_are_its_int8_heads_but_where_they_decide_the_token(tiny_llama, method):
     """The full logits come from the head's int8 copy; each row's best candidates are refined in float32 from the
     plain weight, so the token the head decides is float32's."""
-    import torch.nn.functional as F
-
-    from tokenloom.model.llama import REFINED_TOP_K
-
     if int8_kernel_isa() is None:
         pytest.skip("no int8 kernel of ours on this CPU: the head stays as it is")
     model = LLM(str(tiny_llama), dtype="bfloat16", quantization=method).engine.core.runner.model

@@ -17,6 +17,7 @@ them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -101,8 +102,9 @@ def has_prefill_op() -> bool:
     return load_kernel() and has_operator("prefill_attention")
 
 
+@functools.cache
 def has_row_topk() -> bool:
-    """tokenloom::row_topk (every build has it), once the operators are built."""
+    """tokenloom::row_topk (every build has it), once the operators are built; asked once, not every step."""
     return load_kernel() and has_operator("row_topk")
 
 

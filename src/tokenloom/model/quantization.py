@@ -80,13 +80,19 @@ def int8_kernel_isa() -> str | None:
     return str(torch.ops.tokenloom.int8_linear_isa())
 
 
+def fits_own_kernels(weight: torch.Tensor) -> bool:
+    """Whether our int8 kernels (VNNI, AVX2, AMX's layout) take this [N, K] weight: 16-feature blocks of 4-byte
+    groups."""
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 4 == 0
+
+
 def int8_head(weight: torch.Tensor, method: str) -> Int8Linear | None:
     """An int8 copy of the LM head's weight for the approximate logits of an int8 model (module docstring), or None
     where our kernels cannot run it (no kernel for this CPU, or a shape they do not fit): oneDNN's int8 matmul, its
     fallback, ran its reference loops on the AMD CPUs measured."""
     if method not in INT8_METHODS or weight.device.type != "cpu" or int8_kernel_isa() is None:
         return None
-    if weight.shape[0] % 16 or weight.shape[1] % 4:
+    if not fits_own_kernels(weight):
         return None
     # 8-bit activation codes where the CPU multiplies bytes, for both methods: the refinement makes the best
     # candidates exact, and 16-bit codes multiply at half the rate (slower than the bf16 head from ~64 rows).
@@ -203,7 +209,7 @@ class Int8Linear(nn.Module):
         self.in_features = weight.shape[1]
         isa = int8_kernel_isa()
         wide = activation_bits == 16 or isa == "avx2"
-        fits_own = weight.shape[0] % 16 == 0 and self.in_features % 4 == 0
+        fits_own = fits_own_kernels(weight)
         if wide and not fits_own:
             raise ValueError(
                 f"--quantization int8 with 16-bit activations (on this CPU: {isa}) needs linears of a multiple of 16"
