@@ -3,60 +3,32 @@
     .venv/bin/python benchmarks/served_steps.py --profile PROFILE.json [--kind long] [--num-requests 12]
         [--request-rate 0.1] [--out DIR] [--steps-log DIR/long-0.1-steps.jsonl]
 
-Serves a bench trace with `tokenloom serve` (default flags) under `tokenloom bench serve`, as simulate_fidelity.py
-does, but with every `LLMEngine.step()` of the server logged: its scheduled requests and its wall time (this script
-runs the server itself, with `--traced-server`, wrapping the step before the command line starts). Then each served
-step's time is set against what the profile's step model says for the same step shape, by kind of step (lone
-prefill chunks, mixed, decode-only by rows and context), and the spread of steps of the same shape in the run is
-printed beside it: a simulation cannot be closer to the server than the server is to itself.
+Serves a bench trace with `tokenloom serve --step-log` (default flags otherwise) under `tokenloom bench serve`, as
+simulate_fidelity.py does, every turn of the server's engine loop logged: the step's scheduled requests and the
+turn's wall time (the step, and the admissions and deliveries around it). Then each served step's time is set
+against what the profile's step model says for the same step shape, by kind of step (lone prefill chunks, mixed,
+decode-only by rows and context), and the spread of steps of the same shape in the run is printed beside it: a
+simulation cannot be closer to the server than the server is to itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tokenloom.bench.cost_model import Profile, StepShape, items_of
+from tokenloom.bench.cost_model import Profile, StepShape
 from tokenloom.bench.local_server import LocalServer
+from tokenloom.engine.step_log import read_step_log
 
 CLI = [sys.executable, "-m", "tokenloom.cli"]
-
-
-def traced_server(log: Path, cli_args: list[str]) -> None:
-    """This process becomes the command line (`serve ...`), each engine step written to `log` as a JSON line."""
-    from tokenloom.cli import main
-    from tokenloom.engine.llm_engine import LLMEngine
-
-    out = log.open("w", buffering=1)  # a line a step, written as it ends: the server exits through uvicorn
-    init, step = LLMEngine.__init__, LLMEngine.step
-    seen: dict[str, Any] = {}
-
-    def observed(self: LLMEngine, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        self.observe_steps(lambda output: seen.__setitem__("output", output))
-
-    def traced(self: LLMEngine) -> list:
-        seen.clear()
-        started = time.perf_counter()
-        outputs = step(self)
-        if "output" in seen:
-            record = {"items": items_of(seen["output"]), "seconds": time.perf_counter() - started}
-            out.write(json.dumps(record) + "\n")
-        return outputs
-
-    LLMEngine.__init__, LLMEngine.step = observed, traced  # type: ignore[method-assign]
-    sys.argv = ["tokenloom", *cli_args]
-    main()
 
 
 def kind_of(shape: StepShape) -> str:
@@ -70,24 +42,26 @@ def kind_of(shape: StepShape) -> str:
 
 
 def compare(profile: Profile, steps: list[dict[str, Any]]) -> None:
-    by_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    """By kind of step: the served seconds, the engine-alone model's, and the model with the profile's served
+    overhead (the simulator's)."""
+    served_model = profile.served_step_model()
+    by_kind: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
     by_shape: dict[tuple, list[float]] = defaultdict(list)
     for step in steps:
         items = [tuple(i) for i in step["items"]]
         shape = StepShape.of_items(items)
-        by_kind[kind_of(shape)].append((step["seconds"], profile.step_model.seconds(shape)))
+        modelled = (profile.step_model.seconds(shape), served_model.seconds(shape))
+        by_kind[kind_of(shape)].append((step["seconds"], *modelled))
         # The same shape, to a block of context: what the server itself varies by
         by_shape[tuple((start // 256, n, prefill) for start, n, _, prefill in items)].append(step["seconds"])
-    print("| steps | count | served s | model s | model / served | median step: served / model ms |")
+    print("| steps | count | served s | engine model / served | served model / served | median step: served / "
+          "engine / served model ms |")
     print("|---|---:|---:|---:|---:|---:|")
-    for kind, pairs in sorted(by_kind.items()):
-        served, model = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-        medians = (
-            f"{1e3 * statistics.median(p[0] for p in pairs):.1f} / {1e3 * statistics.median(p[1] for p in pairs):.1f}"
-        )
-        print(f"| {kind} | {len(pairs)} | {served:.2f} | {model:.2f} | {model / served:.2f} | {medians} |")
-    served, model = (sum(p[i] for pairs in by_kind.values() for p in pairs) for i in (0, 1))
-    print(f"| all | {len(steps)} | {served:.2f} | {model:.2f} | {model / served:.2f} | |")
+    rows = [*sorted(by_kind.items()), ("all", [p for pairs in by_kind.values() for p in pairs])]
+    for kind, times in rows:
+        served, engine, modelled = (sum(t[i] for t in times) for i in range(3))
+        medians = " / ".join(f"{1e3 * statistics.median(t[i] for t in times):.1f}" for i in range(3))
+        print(f"| {kind} | {len(times)} | {served:.2f} | {engine / served:.2f} | {modelled / served:.2f} | {medians} |")
     repeated = [sorted(times) for times in by_shape.values() if len(times) >= 10]
     spreads = sorted(t[len(t) * 9 // 10] / t[len(t) // 10] for t in repeated)
     if spreads:
@@ -98,9 +72,6 @@ def compare(profile: Profile, steps: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--traced-server":
-        traced_server(Path(sys.argv[2]), sys.argv[3:])
-        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", required=True)
     parser.add_argument("--kind", default="long")
@@ -110,18 +81,18 @@ def main() -> None:
     parser.add_argument("--steps-log", type=Path, default=None, help="compare a served run's logged steps again")
     args = parser.parse_args()
     if args.steps_log is not None:
-        compare(Profile.read(args.profile), [json.loads(line) for line in args.steps_log.read_text().splitlines()])
+        compare(Profile.read(args.profile), read_step_log(args.steps_log))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     trace, log = args.out / f"{args.kind}.jsonl", args.out / f"{args.kind}-{args.request_rate:g}-steps.jsonl"
     subprocess.run([*CLI, "bench", "trace", "--kind", args.kind, "--num-requests", str(args.num_requests), "--seed",
                     "1", "-o", str(trace)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-    with LocalServer(launcher=[sys.executable, __file__, "--traced-server", str(log)]) as server:
+    with LocalServer("--step-log", str(log)) as server:
         print(f"load average before: {os.getloadavg()[0]:.2f}")
         subprocess.run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate",
                         str(args.request_rate), "-o", str(args.out / "real.json")], check=True,
                        stdout=subprocess.DEVNULL)  # fmt: skip
-    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = read_step_log(log)
     print(f"{args.kind} trace, {args.num_requests} requests at {args.request_rate:g} req/s; profile {args.profile}")
     compare(Profile.read(args.profile), steps)
 

@@ -326,6 +326,10 @@ class ServerConfig:
     """Log each request as it is admitted: its id, tenant, prompt (cut to --max-log-len) and sampling settings."""
     max_log_len: int | None = None
     """The most prompt characters (or token ids) a request's log line shows; None: all of them."""
+    step_log: str | None = None
+    """Write each engine step to this file as a JSON line: its scheduled requests and the wall time of the engine
+    loop's turn that ran it (what `tokenloom simulate profile` fits a served step's cost from); the engine in this
+    process only."""
     root_path: str = ""
     """The path prefix a proxy serves this under (FastAPI's root_path, as vLLM's flag)."""
     allowed_origins: tuple[str, ...] = ()
@@ -371,6 +375,10 @@ class ServerConfig:
         for name in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
             _require_server(getattr(self, name) > 0, f"{name} must be positive")
         _require_server(self.num_replicas >= 0 and self.max_replicas >= 1, "num_replicas >= 0 and max_replicas >= 1")
+        _require_server(
+            not self.step_log or not (self.core_process or self.ray),
+            "--step-log observes the engine in this process: not with --core-process or --ray",
+        )
 
 
 def _require_positive_or_none(config: object, name: str) -> None:

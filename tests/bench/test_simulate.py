@@ -129,20 +129,27 @@ def test_the_fit_recovers_a_known_line_and_never_goes_negative():
     assert model.fit_error["p90"] < 1e-6
 
 
-def test_the_served_overhead_is_a_line_over_the_streams_and_never_negative():
-    def points(per_step: float, per_row: float) -> list[dict[str, float]]:
-        return [{"streams": n, "itl_p50_s": 0.02 + per_step + per_row * n, "model_s": 0.02} for n in (1, 4, 16)]
+def served_steps(per_step: float, slowdown: float, engine: FittedStepModel, prefill: bool = True) -> list[dict]:
+    """Decode steps of 1-24 rows and a prefill chunk, each served as the engine's time x (1 + slowdown) + per_step."""
+    items = [[[300 * r, 1, 1, False]] * rows for rows in (1, 2, 4, 8, 16, 24) for r in (1, 3)]
+    items += [[[0, 500, 1, True]]] if prefill else []
+    return [
+        {"items": i, "copied_blocks": 0, "seconds": engine.seconds(StepShape.of_items([tuple(x) for x in i])) *
+         (1 + slowdown) + per_step}
+        for i in items
+    ]  # fmt: skip
 
-    fitted = ServedOverhead.fit(points(0.003, 0.0005))
-    assert (fitted.per_step_s, fitted.per_row_s) == (pytest.approx(0.003), pytest.approx(0.0005))
-    shrinking = ServedOverhead.fit(points(0.004, -0.0001))  # a line falling with the streams: one constant instead
-    assert shrinking.per_row_s == 0 and shrinking.per_step_s == pytest.approx(0.004 - 0.0001 * 7)
-    faster = ServedOverhead.fit(points(-0.002, 0.001))  # below the model at one stream: per row only, through 0
-    assert faster.per_step_s == 0 and faster.per_row_s > 0
-    decode = StepShape.of_items([(300, 1, 1, False)] * 4)
+
+def test_the_served_overhead_is_a_constant_and_a_share_of_the_engines_step_never_negative():
+    engine = FittedStepModel("m", {"steps": 0.01, "sampled_rows": 0.001, "decode_keys": 1e-6, "tokens": 2e-4})
+    fitted = ServedOverhead.fit(engine, served_steps(0.003, 0.1, engine))
+    assert (fitted.per_step_s, fitted.slowdown) == (pytest.approx(0.003), pytest.approx(0.1))
+    faster = ServedOverhead.fit(engine, served_steps(-0.002, 0.15, engine))  # below the model on small steps
+    assert faster.per_step_s == 0 and faster.slowdown > 0
+    shrinking = ServedOverhead.fit(engine, served_steps(0.006, -0.05, engine))  # large steps no slower than alone
+    assert shrinking.slowdown == 0 and 0 < shrinking.per_step_s < 0.006
     served = ServedStepModel(ConstantStep(0.02), fitted)
-    assert served.seconds(decode) == pytest.approx(0.02 + 0.003 + 4 * 0.0005)
-    assert served.seconds(StepShape.of_items([(0, 64, 0, True)])) == pytest.approx(0.023)  # a chunk that samples none
+    assert served.seconds(StepShape.of_items([(300, 1, 1, False)] * 4)) == pytest.approx(0.02 * 1.1 + 0.003)
 
 
 def test_a_profile_without_a_served_overhead_simulates_the_engine_alone(tmp_path):
@@ -154,14 +161,26 @@ def test_a_profile_without_a_served_overhead_simulates_the_engine_alone(tmp_path
     path.write_text(json.dumps(data))
     old = Profile.read(path)
     assert old.served_step_model() is old.step_model
-    measured = ServedOverhead(0.002, 0.001, [{"streams": 1, "itl_p50_s": 0.013, "model_s": 0.01}])
-    steps = [{"items": [[c, 1, 1, False]] * d, "copied_blocks": 0, "seconds": 0.01 + 1e-3 * d + 1e-6 * c * d}
+    truth = FittedStepModel("truth", {"steps": 0.01, "sequences": 1e-3, "decode_keys": 1e-6})
+    steps = [{"items": [[c, 1, 1, False]] * d, "copied_blocks": 0,
+              "seconds": truth.seconds(StepShape.of_items([(c, 1, 1, False)] * d))}
              for d in (1, 2, 4, 8, 16) for c in (10, 100, 400, 900, 2000)]  # fmt: skip
+    # Decode steps only: the engine's steps below, which a refit learns from, are decode steps.
+    measured = ServedOverhead.fit(model, served_steps(0.002, 0.2, truth, prefill=False))
     Profile(model, {}, {}, steps, served_overhead=measured).write(path)
     again = Profile.read(path)
     assert again.served_overhead == measured
-    assert again.refitted().served_overhead == measured  # a refit keeps what was measured over HTTP
-    assert again.served_step_model().seconds(StepShape.of_items([(10, 1, 1, False)] * 2)) == pytest.approx(0.014)
+    shape = StepShape.of_items([(10, 1, 1, False)] * 2)
+    assert again.served_step_model().seconds(shape) == pytest.approx(
+        0.01 * (1 + measured.slowdown) + measured.per_step_s
+    )
+    # A refit fits the engine's steps again, and the served overhead against the refitted model: the engine is now
+    # the truth, so what is left is the served steps' own constant and share.
+    refitted = again.refitted()
+    assert refitted.step_model.seconds(shape) == pytest.approx(truth.seconds(shape), rel=1e-6)
+    assert refitted.served_overhead.per_step_s == pytest.approx(0.002, rel=1e-3)
+    assert refitted.served_overhead.slowdown == pytest.approx(0.2, rel=1e-3)
+    assert refitted.served_overhead.steps == measured.steps
 
 
 def test_the_roofline_is_bound_by_bandwidth_when_decoding_and_by_flops_when_prefilling():
@@ -243,7 +262,7 @@ def test_prices_are_one_figure_or_one_per_accelerator():
 def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     profile = tmp_path / "profile.json"
     model = ["--model", str(tiny_chat_model), "--dtype", "float32"]
-    served = ["--front-requests", "2", "--served-streams", "1,3"]
+    served = ["--front-requests", "2", "--served-requests", "6"]
     assert main(["simulate", "profile", "--quick", *served, *model, "-o", str(profile)]) == 0
     saved = Profile.read(profile)
     assert len(saved.steps) > 20 and saved.step_model.fit_error["held_out_steps"] > 0
@@ -253,9 +272,12 @@ def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     joins = [step for step in items if (256, 16, 1, True) in step]  # a decoding request's prompt, and 16 more
     assert joins and all(len(step) > 1 for step in joins)
     overhead = saved.served_overhead
-    assert [p["streams"] for p in overhead.points] == [1, 3]
-    assert all(p["itl_p50_s"] > 0 and p["model_s"] > 0 for p in overhead.points)
-    assert overhead.per_step_s >= 0 and overhead.per_row_s >= 0
+    served_items = [[tuple(i) for i in step["items"]] for step in overhead.steps]
+    # The served trace's six prompts each prefilled in one chunk, and decoded; none of the front's requests.
+    assert sum(1 for step in served_items for i in step if i[3]) == 6
+    assert any(not i[3] for step in served_items for i in step)
+    assert all(step["seconds"] > 0 for step in overhead.steps)
+    assert overhead.per_step_s >= 0 and overhead.slowdown >= 0
     trace = tmp_path / "chat.jsonl"
     requests = make_trace("chat", 20, seed=2)
     write_trace(requests, trace)

@@ -6,7 +6,8 @@ the keys decode rows read, the sequences, and the KV blocks copied for swapping.
 regressor per operator; on these machines one line over these sums, fitted to the engine's whole measured steps
 (scheduling, the model, sampling and output processing together), is what `tokenloom simulate profile` makes, and
 its error on held-out steps is in the profile (`fit_error`). A server's steps cost more than the engine's alone
-(its event loop and streams share the cores): `ServedOverhead`, fitted from a few streams over HTTP, adds that.
+(its event loop and streams share the cores, and each turn of its engine loop hands the outputs over):
+`ServedOverhead`, fitted from the logged steps of a trace served over HTTP, adds that.
 
 For accelerators not at hand, `RooflineStepModel` takes a datasheet (bf16 FLOP/s, memory bandwidth) and the
 model's shapes: a step takes its layers' launch cost plus the larger of its FLOPs and its bytes at the peak rates
@@ -32,7 +33,8 @@ FEATURES = (
     "steps", "tokens", "sampled_rows", "chunk_pairs", "past_pairs", "past_tokens", "prefill_sequences", "decode_keys",
     "sequences", "mixed_steps", "copied_blocks",
 )  # fmt: skip
-# One scheduled request of a step, as a profile keeps it: (start, tokens, rows sampled, whether it is a prefill chunk)
+# One scheduled request of a step, as a profile keeps it (SchedulerOutput.step_items): (start, tokens, rows sampled,
+# whether it is a prefill chunk)
 Item = tuple[int, int, int, bool]
 
 
@@ -51,7 +53,7 @@ class StepShape:
 
     @classmethod
     def of(cls, output: SchedulerOutput) -> StepShape:
-        return cls.of_items(items_of(output), len(output.swap_out) + len(output.swap_in))
+        return cls.of_items(output.step_items(), len(output.swap_out) + len(output.swap_in))
 
     @classmethod
     def of_items(cls, items: list[Item], copied_blocks: int = 0) -> StepShape:
@@ -75,12 +77,6 @@ class StepShape:
 
     def features(self) -> list[float]:
         return [1.0, *(float(getattr(self, name)) for name in FEATURES[1:])]
-
-
-def items_of(output: SchedulerOutput) -> list[Item]:
-    return [
-        (s.start, s.num_tokens, (1 + len(s.draft_token_ids)) if s.sample else 0, s.is_prefill) for s in output.scheduled
-    ]
 
 
 class StepModel(Protocol):
@@ -218,29 +214,42 @@ def _layer_parameters(m: ModelConfig) -> int:
 
 @dataclass
 class ServedOverhead:
-    """What a step costs a server beyond the engine's own step of the same shape: per_step_s + per_row_s x the rows
-    it samples. Fitted from decode steps of a few concurrent streams timed by a client over HTTP (profile.py's
-    measure_served): the server's event loop and streams share the cores with the step, which a profile of
-    the engine alone does not see. `points` keeps what it was fitted from: streams, measured ITL p50, model seconds."""
+    """What a step costs a server beyond the engine's own step of the same shape: the engine's seconds x slowdown,
+    plus per_step_s. Fitted from the steps of a trace served with `--step-log` (profile.py's measure_served), each
+    the wall time of the engine loop's turn that ran it, against the engine-alone model for its shape: the server's
+    event loop and streams share the cores with the step, and the turn hands each row's output to its stream, which
+    a profile of the engine alone does not see. `steps` keeps what it was fitted from (the log's records)."""
 
     per_step_s: float = 0.0
-    per_row_s: float = 0.0
-    points: list[dict[str, float]] = field(default_factory=list)
+    slowdown: float = 0.0
+    steps: list[dict[str, Any]] = field(default_factory=list)
 
-    def seconds(self, shape: StepShape) -> float:
-        return self.per_step_s + self.per_row_s * shape.sampled_rows
+    def seconds(self, engine_seconds: float) -> float:
+        return self.per_step_s + self.slowdown * engine_seconds
 
     @classmethod
-    def fit(cls, points: list[dict[str, float]]) -> ServedOverhead:
-        """Least squares of (ITL p50 - model seconds) on the streams, neither coefficient below 0."""
-        rows = np.array([p["streams"] for p in points], dtype=float)
-        extra = np.array([p["itl_p50_s"] - p["model_s"] for p in points])
-        slope, intercept = np.polyfit(rows, extra, 1) if len(points) > 1 else (0.0, float(extra.mean()))
-        if slope < 0:
-            slope, intercept = 0.0, float(extra.mean())
-        if intercept < 0:
-            intercept, slope = 0.0, max(0.0, float(rows @ extra / (rows @ rows)))
-        return cls(float(intercept), float(slope), points)
+    def fit(cls, engine: StepModel, steps: list[dict[str, Any]]) -> ServedOverhead:
+        """Least squares of (served - engine) seconds over [1, engine seconds], each step weighted by 1 / its served
+        time (as FittedStepModel.fit), neither coefficient below 0: one that goes negative is dropped, the other
+        refitted."""
+        shapes, seconds = shapes_of(steps)
+        served = np.array(seconds)
+        model = np.array([engine.seconds(shape) for shape in shapes])
+        x = np.stack([np.ones_like(model), model], axis=1) / served[:, None]
+        extra = (served - model) / served
+        active = [0, 1]
+        while active:
+            solution, *_ = np.linalg.lstsq(x[:, active], extra, rcond=None)
+            if (solution >= 0).all():
+                coefficients = dict(zip(active, solution.tolist(), strict=True))
+                return cls(coefficients.get(0, 0.0), coefficients.get(1, 0.0), steps)
+            del active[int(np.argmin(solution))]
+        return cls(0.0, 0.0, steps)
+
+    @classmethod
+    def read(cls, data: dict[str, Any]) -> ServedOverhead:
+        """As a profile wrote it; one from before the step log (fitted over stream counts) keeps its constant."""
+        return cls(data.get("per_step_s", 0.0), data.get("slowdown", 0.0), data.get("steps", []))
 
 
 @dataclass
@@ -255,7 +264,8 @@ class ServedStepModel:
         return f"{self.engine.name}, served"
 
     def seconds(self, shape: StepShape) -> float:
-        return self.engine.seconds(shape) + self.overhead.seconds(shape)
+        engine = self.engine.seconds(shape)
+        return engine + self.overhead.seconds(engine)
 
 
 @dataclass
@@ -271,14 +281,17 @@ class Profile:
     served_overhead: ServedOverhead = field(default_factory=ServedOverhead)  # zero where not measured
 
     def refitted(self) -> Profile:
-        """The same measurements with the step model fitted again (after the features change); what was measured
-        over HTTP is kept as it was."""
+        """The same measurements with the step model fitted again (after the features change), and the served
+        overhead against it where its served steps were kept; the front's latency is kept as it was measured."""
         shapes, seconds = self.shapes()
-        return dataclasses.replace(self, step_model=FittedStepModel.fit(self.step_model.name, shapes, seconds))
+        model = FittedStepModel.fit(self.step_model.name, shapes, seconds)
+        served = self.served_overhead
+        overhead = ServedOverhead.fit(model, served.steps) if served.steps else served
+        return dataclasses.replace(self, step_model=model, served_overhead=overhead)
 
     def served_step_model(self) -> StepModel:
         """What a served step costs: the fitted engine step plus the served overhead, where one was measured."""
-        if not self.served_overhead.points:
+        if not (self.served_overhead.per_step_s or self.served_overhead.slowdown):
             return self.step_model
         return ServedStepModel(self.step_model, self.served_overhead)
 
@@ -293,7 +306,7 @@ class Profile:
         data = json.loads(Path(path).read_text())
         return cls(
             FittedStepModel(**data["step_model"]), data["machine"], data["engine"], data.get("steps", []),
-            data.get("front_latency_s", 0.0), ServedOverhead(**data.get("served_overhead", {})),
+            data.get("front_latency_s", 0.0), ServedOverhead.read(data.get("served_overhead", {})),
         )  # fmt: skip
 
 

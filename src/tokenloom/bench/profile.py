@@ -19,9 +19,11 @@ import dataclasses
 import platform
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,21 +32,18 @@ from tokenloom.bench.cost_model import (
     FittedStepModel,
     Profile,
     ServedOverhead,
-    StepShape,
-    items_of,
     shapes_of,
 )
-from tokenloom.bench.loadgen import send_one
+from tokenloom.bench.loadgen import arrival_offsets, burst_aligned, run_load, send_one
 from tokenloom.bench.local_server import LocalServer
 from tokenloom.bench.provenance import cpu_flags, machine_info
 from tokenloom.bench.scorecard import RequestRecord
-from tokenloom.bench.simulator import prompt_tokens
-from tokenloom.bench.trace import TraceRequest, chat_requests
+from tokenloom.bench.trace import TraceRequest, chat_requests, make_trace
 from tokenloom.config import EngineConfig
 from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.engine.step_log import read_step_log
 from tokenloom.metrics_text import find, parse
-from tokenloom.model.loader import load_tokenizer
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -58,6 +57,8 @@ class Grid:
     cached_prefills: tuple[tuple[int, int], ...] = ((512, 32), (512, 160), (1024, 64), (2048, 32), (2048, 256),
                                                     (4096, 96))  # fmt: skip
     prefix_join: int = 64  # new tokens of the join that reuses a decoding request's prompt (0: none)
+    served_kind: str = "mixed"  # the trace served over HTTP for the served overhead, at served_rate req/s
+    served_rate: float = 1.0
     decode_steps: int = 4
     max_prompt_tokens: int = 16384  # D x C at most, per point: bounds the profile's time
 
@@ -71,13 +72,13 @@ class Grid:
 
 QUICK = Grid(
     contexts=(64, 256), decode_rows=(1, 4, 16), prefills=(32, 200), lone_prefills=(16, 100, 400),
-    cached_prefills=((128, 16),), prefix_join=16, decode_steps=3, max_prompt_tokens=4096,
+    cached_prefills=((128, 16),), prefix_join=16, decode_steps=3, max_prompt_tokens=4096, served_kind="chat",
+    served_rate=4.0,
 )  # fmt: skip
 
 
-SERVED_STREAMS = (1, 4, 16)  # concurrent streams whose decode steps measure the served overhead
-SERVED_TOKENS = 48  # each stream's output (ignore_eos); its first SERVED_SKIP gaps are left out (prefills join)
-SERVED_SKIP = 4
+SERVED_REQUESTS = 24  # of the trace served with a step log for the served overhead
+SERVED_TRACE_SEED = 7  # not the seeds the fidelity runs use (benchmarks/simulate_fidelity.py: 1)
 
 
 class StepTimer:
@@ -100,7 +101,7 @@ class StepTimer:
         seconds = time.perf_counter() - started
         if keep and self._seen is not None:
             copied = len(self._seen.swap_out) + len(self._seen.swap_in)
-            self.steps.append({"items": items_of(self._seen), "copied_blocks": copied, "seconds": seconds})
+            self.steps.append({"items": self._seen.step_items(), "copied_blocks": copied, "seconds": seconds})
         return {o.request_id for o in outputs}
 
 
@@ -160,10 +161,11 @@ def profile_engine(
     grid: Grid = Grid(),
     seed: int = 0,
     front_requests: int = 12,
-    served_streams: tuple[int, ...] = SERVED_STREAMS,
+    served_requests: int = SERVED_REQUESTS,
 ) -> Profile:
-    """The engine's steps over the grid, the fitted model, and (unless front_requests is 0) what serving adds over
-    HTTP: the front's latency and the served steps' overhead (none where served_streams is empty).
+    """The engine's steps over the grid, the fitted model, and what serving adds over HTTP: the front's latency
+    (from front_requests requests; 0: not measured) and the served steps' overhead (from a trace of served_requests
+    requests; 0: none).
 
     Its steps are read as they are launched (no asynchronous output processing): a call that read the step before
     and launched the next would time one step's device work under the next one's shape."""
@@ -199,66 +201,70 @@ def profile_engine(
         engine.shutdown()
     model = FittedStepModel.fit(f"profile of {platform.node() or 'this machine'}", *shapes_of(timer.steps))
     profile = Profile(model, machine_description(), measured, timer.steps)
-    if front_requests:
-        profile.front_latency_s, profile.served_overhead = measure_served(
-            config.model.model, model, front_requests, served_streams
-        )
+    if front_requests or served_requests:
+        served = make_trace(grid.served_kind, served_requests, SERVED_TRACE_SEED)
+        profile.front_latency_s, served_steps = measure_served(config.model.model, front_requests, served, grid)
+        if served_steps:
+            profile.served_overhead = ServedOverhead.fit(model, served_steps)
     return profile
 
 
 def measure_served(
-    model: str | None, step_model: FittedStepModel, front_requests: int, streams: tuple[int, ...]
-) -> tuple[float, ServedOverhead]:
-    """What serving over HTTP adds to the engine's steps, on a server with default flags:
+    model: str | None, front_requests: int, trace: list[TraceRequest], grid: Grid
+) -> tuple[float, list[dict[str, Any]]]:
+    """What serving over HTTP adds to the engine's steps, on a server with default flags and `--step-log`:
 
-    - the served overhead: for each number of streams, that many chat requests sent at once, each decoding
-      SERVED_TOKENS tokens; the median gap between their tokens (the client's ITL) against the step model's time for
-      a decode step of that many rows at their median context; fitted as a cost per step and per row
-      (ServedOverhead.fit);
+    - the served steps: `trace` sent at grid.served_rate req/s as `bench serve` sends it (Poisson arrivals, seed
+      0), each step the server ran for it logged with its turn's wall time (ServedOverhead.fit sets them against
+      the engine-alone model);
     - the front's latency: what a request spends outside the steps (the chat template, tokenization, the hand-off
       to the engine loop, streaming the token back): the median over requests sent one at a time of the client's
       TTFT less the server's own time from scheduling the request to its first token (its /metrics prefill time),
       so that the front does not absorb the step model's error on these prompts."""
-    tokens = prompt_tokens(load_tokenizer(model))
     warm_up = chat_requests(random.Random(1), 4)  # other prompts than those measured
-    by_streams = {count: chat_requests(random.Random(100 + count), count) for count in streams}
     one_at_a_time = chat_requests(random.Random(0), front_requests)
-    with LocalServer(*(["--model", model] if model else [])) as server:
-        decoded, fronts = asyncio.run(_served_records(server.url, warm_up, by_streams, one_at_a_time))
-    points = []
-    for count, records in decoded.items():
-        gaps = [gap for record in records for gap in record.token_gaps[SERVED_SKIP:]]
-        context = statistics.median(len(tokens(r)) for r in by_streams[count]) + SERVED_SKIP + SERVED_TOKENS // 2
-        shape = StepShape.of_items([(int(context), 1, 1, False)] * count)
-        points.append({"streams": count, "itl_p50_s": statistics.median(gaps), "model_s": step_model.seconds(shape)})
-    overhead = ServedOverhead.fit(points) if points else ServedOverhead()
-    return max(0.0, statistics.median(fronts)) if fronts else 0.0, overhead
+    offsets = burst_aligned(trace, arrival_offsets(len(trace), grid.served_rate, seed=0))
+    with tempfile.TemporaryDirectory() as scratch:
+        log = Path(scratch) / "steps.jsonl"
+        with LocalServer(*(["--model", model] if model else []), "--step-log", str(log)) as server:
+            fronts, (began, ended) = asyncio.run(_served_records(server.url, warm_up, trace, offsets, one_at_a_time))
+        served = [step for step in read_step_log(log) if began <= step["at"] <= ended]
+    return max(0.0, statistics.median(fronts)) if fronts else 0.0, served
 
 
 async def _served_records(
-    url: str, warm_up: list[TraceRequest], by_streams: dict[int, list[TraceRequest]], one_at_a_time: list[TraceRequest]
-) -> tuple[dict[int, list[RequestRecord]], list[float]]:
-    """Over one client, as `bench serve` sends: a warm-up, each group of streams at once (ignore_eos, SERVED_TOKENS
-    each), then the front's requests one at a time (2 tokens each). The groups' records, and each front request's
-    client TTFT less the server's prefill time for it."""
-
+    url: str,
+    warm_up: list[TraceRequest],
+    trace: list[TraceRequest],
+    offsets: list[float],
+    one_at_a_time: list[TraceRequest],
+) -> tuple[list[float], tuple[float, float]]:
+    """Over one client, as `bench serve` sends: a warm-up, the trace at its offsets, then the front's requests one
+    at a time (2 tokens each). Each front request's client TTFT less the server's prefill time for it, and when
+    the trace began and ended (Unix time, as the step log says when each step ended)."""
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
 
-        async def together(requests: list[TraceRequest], max_tokens: int, ignore_eos: bool) -> list[RequestRecord]:
+        async def together(requests: list[TraceRequest], max_tokens: int) -> list[RequestRecord]:
             for request in requests:
                 request.max_tokens = max_tokens
-            return list(await asyncio.gather(*(send_one(client, None, r, 0.0, ignore_eos) for r in requests)))
+            return list(await asyncio.gather(*(send_one(client, None, r, 0.0) for r in requests)))
 
-        await together(warm_up, 2, False)
-        decoded = {count: await together(sent, SERVED_TOKENS, True) for count, sent in by_streams.items()}
-        fronts = []
+        await together(warm_up, 2)
+        began = time.time()
+        if trace:
+            records, _ = await run_load(url, trace, offsets)
+            if failed := [r.error for r in records if r.error]:
+                raise RuntimeError(f"{len(failed)} requests of the served trace failed: {failed[0]}")
+        ended = time.time()
+        await asyncio.sleep(0.5)  # the last requests' metrics are counted as their outputs are delivered
         seen = await _prefill_seconds(client, -1)
+        fronts = []
         for request in one_at_a_time:
-            (record,) = await together([request], 2, False)
+            (record,) = await together([request], 2)
             counted = await _prefill_seconds(client, seen[0])
             fronts.append((record.ttft or 0.0) - (counted[1] - seen[1]))
             seen = counted
-    return decoded, fronts
+    return fronts, (began, ended)
 
 
 async def _prefill_seconds(client: httpx.AsyncClient, counted_before: float) -> tuple[float, float]:

@@ -27,7 +27,7 @@ from tokenloom.bench.cost_model import (
     StepModel,
     datasheet,
 )
-from tokenloom.bench.profile import QUICK, SERVED_STREAMS, Grid, profile_engine
+from tokenloom.bench.profile import QUICK, SERVED_REQUESTS, Grid, profile_engine
 from tokenloom.bench.scorecard import SLO
 from tokenloom.bench.simulator import (
     SimulatedEngine,
@@ -76,10 +76,9 @@ def add_simulate_command(commands) -> argparse.ArgumentParser:
         "--front-requests", type=int, default=12, help="profile: requests sent over HTTP to time the front (0: none)"
     )
     simulate_parser.add_argument(
-        "--served-streams",
-        default=",".join(map(str, SERVED_STREAMS)),
-        help="profile: numbers of concurrent streams timed over HTTP for the served overhead ('' for none)",
-    )
+        "--served-requests", type=int, default=SERVED_REQUESTS,
+        help="profile: requests of a trace served with --step-log, whose steps fit the served overhead (0: none)",
+    )  # fmt: skip
     trace = simulate_parser.add_argument_group("the trace, as `bench serve` takes it")
     trace.add_argument("--trace", default=None, help="a trace file; else one is made from --kind")
     trace.add_argument("--kind", choices=KINDS, default="chat")
@@ -98,9 +97,10 @@ def run_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
         if args.from_steps:
             profile = Profile.read(args.from_steps).refitted()
         else:
-            streams = tuple(int(n) for n in args.served_streams.split(",") if n.strip())
             grid = QUICK if args.quick else Grid()
-            profile = profile_engine(config, grid, front_requests=args.front_requests, served_streams=streams)
+            profile = profile_engine(
+                config, grid, front_requests=args.front_requests, served_requests=args.served_requests
+            )
         profile.write(args.output)
         error = profile.step_model.fit_error
         print(

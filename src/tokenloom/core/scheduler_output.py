@@ -51,6 +51,14 @@ class SchedulerOutput:
             self.num_prefill_tokens += item.num_tokens
             self.num_prefill_chunks += 1
 
+    def step_items(self) -> list[tuple[int, int, int, bool]]:
+        """Each scheduled request as (start, tokens, rows sampled, whether a prefill chunk): the sums a step's cost
+        grows with are made from these (bench/cost_model.py's StepShape); a profile and a step log keep them."""
+        return [
+            (s.start, s.num_tokens, (1 + len(s.draft_token_ids)) if s.sample else 0, s.is_prefill)
+            for s in self.scheduled
+        ]
+
     @property
     def num_decode_tokens(self) -> int:
         return self.num_batched_tokens - self.num_prefill_tokens

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 from tokenloom.engine.client import EngineClient, PreparedRequest
 from tokenloom.engine.core_outputs import EngineStats
+from tokenloom.engine.step_log import StepLog
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
@@ -65,8 +66,10 @@ class AsyncEngine:
         max_num_queued_tokens: int | None = None,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
         on_engine_death: Callable[[], None] | None = None,
+        step_log: StepLog | None = None,
     ) -> None:
         self.engine = engine
+        self.step_log = step_log  # each turn that runs a step, timed (`serve --step-log`)
         self.on_engine_death = on_engine_death  # called once, on the engine thread, after in-flight work is failed
         self.max_num_queued_requests = max_num_queued_requests
         self.max_num_queued_tokens = max_num_queued_tokens
@@ -100,6 +103,8 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
         self.engine.shutdown()
+        if self.step_log is not None:
+            self.step_log.close()
 
     @property
     def healthy(self) -> bool:
@@ -225,6 +230,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopping:
+            turn_started = time.perf_counter()
             if not self.engine.healthy:
                 self._after_engine_death()
                 return
@@ -247,6 +253,8 @@ class AsyncEngine:
                     self._deliver(output.request_id, output)
             if self.on_step is not None:
                 self.on_step(aborted + outputs)
+            if self.step_log is not None:
+                self.step_log.end_turn(time.perf_counter() - turn_started)
             if not busy:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()

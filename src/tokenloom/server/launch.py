@@ -20,6 +20,7 @@ from tokenloom.config import EngineConfig, ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.core_process import CoreProcessEngine
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.engine.step_log import StepLog
 from tokenloom.server.app import build_app
 from tokenloom.server.connections import with_header_limits
 from tokenloom.server.metrics import ServerMetrics
@@ -75,6 +76,10 @@ def build_server(
         raise ValueError("--core-process does not run with --tensor-parallel-size > 1 yet; use one or the other")
     engine: LLMEngine | CoreProcessEngine
     engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
+    step_log = None
+    if server.step_log and isinstance(engine, LLMEngine):
+        step_log = StepLog(server.step_log)
+        engine.observe_steps(step_log.observe)
     model_name, *aliases = server.served_model_name or (engine.model_name,)
     if server.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(server.chat_template)
@@ -88,6 +93,7 @@ def build_server(
         queue_timeout=server.queue_timeout,
         max_num_queued_tokens=server.max_num_queued_tokens,
         on_step=metrics.on_step,
+        step_log=step_log,
     )
     app = build_app(
         async_engine,
