@@ -75,7 +75,8 @@ def main() -> None:
 
 
 def serve(trace: Path, rate: float, out: Path) -> None:
-    with LocalServer() as server:
+    """Default flags, each step logged beside the run (served_steps.py --steps-log reads it against a profile)."""
+    with LocalServer("--step-log", str(out.with_name(out.name.replace("-real.json", "-steps.jsonl")))) as server:
         run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate", str(rate),
              "-o", str(out)])  # fmt: skip
 
