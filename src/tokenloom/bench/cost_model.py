@@ -214,42 +214,37 @@ def _layer_parameters(m: ModelConfig) -> int:
 
 @dataclass
 class ServedOverhead:
-    """What a step costs a server beyond the engine's own step of the same shape: the engine's seconds x slowdown,
-    plus per_step_s. Fitted from the steps of a trace served with `--step-log` (profile.py's measure_served), each
-    the wall time of the engine loop's turn that ran it, against the engine-alone model for its shape: the server's
-    event loop and streams share the cores with the step, and the turn hands each row's output to its stream, which
-    a profile of the engine alone does not see. `steps` keeps what it was fitted from (the log's records)."""
+    """What a step costs a server beyond the engine's own step of the same shape: per_step_s. Fitted from the steps
+    of a trace served with `--step-log` (profile.py's measure_served), each the wall time of the engine loop's turn
+    that ran it, against the engine-alone model for its shape: the server's event loop and streams share the cores
+    with the step, and the turn hands each row's output to its stream, which a profile of the engine alone does not
+    see. `steps` keeps what it was fitted from (the log's records).
+
+    One constant a step: over eight served runs of four traces (RESULTS.md, issue 27) it fitted the served steps as
+    well as any line with a share of the engine's time or a cost per row did, and a share fitted on one short trace
+    came out at 7-13%, which then stretched long prefill chunks that serving does not slow."""
 
     per_step_s: float = 0.0
-    slowdown: float = 0.0
     steps: list[dict[str, Any]] = field(default_factory=list)
 
-    def seconds(self, engine_seconds: float) -> float:
-        return self.per_step_s + self.slowdown * engine_seconds
+    def seconds(self) -> float:
+        return self.per_step_s
 
     @classmethod
     def fit(cls, engine: StepModel, steps: list[dict[str, Any]]) -> ServedOverhead:
-        """Least squares of (served - engine) seconds over [1, engine seconds], each step weighted by 1 / its served
-        time (as FittedStepModel.fit), neither coefficient below 0: one that goes negative is dropped, the other
-        refitted."""
+        """Least squares of (served - engine) seconds on a constant, each step weighted by 1 / its served time (as
+        FittedStepModel.fit), not below 0."""
         shapes, seconds = shapes_of(steps)
         served = np.array(seconds)
         model = np.array([engine.seconds(shape) for shape in shapes])
-        x = np.stack([np.ones_like(model), model], axis=1) / served[:, None]
-        extra = (served - model) / served
-        active = [0, 1]
-        while active:
-            solution, *_ = np.linalg.lstsq(x[:, active], extra, rcond=None)
-            if (solution >= 0).all():
-                coefficients = dict(zip(active, solution.tolist(), strict=True))
-                return cls(coefficients.get(0, 0.0), coefficients.get(1, 0.0), steps)
-            del active[int(np.argmin(solution))]
-        return cls(0.0, 0.0, steps)
+        weights = served**-2.0
+        constant = float(np.sum((served - model) * weights) / np.sum(weights)) if len(steps) else 0.0
+        return cls(max(0.0, constant), steps)
 
     @classmethod
     def read(cls, data: dict[str, Any]) -> ServedOverhead:
         """As a profile wrote it; one from before the step log (fitted over stream counts) keeps its constant."""
-        return cls(data.get("per_step_s", 0.0), data.get("slowdown", 0.0), data.get("steps", []))
+        return cls(data.get("per_step_s", 0.0), data.get("steps", []))
 
 
 @dataclass
@@ -264,8 +259,7 @@ class ServedStepModel:
         return f"{self.engine.name}, served"
 
     def seconds(self, shape: StepShape) -> float:
-        engine = self.engine.seconds(shape)
-        return engine + self.overhead.seconds(engine)
+        return self.engine.seconds(shape) + self.overhead.seconds()
 
 
 @dataclass
@@ -291,7 +285,7 @@ class Profile:
 
     def served_step_model(self) -> StepModel:
         """What a served step costs: the fitted engine step plus the served overhead, where one was measured."""
-        if not (self.served_overhead.per_step_s or self.served_overhead.slowdown):
+        if not self.served_overhead.per_step_s:
             return self.step_model
         return ServedStepModel(self.step_model, self.served_overhead)
 

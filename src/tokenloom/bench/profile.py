@@ -8,8 +8,9 @@ past, as agent and RAG traces make), then aborted; then prefills of each lone si
 whose leading tokens a request before them left in the prefix cache. Each step is timed whole, `LLMEngine.step()`
 from the schedule to the outputs, greedy as `bench serve` asks, and kept with its scheduled requests
 (cost_model.Item), so the model can be refitted. A warm-up pass runs first and is not kept. Last, a server with
-default flags is started and timed over HTTP (measure_served): a few concurrent streams decoding, for what a served
-step costs beyond the engine's own (cost_model.ServedOverhead), then requests one at a time for the front's latency.
+default flags and `--step-log` is started and timed over HTTP (measure_served): a small mixed trace, whose logged
+steps say what a served step costs beyond the engine's own (cost_model.ServedOverhead), then requests one at a time
+for the front's latency.
 """
 
 from __future__ import annotations
