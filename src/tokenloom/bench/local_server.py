@@ -26,14 +26,11 @@ class LocalServer:
         startup_timeout: float = 300.0,
         log_level: str = "warning",
         env: dict[str, str] | None = None,
-        launcher: list[str] | None = None,
     ) -> None:
-        """env: more environment for the server (PYTHONPATH to serve another checkout's code). launcher: what runs
-        the command line in place of `python -m tokenloom.cli` (a script that instruments the server first)."""
+        """env: more environment for the server (PYTHONPATH to serve another checkout's code)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cli = launcher or [sys.executable, "-m", "tokenloom.cli"]
-        command = [*cli, "serve", "--port", str(self.port), "--log-level", log_level]
+        command = [sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(self.port), "--log-level", log_level]
         environment = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), **(env or {})}
         self.process = subprocess.Popen(
             [*command, *args], env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
