@@ -13,6 +13,9 @@ from torch import nn
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.model.llama import REFINED_TOP_K
+from tokenloom.model.loader import load_model
+from tokenloom.model.parallel import TensorParallelGroup
+from tokenloom.model.prepack import PackedLinear
 from tokenloom.model.quantization import (
     Int8Linear,
     hadamard_matrix,
@@ -200,6 +203,22 @@ def test_an_int8_models_logits_are_its_int8_heads_but_where_they_decide_the_toke
     int8_logits = head.rows_forward(normed.to(torch.bfloat16), out_dtype=torch.float32)
     assert torch.equal(logits[rest], int8_logits[rest])
     assert not torch.equal(int8_logits[rest], exact[rest])  # not the plain head's: its own codes
+
+
+@pytest.mark.parametrize("method", [None, "int8"])
+def test_only_the_rank_that_computes_logits_copies_the_head(tiny_llama, method):
+    """Rank 0 alone computes logits under tensor parallelism: another rank makes neither the packed bf16 copy of
+    the head nor its int8 copy (a tied head's copy is the embedding's size again, ~1 GB for a Llama-3-8B)."""
+    if method and int8_kernel_isa() is None:
+        pytest.skip("no int8 kernel of ours on this CPU: no int8 head")
+    for rank, copies in ((0, True), (1, False)):
+        model = load_model(str(tiny_llama), 64, torch.bfloat16, torch.device("cpu"), TensorParallelGroup(rank, 2)).model
+        if method:
+            model.quantize_weights(method)
+        model.prepack_weights(layers=method is None)
+        head = model._int8_head if method else model.lm_head
+        assert isinstance(head, Int8Linear if method else PackedLinear) == copies
+        assert model._head_weight() is not None  # the plain weight stays: the embedding, or the head as loaded
 
 
 def alone(tiny_llama, method: str) -> list[list[int]]:

@@ -204,6 +204,8 @@ class CausalLM(nn.Module):
         )
         self._operator_layers: list[OperatorLayer] | None = None
         self._int8_head: Int8Linear | None = None  # an int8 model's approximate logits (quantize_weights)
+        # Rank 0 alone computes logits and samples (parallel_runner.py): the other ranks make no copies of the head.
+        self.computes_logits = tp.rank == 0
 
     def forward(
         self, input_ids, positions, kv_caches: list[KVCache] | None = None, meta: AttentionMetadata | None = None
@@ -262,15 +264,16 @@ class CausalLM(nn.Module):
 
     def prepack_weights(self, layers: bool = True) -> None:
         """Every linear's weight (or the LM head's alone) into oneDNN's layout, once (see prepack.py); a tied LM
-        head gets its own copy."""
+        head gets its own copy, where this rank computes logits."""
         self._plain_head_weight = self._head_weight().detach()  # kept plain: the top logits are refined from it
-        head_bytes = self._plain_head_weight.numel() * self._plain_head_weight.element_size()
+        head = self._plain_head_weight
+        head_bytes = head.numel() * head.element_size() if self.computes_logits else 0
         small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0))
         if layers:
             prepack_linears(self.layers, gated=GATED_PROJECTIONS, small_batch=small)
             self._operator_layers = None
         # A tied embedding stays, for lookups. An int8 model's logits come from its int8 head: no packed copy.
-        if self._int8_head is None:
+        if self._int8_head is None and self.computes_logits:
             self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
 
     def quantize_weights(
@@ -283,7 +286,7 @@ class CausalLM(nn.Module):
         hessians, keyed by a linear's name under `layers` (gptq.recording_input_hessians(model.layers)), make GPTQ
         round its int8 codes; codes, keyed the same, are an earlier load's (gptq_cache.py)."""
         self._operator_layers = None
-        self._int8_head = int8_head(self._head_weight(), method)
+        self._int8_head = int8_head(self._head_weight(), method) if self.computes_logits else None
         return quantize_linears(self.layers, method, gated=GATED_PROJECTIONS, hessians=hessians, codes=codes)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
