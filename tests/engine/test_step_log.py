@@ -6,6 +6,7 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
+from tokenloom.cli import main
 from tokenloom.config import ServerConfig
 from tokenloom.engine.step_log import read_step_log
 
@@ -27,3 +28,9 @@ def test_the_step_log_is_refused_where_the_engine_is_not_in_the_servers_process(
     with pytest.raises(ValueError, match="--step-log"):
         ServerConfig(step_log="steps.jsonl", core_process=True)
     ServerConfig(step_log="steps.jsonl")  # in this process: fine
+
+
+def test_a_step_log_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys):
+    missing = tmp_path / "no such directory" / "steps.jsonl"
+    assert main(["serve", "--model", str(tmp_path / "not loaded either"), "--step-log", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err  # the log named, not the model

@@ -74,11 +74,11 @@ def build_server(
     if server.core_process and engine_config.parallel.tensor_parallel_size > 1:
         # The core process is a daemon, and a daemon may not start the tensor-parallel workers.
         raise ValueError("--core-process does not run with --tensor-parallel-size > 1 yet; use one or the other")
+    step_log = StepLog(server.step_log) if server.step_log else None  # opened first: a bad path fails at once
     engine: LLMEngine | CoreProcessEngine
     engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
-    step_log = None
-    if server.step_log and isinstance(engine, LLMEngine):
-        step_log = StepLog(server.step_log)
+    if step_log is not None:
+        assert isinstance(engine, LLMEngine), "ServerConfig refuses --step-log with --core-process"
         engine.observe_steps(step_log.observe)
     model_name, *aliases = server.served_model_name or (engine.model_name,)
     if server.chat_template is not None and engine.tokenizer is not None:
