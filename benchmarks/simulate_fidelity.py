@@ -9,7 +9,8 @@ output lengths standing in for the model's own ends (`--output-lengths`). Prints
 the worst of the four the issue names (output tok/s, TTFT p50 and p95, E2E p95), and per request the median
 relative error of its TTFT and E2E (robust where a percentile falls between two modes of the distribution). The
 last column is the worst of the four when the same run is simulated from the engine's steps alone, without the
-profile's served overhead (cost_model.ServedOverhead): what that correction changes.
+profile's served overhead (cost_model.ServedOverhead): what that correction changes. `--repeat` serves each run
+twice and adds the worst of the four between the two real runs: how close the server comes to itself.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/simulate_fidelity")
     parser.add_argument("--only", default=None, help="comma-separated trace kinds")
     parser.add_argument("--reuse", action="store_true", help="keep real runs already in --out; simulate again")
+    parser.add_argument(
+        "--repeat", action="store_true",
+        help="serve each run a second time and print the worst of the four between the two real runs",
+    )  # fmt: skip
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,9 +58,10 @@ def main() -> None:
     engine_alone = str(out / "profile-engine-alone.json")
     without_overhead(profile, engine_alone)
     print(f"load average before: {os.getloadavg()[0]:.2f}")
+    again = " real again vs real |" if args.repeat else ""
     print("| trace | req/s | out tok/s real / sim | TTFT p50 | TTFT p95 | E2E p95 | ITL p50 | worst of four | "
-          "per request: TTFT, E2E | worst, engine alone |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"per request: TTFT, E2E | worst, engine alone |{again}")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.repeat else ""))
     for kind, count, rates in LOADS:
         if args.only and kind not in args.only.split(","):
             continue
@@ -70,13 +76,18 @@ def main() -> None:
                 run([*CLI, "simulate", "--trace", str(trace), "--request-rate", str(rate), "--profile", used,
                      "--output-lengths", str(real), "-o", str(written)])  # fmt: skip
             engine_alone_worst = worst_of_four(scorecard(real), scorecard(alone))
-            print(row(kind, rate, real, simulated) + f" {engine_alone_worst} |", flush=True)
+            repeated = ""
+            if args.repeat:  # the same trace, rate and seed served again: how far the server is from itself
+                second = out / f"{kind}-{rate:g}-real-again.json"
+                serve(trace, rate, second)
+                repeated = f" {worst_of_four(scorecard(real), scorecard(second))} |"
+            print(row(kind, rate, real, simulated) + f" {engine_alone_worst} |{repeated}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 def serve(trace: Path, rate: float, out: Path) -> None:
     """Default flags, each step logged beside the run (served_steps.py --steps-log reads it against a profile)."""
-    with LocalServer("--step-log", str(out.with_name(out.name.replace("-real.json", "-steps.jsonl")))) as server:
+    with LocalServer("--step-log", str(out.with_name(out.name.replace(".json", "-steps.jsonl")))) as server:
         run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate", str(rate),
              "-o", str(out)])  # fmt: skip
 
