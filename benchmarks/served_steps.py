@@ -1,10 +1,10 @@
 """A served trace's engine steps against a profile's step model (issue 27): where the simulation's time goes wrong.
 
     .venv/bin/python benchmarks/served_steps.py --profile PROFILE.json [--kind long] [--num-requests 12]
-        [--request-rate 0.1] [--out DIR] [--steps-log DIR/long-0.1-steps.jsonl]
+        [--request-rate 0.1] [--out DIR] [--steps-log DIR/long-0.1-real-steps.jsonl]
 
-Serves a bench trace with `tokenloom serve --step-log` (default flags otherwise) under `tokenloom bench serve`, as
-simulate_fidelity.py does, every turn of the server's engine loop logged: the step's scheduled requests and the
+Serves a bench trace with `tokenloom serve --step-log` (default flags otherwise) under `tokenloom bench serve`, with
+simulate_fidelity.py's `serve`, every turn of the server's engine loop logged: the step's scheduled requests and the
 turn's wall time (the step, and the admissions and deliveries around it). Then each served step's time is set
 against what the profile's step model says for the same step shape, by kind of step (lone prefill chunks, mixed,
 decode-only by rows and context), and the spread of steps of the same shape in the run is printed beside it: a
@@ -16,19 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tokenloom.bench.cost_model import Profile, StepShape
-from tokenloom.bench.local_server import LocalServer
-from tokenloom.engine.step_log import read_step_log
+from simulate_fidelity import CLI, run, serve
 
-CLI = [sys.executable, "-m", "tokenloom.cli"]
+from tokenloom.bench.cost_model import Profile, StepShape
+from tokenloom.engine.step_log import read_step_log
 
 
 def kind_of(shape: StepShape) -> str:
@@ -84,15 +81,12 @@ def main() -> None:
         compare(Profile.read(args.profile), read_step_log(args.steps_log))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    trace, log = args.out / f"{args.kind}.jsonl", args.out / f"{args.kind}-{args.request_rate:g}-steps.jsonl"
-    subprocess.run([*CLI, "bench", "trace", "--kind", args.kind, "--num-requests", str(args.num_requests), "--seed",
-                    "1", "-o", str(trace)], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
-    with LocalServer("--step-log", str(log)) as server:
-        print(f"load average before: {os.getloadavg()[0]:.2f}")
-        subprocess.run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate",
-                        str(args.request_rate), "-o", str(args.out / "real.json")], check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
-    steps = read_step_log(log)
+    trace = args.out / f"{args.kind}.jsonl"
+    run([*CLI, "bench", "trace", "--kind", args.kind, "--num-requests", str(args.num_requests), "--seed", "1", "-o",
+         str(trace)])  # fmt: skip
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    real = args.out / f"{args.kind}-{args.request_rate:g}-real.json"
+    steps = read_step_log(serve(trace, args.request_rate, real))
     print(f"{args.kind} trace, {args.num_requests} requests at {args.request_rate:g} req/s; profile {args.profile}")
     compare(Profile.read(args.profile), steps)
 

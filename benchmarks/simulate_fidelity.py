@@ -85,11 +85,14 @@ def main() -> None:
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
-def serve(trace: Path, rate: float, out: Path) -> None:
-    """Default flags, each step logged beside the run (served_steps.py --steps-log reads it against a profile)."""
-    with LocalServer("--step-log", str(out.with_name(out.name.replace(".json", "-steps.jsonl")))) as server:
+def serve(trace: Path, rate: float, out: Path) -> Path:
+    """Default flags, each step logged beside the run (served_steps.py --steps-log reads it against a profile);
+    returns the step log's path."""
+    log = out.with_name(out.name.replace(".json", "-steps.jsonl"))
+    with LocalServer("--step-log", str(log)) as server:
         run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate", str(rate),
              "-o", str(out)])  # fmt: skip
+    return log
 
 
 def per_request_error(real: list[dict], simulated: list[dict], figure: str) -> str:

@@ -227,9 +227,6 @@ class ServedOverhead:
     per_step_s: float = 0.0
     steps: list[dict[str, Any]] = field(default_factory=list)
 
-    def seconds(self) -> float:
-        return self.per_step_s
-
     @classmethod
     def fit(cls, engine: StepModel, steps: list[dict[str, Any]]) -> ServedOverhead:
         """Least squares of (served - engine) seconds on a constant, each step weighted by 1 / its served time (as
@@ -259,7 +256,7 @@ class ServedStepModel:
         return f"{self.engine.name}, served"
 
     def seconds(self, shape: StepShape) -> float:
-        return self.engine.seconds(shape) + self.overhead.seconds()
+        return self.engine.seconds(shape) + self.overhead.per_step_s
 
 
 @dataclass
