@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--prompt-len 32] [--final-only]
                                                 [--attention-backend torch] [--async-output-proc]
-                                                [--async-scheduling] [--no-freeze]
+                                                [--async-scheduling] [--core-loop] [--no-freeze]
 
 On a GPU a small model's forward takes 1-3 ms a step; whatever the host spends around it (scheduling, building the
 step's inputs, sampling, turning tokens into text and outputs) is time the device may sit idle. This runs the real
@@ -17,6 +17,8 @@ between steps), `--attention-backend triton` builds the inputs a GPU step gets (
 `--async-output-proc` reads each step's tokens after the next one is launched, and `--async-scheduling` schedules
 each step before the one before is read. "device idle" is the host time from reading a step's tokens to the next
 step's inputs being ready (DeviceIdle): what a device whose step takes long would wait between two steps.
+`--core-loop` times what the engine core's own process (`--core-process`, engine/core_process.py) does a step:
+the core's step and its pickled report, without the output processor, which runs in the API process beside it.
 
 The timed steps run with the start-up heap frozen, as `tokenloom serve` and the engine core process run theirs
 (utils.heap_frozen); `--no-freeze` runs them without, to show what a full collection costs. The line of each
@@ -31,7 +33,9 @@ import cProfile
 import gc
 import gzip
 import os
+import pickle
 import shutil
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -44,6 +48,8 @@ import torch
 from tokenloom import SamplingParams
 from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.config import EngineConfig
+from tokenloom.engine import core_process
+from tokenloom.engine.core_outputs import EngineCoreOutput
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.utils import cdiv, heap_frozen
 
@@ -178,6 +184,17 @@ def _final_only() -> object:
     return RequestOutputKind.FINAL_ONLY
 
 
+def core_step_and_report(engine: LLMEngine) -> list[EngineCoreOutput]:
+    """A turn of the core process's loop: the core's step, and its report pickled as `send` pickles it."""
+    outputs = engine.core.step().outputs
+    pickled(core_process.core_report(engine.core, outputs, set()))
+    return outputs
+
+
+def pickled(report: object) -> bytes:
+    return pickle.dumps(report, protocol=5)
+
+
 def stub_forward(engine: LLMEngine) -> None:
     """The forward returns zeros of the hidden size; the LM head returns a fixed random logits tensor."""
     runner = engine.core.runner
@@ -198,6 +215,7 @@ def measure(
     async_output_proc: bool = False,
     async_scheduling: bool = False,
     profile_to: Path | None = None,
+    core_loop: bool = False,
 ) -> dict[str, float]:
     budget = max(2048, running * 40)
     # Requests that start first decode while the last prompts prefill: none may finish before the timed steps end.
@@ -226,6 +244,10 @@ def measure(
             phases.wrap(core.scheduler, name, "update scheduler")
     phases.wrap(runner, "_sampling_batch", "sampling batch")
     phases.wrap(engine.processor, "process", "outputs (detokenize, stops)")
+    if core_loop:
+        phases.wrap(core_process, "core_report", "report")
+        phases.wrap(sys.modules[__name__], "pickled", "pickle")
+    step = (lambda: core_step_and_report(engine)) if core_loop else engine.step
     idle = DeviceIdle(engine)
     # Only asked for where wanted, so that the script also measures a checkout from before output kinds.
     kind = {"output_kind": _final_only()} if final_only else {}
@@ -244,8 +266,8 @@ def measure(
         started = time.perf_counter()
         with profiler or contextlib.nullcontext():
             for _ in range(steps):
-                outputs = engine.step()
-                assert len(outputs) == (0 if final_only else running), (len(outputs), running)
+                outputs = step()
+                assert len(outputs) == (0 if final_only and not core_loop else running), (len(outputs), running)
         total = time.perf_counter() - started
         phases.timing = idle.timing = False
     if profiler is not None:
@@ -269,6 +291,7 @@ def main() -> None:
     parser.add_argument("--async-output-proc", action="store_true", help="read each step while the next one runs")
     parser.add_argument("--async-scheduling", action="store_true", help="schedule each step before the last is read")
     parser.add_argument("--final-only", action="store_true", help="outputs as LLM.generate takes them: the last")
+    parser.add_argument("--core-loop", action="store_true", help="only what the core process does a step")
     parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     parser.add_argument("--profile", type=Path, help="write cProfile's stats of the timed steps to PROFILE.<running>")
     args = parser.parse_args()
@@ -280,7 +303,7 @@ def main() -> None:
             figures = measure(
                 model, running, args.steps, freeze, args.prompt_len, args.final_only, args.attention_backend,
                 args.async_output_proc, args.async_scheduling,
-                args.profile.with_suffix(f".{running}") if args.profile else None,
+                args.profile.with_suffix(f".{running}") if args.profile else None, args.core_loop,
             )  # fmt: skip
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
             print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"

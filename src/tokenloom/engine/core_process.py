@@ -98,10 +98,14 @@ def _serve(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[byte
                 ended.extend(_apply(core, message))
         stepped = core.step().outputs if core.has_unfinished_requests() else []
         if ended or stepped:
-            queue = core.queue_state(count_backlog="backlog" in watched)
-            never_scheduled = core.never_scheduled_waiting() if "never_scheduled" in watched else []
-            report = CoreReport(ended + stepped, core.stats(), queue, never_scheduled)
-            send(outputs, report)
+            send(outputs, core_report(core, ended + stepped, watched))
+
+
+def core_report(core: EngineCore, outputs: list[EngineCoreOutput], watched: set[str]) -> CoreReport:
+    """What the core sends after a step: its outputs, its gauges, and the walks over its queue that were asked for."""
+    queue = core.queue_state(count_backlog="backlog" in watched)
+    never_scheduled = core.never_scheduled_waiting() if "never_scheduled" in watched else []
+    return CoreReport(outputs, core.stats(), queue, never_scheduled)
 
 
 def _apply(core: EngineCore, message: CoreRequest) -> list[EngineCoreOutput]:
