@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 from pathlib import Path
 
@@ -18,7 +19,11 @@ from server_process import ServerProcess
 from tokenloom import LLM, SamplingParams
 from tokenloom.config import EngineConfig
 from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
+from tokenloom.engine.core_messages import CoreReport
+from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 from tokenloom.engine.core_process import CoreProcessEngine
+from tokenloom.model.sampler import SampledToken
+from tokenloom.outputs import RequestMetrics
 from tokenloom.server.launch import ENGINE_DIED_EXIT_CODE
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 60)), [3] * 17]
@@ -56,6 +61,24 @@ def test_tokens_through_the_core_process_equal_the_in_process_engine(tiny_llama)
     finally:
         front.shutdown()
     assert not front.engine.healthy
+
+
+def test_a_report_travels_with_its_plain_outputs_as_columns_and_comes_back_whole():
+    plain = [EngineCoreOutput(f"r{i}", [SampledToken(i), SampledToken(i + 1)], None, None, None) for i in range(6)]
+    metrics = RequestMetrics(1.0, 2.0, 3.0, None)
+    others = [
+        EngineCoreOutput("first", [SampledToken(7)], None, None, metrics),
+        EngineCoreOutput("ended", [], "length", None, metrics),
+        EngineCoreOutput("logprobs", [SampledToken(3, -0.5, [(3, -0.5)])], None, None, None),
+        EngineCoreOutput("failed", [], "error", None, metrics, error="RuntimeError: boom"),
+    ]
+    outputs = [others[0], *plain[:2], others[1], others[2], *plain[2:], others[3]]
+    report = CoreReport(outputs, EngineStats.empty(8), QueueState(1, 2), [("w", 0.5)])
+    request_ids, token_ids, kept, *_ = report.__reduce__()[1]
+    assert request_ids == [o.request_id for o in plain] and token_ids == [[i, i + 1] for i in range(6)]
+    assert [output for _, output in kept] == others  # only what says more than its tokens goes as objects
+    assert pickle.loads(pickle.dumps(report, protocol=5)) == report
+    assert pickle.loads(pickle.dumps(CoreReport([], EngineStats.empty(8), QueueState(0, 0)))).outputs == []
 
 
 def test_a_killed_core_fails_the_requests_in_flight_and_refuses_new_ones(tiny_llama):

@@ -36,10 +36,23 @@ def test_a_step_reports_new_tokens_and_its_token_counts(core):
     assert second.step is not None and (second.step.num_prefill_tokens, second.step.num_decode_tokens) == (0, 2)
     third = core.step()
     assert {o.request_id: o.finish_reason for o in third.outputs} == {"a": "length", "b": "length"}
-    assert all(o.metrics.finished_time is not None for o in third.outputs)
+    assert all(o.metrics is not None and o.metrics.finished_time is not None for o in third.outputs)
     assert core.step().step is None and not core.has_unfinished_requests()
     stats = core.stats()
     assert stats.generated_tokens == 6 and stats.prompt_tokens == 14 and stats.kv_blocks_in_use == 0
+
+
+def test_metrics_go_with_a_requests_first_output_and_its_last(core):
+    core.add_request(request("a", 5, max_tokens=4))
+    core.add_request(request("b", 5, max_tokens=40))
+    steps = [core.step().outputs for _ in range(4)]
+    with_metrics = [[o.request_id for o in outputs if o.metrics is not None] for outputs in steps]
+    assert with_metrics == [["a", "b"], [], [], ["a"]]  # first tokens; nothing new; a finished at its 4th token
+    first = steps[0][0].metrics
+    assert first is not None and first.first_token_time is not None and first.finished_time is None
+    aborted = core.abort("b")
+    assert aborted is not None and aborted.metrics is not None and aborted.metrics.finished_time is not None
+    assert not core._reported, "an ended request leaves nothing behind"
 
 
 def test_abort_finish_and_fail_end_a_request_and_free_its_blocks(core):

@@ -104,6 +104,7 @@ class EngineCore:
         self.schedules_ahead = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None  # the step launched by the last call, when outputs overlap
         self._penalized: set[str] = set()  # live requests with penalties: their sampling reads the host's tokens
+        self._reported: set[str] = set()  # live requests whose metrics went out with an output
 
     @property
     def healthy(self) -> bool:
@@ -352,21 +353,28 @@ class EngineCore:
         assert len(entries) == request.num_prompt_tokens - 1, "every prompt token after the first has its logprob"
         return [entries[i] for i in range(1, request.num_prompt_tokens)]
 
+    def _output_of(self, request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:
+        """The request's output; its metrics only with its first output and its last (EngineCoreOutput.metrics)."""
+        request_id = request.request_id
+        if request.finished:
+            self._reported.discard(request_id)
+            return EngineCoreOutput(
+                request_id, new_tokens, request.status.value, request.stop_reason, self._metrics_of(request)
+            )
+        if request_id in self._reported:
+            return EngineCoreOutput(request_id, new_tokens, None, request.stop_reason, None)
+        self._reported.add(request_id)
+        return EngineCoreOutput(request_id, new_tokens, None, request.stop_reason, self._metrics_of(request))
+
     @staticmethod
-    def _output_of(request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_tokens=new_tokens,
-            finish_reason=request.status.value if request.finished else None,
-            stop_reason=request.stop_reason,
-            metrics=RequestMetrics(
-                arrival_time=request.arrival_time,
-                first_scheduled_time=request.first_scheduled_time,
-                first_token_time=request.first_token_time,
-                finished_time=request.finished_time,
-                num_preemptions=request.num_preemptions,
-                num_cached_tokens=request.num_cached_tokens,
-            ),
+    def _metrics_of(request: Request) -> RequestMetrics:
+        return RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _make_swap_copies(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:

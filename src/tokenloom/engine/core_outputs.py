@@ -19,7 +19,9 @@ class EngineCoreOutput:
     new_tokens: list[SampledToken]
     finish_reason: str | None  # a RequestStatus value once finished: stop, length, abort, error
     stop_reason: str | int | None
-    metrics: RequestMetrics
+    # With a request's first output and its last; None between, where nothing but its tokens changed (the output
+    # side keeps the last it was given): building and sending them every step cost a large share of a step's host time.
+    metrics: RequestMetrics | None
     error: str | None = None  # why the request failed, when finish_reason is "error"
     # With its first token, if it asked: prompt tokens 1.. (the first has none), each with its top alternatives.
     prompt_logprobs: list[SampledToken] | None = None

@@ -13,6 +13,7 @@ core is told, and what it still sends for that request is dropped. If the core p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -240,7 +241,7 @@ class CoreProcessEngine(EngineClient):
 
     def stopped(self, output: EngineCoreOutput, stop: str) -> EngineCoreOutput:
         self._send(FinishRequest(output.request_id, stop))
-        return self._end_here(output.request_id, RequestStatus.FINISHED_STOPPED, stop, output.metrics)
+        return self._end_here(output.request_id, RequestStatus.FINISHED_STOPPED, stop)
 
     def failed(self, output: EngineCoreOutput, error: Exception) -> EngineCoreOutput:
         logger.error("request %s failed: %r", output.request_id, error, exc_info=error)
@@ -252,12 +253,12 @@ class CoreProcessEngine(EngineClient):
         request_id: str,
         status: RequestStatus,
         stop: str | None = None,
-        metrics: RequestMetrics | None = None,
         error: Exception | None = None,
     ) -> EngineCoreOutput:
-        """A request ended on this side at once; the core, told by message, ends its own copy on its next loop."""
-        metrics = metrics or RequestMetrics(self._in_flight[request_id], None, None, None)
-        metrics.finished_time = time.monotonic()
+        """A request ended on this side at once; the core, told by message, ends its own copy on its next loop. Its
+        metrics: the last the core sent, if any, ending now."""
+        last = self.processor.metrics_of(request_id) or RequestMetrics(self._in_flight[request_id], None, None, None)
+        metrics = dataclasses.replace(last, finished_time=time.monotonic())
         ended = EngineCoreOutput(request_id, [], status.value, stop, metrics)
         if error is not None:
             ended.error = f"{type(error).__name__}: {error}"

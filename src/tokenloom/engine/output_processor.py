@@ -13,7 +13,7 @@ from tokenloom.engine.core_outputs import EngineCoreOutput
 from tokenloom.engine.detokenizer import IncrementalDetokenizer
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.sampler import SampledToken
-from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloom.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -42,6 +42,7 @@ class RequestState:
     stop_text: str | None = None  # the text up to a stop string, once one is found
     cumulative_logprob: float = 0.0  # of the tokens in logprobs, summed as they come (not over all at every step)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once the core sends them
+    metrics: RequestMetrics | None = None  # the last the core sent (with the first output and the last)
 
 
 class OutputProcessor:
@@ -85,6 +86,7 @@ class OutputProcessor:
         None where the caller takes only the request's final output (RequestOutputKind.FINAL_ONLY) and this is not
         it: its tokens are absorbed, no RequestOutput is built."""
         try:
+            self._take_metrics(output)
             stop = None if output.error is not None else self.absorb(output)
             if stop is not None:
                 output = ending.stopped(output, stop)
@@ -97,16 +99,28 @@ class OutputProcessor:
 
     def make_output(self, output: EngineCoreOutput) -> RequestOutput:
         """The request's RequestOutput after this core output; a finished request's state is dropped."""
+        self._take_metrics(output)
         result = self._built(self._states[output.request_id], output)
         if output.finished:
             del self._states[output.request_id]
         return result
 
+    def _take_metrics(self, output: EngineCoreOutput) -> None:
+        if output.metrics is not None:
+            self._states[output.request_id].metrics = output.metrics
+
+    def metrics_of(self, request_id: str) -> RequestMetrics | None:
+        """The last metrics the core sent for a request (None: none yet, or the request is not here)."""
+        state = self._states.get(request_id)
+        return None if state is None else state.metrics
+
     def _built(self, state: RequestState, output: EngineCoreOutput) -> RequestOutput:
+        metrics = state.metrics
+        assert metrics is not None, "a request's first output carries its metrics"
         if output.error is not None:
             completion = CompletionOutput(0, "", list(state.output_token_ids), finish_reason=output.finish_reason)
             return RequestOutput(
-                output.request_id, None, state.prompt_token_ids, [completion], True, output.metrics, error=output.error
+                output.request_id, None, state.prompt_token_ids, [completion], True, metrics, error=output.error
             )
         cumulative = None if state.logprobs is None else state.cumulative_logprob
         completion = CompletionOutput(
@@ -124,7 +138,7 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=[completion],
             finished=output.finished,
-            metrics=output.metrics,
+            metrics=metrics,
             prompt_logprobs=state.prompt_logprobs,
         )
 
