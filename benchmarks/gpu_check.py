@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import importlib.util
 import math
 import random
 import shutil
@@ -326,6 +327,10 @@ def measure_speed(root: Path, device: str, quick: bool, models: list[str], backe
                 run("triton", eager=False)
                 run("triton", eager=False, ahead=True)
                 if name == "smollm2":  # where the host's share of a step is largest
+                    if importlib.util.find_spec("zmq") is not None:  # the image lacks pyzmq unless a wheel is carried
+                        run("triton", eager=False, ahead=True, core_process=True)
+                    else:
+                        emit(lines, f"| {name} | {label} | triton | core process: skipped, no pyzmq here |")
                     run("triton", eager=False, overlap=False)
             for backend in others:
                 run(backend, eager=True)
@@ -356,24 +361,26 @@ def out_of_time(lines: list[str], what: str, needs: float = 45.0) -> bool:
 
 def run_one(
     lines, device, path, name, label, work, seqs, budget, backend, eager, overlap=None, ahead=False, kv_dtype="auto",
-    batching="continuous",
+    batching="continuous", core_process=False,
 ) -> None:  # fmt: skip
     """overlap: asynchronous output processing (None: the engine's default, on for an accelerator); ahead:
-    asynchronous scheduling; kv_dtype: --kv-cache-dtype."""
+    asynchronous scheduling; kv_dtype: --kv-cache-dtype; core_process: the engine core in a process of its own."""
     if out_of_time(lines, f"{name} | {label} | {backend}"):
         return
     guarded(lines, f"{name} | {label} | {backend} | eager {eager}, async scheduling {ahead}, {kv_dtype} cache",
             lambda: timed_run(lines, device, path, name, label, work, seqs, budget, backend, eager, overlap, ahead,
-                              kv_dtype, batching))  # fmt: skip
+                              kv_dtype, batching, core_process))  # fmt: skip
 
 
 def timed_run(
-    lines, device, path, name, label, work, seqs, budget, backend, eager, overlap, ahead, kv_dtype, batching
+    lines, device, path, name, label, work, seqs, budget, backend, eager, overlap, ahead, kv_dtype, batching,
+    core_process,
 ) -> None:  # fmt: skip
     started = time.perf_counter()
     llm = LLM(str(path), device=device, dtype="bfloat16", enforce_eager=eager, attention_backend=backend,
               max_num_seqs=seqs, max_num_batched_tokens=budget, async_output_proc=overlap,
-              async_scheduling=ahead, kv_cache_dtype=kv_dtype, batching=batching)  # fmt: skip
+              async_scheduling=ahead, kv_cache_dtype=kv_dtype, batching=batching,
+              core_process=core_process)  # fmt: skip
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [7] * 40}] * 2, warm, use_tqdm=False)
     startup = time.perf_counter() - started
@@ -384,11 +391,13 @@ def timed_run(
     synchronize(device)
     seconds = time.perf_counter() - started
     step = "eager" if eager else ("compiled + decode graphs" if backend == "triton" else "compiled")
-    core = llm.engine.core
+    scheduler = llm.engine.config.scheduler
     step += (
-        ", async scheduling" if core.schedules_ahead
-        else ", outputs read after the next launch" if core.overlaps_outputs else ", outputs read in step"
+        ", async scheduling" if scheduler.async_scheduling
+        else ", outputs read after the next launch" if scheduler.overlaps_output_processing(device.split(":")[0])
+        else ", outputs read in step"
     )  # fmt: skip
+    step += ", core process" if core_process else ""
     step += "" if kv_dtype == "auto" else f", {kv_dtype} KV cache"
     step += "" if batching == "continuous" else f", {batching} batching"
     emit(

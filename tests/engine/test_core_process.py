@@ -63,6 +63,27 @@ def test_tokens_through_the_core_process_equal_the_in_process_engine(tiny_llama)
     assert not front.engine.healthy
 
 
+def test_the_offline_llm_with_its_core_in_a_process_gives_the_same_outputs(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    expected = LLM(str(tiny_llama), dtype="float32").generate(prompts, params, use_tqdm=False)
+    with LLM(str(tiny_llama), dtype="float32", core_process=True) as llm:
+        assert isinstance(llm.engine, CoreProcessEngine)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.stats().generated_tokens == 24
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].text == want.outputs[0].text and got.outputs[0].finish_reason == "length"
+        got_logprobs, want_logprobs = got.outputs[0].logprobs, want.outputs[0].logprobs
+        assert got_logprobs is not None and want_logprobs is not None
+        for entry, wanted in zip(got_logprobs, want_logprobs, strict=True):  # the batches formed may differ
+            assert {t: (e.rank, pytest.approx(e.logprob, abs=1e-4)) for t, e in entry.items()} == {
+                t: (e.rank, e.logprob) for t, e in wanted.items()
+            }
+        assert got.metrics.first_token_time is not None and got.metrics.finished_time is not None
+    assert not llm.engine.healthy  # shut down with the block
+
+
 def test_a_report_travels_with_its_plain_outputs_as_columns_and_comes_back_whole():
     plain = [EngineCoreOutput(f"r{i}", [SampledToken(i), SampledToken(i + 1)], None, None, None) for i in range(6)]
     metrics = RequestMetrics(1.0, 2.0, 3.0, None)

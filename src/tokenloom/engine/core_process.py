@@ -131,6 +131,9 @@ class CoreProcessEngine(EngineClient):
     """LLMEngine's face (what the async engine and the server use), with the core in its own process."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.tensor_parallel_size > 1:
+            # The core process is a daemon, and a daemon may not start the tensor-parallel workers.
+            raise ValueError("--core-process does not run with --tensor-parallel-size > 1 yet; use one or the other")
         self.config = config
         self.device = torch.device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)

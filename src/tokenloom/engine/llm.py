@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -16,6 +16,9 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.utils import heap_frozen
+
+if TYPE_CHECKING:
+    from tokenloom.engine.core_process import CoreProcessEngine
 
 PromptInput = str | dict[str, Any] | list[int]
 Conversation = list[dict[str, str]]
@@ -29,8 +32,17 @@ class LLM:
     the interpreter's exit), so a later ``LLM(tensor_parallel_size=N)`` in the same process can start.
     """
 
-    def __init__(self, model: str | None = None, **config: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **config))
+    def __init__(self, model: str | None = None, core_process: bool = False, **config: Any) -> None:
+        """core_process: the engine core (scheduler, model, sampling) in a process of its own, as the server's
+        --core-process; this process then only tokenizes and turns tokens into text, beside the core's steps."""
+        engine_config = EngineConfig.from_kwargs(model=model, **config)
+        self.engine: LLMEngine | CoreProcessEngine
+        if core_process:
+            from tokenloom.engine.core_process import CoreProcessEngine  # pyzmq: not needed by an engine in-process
+
+            self.engine = CoreProcessEngine(engine_config)
+        else:
+            self.engine = LLMEngine(engine_config)
         # Holds the engine, not the LLM: runs when the LLM is collected (or at exit), whoever forgot shutdown().
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
 

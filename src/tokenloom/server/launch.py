@@ -71,9 +71,6 @@ def build_server(
     server: ServerConfig, engine_config: EngineConfig, metric_labels: dict[str, str] | None = None
 ) -> tuple[FastAPI, AsyncEngine]:
     """The engine (in this process or with its core apart), the metrics, the async engine and the app; not started."""
-    if server.core_process and engine_config.parallel.tensor_parallel_size > 1:
-        # The core process is a daemon, and a daemon may not start the tensor-parallel workers.
-        raise ValueError("--core-process does not run with --tensor-parallel-size > 1 yet; use one or the other")
     step_log = StepLog(server.step_log) if server.step_log else None  # opened first: a bad path fails at once
     engine: LLMEngine | CoreProcessEngine
     engine = CoreProcessEngine(engine_config) if server.core_process else LLMEngine(engine_config)
