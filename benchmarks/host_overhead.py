@@ -49,6 +49,7 @@ from tokenloom import SamplingParams
 from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.config import EngineConfig
 from tokenloom.engine import core_process
+from tokenloom.engine.core_messages import CoreReport
 from tokenloom.engine.core_outputs import EngineCoreOutput
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.utils import cdiv, heap_frozen
@@ -187,7 +188,10 @@ def _final_only() -> object:
 def core_step_and_report(engine: LLMEngine) -> list[EngineCoreOutput]:
     """A turn of the core process's loop: the core's step, and its report pickled as `send` pickles it."""
     outputs = engine.core.step().outputs
-    pickled(core_process.core_report(engine.core, outputs, set()))
+    if hasattr(core_process, "core_report"):
+        pickled(core_process.core_report(engine.core, outputs, set()))
+    else:  # a checkout from before core_report
+        pickled(CoreReport(outputs, engine.core.stats(), engine.core.queue_state(False)))
     return outputs
 
 

@@ -214,6 +214,9 @@ def test_block_tables_hold_each_rows_blocks_of_its_context_and_zeros_after(block
     by_row = [
         ids[: cdiv(context, block_size)] + [0] * (width - cdiv(context, block_size)) for context, ids in rows
     ]
+    exact = [(context, ids[: cdiv(context, block_size)]) for context, ids in rows]  # the usual case: none is cut
     for dtype in (np.int32, np.int64):
-        tables = builder.block_tables(rows, dtype)
-        assert tables.dtype == dtype and tables.tolist() == by_row
+        for some_rows in (rows, exact):
+            context_lens = np.array([context for context, _ in some_rows], dtype=dtype)
+            tables = builder.block_tables(context_lens, [ids for _, ids in some_rows], dtype)
+            assert tables.dtype == dtype and tables.tolist() == by_row

@@ -29,6 +29,8 @@ class Speculator:
 
     def observe_verifications(self, output: SchedulerOutput, tokens: dict[str, list[int]]) -> None:
         """Each verified request's acceptance this step (its kept tokens are the accepted drafts and one more)."""
+        if self.proposer is None:
+            return
         for item in output.scheduled:
             request_id = item.request.request_id
             if item.draft_token_ids and request_id in tokens:

@@ -400,14 +400,15 @@ class ModelRunner:
         requests = [s.request for s in items]
         return SamplingBatch(
             params=[r.sampling_params for r in requests],
-            generators=[self._generator_for(r.request_id, r.sampling_params.seed) for r in requests],
+            generators=[
+                None if r.sampling_params.seed is None else self._generator_for(r.request_id, r.sampling_params.seed)
+                for r in requests
+            ],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
         )
 
-    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
+    def _generator_for(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._generators.get(request_id)
         if generator is None:
             generator = torch.Generator(device=self.device)

@@ -67,7 +67,7 @@ class StepInputBuilder:
         # of the step's K and V are in the cache before any query reads it, so the rows see exactly a causal prefix).
         decodes = sorted((s for s in scheduled if is_decode(s)), key=lambda s: s.start)
         ordered = decodes + [s for s in scheduled if not is_decode(s)]
-        input_ids = np.fromiter((t for s in ordered for t in s.token_ids), dtype=np.int64)
+        input_ids = np.fromiter(chain.from_iterable([s.token_ids for s in ordered]), dtype=np.int64)
         positions, slot_mapping = self._positions_and_slots(ordered, len(input_ids))
         ends = np.cumsum([s.num_tokens for s in ordered])
         holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN).tolist()
@@ -118,20 +118,25 @@ class StepInputBuilder:
         """(query tokens, context length, block ids) of each sequence in flat order -> the Triton kernel's view."""
         q_lens = np.array([q for q, _, _ in sequences], dtype=np.int32)
         ctx_lens = np.array([c for _, c, _ in sequences], dtype=np.int32)
-        tables = self.block_tables([(c, block_ids) for _, c, block_ids in sequences], np.int32)
+        tables = self.block_tables(ctx_lens, [block_ids for _, _, block_ids in sequences], np.int32)
         loc = np.zeros(len(sequences) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=loc[1:])
         return FlatBatch(
             self.tensor(loc), self.tensor(ctx_lens), self.tensor(tables), int(q_lens.max()), int(ctx_lens.max())
         )
 
-    def block_tables(self, rows: list[tuple[int, list[int]]], dtype: type) -> np.ndarray:
-        """[rows, blocks of the longest context] block ids of each (context length, block ids) row, zero-padded.
+    def block_tables(self, context_lens: np.ndarray, block_ids: list[list[int]], dtype: type) -> np.ndarray:
+        """[rows, blocks of the longest context] block ids of each row's context, zero-padded.
 
-        One numpy assignment for the whole batch: a row at a time cost ~5 us a request (host_overhead.py)."""
-        counts = np.fromiter((cdiv(context, self.block_size) for context, _ in rows), dtype=np.int64, count=len(rows))
-        used = chain.from_iterable(ids[:count] for (_, ids), count in zip(rows, counts.tolist(), strict=True))
-        tables: np.ndarray = np.zeros((len(rows), int(counts.max())), dtype=dtype)
+        One numpy assignment for the whole batch: a row at a time cost ~5 us a request (host_overhead.py). A row
+        usually holds exactly its context's blocks, and then no row is sliced."""
+        counts = -(-context_lens.astype(np.int64) // self.block_size)
+        held = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
+        if np.array_equal(held, counts):
+            used = chain.from_iterable(block_ids)
+        else:
+            used = chain.from_iterable(ids[:count] for ids, count in zip(block_ids, counts.tolist(), strict=True))
+        tables: np.ndarray = np.zeros((len(block_ids), int(counts.max())), dtype=dtype)
         # A boolean mask assigns in row-major order: each row's leading `count` entries, row after row.
         tables[np.arange(tables.shape[1]) < counts[:, None]] = np.fromiter(used, dtype=dtype, count=int(counts.sum()))
         return tables
@@ -162,7 +167,7 @@ class StepInputBuilder:
         """Decode rows, each (its context length, its request's block ids), attended together."""
         context_lens = np.array([context for context, _ in rows], dtype=np.int64)
         max_ctx = int(context_lens.max())
-        tables = self.block_tables(rows, np.int64)
+        tables = self.block_tables(context_lens, [block_ids for _, block_ids in rows], np.int64)
         bias = None
         if not self.use_cpu_kernel:  # the operator reads exactly each context; the plain path pads and masks
             bias = self._bias(np.arange(max_ctx)[None, None, :] < context_lens[:, None, None])
