@@ -249,7 +249,8 @@ def measure(
     phases.wrap(runner, "_sampling_batch", "sampling batch")
     phases.wrap(engine.processor, "process", "outputs (detokenize, stops)")
     if core_loop:
-        phases.wrap(core_process, "core_report", "report")
+        if hasattr(core_process, "core_report"):  # a checkout from before it builds the report in place
+            phases.wrap(core_process, "core_report", "report")
         phases.wrap(sys.modules[__name__], "pickled", "pickle")
     step = (lambda: core_step_and_report(engine)) if core_loop else engine.step
     idle = DeviceIdle(engine)

@@ -263,13 +263,15 @@ class Scheduler:
         self.policy.charge(request, num_new)
         start = request.num_computed_tokens
         drafts = drafts or []
-        assert not drafts or start + num_new == request.num_tokens + len(drafts), "drafts follow the last token"
+        end = start + num_new - len(drafts)  # the request's own tokens end here; its drafts follow
+        assert not drafts or end == request.num_tokens, "drafts follow the last token"
+        token_ids = request.token_ids_slice(start, end)
         return ScheduledRequest(
             request=request,
             start=start,
-            token_ids=request.token_ids_slice(start, start + num_new - len(drafts)) + drafts,
+            token_ids=token_ids + drafts if drafts else token_ids,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new - len(drafts) == request.num_tokens,
+            sample=end == request.num_tokens,
             draft_token_ids=drafts,
         )
 
