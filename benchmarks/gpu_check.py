@@ -509,8 +509,13 @@ def host_overhead(lines: list[str]) -> None:
     import subprocess
 
     script = Path(__file__).with_name("host_overhead.py")
-    for extra in (["--async-output-proc"], ["--async-scheduling"]):  # the default on a GPU, and the step ahead
-        command = [sys.executable, str(script), "--running", "64,256", "--prompt-len", "512", *extra]
+    modes = (
+        ["--running", "64,256", "--async-output-proc"],  # the default on a GPU
+        ["--running", "64,256", "--async-scheduling"],  # the step ahead
+        ["--running", "256", "--async-scheduling", "--core-loop"],  # what the core's own process does a step
+    )
+    for extra in modes:
+        command = [sys.executable, str(script), "--prompt-len", "512", *extra]
         done = subprocess.run(command, capture_output=True, text=True)
         failure = f"\nFAILED ({done.returncode}): {done.stderr.strip()[-1500:]}" if done.returncode else ""
         emit(lines, f"\nhost overhead (forward stubbed) {' '.join(extra)}:\n" + done.stdout.strip() + failure)
