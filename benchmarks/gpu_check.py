@@ -327,10 +327,8 @@ def measure_speed(root: Path, device: str, quick: bool, models: list[str], backe
                 run("triton", eager=False)
                 run("triton", eager=False, ahead=True)
                 if name == "smollm2":  # where the host's share of a step is largest
-                    if importlib.util.find_spec("zmq") is not None:  # the image lacks pyzmq unless a wheel is carried
-                        run("triton", eager=False, ahead=True, core_process=True)
-                    else:
-                        emit(lines, f"| {name} | {label} | triton | core process: skipped, no pyzmq here |")
+                    if seqs == 256:  # the core's loop apart, where the most requests share a step (one run only:
+                        run_core_process(run, lines, name, label)  # the 8B shape's runs come after these)
                     run("triton", eager=False, overlap=False)
             for backend in others:
                 run(backend, eager=True)
@@ -349,6 +347,15 @@ def measure_speed(root: Path, device: str, quick: bool, models: list[str], backe
                 run_one(lines, device, path, name, label, work, seqs, budget, "triton", eager=False, ahead=True,
                         kv_dtype=kv_dtype)  # fmt: skip
         shutil.rmtree(path, ignore_errors=True)
+
+
+def run_core_process(run: Callable[..., None], lines: list[str], name: str, label: str) -> None:
+    """The Triton step graphed, asynchronous scheduling, the engine core in a process of its own (needs pyzmq, which
+    the GPU image lacks unless its wheel is carried: RESULTS.md gives the command)."""
+    if importlib.util.find_spec("zmq") is None:
+        emit(lines, f"| {name} | {label} | triton | core process: skipped, no pyzmq here |")
+        return
+    run("triton", eager=False, ahead=True, core_process=True)
 
 
 def out_of_time(lines: list[str], what: str, needs: float = 45.0) -> bool:
