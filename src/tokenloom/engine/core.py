@@ -345,6 +345,7 @@ class EngineCore:
         self.runner.release(request_id)
         self.structured.remove(request_id)
         self._penalized.discard(request_id)
+        self._reported.discard(request_id)
         self._prompt_logprobs.pop(request_id, None)
         self.speculator.release(request)
 
@@ -355,16 +356,15 @@ class EngineCore:
 
     def _output_of(self, request: Request, new_tokens: list[SampledToken]) -> EngineCoreOutput:
         """The request's output; its metrics only with its first output and its last (EngineCoreOutput.metrics)."""
-        request_id = request.request_id
-        if request.finished:
-            self._reported.discard(request_id)
-            return EngineCoreOutput(
-                request_id, new_tokens, request.status.value, request.stop_reason, self._metrics_of(request)
-            )
-        if request_id in self._reported:
-            return EngineCoreOutput(request_id, new_tokens, None, request.stop_reason, None)
-        self._reported.add(request_id)
-        return EngineCoreOutput(request_id, new_tokens, None, request.stop_reason, self._metrics_of(request))
+        request_id, finished = request.request_id, request.finished
+        metrics = None
+        if finished or request_id not in self._reported:
+            metrics = self._metrics_of(request)
+            if not finished:  # a finished request's entry went with the rest of it (_release)
+                self._reported.add(request_id)
+        return EngineCoreOutput(
+            request_id, new_tokens, request.status.value if finished else None, request.stop_reason, metrics
+        )
 
     @staticmethod
     def _metrics_of(request: Request) -> RequestMetrics:

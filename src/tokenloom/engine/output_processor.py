@@ -93,13 +93,17 @@ class OutputProcessor:
             kind = self._states[output.request_id].params.output_kind
             if not output.finished and kind is RequestOutputKind.FINAL_ONLY:
                 return None
-            return self.make_output(output)
+            return self._output(output)
         except Exception as error:
             return self.make_output(ending.failed(output, error))
 
     def make_output(self, output: EngineCoreOutput) -> RequestOutput:
-        """The request's RequestOutput after this core output; a finished request's state is dropped."""
+        """The request's RequestOutput after this core output (one that did not come through ``process``: an
+        abort's, a failure's); a finished request's state is dropped."""
         self._take_metrics(output)
+        return self._output(output)
+
+    def _output(self, output: EngineCoreOutput) -> RequestOutput:
         result = self._built(self._states[output.request_id], output)
         if output.finished:
             del self._states[output.request_id]
