@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 from helpers import needs_operator
 
+from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, paged_attention
-from tokenloom.model.step_inputs import StepInputBuilder, group_by_context_length
+from tokenloom.model.step_inputs import BlockTableRows, group_by_context_length
 from tokenloom.utils import cdiv
 
 BLOCK = 4
@@ -204,19 +207,41 @@ def test_bfloat16_operator_gives_a_sequence_the_same_output_alone_or_in_a_crowd(
         torch.testing.assert_close(crowd[i].float(), reference, atol=2e-2, rtol=2e-2)
 
 
+def scheduled_blocks(request_id: str, block_ids: list[int], epoch: int | None) -> ScheduledRequest:
+    return ScheduledRequest(SimpleNamespace(request_id=request_id), 0, [1], block_ids, True, block_epoch=epoch)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_block_tables_hold_each_rows_blocks_of_its_context_and_zeros_after(block_size):
-    """The step's block tables, built for the whole batch at once, against a row-by-row build: a row's table
-    holds the blocks its context reaches (a request's later blocks are not read) and zeros to the widest row."""
-    builder = StepInputBuilder(block_size, torch.device("cpu"), torch.float32, "torch", 2, None, False, 1)
-    rows = [(1, [7, 9]), (block_size, [3]), (block_size + 1, [5, 2, 8]), (5 * block_size - 1, [11, 4, 6, 1, 10, 12])]
-    width = max(cdiv(context, block_size) for context, _ in rows)
-    by_row = [
-        ids[: cdiv(context, block_size)] + [0] * (width - cdiv(context, block_size)) for context, ids in rows
+def test_block_table_rows_follow_each_requests_blocks_from_step_to_step(block_size):
+    """The rows kept from step to step against each step's lists read whole: a request's table holds the blocks its
+    context reaches and zeros to the widest row; its ids grow by a tail under one epoch, are read again whole under a
+    new or unknown one; rows of requests gone are reused, and the array grows past its first size."""
+    table = BlockTableRows()
+    steps = [
+        [("a", [7, 9], 0), ("b", [3], 1)],
+        [("a", [7, 9, 5], 0), ("c", [11, 4, 6, 1, 10, 12], 2)],  # b gone: its row goes to c
+        [("a", [2, 8], 3), ("c", [11, 4, 6, 1, 10, 12, 13], 2)],  # a freed and given new blocks: a new epoch
+        [("a", [6, 1], None), ("c", [11, 4, 6, 1, 10, 12, 13], 2)],  # unknown epoch: read whole
+        [(f"r{i}", list(range(i, i + 3 * i + 70)), 4) for i in range(40)],  # more rows and columns than at first
     ]
-    exact = [(context, ids[: cdiv(context, block_size)]) for context, ids in rows]  # the usual case: none is cut
-    for dtype in (np.int32, np.int64):
-        for some_rows in (rows, exact):
-            context_lens = np.array([context for context, _ in some_rows], dtype=dtype)
-            tables = builder.block_tables(context_lens, [ids for _, ids in some_rows], dtype)
-            assert tables.dtype == dtype and tables.tolist() == by_row
+    for step in steps:
+        scheduled = [scheduled_blocks(*entry) for entry in step]
+        rows = table.rows(scheduled)
+        assert len(set(rows.tolist())) == len(rows), "each request its own row"
+        # A context that reaches each of its blocks, or fewer of them (the blocks after are not read).
+        for contexts in (
+            [len(ids) * block_size for _, ids, _ in step],
+            [1 + block_size * (len(ids) // 2) for _, ids, _ in step],
+        ):
+            lens = np.array(contexts, dtype=np.int64)
+            width = max(cdiv(c, block_size) for c in contexts)
+            expected = [
+                ids[: cdiv(c, block_size)] + [0] * (width - cdiv(c, block_size))
+                for (_, ids, _), c in zip(step, contexts, strict=True)
+            ]
+            assert table.tables(rows, lens, block_size).tolist() == expected
+        positions = np.array([len(ids) * block_size - 1 for _, ids, _ in step] + [0 for _ in step])
+        slots = table.slots(np.concatenate([rows, rows]), positions, block_size)
+        last = [ids[-1] * block_size + block_size - 1 for _, ids, _ in step]
+        assert slots.tolist() == last + [ids[0] * block_size for _, ids, _ in step]
+    assert len(table.ids) >= 40 and table.ids.shape[1] >= 3 * 39 + 70

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import count
 
 from tokenloom.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from tokenloom.core.request import PLACEHOLDER_TOKEN, Request
@@ -22,6 +23,10 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         # Each request's blocks, by id (the pool's blocks[id] is the block): a step reads them for every request.
         self._block_ids: dict[str, list[int]] = {}
+        # Each request's list of ids only grows by appending under one epoch; a new list (after it was freed) or a
+        # trimmed one takes a new epoch, so a reader that kept the ids it saw need only add the tail (block_table).
+        self._epochs: dict[str, int] = {}
+        self._next_epoch = count()
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # how many leading blocks of a request are in the cache index
         self.prefix_cache_queries = 0  # in tokens, as vLLM counts them
@@ -42,6 +47,11 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block ids, in order (a copy of ints: no walk over its blocks)."""
         return self._block_ids.get(request_id, [])[:]
+
+    def block_table(self, request_id: str) -> tuple[list[int], int]:
+        """A copy of the request's block ids and their epoch: two reads of the same request under the same epoch
+        differ only in ids appended to the first."""
+        return self._block_ids.get(request_id, [])[:], self._epochs.get(request_id, -1)
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks that starts the request's tokens.
@@ -82,7 +92,10 @@ class KVCacheManager:
         return len(hits)
 
     def _allocate(self, request: Request, num_tokens: int, cached_blocks: Sequence[KVBlock]) -> bool:
-        ids = self._block_ids.setdefault(request.request_id, [])
+        ids = self._block_ids.get(request.request_id)
+        if ids is None:
+            ids = self._block_ids[request.request_id] = []
+            self._epochs[request.request_id] = next(self._next_epoch)
         num_needed = cdiv(num_tokens, self.block_size) - len(ids) - len(cached_blocks)
         if num_needed <= 0 and not cached_blocks:  # most decode steps: the last block has room
             return True
@@ -124,6 +137,7 @@ class KVCacheManager:
         if len(ids) > keep:
             self.pool.release(self._blocks(reversed(ids[keep:])))
             del ids[keep:]
+            self._epochs[request.request_id] = next(self._next_epoch)
 
     def num_shared_prefix_tokens(self, request: Request) -> int:
         """Computed tokens in the request's leading blocks that other requests hold too."""
@@ -137,6 +151,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Gives back every block the request holds; the last blocks go first to eviction, its shared prefix last."""
         ids = self._block_ids.pop(request.request_id, [])
+        self._epochs.pop(request.request_id, None)
         self.pool.release(self._blocks(reversed(ids)))
         self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
@@ -161,6 +176,7 @@ class KVCacheManager:
     def check_invariants(self, live_request_ids: set[str]) -> None:
         self.pool.check_invariants()
         assert set(self._block_ids) <= live_request_ids, "blocks held by a request that is gone"
+        assert self._epochs.keys() == self._block_ids.keys(), "a list of block ids without its epoch, or the reverse"
         holders: dict[int, int] = {}
         for ids in self._block_ids.values():
             for block_id in ids:

@@ -266,13 +266,15 @@ class Scheduler:
         end = start + num_new - len(drafts)  # the request's own tokens end here; its drafts follow
         assert not drafts or end == request.num_tokens, "drafts follow the last token"
         token_ids = request.token_ids_slice(start, end)
+        block_ids, block_epoch = self.kv.block_table(request.request_id)
         return ScheduledRequest(
             request=request,
             start=start,
             token_ids=token_ids + drafts if drafts else token_ids,
-            block_ids=self.kv.block_ids(request.request_id),
+            block_ids=block_ids,
             sample=end == request.num_tokens,
             draft_token_ids=drafts,
+            block_epoch=block_epoch,
         )
 
     # ---- scheduling ahead: a step scheduled before the one before it is read ------------------------------

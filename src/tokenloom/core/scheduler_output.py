@@ -22,6 +22,9 @@ class ScheduledRequest:
     # Proposed tokens after the request's last one, verified in this step: token_ids ends with them, and the step
     # yields 1 to len(draft_token_ids) + 1 tokens.
     draft_token_ids: list[int] = field(default_factory=list)
+    # block_ids' epoch (KVCacheManager.block_table): under one epoch a request's later block_ids extend its earlier
+    # ones. None: not known, read them whole.
+    block_epoch: int | None = None
     num_tokens: int = field(init=False)
     # The chunk computes prompt (or recomputed) tokens: more than the last token and its drafts, or not up to the
     # last token.

@@ -47,6 +47,7 @@ class StepInputBuilder:
     use_prefill_op: bool  # prefill attention through the bf16 C++ operator
     target_programs: int  # programs that fill the device; split-K shares are added only below it
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
+    block_rows: BlockTableRows = field(default_factory=lambda: BlockTableRows())
 
     @property
     def use_cpu_kernel(self) -> bool:
@@ -65,20 +66,24 @@ class StepInputBuilder:
     def build(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         # A request verifying drafts is a decode of several rows, row j reading the context up to its own token (all
         # of the step's K and V are in the cache before any query reads it, so the rows see exactly a causal prefix).
-        decodes = sorted((s for s in scheduled if is_decode(s)), key=lambda s: s.start)
-        ordered = decodes + [s for s in scheduled if not is_decode(s)]
+        decodes: list[ScheduledRequest] = []
+        others: list[ScheduledRequest] = []
+        for s in scheduled:
+            (decodes if is_decode(s) else others).append(s)
+        decodes.sort(key=lambda s: s.start)
+        ordered = decodes + others
+        table_rows = self.block_rows.rows(ordered)
         input_ids = np.fromiter(chain.from_iterable([s.token_ids for s in ordered]), dtype=np.int64)
-        positions, slot_mapping = self._positions_and_slots(ordered, len(input_ids))
-        ends = np.cumsum([s.num_tokens for s in ordered])
+        counts = np.fromiter([s.num_tokens for s in ordered], dtype=np.int64, count=len(ordered))
+        starts = np.fromiter([s.start for s in ordered], dtype=np.int64, count=len(ordered))
+        ends = np.cumsum(counts)
+        # Token by token: its request's start plus its offset in the request's chunk, and the cache slot there.
+        positions = np.repeat(starts - (ends - counts), counts) + np.arange(len(input_ids))
+        slot_mapping = self.block_rows.slots(np.repeat(table_rows, counts), positions, self.block_size)
         holes = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN).tolist()
         owners = np.searchsorted(ends, holes, side="right").tolist()
         placeholders = [(row, ordered[owner].request.request_id) for row, owner in zip(holes, owners, strict=True)]
-        sample_rows = [
-            row
-            for s, end in zip(ordered, ends, strict=True)
-            if s.sample
-            for row in range(int(end) - 1 - len(s.draft_token_ids), int(end))
-        ]
+        sample_rows = self._sample_rows(ordered, ends)
         prompt_chunks = [
             (s, int(end) - s.num_tokens)
             for s, end in zip(ordered, ends, strict=True)
@@ -86,92 +91,71 @@ class StepInputBuilder:
         ]
         meta = self.metadata(self.tensor(slot_mapping))
         if self.attention_backend == "triton":  # one launch per layer over the flat batch
-            meta.flat = self.flat_batch([(s.num_tokens, s.start + s.num_tokens, s.block_ids) for s in ordered])
+            context_lens = starts + counts
+            tables = self.block_rows.tables(table_rows, context_lens, self.block_size)
+            meta.flat = self.flat_batch(counts, context_lens, tables)
             meta.num_splits = split_count(meta.flat, self.num_kv_heads, TRITON_BLOCK_N, self.target_programs)
         else:
-            rows = [(s.start + j + 1, s.block_ids) for s in decodes for j in range(s.num_tokens)]
-            for first, last in group_by_context_length([context for context, _ in rows]):
-                meta.decodes.append(self._decode_group(rows[first:last], first))
+            num_decode_rows = int(counts[: len(decodes)].sum())
+            decode_contexts = positions[:num_decode_rows] + 1  # each decode row reads up to its own token
+            decode_table_rows = np.repeat(table_rows[: len(decodes)], counts[: len(decodes)])
+            for first, last in group_by_context_length(decode_contexts.tolist()):
+                meta.decodes.append(
+                    self._decode_group(decode_contexts[first:last], decode_table_rows[first:last], first)
+                )
             for s, end in zip(ordered[len(decodes) :], ends[len(decodes) :], strict=True):
                 meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
         return ModelInputs(
             input_ids=self.tensor(input_ids),
             positions=self.tensor(positions),
             meta=meta,
-            sample_rows=self.tensor(np.array(sample_rows, dtype=np.int64)),
+            sample_rows=self.tensor(sample_rows),
             sampled_items=[s for s in ordered if s.sample],
             prompt_chunks=prompt_chunks,
             placeholders=placeholders,
         )
+
+    @staticmethod
+    def _sample_rows(ordered: list[ScheduledRequest], ends: np.ndarray) -> np.ndarray:
+        """The rows whose logits are sampled: a sampled request's last `1 + drafts` rows, request after request."""
+        sampled = np.fromiter([s.sample for s in ordered], dtype=bool, count=len(ordered))
+        drafts = np.fromiter([len(s.draft_token_ids) for s in ordered], dtype=np.int64, count=len(ordered))
+        per_request = (1 + drafts)[sampled]
+        firsts = (ends - 1 - drafts)[sampled]
+        offsets = np.arange(int(per_request.sum())) - np.repeat(np.cumsum(per_request) - per_request, per_request)
+        return np.repeat(firsts, per_request) + offsets
 
     def scratch_prefill(self, num_tokens: int) -> AttentionMetadata:
         """A prompt of num_tokens written into block 0's slots (over and over), for warming up and profiling: any
         request that gets block 0 overwrites them before it reads them."""
         meta = self.metadata(torch.arange(num_tokens, device=self.device) % self.block_size)
         if self.attention_backend == "triton":
-            meta.flat = self.flat_batch([(num_tokens, num_tokens, [0] * cdiv(num_tokens, self.block_size))])
+            lens = np.array([num_tokens], dtype=np.int64)
+            meta.flat = self.flat_batch(lens, lens, np.zeros((1, cdiv(num_tokens, self.block_size)), dtype=np.int32))
         else:
             meta.prefills = [PrefillSegment(0, num_tokens, num_tokens, None, None)]
         return meta
 
-    def flat_batch(self, sequences: list[tuple[int, int, list[int]]]) -> FlatBatch:
-        """(query tokens, context length, block ids) of each sequence in flat order -> the Triton kernel's view."""
-        q_lens = np.array([q for q, _, _ in sequences], dtype=np.int32)
-        ctx_lens = np.array([c for _, c, _ in sequences], dtype=np.int32)
-        tables = self.block_tables(ctx_lens, [block_ids for _, _, block_ids in sequences], np.int32)
-        loc = np.zeros(len(sequences) + 1, dtype=np.int32)
+    def flat_batch(self, q_lens: np.ndarray, context_lens: np.ndarray, tables: np.ndarray) -> FlatBatch:
+        """Each sequence's query tokens, context length and block table, in flat order -> the Triton kernel's view."""
+        loc = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=loc[1:])
         return FlatBatch(
-            self.tensor(loc), self.tensor(ctx_lens), self.tensor(tables), int(q_lens.max()), int(ctx_lens.max())
+            self.tensor(loc),
+            self.tensor(context_lens.astype(np.int32)),
+            self.tensor(tables.astype(np.int32, copy=False)),
+            int(q_lens.max()),
+            int(context_lens.max()),
         )
 
-    def block_tables(self, context_lens: np.ndarray, block_ids: list[list[int]], dtype: type) -> np.ndarray:
-        """[rows, blocks of the longest context] block ids of each row's context, zero-padded.
-
-        One numpy assignment for the whole batch: a row at a time cost ~5 us a request (host_overhead.py). A row
-        usually holds exactly its context's blocks, and then no row is sliced."""
-        counts = -(-context_lens.astype(np.int64) // self.block_size)
-        held = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
-        if np.array_equal(held, counts):
-            used = chain.from_iterable(block_ids)
-        else:
-            used = chain.from_iterable(ids[:count] for ids, count in zip(block_ids, counts.tolist(), strict=True))
-        tables: np.ndarray = np.zeros((len(block_ids), int(counts.max())), dtype=dtype)
-        # A boolean mask assigns in row-major order: each row's leading `count` entries, row after row.
-        tables[np.arange(tables.shape[1]) < counts[:, None]] = np.fromiter(used, dtype=dtype, count=int(counts.sum()))
-        return tables
-
-    def _positions_and_slots(self, ordered: list[ScheduledRequest], num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each token's position and cache slot. A decode token's are two integers, computed as such: converting
-        its whole block table to an array cost more than the rest of its inputs (benchmarks/host_overhead.py)."""
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slots = np.empty(num_tokens, dtype=np.int64)
-        at, size = 0, self.block_size
-        for s in ordered:
-            if s.num_tokens == 1:
-                positions[at] = s.start
-                slots[at] = s.block_ids[s.start // size] * size + s.start % size
-            else:
-                positions[at : at + s.num_tokens] = np.arange(s.start, s.start + s.num_tokens)
-                slots[at : at + s.num_tokens] = self._slots(s.block_ids, s.start, s.start + s.num_tokens)
-            at += s.num_tokens
-        return positions, slots
-
-    def _slots(self, block_ids: list[int], start: int, end: int) -> np.ndarray:
-        first = start // self.block_size
-        positions = np.arange(start, end)
-        table = np.asarray(block_ids[first : cdiv(end, self.block_size)], dtype=np.int64)
-        return table[positions // self.block_size - first] * self.block_size + positions % self.block_size
-
-    def _decode_group(self, rows: list[tuple[int, list[int]]], row_start: int) -> DecodeGroup:
-        """Decode rows, each (its context length, its request's block ids), attended together."""
-        context_lens = np.array([context for context, _ in rows], dtype=np.int64)
+    def _decode_group(self, context_lens: np.ndarray, table_rows: np.ndarray, row_start: int) -> DecodeGroup:
+        """Decode rows, each its context length and its request's row of block_rows, attended together."""
         max_ctx = int(context_lens.max())
-        tables = self.block_tables(context_lens, [block_ids for _, block_ids in rows], np.int64)
+        tables = self.block_rows.tables(table_rows, context_lens, self.block_size).astype(np.int64)
         bias = None
         if not self.use_cpu_kernel:  # the operator reads exactly each context; the plain path pads and masks
             bias = self._bias(np.arange(max_ctx)[None, None, :] < context_lens[:, None, None])
-        return DecodeGroup(row_start, len(rows), self.tensor(tables), self.tensor(context_lens), bias)
+        return DecodeGroup(row_start, len(context_lens), self.tensor(tables), self.tensor(context_lens), bias)
 
     def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
         ctx_len = s.start + s.num_tokens
@@ -196,6 +180,82 @@ class StepInputBuilder:
         if self.device.type == "cpu":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+class BlockTableRows:
+    """The block ids of the requests of the last step, a row of one host array each, kept from step to step.
+
+    A step's block tables and cache slots are gathered from it by numpy indexing, and only the blocks a request gained
+    since its last step are written: converting every request's list of ids each step cost ~0.4 ms at 256 requests
+    of 1,024 tokens (benchmarks/host_overhead.py). A row is written whole again when its request's ids are no longer
+    an extension of what it holds (their epoch changed: freed and given again, or trimmed; or unknown). A request
+    that is not in a step gives its row back, so the array holds one step's requests and no one need release them.
+    """
+
+    def __init__(self) -> None:
+        self.ids = np.zeros((16, 64), dtype=np.int32)
+        self._held: dict[str, list[int]] = {}  # request id -> [its row, the epoch of its ids, how many are written]
+        self._free_rows = list(range(len(self.ids)))[::-1]
+
+    def rows(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
+        """Each scheduled request's row, its ids written."""
+        previous, held = self._held, {}
+        rows = []
+        newcomers = []
+        for i, s in enumerate(scheduled):
+            request_id = s.request.request_id
+            entry = previous.pop(request_id, None)
+            if entry is None:
+                newcomers.append(i)
+                rows.append(-1)
+                continue
+            held[request_id] = entry
+            rows.append(entry[0])
+            if s.block_epoch is None or entry[1] != s.block_epoch or entry[2] != len(s.block_ids):  # seldom
+                self._write(entry, s)
+        self._free_rows.extend(entry[0] for entry in previous.values())
+        for i in newcomers:
+            s = scheduled[i]
+            entry = held[s.request.request_id] = [self._take_row(), -1, 0]
+            rows[i] = entry[0]
+            self._write(entry, s)
+        self._held = held
+        return np.array(rows, dtype=np.int64)
+
+    def tables(self, rows: np.ndarray, context_lens: np.ndarray, block_size: int) -> np.ndarray:
+        """[len(rows), blocks of the longest context]: each row's blocks that its context reaches, zeros after."""
+        counts = -(-context_lens // block_size)
+        width = int(counts.max())
+        tables: np.ndarray = self.ids[rows, :width]  # a copy: the step's tables outlive the next step's writes
+        tables[np.arange(width) >= counts[:, None]] = 0
+        return tables
+
+    def slots(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+        """The cache slot of each token: position p of row r is in block ids[r, p // block_size]."""
+        return self.ids[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    def _write(self, entry: list[int], s: ScheduledRequest) -> None:
+        """Brings the row up to the request's ids: their new tail, or all of them where the epoch changed."""
+        row, epoch, written = entry
+        if s.block_epoch is None or epoch != s.block_epoch or written > len(s.block_ids):
+            written = 0
+        needed = len(s.block_ids)
+        if needed > self.ids.shape[1]:
+            self._grow(len(self.ids), max(needed, 2 * self.ids.shape[1]))
+        self.ids[row, written:needed] = s.block_ids[written:]
+        entry[1], entry[2] = -1 if s.block_epoch is None else s.block_epoch, needed
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            rows = len(self.ids)
+            self._grow(2 * rows, self.ids.shape[1])
+            self._free_rows.extend(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _grow(self, rows: int, columns: int) -> None:
+        grown = np.zeros((rows, columns), dtype=np.int32)
+        grown[: len(self.ids), : self.ids.shape[1]] = self.ids
+        self.ids = grown
 
 
 def group_by_context_length(
