@@ -60,9 +60,9 @@ async def envelopes(
     async for index, choice, output in _merged(shape, streams, logprobs):
         latest[index] = output
         usage = usage_of(prompt_tokens, list(latest.values())) if options.continuous_usage_stats else None
-        yield _envelope(
-            request_id, shape.chunk_object, created, model, [choice.model_copy(update={"index": index})], usage
-        )
+        if choice.index != index:
+            choice = choice.model_copy(update={"index": index})
+        yield _envelope(request_id, shape.chunk_object, created, model, [choice], usage)
     if options.include_usage and latest:
         usage = usage_of(prompt_tokens, list(latest.values()))
         yield _envelope(request_id, shape.chunk_object, created, model, [], usage)
@@ -200,9 +200,9 @@ async def sse_response(chunks: AsyncGenerator[StreamChunk], lease: Lease, receiv
     async def events() -> AsyncIterator[str]:
         try:
             for chunk in first:
-                yield f"data: {json.dumps(chunk.sent())}\n\n"
+                yield f"data: {chunk.sent()}\n\n"
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk.sent())}\n\n"
+                yield f"data: {chunk.sent()}\n\n"
         except RequestError as error:  # failed or cut after the stream began: the client still hears why
             yield f"data: {json.dumps(api_error_of(error).body())}\n\n"
         finally:
