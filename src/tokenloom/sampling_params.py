@@ -33,10 +33,12 @@ class StructuredOutputsParams:
 
 class RequestOutputKind(enum.Enum):
     """Which outputs a request's caller is given, as vLLM names them: one after every step that brought it tokens,
-    each with all of its text and tokens so far (CUMULATIVE: streaming, per-token metrics), or only the last one
-    (FINAL_ONLY: ``LLM.generate``, which then builds no output for the steps between)."""
+    each with all of its text and tokens so far (CUMULATIVE: streaming, per-token metrics) or only what the step
+    added (DELTA: text, token ids and logprobs since the output before; prompt logprobs with the first), or only the
+    last one (FINAL_ONLY: ``LLM.generate``, which then builds no output for the steps between)."""
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 

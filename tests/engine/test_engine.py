@@ -61,8 +61,13 @@ UNDER_PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=1
         dict(max_num_seqs=4, max_num_batched_tokens=20, async_scheduling=True),
         dict(UNDER_PRESSURE, async_scheduling=True),
         dict(UNDER_PRESSURE, preemption_mode="swap", num_swap_blocks=64, async_scheduling=True),
-        dict(UNDER_PRESSURE, preemption_mode="auto", num_swap_blocks=4, scheduling_policy="priority",
-             async_scheduling=True),
+        dict(
+            UNDER_PRESSURE,
+            preemption_mode="auto",
+            num_swap_blocks=4,
+            scheduling_policy="priority",
+            async_scheduling=True,
+        ),
         dict(max_num_seqs=3, max_num_batched_tokens=64, batching="static", async_scheduling=True),
     ],
 )
@@ -462,6 +467,22 @@ def test_a_final_only_request_gets_one_output_equal_to_the_cumulative_last(tiny_
         assert got.cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-4)
     assert stopped["FINAL_ONLY"][0].outputs[0].stop_reason == text[3:5], "the stop string ended it"
     assert len(stopped["FINAL_ONLY"][0].outputs[0].text) < len(text)
+    for outputs in (unstopped, stopped):  # DELTA: each output what the step added, joined the cumulative last
+        cumulative, deltas = outputs["CUMULATIVE"], outputs["DELTA"]
+        assert len(deltas) == len(cumulative) and deltas[-1].finished
+        shown = 0
+        for delta, whole in zip(deltas, cumulative, strict=True):
+            got = delta.outputs[0]
+            assert got.token_ids and whole.outputs[0].token_ids[-len(got.token_ids) :] == got.token_ids
+            assert whole.outputs[0].text[shown:] == got.text and len(got.logprobs) == len(got.token_ids)
+            shown += len(got.text)
+        last = cumulative[-1].outputs[0]
+        assert [t for d in deltas for t in d.outputs[0].token_ids] == last.token_ids
+        assert "".join(d.outputs[0].text for d in deltas) == last.text
+        assert deltas[-1].outputs[0].cumulative_logprob == pytest.approx(last.cumulative_logprob, abs=1e-4)
+        assert (deltas[-1].outputs[0].finish_reason, deltas[-1].outputs[0].stop_reason) == (
+            last.finish_reason, last.stop_reason
+        )  # fmt: skip
 
 
 def test_generate_takes_final_outputs_without_changing_the_callers_params(tiny_llama):
@@ -552,6 +573,45 @@ def test_streams_through_the_async_front_with_async_output_processing(tiny_llama
         front.shutdown()
     assert tokens == solo_reference[:9] and seen == 3
     assert front.stats().kv_blocks_in_use == 0 and front.stats().num_running == 0
+
+
+@pytest.mark.parametrize("kind", ["CUMULATIVE", "DELTA"])
+def test_a_reader_that_falls_behind_holds_one_output_and_catches_up_in_one_read(tiny_llama, kind):
+    """A stream read only after its request has finished (a client reading slowly) holds one output, not one per
+    step: the last cumulative one, or the deltas merged; either carries every token and the text of a reader that
+    kept up, and the request's blocks are freed."""
+    from tokenloom import RequestOutputKind
+
+    front = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32")))
+    front.start()
+    params = SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True, logprobs=1, output_kind=RequestOutputKind[kind]
+    )
+    prompt = prompts(1)[0]["prompt_token_ids"]
+
+    async def run() -> tuple[list, list]:
+        kept_up = [output async for output in await front.submit(prompt, params, "kept-up")]
+        behind = await front.submit(prompt, params, "behind")
+        while front.stats().generated_tokens < 32 or front.stats().num_running:  # it runs to the end unread
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # its last output is on its way to the loop
+        return kept_up, [output async for output in behind]
+
+    try:
+        kept_up, behind = asyncio.run(run())
+    finally:
+        front.shutdown()
+    # The reader that kept up may itself have read some steps' outputs merged (the tiny model's steps are quick).
+    assert 1 <= len(kept_up) <= 16 and len(behind) == 1 and behind[0].finished
+    got = behind[0].outputs[0]
+    if kind == "DELTA":
+        expected_ids = [t for o in kept_up for t in o.outputs[0].token_ids]
+        expected_text = "".join(o.outputs[0].text for o in kept_up)
+    else:
+        expected_ids, expected_text = kept_up[-1].outputs[0].token_ids, kept_up[-1].outputs[0].text
+    assert (got.token_ids, got.text, len(got.logprobs)) == (expected_ids, expected_text, 16)
+    assert len(expected_ids) == 16
+    assert front.stats().kv_blocks_in_use == 0
 
 
 @pytest.mark.parametrize("overlap", ["async_output_proc", "async_scheduling"])

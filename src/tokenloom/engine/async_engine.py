@@ -14,8 +14,9 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 
 from tokenloom.engine.client import EngineClient, PreparedRequest
 from tokenloom.engine.core_outputs import EngineStats
@@ -23,7 +24,7 @@ from tokenloom.engine.step_log import StepLog
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,45 @@ class RequestError(Exception):
         self.retry_after = retry_after  # seconds a client should wait before sending it again, when that may work
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | Exception]
+    """A request's outputs on their way to its reader, on the reader's event loop. An output that finds the one
+    before it still unread takes its place (a cumulative one holds all the other did) or is merged into it (DELTA),
+    as vLLM's RequestOutputCollector does: a reader that falls behind (a client that reads slowly) holds one output
+    however long its request runs, not one per step, and catches up in one read."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
+        self.loop = loop
+        self._delta = delta
+        self._items: deque[RequestOutput | Exception] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        """On the loop's thread (call_soon_threadsafe)."""
+        last = self._items[-1] if self._items else None
+        if isinstance(last, Exception):
+            return  # the reader ends at an error (an abort's own output may follow it): nothing after it is read
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
+            self._items[-1] = merged_delta(last, item) if self._delta else item
+        else:
+            self._items.append(item)
+        assert len(self._items) <= 2, "an unread output, then at most an error after it"
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | Exception:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+def merged_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two unread DELTA outputs of one request as one: text, token ids and logprobs joined, the rest the later's."""
+    first, second = earlier.outputs[0], later.outputs[0]
+    logprobs = None if first.logprobs is None or second.logprobs is None else first.logprobs + second.logprobs
+    joined = replace(
+        second, text=first.text + second.text, token_ids=first.token_ids + second.token_ids, logprobs=logprobs
+    )
+    return replace(later, outputs=[joined], prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs)
 
 
 class AsyncEngine:
@@ -131,7 +167,7 @@ class AsyncEngine:
         if not self.engine.healthy:
             raise RequestError(ErrorReason.ENGINE_UNAVAILABLE, "the engine core is not running")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA)
         self._streams[request_id] = stream
         try:
             await asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant, arrival_time)
@@ -145,7 +181,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, Exception):
                     finished = True  # the engine already let go of it
                     raise item
@@ -313,4 +349,4 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             with contextlib.suppress(RuntimeError):  # the client's loop closed under us
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+                stream.loop.call_soon_threadsafe(stream.put, item)

@@ -43,6 +43,9 @@ class RequestState:
     cumulative_logprob: float = 0.0  # of the tokens in logprobs, summed as they come (not over all at every step)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once the core sends them
     metrics: RequestMetrics | None = None  # the last the core sent (with the first output and the last)
+    # Of a DELTA request: the tokens and the characters of text its outputs have carried so far.
+    sent_tokens: int = 0
+    sent_text: int = 0
 
 
 class OutputProcessor:
@@ -121,19 +124,29 @@ class OutputProcessor:
     def _built(self, state: RequestState, output: EngineCoreOutput) -> RequestOutput:
         metrics = state.metrics
         assert metrics is not None, "a request's first output carries its metrics"
+        delta = state.params.output_kind is RequestOutputKind.DELTA
+        first_token = state.sent_tokens if delta else 0  # the first token (and logprob) this output carries
+        token_ids = state.output_token_ids[first_token:]  # a copy either way: the state goes on growing
         if output.error is not None:
-            completion = CompletionOutput(0, "", list(state.output_token_ids), finish_reason=output.finish_reason)
+            completion = CompletionOutput(0, "", token_ids, finish_reason=output.finish_reason)
             return RequestOutput(
                 output.request_id, None, state.prompt_token_ids, [completion], True, metrics, error=output.error
             )
+        text = self._text(state, output.finished)
+        prompt_logprobs = state.prompt_logprobs
+        if delta:
+            # The text shown so far only grows (held-back characters are shown later or cut at a stop string).
+            text, state.sent_text = text[state.sent_text :], len(text)
+            state.sent_tokens = len(state.output_token_ids)
+            prompt_logprobs = prompt_logprobs if first_token == 0 else None
         cumulative = None if state.logprobs is None else state.cumulative_logprob
         completion = CompletionOutput(
             index=0,
-            text=self._text(state, output.finished),
-            token_ids=list(state.output_token_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
-            logprobs=state.logprobs,
+            logprobs=state.logprobs if state.logprobs is None or not delta else state.logprobs[first_token:],
             cumulative_logprob=cumulative,
         )
         return RequestOutput(
@@ -143,7 +156,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=output.finished,
             metrics=metrics,
-            prompt_logprobs=state.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _text(self, state: RequestState, finished: bool) -> str:
