@@ -581,3 +581,38 @@ def test_stop_checks_name_the_real_limit(server):
     assert_openai_error(many, 400, "invalid_value", "stop")
     assert "64" in many.json()["error"]["message"] and "valid string" not in many.json()["error"]["message"]
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["x"] * 64}).status_code == 200
+
+
+def test_the_choices_of_an_n_stream_are_read_no_further_ahead_of_a_client_that_waits_than_a_few_chunks():
+    """With n > 1 every choice's chunks pass through one queue to the client; while the client reads nothing, each
+    choice's stream is read at most a chunk or two ahead (the rest stays in the engine's stream, which keeps only its
+    latest output), never one per step."""
+    import asyncio
+
+    from tokenloom.server.protocol import CompletionStreamChoice
+    from tokenloom.server.streaming import _merged
+
+    pulled = [0, 0]
+
+    class Shape:
+        async def chunks(self, stream, logprobs):
+            async for item in stream:
+                yield CompletionStreamChoice(index=0, text=str(item), logprobs=None, finish_reason=None), item
+
+    async def steps(index: int):
+        for step in range(1000):
+            pulled[index] += 1
+            yield step
+
+    async def main() -> list[int]:
+        merged = _merged(Shape(), [steps(0), steps(1)], False)
+        first = await anext(merged)
+        await asyncio.sleep(0.2)  # the client reads nothing for a while
+        seen_while_waiting = list(pulled)
+        rest = [item async for item in merged]
+        assert len(rest) + 1 == 2000 and first[0] in (0, 1)
+        return seen_while_waiting
+
+    waiting = asyncio.run(main())
+    # The chunk read, the queue's two places, one chunk held by each choice waiting to put it: 5 at most.
+    assert sum(waiting) <= 5, waiting

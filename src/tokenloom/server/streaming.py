@@ -76,7 +76,11 @@ async def _merged(
         async for choice, output in shape.chunks(streams[0], logprobs):
             yield 0, choice, output
         return
-    queue: asyncio.Queue[tuple[int, StreamChoice, RequestOutput] | BaseException | None] = asyncio.Queue()
+    # Bounded: a choice whose chunk waits for the reader stops reading its stream, which then holds one output (its
+    # next replaces it) however slowly the client reads; an unbounded queue here would keep one for every step.
+    queue: asyncio.Queue[tuple[int, StreamChoice, RequestOutput] | BaseException | None] = asyncio.Queue(
+        maxsize=len(streams)
+    )
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
