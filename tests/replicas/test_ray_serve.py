@@ -231,3 +231,33 @@ def test_requests_in_flight_on_a_replica_that_dies_hear_why(tiny_chat_model, ray
     assert error["code"] == "engine_unavailable" and error["type"] == "server_error"
     refused = whole["r"]
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable", refused.text
+
+
+def test_an_app_called_in_process_sends_no_further_ahead_of_its_caller_than_a_few_messages():
+    """A replica's caller that reads slowly holds the app back: the app's `send` waits once a few messages are
+    unread, instead of every chunk of a long stream piling up in the replica."""
+    import asyncio
+
+    from tokenloom.replicas.ray_serve import ASGI_MESSAGES_AHEAD, call_asgi
+
+    sent = 0
+
+    async def app(scope, receive, send) -> None:
+        nonlocal sent
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i in range(1000):
+            sent += 1
+            await send({"type": "http.response.body", "body": b"x", "more_body": i < 999})
+
+    async def main() -> tuple[int, int]:
+        request = {"method": "POST", "path": "/v1/completions", "headers": [], "body": b"{}"}
+        messages = call_asgi(app, request)
+        await anext(messages)  # the response's start; then the caller reads nothing for a while
+        await asyncio.sleep(0.2)
+        waiting = sent
+        bodies = [message async for message in messages]
+        return waiting, len(bodies)
+
+    waiting, read = asyncio.run(main())
+    assert waiting <= ASGI_MESSAGES_AHEAD + 2 and read == 1000

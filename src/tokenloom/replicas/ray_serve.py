@@ -122,13 +122,18 @@ def serve_on_ray(server: ServerConfig, engine: EngineConfig) -> int:
 # ---- in-process ASGI calls ----------------------------------------------------------------------------------
 
 
+ASGI_MESSAGES_AHEAD = 8  # response messages an app may send before its caller has read them
+
+
 async def call_asgi(app: Any, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """Runs one forwarded HTTP request through an ASGI app; yields its response messages as they are sent.
 
     The client never disconnects from the app's point of view; cancelling this generator (the caller hung up)
     cancels the app's task instead.
     """
-    messages: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+    # Bounded, so that a caller that reads slowly holds the app's stream back (which then keeps only its latest
+    # output) instead of this queue keeping every chunk the app sends.
+    messages: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue(maxsize=ASGI_MESSAGES_AHEAD)
     body_given = False
 
     async def receive() -> dict[str, Any]:
