@@ -51,7 +51,7 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> tuple[list[int], int]:
         """A copy of the request's block ids and their epoch: two reads of the same request under the same epoch
         differ only in ids appended to the first."""
-        return self._block_ids.get(request_id, [])[:], self._epochs.get(request_id, -1)
+        return self.block_ids(request_id), self._epochs.get(request_id, -1)
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks that starts the request's tokens.

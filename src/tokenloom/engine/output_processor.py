@@ -133,11 +133,12 @@ class OutputProcessor:
                 output.request_id, None, state.prompt_token_ids, [completion], True, metrics, error=output.error
             )
         text = self._text(state, output.finished)
-        prompt_logprobs = state.prompt_logprobs
+        logprobs, prompt_logprobs = state.logprobs, state.prompt_logprobs
         if delta:
             # The text shown so far only grows (held-back characters are shown later or cut at a stop string).
             text, state.sent_text = text[state.sent_text :], len(text)
             state.sent_tokens = len(state.output_token_ids)
+            logprobs = None if logprobs is None else logprobs[first_token:]
             prompt_logprobs = prompt_logprobs if first_token == 0 else None
         cumulative = None if state.logprobs is None else state.cumulative_logprob
         completion = CompletionOutput(
@@ -146,7 +147,7 @@ class OutputProcessor:
             token_ids=token_ids,
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
-            logprobs=state.logprobs if state.logprobs is None or not delta else state.logprobs[first_token:],
+            logprobs=logprobs,
             cumulative_logprob=cumulative,
         )
         return RequestOutput(

@@ -137,13 +137,14 @@ class StepInputBuilder:
         return meta
 
     def flat_batch(self, q_lens: np.ndarray, context_lens: np.ndarray, tables: np.ndarray) -> FlatBatch:
-        """Each sequence's query tokens, context length and block table, in flat order -> the Triton kernel's view."""
+        """Each sequence's query tokens, context length and block table (int32), in flat order -> the Triton
+        kernel's view."""
         loc = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=loc[1:])
         return FlatBatch(
             self.tensor(loc),
             self.tensor(context_lens.astype(np.int32)),
-            self.tensor(tables.astype(np.int32, copy=False)),
+            self.tensor(tables),
             int(q_lens.max()),
             int(context_lens.max()),
         )
