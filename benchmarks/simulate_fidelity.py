@@ -11,6 +11,11 @@ relative error of its TTFT and E2E (robust where a percentile falls between two 
 last column is the worst of the four when the same run is simulated from the engine's steps alone, without the
 profile's served overhead (cost_model.ServedOverhead): what that correction changes. `--repeat` serves each run
 twice and adds the worst of the four between the two real runs: how close the server comes to itself.
+
+`--seeds 1,2,3` serves and simulates each trace kind and rate once per seed (the trace's requests and the arrivals
+both drawn from it) and compares the runs pooled: every request of the seeds' runs in one set of percentiles, output
+tok/s over their summed durations. One run's percentiles on this VM do not repeat within 10% (`--repeat`); pooled
+over seeds, both sides' figures rest on three times the requests, and each seed's own worst of four is printed too.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from tokenloom.bench.local_server import LocalServer
+from tokenloom.bench.scorecard import SLO, RequestRecord
+from tokenloom.bench.scorecard import scorecard as scorecard_of
 
 # (trace kind, requests, the two rates): below and near this machine's capacity for each.
 LOADS = [("chat", 40, (1.0, 2.0)), ("agent", 30, (0.5, 1.0)), ("long", 12, (0.1, 0.2)), ("mixed", 40, (0.5, 1.0))]
@@ -41,6 +49,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--out", default="/tmp/simulate_fidelity")
     parser.add_argument("--only", default=None, help="comma-separated trace kinds")
+    parser.add_argument("--seeds", default="1", help="comma-separated seeds; more than one pools their runs")
     parser.add_argument("--reuse", action="store_true", help="keep real runs already in --out; simulate again")
     parser.add_argument(
         "--repeat", action="store_true",
@@ -58,40 +67,80 @@ def main() -> None:
     engine_alone = str(out / "profile-engine-alone.json")
     without_overhead(profile, engine_alone)
     print(f"load average before: {os.getloadavg()[0]:.2f}")
-    again = " real again vs real |" if args.repeat else ""
+    if "," in args.seeds:
+        print(f"pooled over seeds {args.seeds}")
+        last = " worst of four, each seed |"
+    else:
+        last = " worst, engine alone |" + (" real again vs real |" if args.repeat else "")
     print("| trace | req/s | out tok/s real / sim | TTFT p50 | TTFT p95 | E2E p95 | ITL p50 | worst of four | "
-          f"per request: TTFT, E2E | worst, engine alone |{again}")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if args.repeat else ""))
+          f"per request: TTFT, E2E |{last}")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * last.count("|"))
+    seeds = [int(seed) for seed in args.seeds.split(",")]
     for kind, count, rates in LOADS:
         if args.only and kind not in args.only.split(","):
             continue
-        trace = out / f"{kind}.jsonl"
-        run([*CLI, "bench", "trace", "--kind", kind, "--num-requests", str(count), "--seed", "1", "-o", str(trace)])
+        for seed in seeds:
+            trace = out / f"{kind}-s{seed}.jsonl"
+            run([*CLI, "bench", "trace", "--kind", kind, "--num-requests", str(count), "--seed", str(seed),
+                 "-o", str(trace)])  # fmt: skip
         for rate in rates:
-            real, simulated = out / f"{kind}-{rate:g}-real.json", out / f"{kind}-{rate:g}-sim.json"
-            if not (args.reuse and real.exists()):
-                serve(trace, rate, real)
-            alone = out / f"{kind}-{rate:g}-sim-engine-alone.json"
-            for used, written in ((profile, simulated), (engine_alone, alone)):
-                run([*CLI, "simulate", "--trace", str(trace), "--request-rate", str(rate), "--profile", used,
-                     "--output-lengths", str(real), "-o", str(written)])  # fmt: skip
-            engine_alone_worst = worst_of_four(scorecard(real), scorecard(alone))
-            repeated = ""
-            if args.repeat:  # the same trace, rate and seed served again: how far the server is from itself
-                second = out / f"{kind}-{rate:g}-real-again.json"
-                serve(trace, rate, second)
-                repeated = f" {worst_of_four(scorecard(real), scorecard(second))} |"
-            print(row(kind, rate, real, simulated) + f" {engine_alone_worst} |{repeated}", flush=True)
+            runs = [measure(out, kind, rate, seed, profile, engine_alone, args.reuse, args.repeat) for seed in seeds]
+            if len(runs) == 1:
+                real, simulated, alone, again = runs[0]
+                repeated = f" {worst_of_four(scorecard(real), scorecard(again))} |" if again else ""
+                engine_alone_worst = worst_of_four(scorecard(real), scorecard(alone))
+                print(row(kind, rate, real, simulated) + f" {engine_alone_worst} |{repeated}", flush=True)
+                continue
+            pooled_real, pooled_sim = (
+                pooled({seed: paths[i] for seed, paths in zip(seeds, runs, strict=True)}, rate) for i in (0, 1)
+            )
+            each = ", ".join(worst_of_four(scorecard(real), scorecard(sim)) for real, sim, _, _ in runs)
+            print(row_of(kind, rate, pooled_real, pooled_sim) + f" {each} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
-def serve(trace: Path, rate: float, out: Path) -> Path:
+def measure(
+    out: Path, kind: str, rate: float, seed: int, profile: str, engine_alone: str, reuse: bool, repeat: bool
+) -> tuple[Path, Path, Path, Path | None]:
+    """Serves one trace at one rate and seed (unless reused) and simulates it with and without the served
+    overhead; the real, simulated, engine-alone and (with repeat) second real run's paths."""
+    name = f"{kind}-{rate:g}-s{seed}"
+    trace, real = out / f"{kind}-s{seed}.jsonl", out / f"{name}-real.json"
+    simulated, alone = out / f"{name}-sim.json", out / f"{name}-sim-engine-alone.json"
+    if not (reuse and real.exists()):
+        serve(trace, rate, seed, real)
+    for used, written in ((profile, simulated), (engine_alone, alone)):
+        run([*CLI, "simulate", "--trace", str(trace), "--request-rate", str(rate), "--seed", str(seed),
+             "--profile", used, "--output-lengths", str(real), "-o", str(written)])  # fmt: skip
+    again = None
+    if repeat:  # the same trace, rate and seed served again: how far the server is from itself
+        again = out / f"{name}-real-again.json"
+        serve(trace, rate, seed, again)
+    return real, simulated, alone, again
+
+
+def pooled(paths: dict[int, Path], rate: float) -> dict:
+    """Several seeds' runs as one: their requests' percentiles together (ids prefixed with the seed), output tok/s
+    over the sum of their durations (each run's duration is its output tokens over its output tok/s)."""
+    records: list[RequestRecord] = []
+    duration = 0.0
+    for seed, path in paths.items():
+        run_ = json.loads(path.read_text())
+        run_records = [RequestRecord(**r) for r in run_["records"]]
+        tokens = sum(r.output_tokens for r in run_records if r.ok)
+        assert tokens and run_["scorecard"]["output_tok_s"], f"{path} produced no tokens"
+        duration += tokens / run_["scorecard"]["output_tok_s"]
+        records += [replace(r, id=f"{seed}:{r.id}") for r in run_records]
+    return {"scorecard": scorecard_of(records, duration, rate, SLO()), "records": [vars(r) for r in records]}
+
+
+def serve(trace: Path, rate: float, seed: int, out: Path) -> Path:
     """Default flags, each step logged beside the run (served_steps.py --steps-log reads it against a profile);
     returns the step log's path."""
     log = out.with_name(out.name.replace(".json", "-steps.jsonl"))
     with LocalServer("--step-log", str(log)) as server:
         run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate", str(rate),
-             "-o", str(out)])  # fmt: skip
+             "--seed", str(seed), "-o", str(out)])  # fmt: skip
     return log
 
 
@@ -121,7 +170,10 @@ def worst_of_four(real: dict, simulated: dict) -> str:
 
 
 def row(kind: str, rate: float, real_path: Path, simulated_path: Path) -> str:
-    real_run, simulated_run = json.loads(real_path.read_text()), json.loads(simulated_path.read_text())
+    return row_of(kind, rate, json.loads(real_path.read_text()), json.loads(simulated_path.read_text()))
+
+
+def row_of(kind: str, rate: float, real_run: dict, simulated_run: dict) -> str:
     real, simulated = real_run["scorecard"], simulated_run["scorecard"]
     cells = []
     for name in FIGURES:
