@@ -9,7 +9,10 @@ output lengths standing in for the model's own ends (`--output-lengths`). Prints
 the worst of the four the issue names (output tok/s, TTFT p50 and p95, E2E p95), and per request the median
 relative error of its TTFT and E2E (robust where a percentile falls between two modes of the distribution). The
 last column is the worst of the four when the same run is simulated from the engine's steps alone, without the
-profile's served overhead (cost_model.ServedOverhead): what that correction changes. `--repeat` serves each run
+profile's served overhead (cost_model.ServedOverhead): what that correction changes. The one after it simulates the
+run again from the profile scaled to the run's own speed (the served seconds of its logged steps over what the
+profile says for them: `Profile.at_speed_of`), printed with that scale: what is left of the error when this VM's
+speed during the run, rather than at the time of the profile, sets the step times. `--repeat` serves each run
 twice and adds the worst of the four between the two real runs: how close the server comes to itself.
 
 `--seeds 1,2,3` serves and simulates each trace kind and rate once per seed (the trace's requests and the arrivals
@@ -25,14 +28,16 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from tokenloom.bench.cost_model import Profile
 from tokenloom.bench.local_server import LocalServer
 from tokenloom.bench.scorecard import SLO, RequestRecord
 from tokenloom.bench.scorecard import scorecard as scorecard_of
+from tokenloom.engine.step_log import read_step_log
 
 # (trace kind, requests, the two rates): below and near this machine's capacity for each.
 LOADS = [("chat", 40, (1.0, 2.0)), ("agent", 30, (0.5, 1.0)), ("long", 12, (0.1, 0.2)), ("mixed", 40, (0.5, 1.0))]
@@ -69,9 +74,10 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     if "," in args.seeds:
         print(f"pooled over seeds {args.seeds}")
-        last = " worst of four, each seed |"
+        last = " worst of four, each seed | at each run's speed: worst of four |"
     else:
-        last = " worst, engine alone |" + (" real again vs real |" if args.repeat else "")
+        last = " worst, engine alone | at the run's speed: worst of four |"
+        last += " real again vs real |" if args.repeat else ""
     print("| trace | req/s | out tok/s real / sim | TTFT p50 | TTFT p95 | E2E p95 | ITL p50 | worst of four | "
           f"per request: TTFT, E2E |{last}")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * last.count("|"))
@@ -86,37 +92,62 @@ def main() -> None:
         for rate in rates:
             runs = [measure(out, kind, rate, seed, profile, engine_alone, args.reuse, args.repeat) for seed in seeds]
             if len(runs) == 1:
-                real, simulated, alone, again = runs[0]
-                repeated = f" {worst_of_four(scorecard(real), scorecard(again))} |" if again else ""
-                engine_alone_worst = worst_of_four(scorecard(real), scorecard(alone))
-                print(row(kind, rate, real, simulated) + f" {engine_alone_worst} |{repeated}", flush=True)
+                one = runs[0]
+                repeated = f" {worst_of_four(scorecard(one.real), scorecard(one.again))} |" if one.again else ""
+                engine_alone_worst = worst_of_four(scorecard(one.real), scorecard(one.engine_alone))
+                at_speed = f"{one.speed:.2f}x: {worst_of_four(scorecard(one.real), scorecard(one.at_run_speed))}"
+                print(row(kind, rate, one.real, one.simulated) + f" {engine_alone_worst} | {at_speed} |{repeated}",
+                      flush=True)  # fmt: skip
                 continue
-            pooled_real, pooled_sim = (
-                pooled({seed: paths[i] for seed, paths in zip(seeds, runs, strict=True)}, rate) for i in (0, 1)
+            real, simulated, at_speed = (
+                pooled({seed: getattr(one, path) for seed, one in zip(seeds, runs, strict=True)}, rate)
+                for path in ("real", "simulated", "at_run_speed")
             )
-            each = ", ".join(worst_of_four(scorecard(real), scorecard(sim)) for real, sim, _, _ in runs)
-            print(row_of(kind, rate, pooled_real, pooled_sim) + f" {each} |", flush=True)
+            each = ", ".join(worst_of_four(scorecard(one.real), scorecard(one.simulated)) for one in runs)
+            speeds = ", ".join(f"{one.speed:.2f}x" for one in runs)
+            at_speed_worst = worst_of_four(real["scorecard"], at_speed["scorecard"])
+            print(row_of(kind, rate, real, simulated) + f" {each} | {speeds}: {at_speed_worst} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+@dataclass
+class Measured:
+    """One trace, rate and seed: the real run, its simulations, and (with --repeat) a second real run."""
+
+    real: Path
+    simulated: Path
+    engine_alone: Path  # simulated from the engine's steps alone, without the served overhead
+    at_run_speed: Path  # simulated from the profile scaled to the speed the real run's own steps show
+    speed: float  # that scale: the run's served step seconds over the profile's served model of the same steps
+    again: Path | None
 
 
 def measure(
     out: Path, kind: str, rate: float, seed: int, profile: str, engine_alone: str, reuse: bool, repeat: bool
-) -> tuple[Path, Path, Path, Path | None]:
-    """Serves one trace at one rate and seed (unless reused) and simulates it with and without the served
-    overhead; the real, simulated, engine-alone and (with repeat) second real run's paths."""
+) -> Measured:
+    """Serves one trace at one rate and seed (unless reused) and simulates it three ways: from the profile, from
+    the engine's steps alone, and from the profile at the real run's own speed (what is left of the error when
+    this VM's speed at the time of the run, not the profile's, sets the step times)."""
     name = f"{kind}-{rate:g}-s{seed}"
     trace, real = out / f"{kind}-s{seed}.jsonl", out / f"{name}-real.json"
-    simulated, alone = out / f"{name}-sim.json", out / f"{name}-sim-engine-alone.json"
     if not (reuse and real.exists()):
         serve(trace, rate, seed, real)
-    for used, written in ((profile, simulated), (engine_alone, alone)):
+    scaled, speed = Profile.read(profile).at_speed_of(read_step_log(steps_log_of(real)))
+    scaled.write(out / f"{name}-profile-at-run-speed.json")
+    runs = Measured(real, out / f"{name}-sim.json", out / f"{name}-sim-engine-alone.json",
+                    out / f"{name}-sim-at-run-speed.json", speed, None)  # fmt: skip
+    used_by = {
+        runs.simulated: profile,
+        runs.engine_alone: engine_alone,
+        runs.at_run_speed: str(out / f"{name}-profile-at-run-speed.json"),
+    }
+    for written, used in used_by.items():
         run([*CLI, "simulate", "--trace", str(trace), "--request-rate", str(rate), "--seed", str(seed),
              "--profile", used, "--output-lengths", str(real), "-o", str(written)])  # fmt: skip
-    again = None
     if repeat:  # the same trace, rate and seed served again: how far the server is from itself
-        again = out / f"{name}-real-again.json"
-        serve(trace, rate, seed, again)
-    return real, simulated, alone, again
+        runs.again = out / f"{name}-real-again.json"
+        serve(trace, rate, seed, runs.again)
+    return runs
 
 
 def pooled(paths: dict[int, Path], rate: float) -> dict:
@@ -134,10 +165,14 @@ def pooled(paths: dict[int, Path], rate: float) -> dict:
     return {"scorecard": scorecard_of(records, duration, rate, SLO()), "records": [vars(r) for r in records]}
 
 
+def steps_log_of(real: Path) -> Path:
+    return real.with_name(real.name.replace(".json", "-steps.jsonl"))
+
+
 def serve(trace: Path, rate: float, seed: int, out: Path) -> Path:
     """Default flags, each step logged beside the run (served_steps.py --steps-log reads it against a profile);
     returns the step log's path."""
-    log = out.with_name(out.name.replace(".json", "-steps.jsonl"))
+    log = steps_log_of(out)
     with LocalServer("--step-log", str(log)) as server:
         run([*CLI, "bench", "serve", "--base-url", server.url, "--trace", str(trace), "--request-rate", str(rate),
              "--seed", str(seed), "-o", str(out)])  # fmt: skip

@@ -178,6 +178,22 @@ def test_a_profile_without_a_served_overhead_simulates_the_engine_alone(tmp_path
     assert refitted.served_overhead.steps == measured.steps
 
 
+def test_a_profile_at_the_speed_of_served_steps_scales_every_step_by_one_factor():
+    engine = FittedStepModel("m", {"steps": 0.01, "sampled_rows": 0.001, "decode_keys": 1e-6, "tokens": 2e-4})
+    profile = Profile(engine, {}, {}, front_latency_s=0.005, served_overhead=ServedOverhead(0.002))
+    slower = served_steps(0.002, engine)
+    for step in slower:  # the same steps on a machine 1.25x slower, served overhead included
+        step["seconds"] *= 1.25
+    scaled, factor = profile.at_speed_of(slower)
+    assert factor == pytest.approx(1.25)
+    for shape in (StepShape.of_items([(300, 1, 1, False)] * 4), StepShape.of_items([(0, 512, 1, True)])):
+        assert scaled.served_step_model().seconds(shape) == pytest.approx(
+            1.25 * profile.served_step_model().seconds(shape)
+        )
+    assert scaled.front_latency_s == profile.front_latency_s
+    assert profile.at_speed_of(served_steps(0.002, engine))[1] == pytest.approx(1.0)
+
+
 def test_the_roofline_is_bound_by_bandwidth_when_decoding_and_by_flops_when_prefilling():
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
                                "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,

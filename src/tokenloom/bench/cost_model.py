@@ -280,6 +280,19 @@ class Profile:
         overhead = ServedOverhead.fit(model, served.steps) if served.steps else served
         return dataclasses.replace(self, step_model=model, served_overhead=overhead)
 
+    def at_speed_of(self, served_steps: list[dict[str, Any]]) -> tuple[Profile, float]:
+        """The profile with every step cost scaled by one factor, the served steps' total seconds over what the
+        served step model says for them; and that factor. What the machine's speed at another time (a VM's
+        neighbours come and go) does to a simulation, apart from what the model's form does; the front's latency
+        stays as measured."""
+        shapes, seconds = shapes_of(served_steps)
+        model = self.served_step_model()
+        factor = sum(seconds) / sum(model.seconds(shape) for shape in shapes)
+        coefficients = {name: value * factor for name, value in self.step_model.coefficients.items()}
+        overhead = ServedOverhead(self.served_overhead.per_step_s * factor, self.served_overhead.steps)
+        scaled = dataclasses.replace(self.step_model, coefficients=coefficients)
+        return dataclasses.replace(self, step_model=scaled, served_overhead=overhead), factor
+
     def served_step_model(self) -> StepModel:
         """What a served step costs: the fitted engine step plus the served overhead, where one was measured."""
         if not self.served_overhead.per_step_s:
