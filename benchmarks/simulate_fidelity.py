@@ -61,6 +61,8 @@ def main() -> None:
         help="serve each run a second time and print the worst of the four between the two real runs",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.repeat and "," in args.seeds:
+        parser.error("--repeat compares one seed's run with itself: give one seed")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile = args.profile or str(out / "profile.json")
