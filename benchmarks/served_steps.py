@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--kind", default="long")
     parser.add_argument("--num-requests", type=int, default=12)
     parser.add_argument("--request-rate", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=1, help="of the trace's requests and its arrivals")
     parser.add_argument("--out", type=Path, default=Path("/tmp/served_steps"))
     parser.add_argument("--steps-log", type=Path, default=None, help="compare a served run's logged steps again")
     args = parser.parse_args()
@@ -82,11 +83,11 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     trace = args.out / f"{args.kind}.jsonl"
-    run([*CLI, "bench", "trace", "--kind", args.kind, "--num-requests", str(args.num_requests), "--seed", "1", "-o",
-         str(trace)])  # fmt: skip
+    run([*CLI, "bench", "trace", "--kind", args.kind, "--num-requests", str(args.num_requests),
+         "--seed", str(args.seed), "-o", str(trace)])  # fmt: skip
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     real = args.out / f"{args.kind}-{args.request_rate:g}-real.json"
-    steps = read_step_log(serve(trace, args.request_rate, real))
+    steps = read_step_log(serve(trace, args.request_rate, args.seed, real))
     print(f"{args.kind} trace, {args.num_requests} requests at {args.request_rate:g} req/s; profile {args.profile}")
     compare(Profile.read(args.profile), steps)
 

@@ -101,13 +101,13 @@ def main() -> None:
                 print(row(kind, rate, one.real, one.simulated) + f" {engine_alone_worst} | {at_speed} |{repeated}",
                       flush=True)  # fmt: skip
                 continue
-            real, simulated, at_speed = (
+            real, simulated, at_speeds = (
                 pooled({seed: getattr(one, path) for seed, one in zip(seeds, runs, strict=True)}, rate)
                 for path in ("real", "simulated", "at_run_speed")
             )
             each = ", ".join(worst_of_four(scorecard(one.real), scorecard(one.simulated)) for one in runs)
             speeds = ", ".join(f"{one.speed:.2f}x" for one in runs)
-            at_speed_worst = worst_of_four(real["scorecard"], at_speed["scorecard"])
+            at_speed_worst = worst_of_four(real["scorecard"], at_speeds["scorecard"])
             print(row_of(kind, rate, real, simulated) + f" {each} | {speeds}: {at_speed_worst} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
