@@ -289,7 +289,7 @@ class Profile:
         model = self.served_step_model()
         factor = sum(seconds) / sum(model.seconds(shape) for shape in shapes)
         coefficients = {name: value * factor for name, value in self.step_model.coefficients.items()}
-        overhead = ServedOverhead(self.served_overhead.per_step_s * factor, self.served_overhead.steps)
+        overhead = dataclasses.replace(self.served_overhead, per_step_s=self.served_overhead.per_step_s * factor)
         scaled = dataclasses.replace(self.step_model, coefficients=coefficients)
         return dataclasses.replace(self, step_model=scaled, served_overhead=overhead), factor
 

@@ -139,6 +139,7 @@ class StepInputBuilder:
     def flat_batch(self, q_lens: np.ndarray, context_lens: np.ndarray, tables: np.ndarray) -> FlatBatch:
         """Each sequence's query tokens, context length and block table (int32), in flat order -> the Triton
         kernel's view."""
+        assert tables.dtype == np.int32, "block tables are made int32 (BlockTableRows), as the kernel reads them"
         loc = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=loc[1:])
         return FlatBatch(
