@@ -24,7 +24,7 @@
 #include "kv_codes.h"
 #include "work_sharing.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -561,6 +561,140 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 vectors in, one out: lane j holds the sum of v[j]'s 8 lanes (6 horizontal adds, 2 permutes, 1 add for 8 sums).
+inline __m256 sum_each8(const __m256* v) {
+  // Per 128-bit lane, hadd(a, b) = [a0 + a1, a2 + a3, b0 + b1, b2 + b3]: two rounds leave each lane of each half
+  // holding one vector's sum over that half.
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+// The same attention for float32 queries with AVX2 and FMA (the default dtype where the CPU has no AVX-512 BF16),
+// from a float32 cache or an 8-bit one. As in the bf16 kernel the context streams through in chunks of kChunk keys
+// with an online softmax, K and V in one sweep; q.k for 8 keys at a time, their sums transposed into one vector
+// (sum_each8), and the query vector loaded once for the 8. The generic loop this replaces widened every row into a
+// buffer, reduced each dot product alone and divided by the block size for every key: ~75 ns per key and KV head
+// against ~20 here (benchmarks/RESULTS.md). An 8-bit cache's rows are widened to float32, scale applied, once a
+// chunk (the query heads share them).
+template <int HD, int64_t Kind>
+void attend_f32_avx2(const float* q, const std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>* k_cache,
+                     const std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>* v_cache,
+                     const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_stride,
+                     int64_t block_size, int64_t scale_offset, float scale, float* out, std::vector<float>& scratch) {
+  using Elem = std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>;
+  static_assert(HD % 64 == 0, "whole tiles of 64 dims");
+  constexpr int kChunk = 64;  // keys per step of the online softmax
+  constexpr int kTile = 8;    // accumulator vectors (64 dims) held in registers at once
+  const int64_t heads = group;
+  const int64_t widened_floats = Kind == tokenloom::kPlain ? 0 : 2 * kChunk * HD;
+  scratch.resize(heads * (2 * HD + kChunk + 2) + widened_floats);
+  float* qf = scratch.data();          // [heads][HD]: the queries, times the softmax scale
+  float* acc = qf + heads * HD;        // [heads][HD]
+  float* scores = acc + heads * HD;    // [heads][kChunk]: the chunk's scores, then its probabilities
+  float* run_max = scores + heads * kChunk;
+  float* run_sum = run_max + heads;
+  float* k_widened = run_sum + heads;  // an 8-bit cache's chunk of K rows, then of V rows, as float32
+  float* v_widened = k_widened + kChunk * HD;
+  for (int64_t i = 0; i < heads * HD; ++i) qf[i] = q[i] * scale;
+  std::fill(acc, acc + heads * HD, 0.0f);
+  std::fill(run_max, run_max + heads, kNoMax);
+  std::fill(run_sum, run_sum + heads, 0.0f);
+  const float* k_rows[kChunk];
+  const float* v_rows[kChunk];
+  int64_t chunk_at[2][kChunk];  // where each key of this chunk and of the next lies, from the cache's start
+  // The keys of the chunk at c0, walked block by block (no division per key); the next chunk's rows are fetched
+  // into L2 while this one is multiplied: a block's successor lies elsewhere, where no hardware prefetcher looks.
+  auto locate = [&](int64_t c0, int64_t* at) {
+    const int keys = static_cast<int>(std::min<int64_t>(kChunk, ctx - c0));
+    int64_t block = c0 / block_size, offset = c0 % block_size;
+    for (int t = 0; t < keys; ++t) {
+      at[t] = table[block] * block_stride + offset * row;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+    constexpr int64_t kLine = 64 / sizeof(Elem);
+    for (int t = 0; t < keys; ++t) {
+      for (int64_t d = 0; d < HD; d += kLine) {
+        _mm_prefetch(reinterpret_cast<const char*>(k_cache + at[t] + d), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(v_cache + at[t] + d), _MM_HINT_T1);
+      }
+    }
+  };
+  locate(0, chunk_at[0]);
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    const int keys = static_cast<int>(std::min<int64_t>(kChunk, ctx - c0));
+    const int64_t* here = chunk_at[(c0 / kChunk) % 2];
+    if (c0 + kChunk < ctx) locate(c0 + kChunk, chunk_at[(c0 / kChunk + 1) % 2]);
+    for (int t = 0; t < keys; ++t) {
+      const int64_t at = here[t];
+      if constexpr (Kind == tokenloom::kPlain) {
+        k_rows[t] = k_cache + at;
+        v_rows[t] = v_cache + at;
+      } else {
+        tokenloom::decode_codes<Kind>(k_cache + at, tokenloom::read_scale(k_cache + at + scale_offset),
+                                      k_widened + t * HD, HD);
+        tokenloom::decode_codes<Kind>(v_cache + at, tokenloom::read_scale(v_cache + at + scale_offset),
+                                      v_widened + t * HD, HD);
+        k_rows[t] = k_widened + t * HD;
+        v_rows[t] = v_widened + t * HD;
+      }
+    }
+    for (int t = keys; t < (keys + 7) / 8 * 8; ++t) k_rows[t] = k_rows[keys - 1];  // a last group's spare lanes
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* qh = qf + h * HD;
+      for (int j0 = 0; j0 < keys; j0 += 8) {
+        __m256 dots[8];
+        for (int j = 0; j < 8; ++j) dots[j] = _mm256_setzero_ps();
+        for (int d = 0; d < HD; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qh + d);
+          for (int j = 0; j < 8; ++j) dots[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k_rows[j0 + j] + d), dots[j]);
+        }
+        _mm256_storeu_ps(scores + h * kChunk + j0, sum_each8(dots));  // lanes past `keys` are never read
+      }
+    }
+    // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores + h * kChunk;
+      float* a = acc + h * HD;
+      float chunk_max = kNoMax;
+      for (int t = 0; t < keys; ++t) chunk_max = std::max(chunk_max, s[t]);
+      if (chunk_max > run_max[h]) {
+        const float correction = std::exp(run_max[h] - chunk_max);  // 0 before the first chunk (kNoMax)
+        for (int d = 0; d < HD; ++d) a[d] *= correction;
+        run_sum[h] *= correction;
+        run_max[h] = chunk_max;
+      }
+      const float m = run_max[h];
+      float total = 0.0f;
+      for (int t = 0; t < keys; ++t) {
+        s[t] = std::exp(s[t] - m);
+        total += s[t];
+      }
+      run_sum[h] += total;
+      // The chunk's V rows, weighted, 64 dims at a time (their accumulators in registers).
+      for (int d0 = 0; d0 < HD; d0 += 8 * kTile) {
+        __m256 sums[kTile];
+        for (int c = 0; c < kTile; ++c) sums[c] = _mm256_loadu_ps(a + d0 + 8 * c);
+        for (int t = 0; t < keys; ++t) {
+          const __m256 w = _mm256_set1_ps(s[t]);
+          const float* v = v_rows[t] + d0;
+          for (int c = 0; c < kTile; ++c) sums[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), sums[c]);
+        }
+        for (int c = 0; c < kTile; ++c) _mm256_storeu_ps(a + d0 + 8 * c, sums[c]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.0f / run_sum[h];
+    for (int d = 0; d < HD; ++d) out[h * HD + d] = acc[h * HD + d] * inv;
+  }
+}
+#endif  // __AVX2__ && __FMA__
+
 // Where one sequence's KV head lies in a cache: its first element in slot 0, the slot's stride (elements of the
 // cache's dtype), and for an 8-bit cache the bytes from the head's codes to its scale.
 struct HeadLayout {
@@ -607,6 +741,20 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
     if (head_dim == 128) {
       attend_bf16_avx512<128, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size,
                                     at.scale_offset, s, out_head, scratch);
+      return;
+    }
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (head_dim == 64) {
+      attend_f32_avx2<64, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, at.scale_offset,
+                                s, out_head, scratch);
+      return;
+    }
+    if (head_dim == 128) {
+      attend_f32_avx2<128, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size,
+                                 at.scale_offset, s, out_head, scratch);
       return;
     }
   }
