@@ -15,7 +15,7 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.model.llama import REFINED_TOP_K
 from tokenloom.model.loader import load_model
 from tokenloom.model.parallel import TensorParallelGroup
-from tokenloom.model.prepack import PackedLinear, can_prepack
+from tokenloom.model.prepack import PackedLinear, can_pack_float32_head, can_prepack
 from tokenloom.model.quantization import (
     Int8Linear,
     hadamard_matrix,
@@ -203,6 +203,22 @@ def test_an_int8_models_logits_are_its_int8_heads_but_where_they_decide_the_toke
     int8_logits = head.rows_forward(normed.to(torch.bfloat16), out_dtype=torch.float32)
     assert torch.equal(logits[rest], int8_logits[rest])
     assert not torch.equal(int8_logits[rest], exact[rest])  # not the plain head's: its own codes
+
+
+def test_a_float32_models_head_is_packed_on_the_cpu_and_gives_the_plain_matmuls_logits(tiny_llama):
+    """oneDNN's float32 layout takes the LM head on every CPU it runs on (the layers stay plain): the same logits
+    as the head's plain matmul, within float32's rounding, for one row and for many."""
+    if not can_pack_float32_head(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    model = LLM(str(tiny_llama), dtype="float32").engine.core.runner.model
+    assert isinstance(model.lm_head, PackedLinear) and not model.lm_head.own
+    assert not any(isinstance(m, PackedLinear) for m in model.layers.modules())
+    for rows in (1, 5, 70):
+        stream = 3 * torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+        normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight, model.norm.eps)
+        torch.testing.assert_close(model.compute_logits(stream), normed @ model._head_weight().T)
+    int8_model = LLM(str(tiny_llama), dtype="float32", quantization="int8").engine.core.runner.model
+    assert not isinstance(int8_model.lm_head, PackedLinear)  # its logits come from its int8 head
 
 
 @pytest.mark.parametrize("method", [None, "int8"])

@@ -38,6 +38,15 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and (_onednn_available() or _own_linear_available())
 
 
+def can_pack_float32_head(device: torch.device, dtype: torch.dtype) -> bool:
+    """Where a float32 model's LM head goes into oneDNN's layout (every CPU oneDNN runs on: the float32 reorder needs
+    no AVX-512). The head streams the largest weight of a small model at every step; packed, its matmul ran
+    1.3-3x faster at 1-512 rows on an AVX2 CPU (benchmarks/RESULTS.md). The layers stay plain: packed, they were
+    faster only at 8-64 rows and ~10% slower at prefill sizes."""
+    reorder = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return device.type == "cpu" and dtype == torch.float32 and reorder
+
+
 def _onednn_available() -> bool:
     reorder = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     return reorder and cpu_can_reorder_bf16()
@@ -156,7 +165,8 @@ class PackedLinear(nn.Module):
         weight 10-35% faster; benchmarks/RESULTS.md)."""
         super().__init__()
         plain = weight.detach().contiguous()
-        self.own = _fits_own_linear(plain, bias, amx_kernel)
+        bf16 = plain.dtype == torch.bfloat16  # our layout is bf16's; a float32 weight goes to oneDNN's
+        self.own = bf16 and _fits_own_linear(plain, bias, amx_kernel)
         self.gated = gated and self.own and plain.shape[0] % (2 * PACK_BLOCK) == 0
         self.in_features = plain.shape[1]
         self.out_features = plain.shape[0] // 2 if self.gated else plain.shape[0]
@@ -167,7 +177,7 @@ class PackedLinear(nn.Module):
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, DECODE_ROWS_HINT)
         self.small: torch.Tensor | None = None
-        if small_batch and not self.own and _fits_own_layout(plain, bias):
+        if small_batch and bf16 and not self.own and _fits_own_layout(plain, bias):
             self.small = torch.ops.tokenloom.bf16_pack_weight(plain)
         self.amx = self.own and cpu_has_amx()  # own with AMX: only where our AMX kernel fits (_fits_own_linear)
         self.handle = next(_handles)  # numbered in build order: the same in every start, so compiled graphs cache
