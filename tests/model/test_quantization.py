@@ -15,7 +15,7 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.model.llama import REFINED_TOP_K
 from tokenloom.model.loader import load_model
 from tokenloom.model.parallel import TensorParallelGroup
-from tokenloom.model.prepack import PackedLinear, can_pack_float32_head, can_prepack
+from tokenloom.model.prepack import PackedLinear, can_prepack, can_prepack_float32
 from tokenloom.model.quantization import (
     Int8Linear,
     hadamard_matrix,
@@ -205,20 +205,30 @@ def test_an_int8_models_logits_are_its_int8_heads_but_where_they_decide_the_toke
     assert not torch.equal(int8_logits[rest], exact[rest])  # not the plain head's: its own codes
 
 
-def test_a_float32_models_head_is_packed_on_the_cpu_and_gives_the_plain_matmuls_logits(tiny_llama):
-    """oneDNN's float32 layout takes the LM head on every CPU it runs on (the layers stay plain): the same logits
-    as the head's plain matmul, within float32's rounding, for one row and for many."""
-    if not can_pack_float32_head(torch.device("cpu"), torch.float32):
+def test_a_float32_models_linears_are_packed_on_the_cpu_and_give_the_plain_matmuls_outputs(tiny_llama):
+    """oneDNN's float32 layout takes every linear on every CPU it runs on: the same outputs as F.linear over the
+    plain weights, and the same logits as the head's plain matmul, within float32's rounding, for one row and many."""
+    if not can_prepack_float32(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
-    model = LLM(str(tiny_llama), dtype="float32").engine.core.runner.model
-    assert isinstance(model.lm_head, PackedLinear) and not model.lm_head.own
-    assert not any(isinstance(m, PackedLinear) for m in model.layers.modules())
-    for rows in (1, 5, 70):
-        stream = 3 * torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows))
-        normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight, model.norm.eps)
-        torch.testing.assert_close(model.compute_logits(stream), normed @ model._head_weight().T)
+    engine_model = LLM(str(tiny_llama), dtype="float32").engine.core.runner.model
+    assert isinstance(engine_model.lm_head, PackedLinear) and not engine_model.lm_head.own
+    packed = [m for m in engine_model.layers.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * len(engine_model.layers) and not any(m.own or m.gated for m in packed)
     int8_model = LLM(str(tiny_llama), dtype="float32", quantization="int8").engine.core.runner.model
     assert not isinstance(int8_model.lm_head, PackedLinear)  # its logits come from its int8 head
+
+    model = load_model(str(tiny_llama), 64, torch.float32, torch.device("cpu")).model
+    plain = {name: m.weight.detach().clone() for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
+    model.prepack_weights()
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 70):
+        for name, layer in model.layers.named_modules():
+            if isinstance(layer, PackedLinear):
+                x = torch.randn(rows, layer.in_features, generator=g)
+                torch.testing.assert_close(layer(x), F.linear(x, plain[name]))
+        stream = 3 * torch.randn(rows, model.config.hidden_size, generator=g)
+        normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight, model.norm.eps)
+        torch.testing.assert_close(model.compute_logits(stream), normed @ model._head_weight().T)
 
 
 @pytest.mark.parametrize("method", [None, "int8"])

@@ -38,11 +38,11 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and (_onednn_available() or _own_linear_available())
 
 
-def can_pack_float32_head(device: torch.device, dtype: torch.dtype) -> bool:
-    """Where a float32 model's LM head goes into oneDNN's layout (every CPU oneDNN runs on: the float32 reorder needs
-    no AVX-512). The head streams the largest weight of a small model at every step; packed, its matmul ran
-    1.3-3x faster at 1-512 rows on an AVX2 CPU (benchmarks/RESULTS.md). The layers stay plain: packed, they were
-    faster only at 8-64 rows and ~10% slower at prefill sizes."""
+def can_prepack_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Where a float32 model's linears go into oneDNN's layout: every CPU oneDNN runs on (its float32 reorder needs
+    no AVX-512). On an AVX2 CPU the packed matmuls ran 1.1-2.4x faster than F.linear at decode sizes (8-64 rows),
+    the LM head 1.3-3x at 1-512 rows, and ~10% slower at 512-2,048 rows for some shapes; mixed-64 as a whole went
+    ~1.2x faster than with only the head packed (benchmarks/RESULTS.md)."""
     reorder = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     return device.type == "cpu" and dtype == torch.float32 and reorder
 
