@@ -1,0 +1,111 @@
+"""The two float32 hot spots of a CPU without AVX-512 BF16 (where dtype auto is float32), each part alone.
+
+    .venv/bin/python benchmarks/float32_cpu_ops.py [--attention 64x400,16x4000] [--rows 1,8,32,64,512,2048]
+
+Decode attention: tokenloom::paged_decode_attention over a float32 paged cache of SmolLM2-135M's shape (9 query
+heads, 3 KV heads of 64 dims, blocks of 16 tokens, scattered), 30 layers of it so that the cache is read from
+memory as in a step, for S sequences of C tokens each: milliseconds for the 30 layers, the cache bytes read per
+second, and nanoseconds per key and KV head (best of 5). Linears: F.linear against the same weight in oneDNN's
+packed float32 layout (what the engine uses on the CPU, prepack.py), at SmolLM2's shapes (fused qkv, o, fused
+gate/up, down, LM head), microseconds per call (best of 5 repeats). Prints markdown tables. CPU only; a benchmark,
+not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.model import cpu_kernel
+from tokenloom.model.prepack import DECODE_ROWS_HINT
+
+LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]: qkv, o, gate_up, down, head
+
+
+def best_seconds(call: Callable[[], object], repeats: int, rounds: int = 5) -> float:
+    call()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best
+
+
+def attention_row(seqs: int, ctx: int) -> str:
+    g = torch.Generator().manual_seed(0)
+    blocks_per_seq = -(-ctx // BLOCK)
+    num_blocks = seqs * blocks_per_seq
+    row = KV_HEADS * HEAD_DIM
+    caches = [
+        (torch.randn(num_blocks * BLOCK, row, generator=g), torch.randn(num_blocks * BLOCK, row, generator=g))
+        for _ in range(LAYERS)
+    ]
+    tables = torch.randperm(num_blocks, generator=g).view(seqs, blocks_per_seq).contiguous()
+    lens = torch.full((seqs,), ctx, dtype=torch.long)
+    q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g)
+    out = torch.empty_like(q)
+
+    def step() -> None:
+        for k, v in caches:
+            cpu_kernel.paged_decode_attention(q, k, v, tables, lens, BLOCK, HEAD_DIM**-0.5, out)
+
+    seconds = best_seconds(step, 1)
+    cache_bytes = LAYERS * seqs * ctx * row * 4 * 2
+    per_key = seconds / (LAYERS * seqs * ctx * KV_HEADS) * 1e9
+    return f"| {seqs} x {ctx} | {seconds * 1e3:.1f} | {cache_bytes / seconds / 1e9:.1f} | {per_key:.1f} |"
+
+
+def linear_rows(rows: list[int]) -> list[str]:
+    lines = []
+    g = torch.Generator().manual_seed(0)
+    for out_features, in_features in SHAPES:
+        weight = 0.05 * torch.randn(out_features, in_features, generator=g)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS_HINT)
+        for m in rows:
+            if out_features * m > 49152 * 512:
+                continue  # the head is only ever given the rows that sample
+            x = torch.randn(m, in_features, generator=g)
+            repeats = max(2, int(1e8 / (m * out_features * in_features)))
+            plain = best_seconds(lambda: F.linear(x, weight), repeats)  # noqa: B023 (called at once)
+            onednn = best_seconds(
+                lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),  # noqa: B023
+                repeats,
+            )
+            shape = f"{out_features} x {in_features}"
+            lines.append(f"| {shape} | {m} | {plain * 1e6:.0f} | {onednn * 1e6:.0f} | {plain / onednn:.2f}x |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attention", default="64x400,16x4000", help="sequences x context, comma-separated")
+    parser.add_argument("--rows", default="1,8,32,64,512,2048")
+    args = parser.parse_args()
+    if not cpu_kernel.load_kernel():
+        raise SystemExit("the CPU operators could not be built here")
+    print(f"load average before: {os.getloadavg()[0]:.2f}; torch threads: {torch.get_num_threads()}")
+    print("| sequences x context | ms per 30 layers | cache GB/s | ns per key and KV head |")
+    print("|---|---:|---:|---:|")
+    for case in args.attention.split(","):
+        seqs, ctx = (int(part) for part in case.split("x"))
+        print(attention_row(seqs, ctx))
+    print()
+    print("| weight [out x in] | rows | F.linear us | oneDNN packed us | F.linear / packed |")
+    print("|---|---:|---:|---:|---:|")
+    for line in linear_rows([int(r) for r in args.rows.split(",")]):
+        print(line)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
