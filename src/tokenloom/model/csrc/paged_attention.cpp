@@ -4,8 +4,9 @@
 // Plain PyTorch must first copy each context out of its scattered blocks (a gather) before it can multiply;
 // this kernel reads every cached row in place, once. Work is split over (sequence, KV head) pairs: the query
 // heads that share a KV head are served by the same pass over its rows.
-// Softmax and sums are in float32 whatever the storage dtype. The float32 path (and bfloat16 without AVX-512 BF16)
-// widens rows as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its probabilities rounded to
+// Softmax and sums are in float32 whatever the storage dtype. The float32 path with AVX2 and FMA sweeps K and V in
+// chunks as the bf16 one does (attend_f32_avx2); elsewhere, and for bfloat16 without AVX-512 BF16, rows are widened
+// as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its probabilities rounded to
 // bf16 for the products with V as transformers' bfloat16 attention rounds them.
 
 #include <torch/library.h>
@@ -575,9 +576,10 @@ inline __m256 sum_each8(const __m256* v) {
 // from a float32 cache or an 8-bit one. As in the bf16 kernel the context streams through in chunks of kChunk keys
 // with an online softmax, K and V in one sweep; q.k for 8 keys at a time, their sums transposed into one vector
 // (sum_each8), and the query vector loaded once for the 8. The generic loop this replaces widened every row into a
-// buffer, reduced each dot product alone and divided by the block size for every key: ~75 ns per key and KV head
-// against ~20 here (benchmarks/RESULTS.md). An 8-bit cache's rows are widened to float32, scale applied, once a
-// chunk (the query heads share them).
+// buffer, reduced each dot product alone and divided by the block size for every key: about half the time per key
+// and KV head here (20 ns with the cache in L3; from memory ~40-54 ns, ~10-12 GB/s of cache read; benchmarks/
+// RESULTS.md). An 8-bit cache's rows are widened to float32, scale applied, once a chunk (the query heads share
+// them).
 template <int HD, int64_t Kind>
 void attend_f32_avx2(const float* q, const std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>* k_cache,
                      const std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>* v_cache,
