@@ -15,30 +15,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.nn.functional as F
+from int8_linear_breakdown import milliseconds
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.prepack import DECODE_ROWS_HINT
 
 LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]: qkv, o, gate_up, down, head
-
-
-def best_seconds(call: Callable[[], object], repeats: int, rounds: int = 5) -> float:
-    call()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best
 
 
 def attention_row(seqs: int, ctx: int) -> str:
@@ -59,7 +50,7 @@ def attention_row(seqs: int, ctx: int) -> str:
         for k, v in caches:
             cpu_kernel.paged_decode_attention(q, k, v, tables, lens, BLOCK, HEAD_DIM**-0.5, out)
 
-    seconds = best_seconds(step, 1)
+    seconds = milliseconds(step, repeats=1, rounds=5) / 1e3
     cache_bytes = LAYERS * seqs * ctx * row * 4 * 2
     per_key = seconds / (LAYERS * seqs * ctx * KV_HEADS) * 1e9
     return f"| {seqs} x {ctx} | {seconds * 1e3:.1f} | {cache_bytes / seconds / 1e9:.1f} | {per_key:.1f} |"
@@ -76,13 +67,14 @@ def linear_rows(rows: list[int]) -> list[str]:
                 continue  # the head is only ever given the rows that sample
             x = torch.randn(m, in_features, generator=g)
             repeats = max(2, int(1e8 / (m * out_features * in_features)))
-            plain = best_seconds(lambda: F.linear(x, weight), repeats)  # noqa: B023 (called at once)
-            onednn = best_seconds(
+            plain = milliseconds(lambda: F.linear(x, weight), repeats, rounds=5)  # noqa: B023 (called at once)
+            onednn = milliseconds(
                 lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),  # noqa: B023
                 repeats,
+                rounds=5,
             )
             shape = f"{out_features} x {in_features}"
-            lines.append(f"| {shape} | {m} | {plain * 1e6:.0f} | {onednn * 1e6:.0f} | {plain / onednn:.2f}x |")
+            lines.append(f"| {shape} | {m} | {plain * 1e3:.0f} | {onednn * 1e3:.0f} | {plain / onednn:.2f}x |")
     return lines
 
 

@@ -15,7 +15,7 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.model.llama import REFINED_TOP_K
 from tokenloom.model.loader import load_model
 from tokenloom.model.parallel import TensorParallelGroup
-from tokenloom.model.prepack import PackedLinear, can_prepack, can_prepack_float32
+from tokenloom.model.prepack import PackedLinear, can_prepack
 from tokenloom.model.quantization import (
     Int8Linear,
     hadamard_matrix,
@@ -208,7 +208,7 @@ def test_an_int8_models_logits_are_its_int8_heads_but_where_they_decide_the_toke
 def test_a_float32_models_linears_are_packed_on_the_cpu_and_give_the_plain_matmuls_outputs(tiny_llama):
     """oneDNN's float32 layout takes every linear on every CPU it runs on: the same outputs as F.linear over the
     plain weights, and the same logits as the head's plain matmul, within float32's rounding, for one row and many."""
-    if not can_prepack_float32(torch.device("cpu"), torch.float32):
+    if not can_prepack(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
     engine_model = LLM(str(tiny_llama), dtype="float32").engine.core.runner.model
     assert isinstance(engine_model.lm_head, PackedLinear) and not engine_model.lm_head.own

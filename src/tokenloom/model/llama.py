@@ -247,7 +247,7 @@ class CausalLM(nn.Module):
         if self._int8_head is not None:  # int8 weights: the int8 head's logits, their best candidates refined below
             logits = self._int8_head.rows_forward(normed.to(head_weight.dtype), out_dtype=torch.float32)
         elif head_weight.dtype == torch.float32:
-            return self.lm_head(normed) if isinstance(self.lm_head, PackedLinear) else F.linear(normed, head_weight)
+            return F.linear(normed, head_weight) if self.lm_head is None else self.lm_head(normed)
         else:
             rounded = normed.to(head_weight.dtype)
             logits = (F.linear(rounded, head_weight) if self.lm_head is None else self.lm_head(rounded)).float()

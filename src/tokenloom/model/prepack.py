@@ -35,21 +35,25 @@ SMALL_BATCH_COPY_LIMIT = 2 << 30  # the second layout costs the weights' bytes a
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and (_onednn_available() or _own_linear_available())
+    """Where the engine packs its linears' weights once (CausalLM.prepack_weights): bf16 into our layout or oneDNN's,
+    where the CPU has either; float32 into oneDNN's on every CPU oneDNN runs on (its float32 reorder needs no
+    AVX-512). On an AVX2 CPU packed float32 matmuls ran 1.1-2.4x faster than F.linear at decode sizes (8-64 rows),
+    the LM head 1.3-3x at 1-512 rows, ~10% slower at 512-2,048 rows for some shapes; mixed-64 as a whole ~1.2x faster
+    than with only the head packed (benchmarks/RESULTS.md)."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.float32:
+        return _onednn_reorder_exists()
+    return dtype == torch.bfloat16 and (_onednn_available() or _own_linear_available())
 
 
-def can_prepack_float32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Where a float32 model's linears go into oneDNN's layout: every CPU oneDNN runs on (its float32 reorder needs
-    no AVX-512). On an AVX2 CPU the packed matmuls ran 1.1-2.4x faster than F.linear at decode sizes (8-64 rows),
-    the LM head 1.3-3x at 1-512 rows, and ~10% slower at 512-2,048 rows for some shapes; mixed-64 as a whole went
-    ~1.2x faster than with only the head packed (benchmarks/RESULTS.md)."""
-    reorder = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    return device.type == "cpu" and dtype == torch.float32 and reorder
+def _onednn_reorder_exists() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 def _onednn_available() -> bool:
-    reorder = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    return reorder and cpu_can_reorder_bf16()
+    """oneDNN packs bf16 weights here: its reorder exists and the CPU has what its bf16 path needs."""
+    return _onednn_reorder_exists() and cpu_can_reorder_bf16()
 
 
 AMX_FROM_ROWS = 8  # from this many rows our AMX kernel, below it our AVX-512 BF16 one (both read one layout)

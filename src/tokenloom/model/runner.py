@@ -26,7 +26,7 @@ from tokenloom.model.gptq_cache import codes_key, load_codes, save_gptq_codes
 from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.platform import accelerator_count, cpu_has_amx
-from tokenloom.model.prepack import can_prepack, can_prepack_float32
+from tokenloom.model.prepack import can_prepack
 from tokenloom.model.quantization import INT8_METHODS, check_quantization, int8_kernel_isa
 from tokenloom.model.sampler import (
     GrammarMask,
@@ -138,8 +138,6 @@ class ModelRunner:
             self._quantize(quantization, calibration)
         if can_prepack(device, dtype):
             model.prepack_weights(layers=quantization is None)
-        elif quantization is None and can_prepack_float32(device, dtype):
-            model.prepack_weights()
         self._generators: dict[str, torch.Generator] = {}
         # The last step's sampled token ids on the device, by request: a step scheduled ahead reads its placeholders.
         self._last_sampled: tuple[list[str], torch.Tensor] | None = None
