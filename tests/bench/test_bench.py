@@ -51,6 +51,19 @@ def test_trace_shapes():
         make_trace("video", 1, 0)
 
 
+def test_a_trace_made_with_max_tokens_caps_each_request_and_keeps_its_prompts(tmp_path, capsys):
+    from tokenloom.cli import main
+
+    full = make_trace("chat", 20, seed=0)
+    assert main(["bench", "trace", "--kind", "chat", "--num-requests", "20", "--max-tokens", "64",
+                 "-o", str(tmp_path / "t.jsonl")]) == 0  # fmt: skip
+    capped, _ = read_trace(tmp_path / "t.jsonl")
+    assert [r.max_tokens for r in capped] == [min(r.max_tokens, 64) for r in full]
+    assert any(r.max_tokens > 64 for r in full) and [r.messages for r in capped] == [r.messages for r in full]
+    assert main(["bench", "trace", "--kind", "chat", "--max-tokens", "0", "-o", str(tmp_path / "u.jsonl")]) != 0
+    assert "--max-tokens must be at least 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("burstiness", [1.0, 0.5])
 def test_arrival_gaps_have_the_right_mean(burstiness):
     offsets = arrival_offsets(20_000, rate=4.0, burstiness=burstiness, seed=1)

@@ -19,7 +19,7 @@ from tokenloom.bench.loadgen import arrival_offsets, burst_aligned, run_load
 from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.bench.scorecard import SCORECARD_KEYS, SLO, percentile, scorecard
 from tokenloom.bench.server_metrics import API_PROCESS_ONLY
-from tokenloom.bench.trace import KINDS, make_trace, read_trace, trace_sha256, write_trace
+from tokenloom.bench.trace import KINDS, capped_output, make_trace, read_trace, trace_sha256, write_trace
 
 COLUMNS = [
     ("label", "run", "{}"),
@@ -50,6 +50,7 @@ def add_bench_commands(commands) -> None:
     trace.add_argument("--num-requests", type=int, default=100)
     trace.add_argument("--seed", type=int, default=0)
     trace.add_argument("--mix", default="0.6,0.2,0.2", help="chat,long,agent shares of a mixed trace")
+    trace.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
     trace.add_argument("-o", "--output", required=True)
 
     serve = bench.add_parser("serve", help="replay a trace against an OpenAI-compatible server")
@@ -103,7 +104,8 @@ def _load_flags(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "trace":
-        sha = write_trace(make_trace(args.kind, args.num_requests, args.seed, _mix(args.mix)), args.output)
+        requests = capped_output(make_trace(args.kind, args.num_requests, args.seed, _mix(args.mix)), args.max_tokens)
+        sha = write_trace(requests, args.output)
         print(f"{args.output}: {args.num_requests} {args.kind} requests, sha256 {sha}")
         return 0
     if args.bench_command == "serve":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 KINDS = ("chat", "long", "agent", "mixed", "rag")
@@ -154,6 +154,16 @@ def make_trace(kind: str, num_requests: int, seed: int, mix: tuple[float, float,
     requests = chat_requests(rng, counts[0]) + long_requests(rng, counts[1]) + agent_requests(rng, counts[2])
     rng.shuffle(requests)
     return requests
+
+
+def capped_output(requests: list[TraceRequest], max_tokens: int | None) -> list[TraceRequest]:
+    """The trace with no request asking for more than max_tokens (as vLLM's bench's fixed output lengths, a short run
+    of the same prompts); None leaves it as made."""
+    if max_tokens is None:
+        return requests
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+    return [replace(r, max_tokens=min(r.max_tokens, max_tokens)) for r in requests]
 
 
 def trace_bytes(requests: list[TraceRequest]) -> bytes:
