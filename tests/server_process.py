@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -48,3 +49,26 @@ def poll_until(read, predicate, timeout: float = 30.0):
         if predicate(value) or time.monotonic() > deadline:
             return value
         time.sleep(POLL_INTERVAL_S)
+
+
+class HeldRequest:
+    """A streamed completion that holds its seat (running, or queued) until ``release``, which hangs up: the server
+    aborts it at its next token. A test that only needs a request in the way need not wait for it to finish."""
+
+    def __init__(self, url: str, body: dict, headers: dict[str, str] | None = None) -> None:
+        self._released = threading.Event()
+        self.status: int | None = None
+        self._thread = threading.Thread(target=self._hold, args=(url, {**body, "stream": True}, headers))
+        self._thread.start()
+
+    def _hold(self, url: str, body: dict, headers: dict[str, str] | None) -> None:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
+            self.status = response.status_code
+            for _ in response.iter_lines():
+                if self._released.is_set():
+                    return
+
+    def release(self) -> None:
+        self._released.set()
+        self._thread.join(timeout=120)
+        assert not self._thread.is_alive(), "a held request did not end"

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import HeldRequest, ServerProcess
 
 from tokenloom.server.errors import APIError
 from tokenloom.server.tenants import Tenant, TenantLimiter
@@ -380,9 +380,7 @@ def test_streaming_queue_timeout_is_a_503_not_a_200(tiny_chat_model):
     proc = ServerProcess("--model", str(tiny_chat_model), "--max-num-seqs", "1", "--queue-timeout", "0.2")
     url = f"{proc.url}/v1/completions"
     try:
-        body = {"prompt": "long", "max_tokens": 600, "ignore_eos": True}
-        blocker = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": body, "timeout": 120})
-        blocker.start()
+        blocker = HeldRequest(url, {"prompt": "long", "max_tokens": 600, "ignore_eos": True})
         assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1) == 1
         for path, payload in (
             ("/v1/completions", {"prompt": "short", "max_tokens": 2, "stream": True}),
@@ -391,7 +389,7 @@ def test_streaming_queue_timeout_is_a_503_not_a_200(tiny_chat_model):
             with httpx.stream("POST", f"{proc.url}{path}", json=payload, timeout=60) as response:
                 response.read()
             assert_openai_error(response, 503, "queue_timeout")
-        blocker.join(timeout=120)
+        blocker.release()
         assert proc.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0) == 0
     finally:
         proc.stop()

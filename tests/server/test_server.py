@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import TINY_KV_POOL_ARGS, ServerProcess
+from server_process import TINY_KV_POOL_ARGS, HeldRequest, ServerProcess
 
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenloom.server.completions import CompletionShape
@@ -190,20 +190,19 @@ def test_twenty_concurrent_streams_complete(server):
 def test_queue_limit_gives_429(tiny_chat_model):
     proc = ServerProcess("--model", str(tiny_chat_model), "--max-num-seqs", "1", "--max-num-queued-requests", "1")
     url = f"{proc.url}/v1/completions"
-    long = {"json": {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}, "timeout": 120}
+    long = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
     try:
-        running = threading.Thread(target=httpx.post, args=(url,), kwargs=long)
-        running.start()
+        running = HeldRequest(url, long)
         assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1) == 1
-        queued = threading.Thread(target=httpx.post, args=(url,), kwargs=long)
-        queued.start()
+        queued = HeldRequest(url, long)
         assert proc.wait_for_metric("tokenloom:num_requests_waiting", lambda v: v == 1) == 1
         refused = httpx.post(url, json={"prompt": "one more", "max_tokens": 2}, timeout=60)
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
         assert int(refused.headers["Retry-After"]) >= 1
         assert proc.metric('tokenloom:requests_rejected_total{reason="queue_full",tenant="default"}') == 1
-        running.join()
-        queued.join()
+        running.release()
+        queued.release()
+        assert running.status == queued.status == 200
     finally:
         proc.stop()
 
@@ -316,24 +315,16 @@ def test_tenants_caps_and_limits(tmp_path, tiny_chat_model):
         assert httpx.post(url, json={"prompt": "hi"}, headers={"Authorization": "Bearer sk-eve"}).status_code == 401
 
         # Alice's first request holds her only slot while it runs; poll until the engine is running it.
-        held = threading.Thread(
-            target=httpx.post,
-            args=(url,),
-            kwargs={
-                "json": {"prompt": "hold", "max_tokens": 2000, "ignore_eos": True},
-                "headers": alice,
-                "timeout": 120,
-            },
-        )
-        held.start()
+        held = HeldRequest(url, {"prompt": "hold", "max_tokens": 2000, "ignore_eos": True}, alice)
         assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1, headers=alice) == 1
         second = httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=alice)
         assert second.status_code == 429 and second.json()["error"]["code"] == "concurrency_limit"
         assert int(second.headers["Retry-After"]) >= 1
         # Another tenant is not held back by alice's cap.
         assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=bob).status_code == 200
-        held.join()
-        # The slot is free again once the stream ended.
+        held.release()
+        # The slot is free again once the stream ended (here: alice hung up, and the server aborted her request).
+        assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 0, headers=alice) == 0
         assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=alice).status_code == 200
 
         assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}, headers=bob).status_code == 200
@@ -361,12 +352,10 @@ def test_queue_timeout_gives_503(tiny_chat_model):
     proc = ServerProcess("--model", str(tiny_chat_model), "--max-num-seqs", "1", "--queue-timeout", "0.2")
     url = f"{proc.url}/v1/completions"
     try:
-        body = {"prompt": "long", "max_tokens": 1500, "ignore_eos": True}
-        long_running = threading.Thread(target=httpx.post, args=(url,), kwargs={"json": body, "timeout": 120})
-        long_running.start()
+        long_running = HeldRequest(url, {"prompt": "long", "max_tokens": 1500, "ignore_eos": True})
         assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1) == 1
         waited = httpx.post(url, json={"prompt": "short", "max_tokens": 2}, timeout=60)
-        long_running.join()
+        long_running.release()
         assert waited.status_code == 503 and waited.json()["error"]["code"] == "queue_timeout"
         assert proc.wait_for_metric("tokenloom:kv_cache_usage_perc", lambda v: v == 0) == 0
     finally:
