@@ -89,10 +89,9 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
     assert engine.core.runner.kv_caches[0][0].dtype == torch.bfloat16
     tokenizer = engine.tokenizer
     agree = total = 0
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt)
+    eos = set(engine.core.model_config.eos_token_ids)
+    for generated in greedy_extensions(oracle, [tokenizer.encode(prompt) for prompt in PROMPTS], 48, eos):
         with torch.inference_mode():
-            generated = oracle.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0].tolist()
             reference = oracle(torch.tensor([generated])).logits[0].argmax(-1)
         request = Request("x", generated, SamplingParams())
         middle = len(generated) // 2
@@ -101,6 +100,21 @@ def test_bfloat16_top1_agrees_with_transformers_float32(real_model_dir):
         agree += int((ours.float().argmax(-1) == reference).sum())
         total += len(generated)
     assert agree / total >= 0.98, f"top-1 agreement {agree}/{total}"
+
+
+def greedy_extensions(oracle, prompts: list[list[int]], num_new: int, eos: set[int]) -> list[list[int]]:
+    """Each prompt followed by up to num_new of the oracle's greedy tokens (to its first EOS), generated as one
+    left-padded batch: one generate call instead of one per prompt (a tenth of the time on two cores)."""
+    width, pad = max(len(ids) for ids in prompts), min(eos)
+    padded = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    with torch.inference_mode():
+        rows = oracle.generate(padded, attention_mask=mask, max_new_tokens=num_new, do_sample=False, pad_token_id=pad)
+    extended = []
+    for ids, row in zip(prompts, rows[:, width:].tolist(), strict=True):
+        ends = [i for i, token in enumerate(row) if token in eos]
+        extended.append(ids + (row[: ends[0] + 1] if ends else row))
+    return extended
 
 
 def _logits(engine: LLMEngine, request: Request, start: int, end: int) -> torch.Tensor:
