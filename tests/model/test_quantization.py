@@ -99,7 +99,7 @@ def test_16_bit_codes_bound_their_sums_to_int32():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("rows", [1, 7, 9, 64, 301])  # 9 and 301: a widened chunk with an odd row (AVX2)
 @pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True), (48, 32, False)])
 @pytest.mark.parametrize("activation_bits", [8, 16])
 def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, out_features, bias, activation_bits):

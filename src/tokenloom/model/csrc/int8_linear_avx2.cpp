@@ -11,7 +11,10 @@
 // The packing is int8_linear.cpp's (for each block of 16 features, the inputs in groups of 4, 16 features x 4 inputs
 // to 64 bytes), so one layout serves both CPUs. A 64-byte group is read as four 16-byte quarters (4 features x 4
 // inputs each); sign-extended, a quarter times the row's 4 inputs, repeated, gives each feature's two pair sums in
-// adjacent lanes, which are added at the end. The sums are scaled as int8_epilogue.h orders it: (sum x weight
+// adjacent lanes, which are added at the end. Steps of a few rows sign-extend each quarter as they read it (the
+// weight's bytes are what they wait for); larger ones widen a block once into 16-bit words that every pair of rows
+// then reads as it is (wide_tile), which ran 1.3-1.5x faster here: the sign extension was half the work beside the
+// multiplies. Register tiles hold 8 accumulators: with 12 (6 rows x 2 quarters) GCC kept 9 of them on the stack. The sums are scaled as int8_epilogue.h orders it: (sum x weight
 // scale) x row scale + bias. No gated epilogue here (it needs a vector exp): the MLP's SiLU is its own operator.
 
 #include <ATen/ops/empty.h>
@@ -23,6 +26,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "int8_epilogue.h"
 #include "int8_packing.h"
@@ -35,9 +39,12 @@ namespace {
 
 constexpr int kBlock = tokenloom::kInt8Block;  // output features per packed block
 constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
-constexpr int kRows = 6;    // rows of a register tile: 6 x 2 accumulators, 2 weight quarters, 1 input
+constexpr int kRows = 4;    // rows of a narrow tile: 4 x 2 accumulators, 2 weight quarters, the inputs
+constexpr int kWideRows = 2;  // rows of a wide tile: 2 x 4 accumulators, the block's 4 widened quarters read in place
+static_assert(kWideRows == 2, "a chunk's odd row is one wide_tile<1>");
+constexpr int64_t kWideFromRows = 8;  // a chunk of this many rows or more widens each block once
 constexpr int64_t kMinUnitBytes = 32 * 1024;
-constexpr int64_t kChunkRows = 120;  // 20 tiles of 6 rows
+constexpr int64_t kChunkRows = 120;  // 60 wide tiles
 
 inline void store8(float* at, __m256 v) { _mm256_storeu_ps(at, v); }
 inline void store8(c10::BFloat16* at, __m256 v) {
@@ -78,6 +85,56 @@ void tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, int half
   }
 }
 
+// One block's codes [groups, 64] sign-extended to 16-bit words, for the rows of a chunk to share.
+void widen_block(const int8_t* w, int64_t bytes, int16_t* wide) {
+  for (int64_t i = 0; i < bytes; i += 16) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wide + i), _mm256_cvtepi8_epi16(codes));
+  }
+}
+
+// Rows x 16 outputs (a whole block) from its widened codes: 4 accumulators a row, the weight vectors read from L1.
+template <int Rows, typename T>
+void wide_tile(const int16_t* x, int64_t k, const int16_t* wide, int64_t groups, const float* row_scales,
+               const float* weight_scales, const float* bias, T* out, int64_t ldo) {
+  __m256i acc[Rows][4];
+  for (int r = 0; r < Rows; ++r) {
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i* quarters = reinterpret_cast<const __m256i*>(wide + g * kBlock * kGroup);
+    for (int r = 0; r < Rows; ++r) {
+      int64_t four;
+      std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
+      const __m256i xv = _mm256_set1_epi64x(four);
+      for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(quarters[q], xv));
+    }
+  }
+  for (int half = 0; half < 2; ++half) {
+    const __m256 ws = _mm256_loadu_ps(weight_scales + half * 8);
+    const __m256 b = bias ? _mm256_loadu_ps(bias + half * 8) : _mm256_setzero_ps();
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 sums = _mm256_cvtepi32_ps(feature_sums(acc[r][2 * half], acc[r][2 * half + 1]));
+      store8(out + r * ldo + half * 8, _mm256_fmadd_ps(_mm256_mul_ps(sums, ws), _mm256_set1_ps(row_scales[r]), b));
+    }
+  }
+}
+
+template <typename T>
+using WideTileFn = void (*)(const int16_t*, int64_t, const int16_t*, int64_t, const float*, const float*, const float*,
+                            T*, int64_t);
+
+// Scratch for widen_block: one block of up to `bytes` codes as 16-bit words, 32-byte aligned, per thread.
+int16_t* wide_scratch(int64_t bytes) {
+  struct alignas(32) Words {
+    int16_t lanes[16];
+  };
+  thread_local std::vector<Words> words;
+  const size_t vectors = static_cast<size_t>(bytes / 16);
+  if (words.size() < vectors) words.resize(vectors);
+  return reinterpret_cast<int16_t*>(words.data());
+}
+
 template <typename T>
 using TileFn = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int, const float*, const float*,
                         const float*, T*, int64_t);
@@ -88,8 +145,6 @@ TileFn<T> tile_for(int64_t rows) {
     case 1: return &tile<1, T>;
     case 2: return &tile<2, T>;
     case 3: return &tile<3, T>;
-    case 4: return &tile<4, T>;
-    case 5: return &tile<5, T>;
     default: return &tile<kRows, T>;
   }
 }
@@ -131,10 +186,20 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
     const std::function<void(int64_t)> body = [&](int64_t unit) {
       const int64_t r0 = (unit / block_units) * kChunkRows, r1 = std::min(m, r0 + kChunkRows);
       const int64_t b0 = (unit % block_units) * blocks_per_unit, b1 = std::min(blocks, b0 + blocks_per_unit);
+      const bool wide = r1 - r0 >= kWideFromRows;
+      int16_t* widened = wide ? wide_scratch(block_bytes) : nullptr;
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t f = b * kBlock;
         const float* bb = bias_data ? bias_data + f : nullptr;
         const int8_t* wb = wp + b * block_bytes;
+        if (wide) {
+          widen_block(wb, block_bytes, widened);
+          for (int64_t r = r0; r < r1; r += kWideRows) {
+            const WideTileFn<T> tile_fn = r + kWideRows <= r1 ? &wide_tile<kWideRows, T> : &wide_tile<1, T>;
+            tile_fn(x + r * k, k, widened, groups, rows + r, scales + f, bb, op + r * n + f, n);
+          }
+          continue;
+        }
         for (int half = 0; half < 2; ++half) {
           for (int64_t r = r0; r < r1; r += kRows) {
             const int64_t nr = std::min<int64_t>(kRows, r1 - r);
