@@ -6,9 +6,10 @@ Decode attention: tokenloom::paged_decode_attention over a float32 paged cache o
 heads, 3 KV heads of 64 dims, blocks of 16 tokens, scattered), 30 layers of it so that the cache is read from
 memory as in a step, for S sequences of C tokens each: milliseconds for the 30 layers, the cache bytes read per
 second, and nanoseconds per key and KV head (best of 5). Linears: F.linear against the same weight in oneDNN's
-packed float32 layout (what the engine uses on the CPU, prepack.py), at SmolLM2's shapes (fused qkv, o, fused
-gate/up, down, LM head), microseconds per call (best of 5 repeats). Prints markdown tables. CPU only; a benchmark,
-not a test.
+packed float32 layout (what the engine uses on the CPU, prepack.py), and where this CPU has an int8 kernel the
+same weight as --quantization int8 runs it (quantization.Int8Linear: the activations' codes made per call, then our
+int8 kernel), at SmolLM2's shapes (fused qkv, o, fused gate/up, down, LM head), microseconds per call (best of 5
+repeats). Prints markdown tables. CPU only; a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from int8_linear_breakdown import milliseconds
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.prepack import DECODE_ROWS_HINT
+from tokenloom.model.quantization import Int8Linear, int8_available
 
 LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]: qkv, o, gate_up, down, head
@@ -62,6 +64,7 @@ def linear_rows(rows: list[int]) -> list[str]:
     for out_features, in_features in SHAPES:
         weight = 0.05 * torch.randn(out_features, in_features, generator=g)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS_HINT)
+        int8 = Int8Linear(weight, None) if int8_available() else None
         for m in rows:
             if out_features * m > 49152 * 512:
                 continue  # the head is only ever given the rows that sample
@@ -74,7 +77,11 @@ def linear_rows(rows: list[int]) -> list[str]:
                 rounds=5,
             )
             shape = f"{out_features} x {in_features}"
-            lines.append(f"| {shape} | {m} | {plain * 1e3:.0f} | {onednn * 1e3:.0f} | {plain / onednn:.2f}x |")
+            line = f"| {shape} | {m} | {plain * 1e3:.0f} | {onednn * 1e3:.0f} | {plain / onednn:.2f}x |"
+            if int8 is not None:
+                quantized = milliseconds(lambda: int8.rows_forward(x), repeats, rounds=5)  # noqa: B023
+                line += f" {quantized * 1e3:.0f} | {onednn / quantized:.2f}x |"
+            lines.append(line)
     return lines
 
 
@@ -92,8 +99,9 @@ def main() -> None:
         seqs, ctx = (int(part) for part in case.split("x"))
         print(attention_row(seqs, ctx))
     print()
-    print("| weight [out x in] | rows | F.linear us | oneDNN packed us | F.linear / packed |")
-    print("|---|---:|---:|---:|---:|")
+    int8 = " int8 us | packed / int8 |" if int8_available() else ""
+    print(f"| weight [out x in] | rows | F.linear us | oneDNN packed us | F.linear / packed |{int8}")
+    print("|---|---:|---:|---:|---:|" + "---:|---:|" * bool(int8))
     for line in linear_rows([int(r) for r in args.rows.split(",")]):
         print(line)
     print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -11,11 +11,14 @@
 // The packing is int8_linear.cpp's (for each block of 16 features, the inputs in groups of 4, 16 features x 4 inputs
 // to 64 bytes), so one layout serves both CPUs. A 64-byte group is read as four 16-byte quarters (4 features x 4
 // inputs each); sign-extended, a quarter times the row's 4 inputs, repeated, gives each feature's two pair sums in
-// adjacent lanes, which are added at the end. Steps of a few rows sign-extend each quarter as they read it (the
-// weight's bytes are what they wait for); larger ones widen a block once into 16-bit words that every pair of rows
-// then reads as it is (wide_tile), which ran 1.3-1.5x faster here: the sign extension was half the work beside the
-// multiplies. Register tiles hold 8 accumulators: with 12 (6 rows x 2 quarters) GCC kept 9 of them on the stack. The sums are scaled as int8_epilogue.h orders it: (sum x weight
+// adjacent lanes, which are added at the end. The sums are scaled as int8_epilogue.h orders it: (sum x weight
 // scale) x row scale + bias. No gated epilogue here (it needs a vector exp): the MLP's SiLU is its own operator.
+//
+// Register tiles hold 8 accumulators of the 16 ymm registers: a 6-row x 2-quarter tile (12) had GCC keep 9 of them
+// on the stack, a load and a store each per group. Steps of a few rows sign-extend each quarter as they read it (the
+// weight's bytes from memory are what they wait for); steps of 8 rows or more widen a block to 16-bit words once and
+// run 2-row x 16-feature tiles over it (wide_tile): sign-extending as read, the `vpmovsxbw`s competed with the
+// multiplies. On a Zen 3 core the wide tiles ran at 54-58 GMAC/s, the 6 x 2 tile at 36-39 (benchmarks/RESULTS.md).
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
