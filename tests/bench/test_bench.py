@@ -64,6 +64,27 @@ def test_a_trace_made_with_max_tokens_caps_each_request_and_keeps_its_prompts(tm
     assert "--max-tokens must be at least 1" in capsys.readouterr().err
 
 
+SERVE = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "-o", "run.json"]  # parsed only: nothing is sent
+
+
+@pytest.mark.parametrize("command", [SERVE, ["simulate", "-o", "run.json"]])
+def test_serve_and_simulate_cap_a_trace_with_max_tokens_and_say_so_in_its_version(tmp_path, command):
+    from tokenloom.bench.commands import trace_from_args
+    from tokenloom.cli import build_parser
+
+    def replayed(*flags: str):
+        return trace_from_args(build_parser().parse_args([*command, "--num-requests", "20", *flags]))
+
+    full, full_sha = replayed("--kind", "chat")
+    capped, capped_sha = replayed("--kind", "chat", "--max-tokens", "64")
+    assert [r.max_tokens for r in capped] == [min(r.max_tokens, 64) for r in full]
+    assert any(r.max_tokens > 64 for r in full) and [r.messages for r in capped] == [r.messages for r in full]
+    assert capped_sha == full_sha + "+max_tokens=64"
+    write_trace(full, tmp_path / "t.jsonl")
+    from_file, file_sha = replayed("--trace", str(tmp_path / "t.jsonl"), "--max-tokens", "64")
+    assert from_file == capped and file_sha.endswith("+max_tokens=64") and not file_sha.startswith("generated:")
+
+
 @pytest.mark.parametrize("burstiness", [1.0, 0.5])
 def test_arrival_gaps_have_the_right_mean(burstiness):
     offsets = arrival_offsets(20_000, rate=4.0, burstiness=burstiness, seed=1)

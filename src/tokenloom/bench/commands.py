@@ -93,6 +93,7 @@ def _load_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=KINDS, default="chat")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--mix", default="0.6,0.2,0.2", help="chat,long,agent shares when --kind mixed")
+    parser.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)
@@ -125,11 +126,17 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def trace_from_args(args: argparse.Namespace):
+    """The requests a run replays and the trace's version for its provenance: a file's sha256, or the generated
+    trace's; with --max-tokens, the cap named after it (the prompts are the version's, the lengths are capped)."""
     if args.trace:
         requests, sha = read_trace(args.trace)
-        return (requests[: args.num_requests] if args.num_requests else requests), sha
-    requests = make_trace(args.kind, args.num_requests or 100, args.seed, _mix(args.mix))
-    return requests, "generated:" + trace_sha256(requests)
+        requests = requests[: args.num_requests] if args.num_requests else requests
+    else:
+        requests = make_trace(args.kind, args.num_requests or 100, args.seed, _mix(args.mix))
+        sha = "generated:" + trace_sha256(requests)
+    if args.max_tokens is None:
+        return requests, sha
+    return capped_output(requests, args.max_tokens), f"{sha}+max_tokens={args.max_tokens}"
 
 
 def _mix(text: str) -> tuple[float, float, float]:

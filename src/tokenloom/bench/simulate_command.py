@@ -84,6 +84,7 @@ def add_simulate_command(commands) -> argparse.ArgumentParser:
     trace.add_argument("--kind", choices=KINDS, default="chat")
     trace.add_argument("--num-requests", type=int, default=None)
     trace.add_argument("--mix", default="0.6,0.2,0.2", help="chat,long,agent shares when --kind mixed")
+    trace.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
     trace.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier")
     trace.add_argument("--slo", default=None, help="e.g. ttft=2,itl=0.2,e2e=30 (seconds)")
     trace.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour of the serving machine")
