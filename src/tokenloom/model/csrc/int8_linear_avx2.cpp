@@ -201,12 +201,12 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
             const WideTileFn<T> tile_fn = r + kWideRows <= r1 ? &wide_tile<kWideRows, T> : &wide_tile<1, T>;
             tile_fn(x + r * k, k, widened, groups, rows + r, scales + f, bb, op + r * n + f, n);
           }
-          continue;
-        }
-        for (int half = 0; half < 2; ++half) {
-          for (int64_t r = r0; r < r1; r += kRows) {
-            const int64_t nr = std::min<int64_t>(kRows, r1 - r);
-            tile_for<T>(nr)(x + r * k, k, wb, groups, half, rows + r, scales + f, bb, op + r * n + f, n);
+        } else {
+          for (int half = 0; half < 2; ++half) {
+            for (int64_t r = r0; r < r1; r += kRows) {
+              const int64_t nr = std::min<int64_t>(kRows, r1 - r);
+              tile_for<T>(nr)(x + r * k, k, wb, groups, half, rows + r, scales + f, bb, op + r * n + f, n);
+            }
           }
         }
       }
