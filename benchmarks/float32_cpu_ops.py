@@ -5,7 +5,8 @@
 Decode attention: tokenloom::paged_decode_attention over a float32 paged cache of SmolLM2-135M's shape (9 query
 heads, 3 KV heads of 64 dims, blocks of 16 tokens, scattered), 30 layers of it so that the cache is read from
 memory as in a step, for S sequences of C tokens each: milliseconds for the 30 layers, the cache bytes read per
-second, and nanoseconds per key and KV head (best of 5). Linears: F.linear against the same weight in oneDNN's
+second, and nanoseconds per key and KV head (best of 5); `--kv-cache-dtype auto,int8` repeats each case over an
+8-bit cache of the same tokens (kv_quant.py's entries: 64 codes and a scale per token and KV head). Linears: F.linear against the same weight in oneDNN's
 packed float32 layout (what the engine uses on the CPU, prepack.py), and where this CPU has an int8 kernel the
 same weight as --quantization int8 runs it (quantization.Int8Linear: the activations' codes made per call, then our
 int8 kernel), at SmolLM2's shapes (fused qkv, o, fused gate/up, down, LM head), microseconds per call (best of 5
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from int8_linear_breakdown import milliseconds
 
-from tokenloom.model import cpu_kernel
+from tokenloom.model import cpu_kernel, kv_quant
 from tokenloom.model.prepack import DECODE_ROWS_HINT
 from tokenloom.model.quantization import Int8Linear, int8_available
 
@@ -34,15 +35,17 @@ LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]: qkv, o, gate_up, down, head
 
 
-def attention_row(seqs: int, ctx: int) -> str:
+def attention_row(seqs: int, ctx: int, kv_dtype: str) -> str:
     g = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-ctx // BLOCK)
     num_blocks = seqs * blocks_per_seq
-    row = KV_HEADS * HEAD_DIM
-    caches = [
-        (torch.randn(num_blocks * BLOCK, row, generator=g), torch.randn(num_blocks * BLOCK, row, generator=g))
-        for _ in range(LAYERS)
-    ]
+    fmt = kv_quant.kv_format(kv_dtype)
+
+    def cache() -> torch.Tensor:
+        values = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=g)
+        return values.flatten(1) if fmt is None else kv_quant.encode(values, fmt).flatten(1)
+
+    caches = [(cache(), cache()) for _ in range(LAYERS)]
     tables = torch.randperm(num_blocks, generator=g).view(seqs, blocks_per_seq).contiguous()
     lens = torch.full((seqs,), ctx, dtype=torch.long)
     q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g)
@@ -50,12 +53,14 @@ def attention_row(seqs: int, ctx: int) -> str:
 
     def step() -> None:
         for k, v in caches:
-            cpu_kernel.paged_decode_attention(q, k, v, tables, lens, BLOCK, HEAD_DIM**-0.5, out)
+            cpu_kernel.paged_decode_attention(q, k, v, tables, lens, BLOCK, HEAD_DIM**-0.5, out, kind)
 
+    kind = 0 if fmt is None else fmt.kind
     seconds = milliseconds(step, repeats=1, rounds=5) / 1e3
-    cache_bytes = LAYERS * seqs * ctx * row * 4 * 2
+    cache_bytes = LAYERS * seqs * ctx * caches[0][0].shape[1] * caches[0][0].element_size() * 2
     per_key = seconds / (LAYERS * seqs * ctx * KV_HEADS) * 1e9
-    return f"| {seqs} x {ctx} | {seconds * 1e3:.1f} | {cache_bytes / seconds / 1e9:.1f} | {per_key:.1f} |"
+    case = f"{seqs} x {ctx}"
+    return f"| {case} | {kv_dtype} | {seconds * 1e3:.1f} | {cache_bytes / seconds / 1e9:.1f} | {per_key:.1f} |"
 
 
 def linear_rows(rows: list[int]) -> list[str]:
@@ -88,16 +93,18 @@ def linear_rows(rows: list[int]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", default="64x400,16x4000", help="sequences x context, comma-separated")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated: auto (float32), int8, fp8_e4m3, ...")
     parser.add_argument("--rows", default="1,8,32,64,512,2048")
     args = parser.parse_args()
     if not cpu_kernel.load_kernel():
         raise SystemExit("the CPU operators could not be built here")
     print(f"load average before: {os.getloadavg()[0]:.2f}; torch threads: {torch.get_num_threads()}")
-    print("| sequences x context | ms per 30 layers | cache GB/s | ns per key and KV head |")
-    print("|---|---:|---:|---:|")
+    print("| sequences x context | KV cache | ms per 30 layers | cache GB/s | ns per key and KV head |")
+    print("|---|---|---:|---:|---:|")
     for case in args.attention.split(","):
         seqs, ctx = (int(part) for part in case.split("x"))
-        print(attention_row(seqs, ctx))
+        for kv_dtype in args.kv_cache_dtype.split(","):
+            print(attention_row(seqs, ctx, kv_dtype))
     print()
     int8 = " int8 us | packed / int8 |" if int8_available() else ""
     print(f"| weight [out x in] | rows | F.linear us | oneDNN packed us | F.linear / packed |{int8}")

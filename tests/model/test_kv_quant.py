@@ -18,6 +18,7 @@ from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.core_process import CoreProcessEngine
 from tokenloom.model import cpu_kernel, kv_quant
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, PrefillSegment, paged_attention
+from tokenloom.model.quantization import int8_kernel_isa
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
 # The largest error of one value, relative to the largest |value| of its head: half a code step for int8; for fp8
@@ -124,11 +125,13 @@ def decode(q, cache_k, cache_v, tables, lens, fmt, use_kernel: bool) -> torch.Te
 # The operator's error against attention over the dequantized cache in float32 (the plain path), as a share of each
 # output row's norm. fp8 in float32 is the same arithmetic; in bf16 the kernel rounds as for a bf16 cache (measured up
 # to 1.8%); int8 through AVX-512 VNNI also quantizes each query head in two int8 parts and each 16 keys' probabilities
-# to 8 bits (measured up to 2.0%, on K and V with a 20x outlier channel).
+# to 8 bits (measured up to 2.0%, on K and V with a 20x outlier channel); int8 in float32 on AVX2 quantizes each
+# query head and each chunk's weights to 16 bits (measured up to 0.06%).
 ROW_ERROR = {"int8": 0.03, "fp8_e4m3": 0.025, "fp8_e5m2": 0.025}
+AVX2_INT8_ROW_ERROR = 0.002
 
 
-@pytest.mark.parametrize(("heads_", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 2, 48)])
+@pytest.mark.parametrize(("heads_", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 3, 64), (4, 2, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", FORMATS)
 def test_decode_operator_matches_the_plain_path_on_8_bit_caches(name, dtype, heads_, kv_heads, head_dim):
@@ -141,7 +144,9 @@ def test_decode_operator_matches_the_plain_path_on_8_bit_caches(name, dtype, hea
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-2, atol=1e-2)
     row_error = (ours - reference).norm(dim=-1) / reference.norm(dim=-1)
     exact = dtype == torch.float32 and (name != "int8" or head_dim == 48)  # the float32 kernels: no rounding
-    assert row_error.max() <= (1e-4 if exact else ROW_ERROR[name]), float(row_error.max())
+    avx2_int8 = dtype == torch.float32 and name == "int8" and int8_kernel_isa() == "avx2"  # not VNNI's bytes
+    bound = 1e-4 if exact else AVX2_INT8_ROW_ERROR if avx2_int8 else ROW_ERROR[name]
+    assert row_error.max() <= bound, float(row_error.max())
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -572,6 +572,39 @@ inline __m256 sum_each8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
 }
 
+// Where the keys of a chunk lie in a cache (elements from its start), walked block by block (no division per key);
+// and their K and V rows (row_bytes each, codes and scale for an 8-bit cache) fetched into L2 while the chunk before
+// them is multiplied: a block's successor lies elsewhere, where no hardware prefetcher looks.
+template <typename Elem>
+struct ChunkWalk {
+  const Elem* k_cache;
+  const Elem* v_cache;
+  const int64_t* table;
+  int64_t ctx, row, block_stride, block_size, row_bytes;
+
+  void locate(int64_t c0, int64_t chunk, int64_t* at) const {
+    const int64_t keys = std::min<int64_t>(chunk, ctx - c0);
+    int64_t block = c0 / block_size, offset = c0 % block_size;
+    for (int64_t t = 0; t < keys; ++t) {
+      at[t] = table[block] * block_stride + offset * row;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+      const char* k = reinterpret_cast<const char*>(k_cache + at[t]);
+      const char* v = reinterpret_cast<const char*>(v_cache + at[t]);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        _mm_prefetch(k + b, _MM_HINT_T1);
+        _mm_prefetch(v + b, _MM_HINT_T1);
+      }
+      _mm_prefetch(k + row_bytes - 1, _MM_HINT_T1);  // a row that starts mid-line ends in one more
+      _mm_prefetch(v + row_bytes - 1, _MM_HINT_T1);
+    }
+  }
+};
+
 // The same attention for float32 queries with AVX2 and FMA (the default dtype where the CPU has no AVX-512 BF16),
 // from a float32 cache or an 8-bit one. As in the bf16 kernel the context streams through in chunks of kChunk keys
 // with an online softmax, K and V in one sweep; q.k for 8 keys at a time, their sums transposed into one vector
@@ -606,31 +639,13 @@ void attend_f32_avx2(const float* q, const std::conditional_t<Kind == tokenloom:
   const float* k_rows[kChunk];
   const float* v_rows[kChunk];
   int64_t chunk_at[2][kChunk];  // where each key of this chunk and of the next lies, from the cache's start
-  // The keys of the chunk at c0, walked block by block (no division per key); the next chunk's rows are fetched
-  // into L2 while this one is multiplied: a block's successor lies elsewhere, where no hardware prefetcher looks.
-  auto locate = [&](int64_t c0, int64_t* at) {
-    const int keys = static_cast<int>(std::min<int64_t>(kChunk, ctx - c0));
-    int64_t block = c0 / block_size, offset = c0 % block_size;
-    for (int t = 0; t < keys; ++t) {
-      at[t] = table[block] * block_stride + offset * row;
-      if (++offset == block_size) {
-        offset = 0;
-        ++block;
-      }
-    }
-    constexpr int64_t kLine = 64 / sizeof(Elem);
-    for (int t = 0; t < keys; ++t) {
-      for (int64_t d = 0; d < HD; d += kLine) {
-        _mm_prefetch(reinterpret_cast<const char*>(k_cache + at[t] + d), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(v_cache + at[t] + d), _MM_HINT_T1);
-      }
-    }
-  };
-  locate(0, chunk_at[0]);
+  constexpr int64_t kRowBytes = Kind == tokenloom::kPlain ? HD * sizeof(float) : HD + 4;  // codes and scale
+  const ChunkWalk<Elem> walk{k_cache, v_cache, table, ctx, row, block_stride, block_size, kRowBytes};
+  walk.locate(0, kChunk, chunk_at[0]);
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int keys = static_cast<int>(std::min<int64_t>(kChunk, ctx - c0));
     const int64_t* here = chunk_at[(c0 / kChunk) % 2];
-    if (c0 + kChunk < ctx) locate(c0 + kChunk, chunk_at[(c0 / kChunk + 1) % 2]);
+    if (c0 + kChunk < ctx) walk.locate(c0 + kChunk, kChunk, chunk_at[(c0 / kChunk + 1) % 2]);
     for (int t = 0; t < keys; ++t) {
       const int64_t at = here[t];
       if constexpr (Kind == tokenloom::kPlain) {
@@ -695,6 +710,188 @@ void attend_f32_avx2(const float* q, const std::conditional_t<Kind == tokenloom:
     for (int d = 0; d < HD; ++d) out[h * HD + d] = acc[h * HD + d] * inv;
   }
 }
+
+// 8 int32 vectors in, one out: lane j holds the sum of v[j]'s 8 lanes (sum_each8, in integers).
+inline __m256i sum_each8_epi32(const __m256i* v) {
+  const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+// 8 int32 -> 8 int16, saturating, in order.
+inline __m128i narrow8_epi32(__m256i x) {
+  return _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+}
+
+// p.v of one chunk for query heads h0 .. h0 + N - 1 over the 32 dims at d0, into their float accumulators: each
+// pair of keys' V codes interleaved per dim and widened to int16, against the two keys' int16 weights in one
+// vpmaddwd; the chunk's int32 sums (|w| <= 32767, |code| <= 127, 64 keys: under 2^31) scaled once at the end.
+template <int N, int HD>
+inline void weigh_values_int16(const uint8_t* const* v_rows, int pairs, const int16_t* w16, int chunk,
+                               const float* w_mul, float* acc, int d0) {
+  __m256i sums[N][4];
+  for (int h = 0; h < N; ++h) {
+    for (int i = 0; i < 4; ++i) sums[h][i] = _mm256_setzero_si256();
+  }
+  for (int p = 0; p < pairs; ++p) {
+    for (int c = 0; c < 2; ++c) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v_rows[2 * p] + d0 + 16 * c));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v_rows[2 * p + 1] + d0 + 16 * c));
+      const __m256i low = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b));  // (a_d, b_d) for the first 8 dims
+      const __m256i high = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b));
+      for (int h = 0; h < N; ++h) {
+        int32_t two;
+        std::memcpy(&two, w16 + h * chunk + 2 * p, sizeof(two));
+        const __m256i w = _mm256_set1_epi32(two);
+        sums[h][2 * c] = _mm256_add_epi32(sums[h][2 * c], _mm256_madd_epi16(low, w));
+        sums[h][2 * c + 1] = _mm256_add_epi32(sums[h][2 * c + 1], _mm256_madd_epi16(high, w));
+      }
+    }
+  }
+  for (int h = 0; h < N; ++h) {
+    const __m256 f = _mm256_set1_ps(w_mul[h]);
+    float* a = acc + h * HD + d0;
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(a + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[h][i]), f, _mm256_loadu_ps(a + 8 * i)));
+    }
+  }
+}
+
+// Decode attention for float32 queries over an int8 cache with AVX2, in integers where the float32 kernel above
+// widens every code to float32 (which left it bound by those conversions, not by memory: 22 ns per key and KV
+// head against float32's 36, for a quarter of the bytes; benchmarks/RESULTS.md). As attend_int8_vnni does with
+// bytes, in 16-bit words that AVX2's vpmaddwd multiplies exactly:
+//   q.k: each query head quantized once per call to int16 against its largest |q| (an error of 2^-16 of it); a
+//        chunk's K rows sign-extended to int16 once and shared by the heads; 8 keys' int32 dot products summed
+//        into one vector, then times q's scale and each key's K scale;
+//   p.v: each head's probabilities times V's scales, quantized to int16 against the chunk's largest, two keys per
+//        vpmaddwd (their codes interleaved per dim), summed over the chunk in int32 and added, scaled, into the
+//        float32 accumulators under the running softmax.
+template <int HD>
+void attend_int8_avx2(const float* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table,
+                      int64_t ctx, int64_t group, int64_t row, int64_t block_stride, int64_t block_size,
+                      int64_t scale_offset, float scale, float* out, std::vector<float>& scratch) {
+  static_assert(HD % 32 == 0, "whole tiles of 32 dims");
+  constexpr int kChunk = 64;  // keys per step of the online softmax
+  constexpr int kPass = 3;    // query heads whose p.v sums fit in registers at once (12 of 16)
+  const int64_t heads = group;
+  // float scratch: acc [heads][HD], scores [heads][kChunk], run_max, run_sum, q_mul, w_mul [heads], k_scales and
+  // v_scales [kChunk]; then int16: q16 [heads][HD], k16 [kChunk][HD], w16 [heads][kChunk].
+  const int64_t floats = heads * (HD + kChunk + 4) + 2 * kChunk;
+  scratch.resize(floats + (heads * HD + kChunk * HD + heads * kChunk) / 2 + 8);
+  float* acc = scratch.data();
+  float* scores = acc + heads * HD;
+  float* run_max = scores + heads * kChunk;
+  float* run_sum = run_max + heads;
+  float* q_mul = run_sum + heads;  // each head's q scale x the softmax scale
+  float* w_mul = q_mul + heads;    // each head's weight scale in this chunk
+  float* k_scales = w_mul + heads;
+  float* v_scales = k_scales + kChunk;
+  int16_t* q16 = reinterpret_cast<int16_t*>(scratch.data() + floats);
+  int16_t* k16 = q16 + heads * HD;
+  int16_t* w16 = k16 + kChunk * HD;
+  for (int64_t h = 0; h < heads; ++h) {
+    float amax = 0.0f;
+    for (int d = 0; d < HD; ++d) amax = std::max(amax, std::fabs(q[h * HD + d]));
+    const float qs = amax > 0.0f ? amax / 32767.0f : 1.0f;
+    const float inv = 1.0f / qs;
+    for (int d = 0; d < HD; ++d) q16[h * HD + d] = static_cast<int16_t>(std::nearbyint(q[h * HD + d] * inv));
+    q_mul[h] = qs * scale;
+  }
+  std::fill(acc, acc + heads * HD, 0.0f);
+  std::fill(run_max, run_max + heads, kNoMax);
+  std::fill(run_sum, run_sum + heads, 0.0f);
+  const uint8_t* v_rows[kChunk];
+  int64_t chunk_at[2][kChunk];
+  const ChunkWalk<uint8_t> walk{k_cache, v_cache, table, ctx, row, block_stride, block_size, HD + 4};
+  walk.locate(0, kChunk, chunk_at[0]);
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    const int keys = static_cast<int>(std::min<int64_t>(kChunk, ctx - c0));
+    const int padded = (keys + 7) / 8 * 8;  // whole groups of 8 scores; the spare lanes are never read
+    const int64_t* here = chunk_at[(c0 / kChunk) % 2];
+    if (c0 + kChunk < ctx) walk.locate(c0 + kChunk, kChunk, chunk_at[(c0 / kChunk + 1) % 2]);
+    for (int t = 0; t < keys; ++t) {
+      const uint8_t* k = k_cache + here[t];
+      for (int d = 0; d < HD; d += 16) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k + d));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(k16 + t * HD + d), _mm256_cvtepi8_epi16(codes));
+      }
+      k_scales[t] = tokenloom::read_scale(k + scale_offset);
+      v_scales[t] = tokenloom::read_scale(v_cache + here[t] + scale_offset);
+      v_rows[t] = v_cache + here[t];
+    }
+    for (int t = keys; t < padded; ++t) {
+      k_scales[t] = 0.0f;
+      std::memset(k16 + t * HD, 0, HD * sizeof(int16_t));
+    }
+    if (keys % 2) v_rows[keys] = v_rows[keys - 1];  // the last pair's spare key, under weight 0
+    for (int64_t h = 0; h < heads; ++h) {
+      const int16_t* qh = q16 + h * HD;
+      const __m256 q_scale = _mm256_set1_ps(q_mul[h]);
+      for (int j0 = 0; j0 < padded; j0 += 8) {
+        __m256i dots[8];
+        for (int j = 0; j < 8; ++j) dots[j] = _mm256_setzero_si256();
+        for (int d = 0; d < HD; d += 16) {
+          const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + d));
+          for (int j = 0; j < 8; ++j) {
+            const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k16 + (j0 + j) * HD + d));
+            dots[j] = _mm256_add_epi32(dots[j], _mm256_madd_epi16(qv, k));
+          }
+        }
+        const __m256 ks = _mm256_mul_ps(q_scale, _mm256_loadu_ps(k_scales + j0));
+        _mm256_storeu_ps(scores + h * kChunk + j0, _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each8_epi32(dots)), ks));
+      }
+    }
+    // Online softmax as in attend_f32_avx2; then each head's weights, p x V's scale, as int16.
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores + h * kChunk;
+      float* a = acc + h * HD;
+      float chunk_max = kNoMax;
+      for (int t = 0; t < keys; ++t) chunk_max = std::max(chunk_max, s[t]);
+      if (chunk_max > run_max[h]) {
+        const float correction = std::exp(run_max[h] - chunk_max);  // 0 before the first chunk (kNoMax)
+        for (int d = 0; d < HD; ++d) a[d] *= correction;
+        run_sum[h] *= correction;
+        run_max[h] = chunk_max;
+      }
+      const float m = run_max[h];
+      float total = 0.0f, w_max = 0.0f;
+      for (int t = 0; t < keys; ++t) {
+        const float p = std::exp(s[t] - m);
+        total += p;
+        s[t] = p * v_scales[t];
+        w_max = std::max(w_max, s[t]);
+      }
+      run_sum[h] += total;
+      const __m256 to_word = _mm256_set1_ps(w_max > 0.0f ? 32767.0f / w_max : 0.0f);
+      w_mul[h] = w_max / 32767.0f;
+      int16_t* w = w16 + h * kChunk;
+      for (int t = 0; t < padded; t += 8) {
+        const __m256i words = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s + t), to_word));  // to nearest
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(w + t), narrow8_epi32(words));
+      }
+      for (int t = keys; t < padded; ++t) w[t] = 0;
+    }
+    const int pairs = (keys + 1) / 2;
+    for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
+      const int64_t n = std::min<int64_t>(kPass, heads - h0);
+      const int16_t* w = w16 + h0 * kChunk;
+      for (int d0 = 0; d0 < HD; d0 += 32) {
+        if (n == 3) {
+          weigh_values_int16<3, HD>(v_rows, pairs, w, kChunk, w_mul + h0, acc + h0 * HD, d0);
+        } else if (n == 2) {
+          weigh_values_int16<2, HD>(v_rows, pairs, w, kChunk, w_mul + h0, acc + h0 * HD, d0);
+        } else {
+          weigh_values_int16<1, HD>(v_rows, pairs, w, kChunk, w_mul + h0, acc + h0 * HD, d0);
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.0f / run_sum[h];
+    for (int d = 0; d < HD; ++d) out[h * HD + d] = acc[h * HD + d] * inv;
+  }
+}
 #endif  // __AVX2__ && __FMA__
 
 // Where one sequence's KV head lies in a cache: its first element in slot 0, the slot's stride (elements of the
@@ -748,6 +945,18 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float> && Kind == tokenloom::kInt8) {
+    if (head_dim == 64) {
+      attend_int8_avx2<64>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, at.scale_offset, s,
+                           out_head, scratch);
+      return;
+    }
+    if (head_dim == 128) {
+      attend_int8_avx2<128>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, at.scale_offset,
+                            s, out_head, scratch);
+      return;
+    }
+  }
   if constexpr (std::is_same_v<T, float>) {
     if (head_dim == 64) {
       attend_f32_avx2<64, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, at.scale_offset,
