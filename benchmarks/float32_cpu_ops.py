@@ -6,11 +6,11 @@ Decode attention: tokenloom::paged_decode_attention over a float32 paged cache o
 heads, 3 KV heads of 64 dims, blocks of 16 tokens, scattered), 30 layers of it so that the cache is read from
 memory as in a step, for S sequences of C tokens each: milliseconds for the 30 layers, the cache bytes read per
 second, and nanoseconds per key and KV head (best of 5); `--kv-cache-dtype auto,int8` repeats each case over an
-8-bit cache of the same tokens (kv_quant.py's entries: 64 codes and a scale per token and KV head). Linears: F.linear against the same weight in oneDNN's
-packed float32 layout (what the engine uses on the CPU, prepack.py), and where this CPU has an int8 kernel the
-same weight as --quantization int8 runs it (quantization.Int8Linear: the activations' codes made per call, then our
-int8 kernel), at SmolLM2's shapes (fused qkv, o, fused gate/up, down, LM head), microseconds per call (best of 5
-repeats). Prints markdown tables. CPU only; a benchmark, not a test.
+8-bit cache of the same tokens (kv_quant.py's entries: 64 codes and a scale per token and KV head). Linears:
+F.linear against the same weight in oneDNN's packed float32 layout (what the engine uses on the CPU, prepack.py),
+and where this CPU has an int8 kernel the same weight as --quantization int8 runs it (quantization.Int8Linear: the
+activations' codes made per call, then our int8 kernel), at SmolLM2's shapes (fused qkv, o, fused gate/up, down,
+LM head), microseconds per call (best of 5 repeats). Prints markdown tables. CPU only; a benchmark, not a test.
 """
 
 from __future__ import annotations
