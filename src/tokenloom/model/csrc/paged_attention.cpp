@@ -605,6 +605,21 @@ struct ChunkWalk {
   }
 };
 
+// The online softmax meeting a chunk of `keys` scores (the AVX2 kernels): what one query head summed under a lower
+// running maximum (its HD accumulators and its sum) is rescaled to the chunk's; returns the running maximum.
+template <int HD>
+inline float meet_chunk(const float* scores, int keys, float& run_max, float& run_sum, float* acc) {
+  float chunk_max = kNoMax;
+  for (int t = 0; t < keys; ++t) chunk_max = std::max(chunk_max, scores[t]);
+  if (chunk_max > run_max) {
+    const float correction = std::exp(run_max - chunk_max);  // 0 before the first chunk (kNoMax)
+    for (int d = 0; d < HD; ++d) acc[d] *= correction;
+    run_sum *= correction;
+    run_max = chunk_max;
+  }
+  return run_max;
+}
+
 // The same attention for float32 queries with AVX2 and FMA (the default dtype where the CPU has no AVX-512 BF16),
 // from a float32 cache or an 8-bit one. As in the bf16 kernel the context streams through in chunks of kChunk keys
 // with an online softmax, K and V in one sweep; q.k for 8 keys at a time, their sums transposed into one vector
@@ -677,15 +692,7 @@ void attend_f32_avx2(const float* q, const std::conditional_t<Kind == tokenloom:
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kChunk;
       float* a = acc + h * HD;
-      float chunk_max = kNoMax;
-      for (int t = 0; t < keys; ++t) chunk_max = std::max(chunk_max, s[t]);
-      if (chunk_max > run_max[h]) {
-        const float correction = std::exp(run_max[h] - chunk_max);  // 0 before the first chunk (kNoMax)
-        for (int d = 0; d < HD; ++d) a[d] *= correction;
-        run_sum[h] *= correction;
-        run_max[h] = chunk_max;
-      }
-      const float m = run_max[h];
+      const float m = meet_chunk<HD>(s, keys, run_max[h], run_sum[h], a);
       float total = 0.0f;
       for (int t = 0; t < keys; ++t) {
         s[t] = std::exp(s[t] - m);
@@ -845,16 +852,7 @@ void attend_int8_avx2(const float* q, const uint8_t* k_cache, const uint8_t* v_c
     // Online softmax as in attend_f32_avx2; then each head's weights, p x V's scale, as int16.
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kChunk;
-      float* a = acc + h * HD;
-      float chunk_max = kNoMax;
-      for (int t = 0; t < keys; ++t) chunk_max = std::max(chunk_max, s[t]);
-      if (chunk_max > run_max[h]) {
-        const float correction = std::exp(run_max[h] - chunk_max);  // 0 before the first chunk (kNoMax)
-        for (int d = 0; d < HD; ++d) a[d] *= correction;
-        run_sum[h] *= correction;
-        run_max[h] = chunk_max;
-      }
-      const float m = run_max[h];
+      const float m = meet_chunk<HD>(s, keys, run_max[h], run_sum[h], acc + h * HD);
       float total = 0.0f, w_max = 0.0f;
       for (int t = 0; t < keys; ++t) {
         const float p = std::exp(s[t] - m);
