@@ -814,7 +814,7 @@ void attend_int8_avx2(const float* q, const uint8_t* k_cache, const uint8_t* v_c
   walk.locate(0, kChunk, chunk_at[0]);
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int keys = static_cast<int>(std::min<int64_t>(kChunk, ctx - c0));
-    const int padded = (keys + 7) / 8 * 8;  // whole groups of 8 scores; the spare lanes are never read
+    const int padded = (keys + 7) / 8 * 8;  // whole groups of 8 keys: the spare ones score 0 and weigh 0
     const int64_t* here = chunk_at[(c0 / kChunk) % 2];
     if (c0 + kChunk < ctx) walk.locate(c0 + kChunk, kChunk, chunk_at[(c0 / kChunk + 1) % 2]);
     for (int t = 0; t < keys; ++t) {
