@@ -40,6 +40,7 @@ def attention_row(seqs: int, ctx: int, kv_dtype: str) -> str:
     blocks_per_seq = -(-ctx // BLOCK)
     num_blocks = seqs * blocks_per_seq
     fmt = kv_quant.kv_format(kv_dtype)
+    kind = 0 if fmt is None else fmt.kind
 
     def cache() -> torch.Tensor:
         values = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=g)
@@ -55,12 +56,10 @@ def attention_row(seqs: int, ctx: int, kv_dtype: str) -> str:
         for k, v in caches:
             cpu_kernel.paged_decode_attention(q, k, v, tables, lens, BLOCK, HEAD_DIM**-0.5, out, kind)
 
-    kind = 0 if fmt is None else fmt.kind
     seconds = milliseconds(step, repeats=1, rounds=5) / 1e3
     cache_bytes = LAYERS * seqs * ctx * caches[0][0].shape[1] * caches[0][0].element_size() * 2
     per_key = seconds / (LAYERS * seqs * ctx * KV_HEADS) * 1e9
-    case = f"{seqs} x {ctx}"
-    return f"| {case} | {kv_dtype} | {seconds * 1e3:.1f} | {cache_bytes / seconds / 1e9:.1f} | {per_key:.1f} |"
+    return f"| {seqs} x {ctx} | {kv_dtype} | {seconds * 1e3:.1f} | {cache_bytes / seconds / 1e9:.1f} | {per_key:.1f} |"
 
 
 def linear_rows(rows: list[int]) -> list[str]:

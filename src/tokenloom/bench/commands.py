@@ -50,7 +50,7 @@ def add_bench_commands(commands) -> None:
     trace.add_argument("--num-requests", type=int, default=100)
     trace.add_argument("--seed", type=int, default=0)
     trace.add_argument("--mix", default="0.6,0.2,0.2", help="chat,long,agent shares of a mixed trace")
-    trace.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
+    add_max_tokens_flag(trace)
     trace.add_argument("-o", "--output", required=True)
 
     serve = bench.add_parser("serve", help="replay a trace against an OpenAI-compatible server")
@@ -86,14 +86,23 @@ def add_bench_commands(commands) -> None:
     compare.add_argument("--markdown", action="store_true")
 
 
-def _load_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="the model id sent in requests")
-    parser.add_argument("--api-key", default=None)
+def add_max_tokens_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
+
+
+def add_replayed_trace_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The flags trace_from_args reads (with --seed): a trace file, or the kind, size and mix of one to make."""
     parser.add_argument("--trace", default=None, help="a trace file; else one is made from --kind")
     parser.add_argument("--kind", choices=KINDS, default="chat")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--mix", default="0.6,0.2,0.2", help="chat,long,agent shares when --kind mixed")
-    parser.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
+    add_max_tokens_flag(parser)
+
+
+def _load_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="the model id sent in requests")
+    parser.add_argument("--api-key", default=None)
+    add_replayed_trace_flags(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenloom.advisor.plan import ELEMENT_BYTES, KV_8_BIT, accelerator, load_model_config, make_plan, parameter_count
-from tokenloom.bench.commands import render_table, trace_from_args
+from tokenloom.bench.commands import add_replayed_trace_flags, render_table, trace_from_args
 from tokenloom.bench.cost_model import (
     DATASHEETS,
     Device,
@@ -37,7 +37,6 @@ from tokenloom.bench.simulator import (
     simulate,
     simulated_requests,
 )
-from tokenloom.bench.trace import KINDS
 from tokenloom.config import EngineConfig
 from tokenloom.engine.kv_sizing import swap_blocks_for
 from tokenloom.model.config import ModelConfig
@@ -80,11 +79,7 @@ def add_simulate_command(commands) -> argparse.ArgumentParser:
         help="profile: requests of a trace served with --step-log, whose steps fit the served overhead (0: none)",
     )  # fmt: skip
     trace = simulate_parser.add_argument_group("the trace, as `bench serve` takes it")
-    trace.add_argument("--trace", default=None, help="a trace file; else one is made from --kind")
-    trace.add_argument("--kind", choices=KINDS, default="chat")
-    trace.add_argument("--num-requests", type=int, default=None)
-    trace.add_argument("--mix", default="0.6,0.2,0.2", help="chat,long,agent shares when --kind mixed")
-    trace.add_argument("--max-tokens", type=int, default=None, help="cap every request's max_tokens at this")
+    add_replayed_trace_flags(trace)
     trace.add_argument("--burstiness", type=float, default=1.0, help="1: Poisson; below 1: burstier")
     trace.add_argument("--slo", default=None, help="e.g. ttft=2,itl=0.2,e2e=30 (seconds)")
     trace.add_argument("--cost-per-hour", type=float, default=None, help="USD per hour of the serving machine")

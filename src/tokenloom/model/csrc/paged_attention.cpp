@@ -868,7 +868,6 @@ void attend_int8_avx2(const float* q, const uint8_t* k_cache, const uint8_t* v_c
         const __m256i words = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s + t), to_word));  // to nearest
         _mm_storeu_si128(reinterpret_cast<__m128i*>(w + t), narrow8_epi32(words));
       }
-      for (int t = keys; t < padded; ++t) w[t] = 0;
     }
     const int pairs = (keys + 1) / 2;
     for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
