@@ -19,7 +19,7 @@
 #include <functional>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -78,6 +78,19 @@ void scan_row(const float* row, int64_t n, TopK& best) {
       above &= above - 1;
       above &= _mm512_cmp_ps_mask(v, _mm512_set1_ps(best.values[best.k - 1]), _CMP_GT_OQ);  // the bar rose
     }
+  }
+#elif defined(__AVX2__)
+  for (; i + 32 <= n; i += 32) {
+    // Four vectors against the bar at once: past the first few hundred values almost no block holds a candidate,
+    // and one test a block instead of one a vector keeps the scan at memory speed (scalar, it ran at ~4 GB/s).
+    const __m256 bar = _mm256_set1_ps(best.values[best.k - 1]);
+    const __m256 above = _mm256_or_ps(
+        _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), bar, _CMP_GT_OQ),
+                     _mm256_cmp_ps(_mm256_loadu_ps(row + i + 8), bar, _CMP_GT_OQ)),
+        _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i + 16), bar, _CMP_GT_OQ),
+                     _mm256_cmp_ps(_mm256_loadu_ps(row + i + 24), bar, _CMP_GT_OQ)));
+    if (_mm256_testz_ps(above, above)) continue;
+    for (int64_t j = i; j < i + 32; ++j) best.offer(row[j], j);  // in index order, so among equals the first stays
   }
 #endif
   for (; i < n; ++i) best.offer(row[i], i);
