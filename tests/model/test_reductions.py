@@ -45,7 +45,8 @@ def test_row_topk_indices_hold_torchs_top_values(vocab, k, path):
 
 
 @pytest.mark.parametrize(
-    ("n", "k"), [(n, k) for n in (1, 5, 16, 17, 33, 100, 49152) for k in (1, 3, 8, 64) if k <= n]  # k: at most the width
+    ("n", "k"),
+    [(n, k) for n in (1, 5, 16, 17, 33, 100, 49152) for k in (1, 3, 8, 64) if k <= n],  # k: at most the width
 )
 def test_the_operator_keeps_the_largest_first_and_the_first_of_equals(n, k):
     needs_operator()

@@ -34,7 +34,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / name
     for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp", "int8_linear.cpp",
-                 "int8_linear_avx2.cpp", "amx_int8_linear.cpp", "amx_bf16_linear.cpp", "row_topk.cpp")
+                 "int8_linear_avx2.cpp", "amx_int8_linear.cpp", "amx_bf16_linear.cpp", "row_topk.cpp", "f32_linear.cpp")
 ]
 HEADERS = [
     CSRC / name
