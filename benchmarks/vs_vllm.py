@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
         [--tokenloom-args "--max-num-seqs 32"]... [--vllm-args "--kv-cache-dtype fp8"]... [--rounds 3]
-        [--workload mixed-64|long-decode] [--tokenloom-source CHECKOUT]...
+        [--workload mixed-64|long-decode|single-stream] [--tokenloom-source CHECKOUT]...
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
 max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
@@ -13,6 +13,10 @@ has AVX-512 BF16 or AMX, float32 otherwise; both cores on the model), tokenloom 
 Workload long-decode (--workload long-decode): 12 requests at t=0 with prompts of 1,500-4,500 token ids and
 max_tokens 500-1,000 (seed 0), so decode steps read contexts of 2-5.5k tokens, where attention is most of a step and
 the KV cache's dtype matters most, and decode takes most of the run; the 4k-prompt probe follows as for mixed-64.
+
+Workload single-stream (--workload single-stream): one user, 6 requests sent one after another (prompts of 200-800
+token ids, 128 tokens each, seed 0): every decode step has one row, so ITL is the latency a lone chat user reads
+at, bound by streaming the weights; the 4k-prompt probe follows.
 
 Each --tokenloom-args (or --vllm-args) given starts one more server of that kind with those flags, so
 configurations of both engines compare in one sitting (the default: one of each, with no extra flags). Each
@@ -181,7 +185,30 @@ async def long_decode(url: str, run: Run, round_: int) -> None:
     assert run.output_tokens == sum(max_tokens) or run.errors, (run.output_tokens, sum(max_tokens))
 
 
-WORKLOADS = {"mixed-64": mixed_64, "long-decode": long_decode}
+SINGLE_STREAM_REQUESTS = 6
+SINGLE_STREAM_TOKENS = 128
+
+
+def single_stream_workload(seed: int = 0) -> list[list[int]]:
+    """Prompts of 200-800 token ids, each answered with SINGLE_STREAM_TOKENS tokens, one request at a time."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(rng.randint(200, 800))] for _ in range(SINGLE_STREAM_REQUESTS)]
+
+
+async def single_stream(url: str, run: Run, round_: int) -> None:
+    """One user: each request sent when the one before has finished, so every decode step has one row."""
+    prompts = single_stream_workload()
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await one_request(client, [7] * 40, 4, Run("warm-up"))
+        start = time.perf_counter()
+        for prompt in prompts:
+            await one_request(client, salted(prompt, round_), SINGLE_STREAM_TOKENS, run)
+        run.wall = time.perf_counter() - start
+    expected = SINGLE_STREAM_TOKENS * len(prompts)
+    assert run.output_tokens == expected or run.errors, (run.output_tokens, expected)
+
+
+WORKLOADS = {"mixed-64": mixed_64, "long-decode": long_decode, "single-stream": single_stream}
 
 
 async def long_prefill(url: str, run: Run, round_: int) -> None:
