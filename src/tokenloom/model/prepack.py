@@ -10,7 +10,7 @@ shapes 1.2-1.5x faster than oneDNN's packed linear at 64-2,048 rows (benchmarks/
 oneDNN under AMX (its 49,152-wide weight streamed faster there at 13-64 rows), with our layout beside it for steps
 of a few rows. In float32 every CPU packs into oneDNN's layout, and where our operators are built also keeps the plain
 weight for steps of up to SMALL_BATCH_ROWS rows, which ``tokenloom::f32_small_linear`` (csrc/f32_linear.cpp) streams
-at ~21 GB/s where oneDNN's packed linear read ~13-14 on our AVX2 machines. On other devices the model keeps its plain
+at ~21 GB/s where oneDNN's packed linear read ~13-16 on our AVX2 machines. On other devices the model keeps its plain
 ``nn.Linear`` layers.
 
 The compiled step (compiled.py) cannot take a oneDNN tensor as a graph input, and inductor's own prepacking
@@ -33,7 +33,7 @@ DECODE_ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for: a f
 PACK_BLOCK = 16  # output features per block of bf16_pack_weight's layout (kBlock in csrc/bf16_linear.cpp)
 # With AMX, oneDNN's tiles waste most of their rows on a step of a few: up to this many rows our kernel ran a
 # SmolLM2-135M step in half the time (benchmarks/RESULTS.md, "small-batch linears"), so layers keep both layouts. In
-# float32 our kernel read the decoder's weights 1.3-1.5x faster than oneDNN's at 1-8 rows, ~1.1x at 16.
+# float32 our kernel read a step's decoder weights 1.2-1.5x faster than oneDNN's at 1-12 rows, ~1.05x at 16.
 SMALL_BATCH_ROWS = 12
 SMALL_BATCH_COPY_LIMIT = 2 << 30  # the second layout costs the weights' bytes again: only for models this small
 
