@@ -1,7 +1,7 @@
 """The two float32 hot spots of a CPU without AVX-512 BF16 (where dtype auto is float32), each part alone.
 
     .venv/bin/python benchmarks/float32_cpu_ops.py [--attention 64x400,16x4000] [--rows 1,8,32,64,512,2048]
-                                                  [--step-rows 1,2,4,8,12,16]
+                                                  [--step-rows 1,2,4,8,12,16,32,64]
 
 Decode attention: tokenloom::paged_decode_attention over a float32 paged cache of SmolLM2-135M's shape (9 query
 heads, 3 KV heads of 64 dims, blocks of 16 tokens, scattered), 30 layers of it so that the cache is read from
@@ -13,8 +13,8 @@ and where this CPU has an int8 kernel the same weight as --quantization int8 run
 activations' codes made per call, then our int8 kernel), at SmolLM2's shapes (fused qkv, o, fused gate/up, down,
 LM head), microseconds per call (best of 5 repeats). A step's linears: the 120 decoder linears of 30 layers of
 distinct weights (425 MB, so read from memory as in a decode step, where one weight repeated would sit in the cache),
-oneDNN's packed layout against tokenloom::f32_small_linear over the plain weights (what steps of up to
-prepack.SMALL_BATCH_ROWS rows run), rounds alternated, best of 4: milliseconds and the weights' GB/s. Prints markdown
+oneDNN's packed layout against tokenloom::f32_linear over the same weights in its blocks (what an AVX2 CPU runs
+every float32 step on), rounds alternated, best of 4: milliseconds and the weights' GB/s. Prints markdown
 tables. CPU only; a benchmark, not a test.
 """
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from int8_linear_breakdown import milliseconds
 
 from tokenloom.model import cpu_kernel, kv_quant
-from tokenloom.model.prepack import DECODE_ROWS_HINT
+from tokenloom.model.prepack import DECODE_ROWS_HINT, f32_pack_weight
 from tokenloom.model.quantization import Int8Linear, int8_available
 
 LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
@@ -98,6 +98,7 @@ def step_linear_rows(rows: list[int]) -> list[str]:
     g = torch.Generator().manual_seed(0)
     plain = [0.05 * torch.randn(o, i, generator=g) for _ in range(LAYERS) for o, i in SHAPES[:4]]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS_HINT) for w in plain]
+    ours_packed = [f32_pack_weight(w) for w in plain]
     weight_bytes = sum(w.numel() * w.element_size() for w in plain)
     lines = []
     for m in rows:
@@ -108,8 +109,8 @@ def step_linear_rows(rows: list[int]) -> list[str]:
                 torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")  # noqa: B023
 
         def ours() -> None:
-            for w in plain:
-                torch.ops.tokenloom.f32_small_linear(inputs[w.shape[1]], w, None)  # noqa: B023
+            for w, p in zip(plain, ours_packed, strict=True):
+                torch.ops.tokenloom.f32_linear(inputs[w.shape[1]], p, None)  # noqa: B023
 
         best = {"onednn": float("inf"), "ours": float("inf")}
         for _ in range(4):
@@ -126,7 +127,7 @@ def main() -> None:
     parser.add_argument("--attention", default="64x400,16x4000", help="sequences x context, comma-separated")
     parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated: auto (float32), int8, fp8_e4m3, ...")
     parser.add_argument("--rows", default="1,8,32,64,512,2048")
-    parser.add_argument("--step-rows", default="1,2,4,8,12,16", help="rows of a step's 120 decoder linears")
+    parser.add_argument("--step-rows", default="1,2,4,8,12,16,32,64", help="rows of a step's 120 decoder linears")
     args = parser.parse_args()
     if not cpu_kernel.load_kernel():
         raise SystemExit("the CPU operators could not be built here")
@@ -143,8 +144,8 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|" + "---:|---:|" * bool(int8))
     for line in linear_rows([int(r) for r in args.rows.split(",")]):
         print(line)
-    if cpu_kernel.has_operator("f32_small_linear"):
-        print("\n| step rows | 120 decoder linears, oneDNN packed: ms (GB/s) | f32_small_linear | packed / ours |")
+    if cpu_kernel.has_operator("f32_linear"):
+        print("\n| step rows | 120 decoder linears, oneDNN packed: ms (GB/s) | f32_linear | packed / ours |")
         print("|---:|---:|---:|---:|")
         for line in step_linear_rows([int(r) for r in args.step_rows.split(",")]):
             print(line)

@@ -228,63 +228,63 @@ def test_with_amx_a_small_batch_goes_to_our_operator_and_a_large_one_to_onednn(m
     assert prepack.PackedLinear(weight, None, amx_kernel=False).small is None
 
 
-def needs_f32_small_linear() -> None:
-    if not cpu_kernel.has_operator("f32_small_linear"):
-        pytest.skip("the float32 small-step linear is built only for CPUs with AVX2 and FMA")
+def needs_f32_linear() -> None:
+    if not cpu_kernel.has_operator("f32_linear"):
+        pytest.skip("the float32 linear is built only for CPUs with AVX2 and FMA")
 
 
-@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 576), (8, 4), (24, 52)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 12])  # pairs of rows over a tile, and an odd one
-def test_f32_small_linear_matches_a_float32_matmul(in_features, out_features, rows):
-    needs_f32_small_linear()
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 960), (1536, 576), (5, 16), (24, 48)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 301])  # whole and partial register tiles of 6 rows
+def test_f32_linear_matches_a_float32_matmul(in_features, out_features, rows):
+    needs_f32_linear()
+    from tokenloom.model.prepack import f32_pack_weight
+
     g = torch.Generator().manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g)
+    packed = f32_pack_weight(weight)
     wide = torch.randn(rows, in_features + 8, generator=g)
     for x in (wide[:, :in_features].contiguous(), wide[:, :in_features]):  # contiguous rows, and rows with a stride
         expected = F.linear(x.double(), weight.double())  # sums of up to 1,536 products of about 1: float32 to 1e-4
-        ours = torch.ops.tokenloom.f32_small_linear(x, weight, None)
+        ours = torch.ops.tokenloom.f32_linear(x, packed, None)
         torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-4)
-        with_bias = torch.ops.tokenloom.f32_small_linear(x, weight, bias)
+        with_bias = torch.ops.tokenloom.f32_linear(x, packed, bias)
         torch.testing.assert_close(with_bias.double(), expected + bias.double(), rtol=1e-5, atol=1e-4)
-    assert torch.ops.tokenloom.f32_small_linear(torch.empty(0, in_features), weight, None).shape == (0, out_features)
+    assert torch.ops.tokenloom.f32_linear(torch.empty(0, in_features), packed, None).shape == (0, out_features)
 
 
-def test_f32_small_linear_refuses_shapes_it_cannot_take():
-    needs_f32_small_linear()
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        torch.ops.tokenloom.f32_small_linear(torch.randn(2, 12), torch.randn(8, 12), None)
-    with pytest.raises(RuntimeError, match="x's K"):
-        torch.ops.tokenloom.f32_small_linear(torch.randn(2, 16), torch.randn(8, 24), None)
+def test_f32_linear_refuses_what_it_cannot_take():
+    needs_f32_linear()
+    from tokenloom.model.prepack import f32_pack_weight
+
+    packed = f32_pack_weight(torch.randn(32, 16))
+    with pytest.raises(RuntimeError, match="K is not x's"):
+        torch.ops.tokenloom.f32_linear(torch.randn(2, 24), packed, None)
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.tokenloom.f32_small_linear(torch.randn(2, 16).bfloat16(), torch.randn(8, 16), None)
+        torch.ops.tokenloom.f32_linear(torch.randn(2, 16).bfloat16(), packed, None)
     with pytest.raises(RuntimeError, match="bias"):
-        torch.ops.tokenloom.f32_small_linear(torch.randn(2, 16), torch.randn(8, 16), torch.randn(4))
+        torch.ops.tokenloom.f32_linear(torch.randn(2, 16), packed, torch.randn(16))
 
 
-def test_a_float32_linear_keeps_its_plain_weight_for_small_steps_and_onednns_layout_for_large_ones(monkeypatch):
-    """float32: steps of up to SMALL_BATCH_ROWS rows read the plain weight through f32_small_linear, larger ones
-    oneDNN's packed layout; the same linear either way, bias included. A shape the operator cannot take keeps one
-    layout."""
-    needs_f32_small_linear()
+@pytest.mark.parametrize("avx512", [False, True])
+def test_a_float32_linear_runs_our_kernel_on_avx2_cpus_and_onednn_on_avx512_ones(monkeypatch, avx512):
+    """float32 weights: packed for f32_linear where the CPU has no AVX-512 (every step, the compiled graph's operator
+    too), for oneDNN where it has; the same linear either way, bias included. A shape our kernel cannot take (out
+    features not a multiple of 16) goes to oneDNN."""
+    needs_f32_linear()
     from tokenloom.model import prepack
 
+    monkeypatch.setattr(prepack, "cpu_has_avx512", lambda: avx512)
     g = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    assert prepack.small_batch_copies_pay(1 << 20, torch.float32)
-    assert not prepack.small_batch_copies_pay(prepack.SMALL_BATCH_COPY_LIMIT + 1, torch.float32)
-    layer = prepack.PackedLinear(weight, bias, small_batch=True)
-    assert layer.small is not None and layer.small.data_ptr() == weight.data_ptr() and layer.packed.is_mkldnn
-    used = []
-    small = torch.ops.tokenloom.f32_small_linear
-    counted = lambda x, *args: used.append(len(x)) or small(x, *args)  # noqa: E731
-    monkeypatch.setattr(prepack.torch.ops.tokenloom, "f32_small_linear", counted)
-    for rows in (1, prepack.SMALL_BATCH_ROWS, prepack.SMALL_BATCH_ROWS + 1, 64):
-        x = torch.randn(rows, 64, generator=g)
-        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert used == [1, prepack.SMALL_BATCH_ROWS]
-    assert prepack.PackedLinear(weight, bias).small is None
-    assert prepack.PackedLinear(torch.randn(96, 60, generator=g), None, small_batch=True).small is None
+    layer = prepack.PackedLinear(weight, bias)
+    assert layer.own_f32 is not avx512 and layer.packed.is_mkldnn is avx512 and layer.small is None
+    for rows in (1, 6, 64, 300):
+        x = torch.randn(2, rows, 64, generator=g)
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+        compiled_op = prepack.packed_linear(x, layer.handle, layer.bias, 96)
+        torch.testing.assert_close(compiled_op, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    assert not prepack.PackedLinear(torch.randn(40, 64, generator=g), None).own_f32
 
 
 def needs_amx_linear():

@@ -268,7 +268,7 @@ class CausalLM(nn.Module):
         self._plain_head_weight = self._head_weight().detach()  # kept plain: the top logits are refined from it
         head = self._plain_head_weight
         head_bytes = head.numel() * head.element_size() if self.computes_logits else 0
-        small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0), head.dtype)
+        small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0))
         if layers:
             prepack_linears(self.layers, gated=GATED_PROJECTIONS, small_batch=small)
             self._operator_layers = None

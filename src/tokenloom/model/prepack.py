@@ -8,10 +8,10 @@ wait for a sleeping OpenMP thread to wake; with AMX the same layout serves both 
 rows, and ``tokenloom::bf16_amx_linear`` (csrc/amx_bf16_linear.cpp) for larger ones, which ran the decoder's layer
 shapes 1.2-1.5x faster than oneDNN's packed linear at 64-2,048 rows (benchmarks/RESULTS.md). The LM head stays with
 oneDNN under AMX (its 49,152-wide weight streamed faster there at 13-64 rows), with our layout beside it for steps
-of a few rows. In float32 every CPU packs into oneDNN's layout, and where our operators are built also keeps the plain
-weight for steps of up to SMALL_BATCH_ROWS rows, which ``tokenloom::f32_small_linear`` (csrc/f32_linear.cpp) streams
-at ~21 GB/s where oneDNN's packed linear read ~13-16 on our AVX2 machines. On other devices the model keeps its plain
-``nn.Linear`` layers.
+of a few rows. float32 weights on a CPU with AVX2 but not AVX-512 are packed in blocks of 16 features for
+``tokenloom::f32_linear`` (csrc/f32_linear.cpp), which ran a step's linears 1.1-1.4x faster than oneDNN's packed
+float32 linear at 1-2,048 rows on a Zen 3; on other CPUs float32 weights go to oneDNN's layout. On other devices, or
+without either, the model keeps its plain ``nn.Linear`` layers.
 
 The compiled step (compiled.py) cannot take a oneDNN tensor as a graph input, and inductor's own prepacking
 (freezing) makes its graphs uncacheable; so in a compiled graph a packed layer is the opaque operator
@@ -27,13 +27,12 @@ import torch
 from torch import nn
 
 from tokenloom.model import cpu_kernel
-from tokenloom.model.platform import cpu_can_reorder_bf16, cpu_has_amx
+from tokenloom.model.platform import cpu_can_reorder_bf16, cpu_has_amx, cpu_has_avx512
 
 DECODE_ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for: a full decode step
 PACK_BLOCK = 16  # output features per block of bf16_pack_weight's layout (kBlock in csrc/bf16_linear.cpp)
 # With AMX, oneDNN's tiles waste most of their rows on a step of a few: up to this many rows our kernel ran a
-# SmolLM2-135M step in half the time (benchmarks/RESULTS.md, "small-batch linears"), so layers keep both layouts. In
-# float32 our kernel read a step's decoder weights 1.2-1.5x faster than oneDNN's at 1-12 rows, ~1.05x at 16.
+# SmolLM2-135M step in half the time (benchmarks/RESULTS.md, "small-batch linears"), so layers keep both layouts.
 SMALL_BATCH_ROWS = 12
 SMALL_BATCH_COPY_LIMIT = 2 << 30  # the second layout costs the weights' bytes again: only for models this small
 
@@ -93,20 +92,36 @@ def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None, amx_kernel
     return _own_linear_available()
 
 
-def small_batch_copies_pay(weight_bytes: int, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether linears also keep a second form for steps of few rows, beside oneDNN's layout: in bf16 with AMX our
-    bf16 kernel's layout, in float32 the plain weight for f32_small_linear; where the operator is built, and for
-    weights small enough to hold twice."""
-    if weight_bytes > SMALL_BATCH_COPY_LIMIT or not cpu_kernel.load_kernel():
-        return False
-    if dtype == torch.float32:
-        return cpu_kernel.has_operator("f32_small_linear")
-    return cpu_has_amx() and cpu_kernel.has_operator("bf16_linear")
+def takes_f32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a float32 weight is packed for our f32_linear: whole blocks of 16 output features, a CPU with AVX2 but
+    not AVX-512 (where it was measured against oneDNN), and the operator built."""
+    return (
+        weight.dtype == torch.float32
+        and weight.shape[0] % PACK_BLOCK == 0
+        and (bias is None or bias.dtype == torch.float32)
+        and not cpu_has_avx512()
+        and cpu_kernel.load_kernel()
+        and cpu_kernel.has_operator("f32_linear")
+    )
 
 
-def _fits_f32_small(weight: torch.Tensor) -> bool:
-    """The shapes f32_small_linear takes: tiles of 4 output features, inputs in vectors of 8."""
-    return weight.dtype == torch.float32 and weight.shape[0] % 4 == 0 and weight.shape[1] % 8 == 0
+def f32_pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / 16, K * 16]: each block's 16 features side by side for every input, as f32_linear reads them
+    (one block's weights for an input are two vectors)."""
+    out_features, in_features = weight.shape
+    blocks = weight.reshape(out_features // PACK_BLOCK, PACK_BLOCK, in_features).transpose(1, 2)
+    return blocks.contiguous().view(out_features // PACK_BLOCK, in_features * PACK_BLOCK)
+
+
+def small_batch_copies_pay(weight_bytes: int) -> bool:
+    """Whether linears also keep our layout for steps of few rows: with AMX (where oneDNN is the main path), our
+    operator built, and the weights small enough to hold twice."""
+    return (
+        weight_bytes <= SMALL_BATCH_COPY_LIMIT
+        and cpu_has_amx()
+        and cpu_kernel.load_kernel()
+        and cpu_kernel.has_operator("bf16_linear")
+    )
 
 
 _packed_weights: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -120,6 +135,8 @@ def packed_linear(
     packed = _packed_weights[handle]
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed.dtype == torch.float32:
+        return torch.ops.tokenloom.f32_linear(unit_stride_rows(x), packed, bias).view(*x.shape[:-1], out_features)
     return _own_linear(x, packed, out_features, amx)
 
 
@@ -164,8 +181,8 @@ def gate_and_up_interleaved(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight is packed: in ours (bf16_linear) or oneDNN's blocked layout, and where small_batch
-    asks, also in a second form for steps of a few rows.
+    """A linear layer whose weight lives only in a packed layout: ours (bf16_linear, or f32_linear in float32) or
+    oneDNN's blocked one.
 
     A gated one (``gated=True``, only on our path) holds a fused [gate; up] weight and returns silu(gate) * up,
     computed from the float32 sums before anything is rounded or written: half the output, one pass."""
@@ -174,14 +191,14 @@ class PackedLinear(nn.Module):
         self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, small_batch: bool = False,
         amx_kernel: bool = True,
     ) -> None:
-        """small_batch: beside oneDNN's layout, keep a form for steps of up to SMALL_BATCH_ROWS rows (bf16: our
-        layout; float32: the plain weight, which a tied LM head shares with the embedding). amx_kernel: with
+        """small_batch: beside oneDNN's layout, keep ours for steps of up to SMALL_BATCH_ROWS rows. amx_kernel: with
         AMX, our kernel may take this layer (False for the LM head: at 13-64 rows oneDNN streamed its 49,152 x 576
         weight 10-35% faster; benchmarks/RESULTS.md)."""
         super().__init__()
         plain = weight.detach().contiguous()
-        bf16 = plain.dtype == torch.bfloat16  # our layout is bf16's; a float32 weight goes to oneDNN's
+        bf16 = plain.dtype == torch.bfloat16  # bf16: our bf16 layout or oneDNN's; float32: f32_linear's or oneDNN's
         self.own = bf16 and _fits_own_linear(plain, bias, amx_kernel)
+        self.own_f32 = not bf16 and takes_f32_linear(plain, bias)
         self.gated = gated and self.own and plain.shape[0] % (2 * PACK_BLOCK) == 0
         self.in_features = plain.shape[1]
         self.out_features = plain.shape[0] // 2 if self.gated else plain.shape[0]
@@ -189,13 +206,13 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.tokenloom.bf16_pack_weight(gate_and_up_interleaved(plain))
         elif self.own:
             self.packed = torch.ops.tokenloom.bf16_pack_weight(plain)
+        elif self.own_f32:
+            self.packed = f32_pack_weight(plain)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, DECODE_ROWS_HINT)
         self.small: torch.Tensor | None = None
         if small_batch and bf16 and not self.own and _fits_own_layout(plain, bias):
             self.small = torch.ops.tokenloom.bf16_pack_weight(plain)
-        elif small_batch and _fits_f32_small(plain):
-            self.small = plain
         self.amx = self.own and cpu_has_amx()  # own with AMX: only where our AMX kernel fits (_fits_own_linear)
         self.handle = next(_handles)  # numbered in build order: the same in every start, so compiled graphs cache
         _packed_weights[self.handle] = self.packed
@@ -211,9 +228,9 @@ class PackedLinear(nn.Module):
         whose rows are already so)."""
         if self.own:
             return _own_linear_rows(rows, self.packed, self.out_features, self.amx)
+        if self.own_f32:
+            return torch.ops.tokenloom.f32_linear(rows, self.packed, self.bias)
         if self.small is not None and rows.shape[0] <= SMALL_BATCH_ROWS:
-            if self.small.dtype == torch.float32:
-                return torch.ops.tokenloom.f32_small_linear(rows, self.small, self.bias)
             return _own_linear_rows(rows, self.small, self.out_features, amx=False)
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
