@@ -302,7 +302,13 @@ def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     on_gpu = tmp_path / "gpu.json"
     assert main([*args, "--accelerator", "H100-80GB", "-o", str(on_gpu)]) == 0
     gpu = json.loads(on_gpu.read_text())
-    assert gpu["scorecard"]["e2e_p95_s"] < out["scorecard"]["e2e_p95_s"]  # a datasheet H100 against this CPU
+    # A datasheet H100 is modelled from its figures, not from this machine's profile: the same scorecard every time,
+    # not the profile's. (Which is faster is no property of a tiny model, whose steps are a launch cost on an H100
+    # and under a millisecond on a CPU: on a Zen 3 with our float32 linear the two came within 1% of each other.)
+    assert gpu["scorecard"] != out["scorecard"] and gpu["provenance"]["simulated"]
+    again = tmp_path / "gpu-again.json"
+    assert main([*args, "--accelerator", "H100-80GB", "-o", str(again)]) == 0
+    assert json.loads(again.read_text())["scorecard"] == gpu["scorecard"]
     assert main([*args, "-o", str(run)]) == 2  # neither a profile nor an accelerator
     speculating = ["--speculative-config", '{"method": "suffix"}', "--profile", str(profile)]
     assert main([*args, *speculating, "-o", str(run)]) == 2  # not modelled: refused, not ignored
