@@ -266,6 +266,15 @@ def test_f32_linear_refuses_what_it_cannot_take():
         torch.ops.tokenloom.f32_linear(torch.randn(2, 16), packed, torch.randn(16))
 
 
+def test_the_avx512_check_reads_a_flag_torch_reports():
+    """cpu_has_avx512 reads torch's own name for AVX-512 F (a misspelt key would read as absent on every CPU)."""
+    from tokenloom.model import platform
+
+    capabilities = torch.cpu.get_capabilities()
+    assert "avx512_f" in capabilities
+    assert platform.cpu_has_avx512() is bool(capabilities["avx512_f"])
+
+
 @pytest.mark.parametrize("avx512", [False, True])
 def test_a_float32_linear_runs_our_kernel_on_avx2_cpus_and_onednn_on_avx512_ones(monkeypatch, avx512):
     """float32 weights: packed for f32_linear where the CPU has no AVX-512 (every step, the compiled graph's operator

@@ -34,7 +34,7 @@ def cpu_has_amx() -> bool:
 def cpu_has_avx512() -> bool:
     """True when the CPU has AVX-512 F: there oneDNN's float32 matmuls use 16-wide vectors, where our float32 linear
     (csrc/f32_linear.cpp) uses AVX2's 8."""
-    return bool(_cpu_capabilities().get("avx512f"))
+    return bool(_cpu_capabilities().get("avx512_f"))
 
 
 def _cpu_capabilities() -> Mapping[str, object]:
