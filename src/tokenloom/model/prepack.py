@@ -92,7 +92,7 @@ def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None, amx_kernel
     return _own_linear_available()
 
 
-def takes_f32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _takes_f32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a float32 weight is packed for our f32_linear: whole blocks of 16 output features, a CPU with AVX2 but
     not AVX-512 (where it was measured against oneDNN), and the operator built."""
     return (
@@ -135,9 +135,7 @@ def packed_linear(
     packed = _packed_weights[handle]
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    if packed.dtype == torch.float32:
-        return torch.ops.tokenloom.f32_linear(unit_stride_rows(x), packed, bias).view(*x.shape[:-1], out_features)
-    return _own_linear(x, packed, out_features, amx)
+    return _own_linear(x, packed, out_features, amx, bias)
 
 
 def unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
@@ -146,15 +144,22 @@ def unit_stride_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _own_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
-    """x times a weight packed by bf16_pack_weight ([N / 16, K * 16]); a gated [gate; up] weight is the one whose
-    out_features are half its N, and gives silu(gate) * up. amx: steps of AMX_FROM_ROWS rows and more take our AMX
-    kernel (the same layout)."""
-    return _own_linear_rows(unit_stride_rows(x), packed, out_features, amx).view(*x.shape[:-1], out_features)
+def _own_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x times a weight in one of our layouts ([N / 16, K * 16]): bf16_pack_weight's, where a gated [gate; up]
+    weight is the one whose out_features are half its N and gives silu(gate) * up, and amx sends steps of
+    AMX_FROM_ROWS rows and more to our AMX kernel (the same layout); or, float32, f32_pack_weight's, with its bias."""
+    return _own_linear_rows(unit_stride_rows(x), packed, out_features, amx, bias).view(*x.shape[:-1], out_features)
 
 
-def _own_linear_rows(rows: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
+def _own_linear_rows(
+    rows: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """_own_linear for 2-D rows of unit stride."""
+    if packed.dtype == torch.float32:
+        return torch.ops.tokenloom.f32_linear(rows, packed, bias)
+    assert bias is None, "our bf16 layouts are only made for linears without a bias (_fits_own_layout)"
     out = rows.new_empty(rows.shape[0], out_features)
     gated = 2 * out_features == packed.shape[0] * PACK_BLOCK
     if amx and rows.shape[0] >= AMX_FROM_ROWS:
@@ -198,7 +203,7 @@ class PackedLinear(nn.Module):
         plain = weight.detach().contiguous()
         bf16 = plain.dtype == torch.bfloat16  # bf16: our bf16 layout or oneDNN's; float32: f32_linear's or oneDNN's
         self.own = bf16 and _fits_own_linear(plain, bias, amx_kernel)
-        self.own_f32 = not bf16 and takes_f32_linear(plain, bias)
+        self.own_f32 = not bf16 and _takes_f32_linear(plain, bias)
         self.gated = gated and self.own and plain.shape[0] % (2 * PACK_BLOCK) == 0
         self.in_features = plain.shape[1]
         self.out_features = plain.shape[0] // 2 if self.gated else plain.shape[0]
@@ -226,10 +231,8 @@ class PackedLinear(nn.Module):
     def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """forward for 2-D rows of unit stride (what forward passes, and the C++ operators' step: llama.OperatorLayer,
         whose rows are already so)."""
-        if self.own:
-            return _own_linear_rows(rows, self.packed, self.out_features, self.amx)
-        if self.own_f32:
-            return torch.ops.tokenloom.f32_linear(rows, self.packed, self.bias)
+        if self.own or self.own_f32:
+            return _own_linear_rows(rows, self.packed, self.out_features, self.amx, self.bias)
         if self.small is not None and rows.shape[0] <= SMALL_BATCH_ROWS:
             return _own_linear_rows(rows, self.small, self.out_features, amx=False)
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
