@@ -26,13 +26,14 @@ from offline_throughput import mixed_workload
 from tokenloom import LLM, SamplingParams
 
 # part of the step -> (function name, file fragment, use cumulative time?). All paths are listed: the C++
-# operators and packed linears (bf16 on CPU: ours, or oneDNN's with AMX) and plain PyTorch (float32 linears, other
+# operators and packed linears (bf16 on CPU: ours, or oneDNN's with AMX; float32 on AVX2 CPUs: ours) and plain PyTorch (float32 linears, other
 # devices). Our gate/up linear applies SiLU in its epilogue, so with it SiLU counts among the GEMMs.
 PARTS = {
     "GEMMs (q/k/v/o, MLP, LM head)": [
         ("<built-in method torch._C._nn.linear>", "~", False),
         ("<built-in method torch._ops.mkldnn._linear_pointwise>", "~", False),
         ("<built-in method torch._ops.tokenloom.bf16_linear>", "~", False),
+        ("<built-in method torch._ops.tokenloom.f32_linear>", "~", False),
         ("<built-in method torch._ops.tokenloom.bf16_linear_silu_and_mul>", "~", False),
         ("<built-in method torch._ops.tokenloom.bf16_amx_linear>", "~", False),
         ("<built-in method torch._ops.tokenloom.int8_linear>", "~", False),
