@@ -26,8 +26,9 @@ from offline_throughput import mixed_workload
 from tokenloom import LLM, SamplingParams
 
 # part of the step -> (function name, file fragment, use cumulative time?). All paths are listed: the C++
-# operators and packed linears (bf16 on CPU: ours, or oneDNN's with AMX; float32 on AVX2 CPUs: ours) and plain PyTorch (float32 linears, other
-# devices). Our gate/up linear applies SiLU in its epilogue, so with it SiLU counts among the GEMMs.
+# operators and packed linears (bf16 on CPU: ours, or oneDNN's with AMX; float32 on AVX2 CPUs: ours) and plain
+# PyTorch (float32 linears elsewhere, other devices). Our gate/up linear applies SiLU in its epilogue, so with it
+# SiLU counts among the GEMMs.
 PARTS = {
     "GEMMs (q/k/v/o, MLP, LM head)": [
         ("<built-in method torch._C._nn.linear>", "~", False),
