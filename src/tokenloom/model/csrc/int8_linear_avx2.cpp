@@ -19,6 +19,9 @@
 // weight's bytes from memory are what they wait for); steps of 8 rows or more widen a block to 16-bit words once and
 // run 2-row x 16-feature tiles over it (wide_tile): sign-extending as read, the `vpmovsxbw`s competed with the
 // multiplies. On a Zen 3 core the wide tiles ran at 54-58 GMAC/s, the 6 x 2 tile at 36-39 (benchmarks/RESULTS.md).
+// Steps of 1 or 2 rows (batch-1 decode) take a whole block a group at a time (block_tile: 4 accumulators a row, each
+// 64-byte line read once, the line 1 KB ahead prefetched), in units of 64 KB: a step's 120 decoder weights streamed
+// at 1.2-1.3x the rate of 4 x 8 tiles over halves of a block in units of 32 KB.
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -46,8 +49,9 @@ constexpr int kRows = 4;    // rows of a narrow tile: 4 x 2 accumulators, 2 weig
 constexpr int kWideRows = 2;  // rows of a wide tile: 2 x 4 accumulators, the block's 4 widened quarters read in place
 static_assert(kWideRows == 2, "a chunk's odd row is one wide_tile<1>");
 constexpr int64_t kWideFromRows = 8;  // a chunk of this many rows or more widens each block once
-constexpr int64_t kMinUnitBytes = 32 * 1024;
+constexpr int64_t kMinUnitBytes = 64 * 1024;  // a unit's weight bytes (32 KB: 1-2-row steps ~10% slower)
 constexpr int64_t kChunkRows = 120;  // 60 wide tiles
+constexpr int64_t kPrefetchAhead = 1024;  // bytes
 
 inline void store8(float* at, __m256 v) { _mm256_storeu_ps(at, v); }
 inline void store8(c10::BFloat16* at, __m256 v) {
@@ -88,6 +92,52 @@ void tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, int half
   }
 }
 
+// A whole block's outputs for Rows rows from their 4 quarter accumulators each (pair sums in adjacent lanes):
+// scaled as int8_epilogue.h orders it, plus the bias.
+template <int Rows, typename T>
+inline void store_block(const __m256i (&acc)[Rows][4], const float* row_scales, const float* weight_scales,
+                        const float* bias, T* out, int64_t ldo) {
+  for (int half = 0; half < 2; ++half) {
+    const __m256 ws = _mm256_loadu_ps(weight_scales + half * 8);
+    const __m256 b = bias ? _mm256_loadu_ps(bias + half * 8) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 sums = _mm256_cvtepi32_ps(feature_sums(acc[r][2 * half], acc[r][2 * half + 1]));
+      store8(out + r * ldo + half * 8, _mm256_fmadd_ps(_mm256_mul_ps(sums, ws), _mm256_set1_ps(row_scales[r]), b));
+    }
+  }
+}
+
+// Rows x 16 outputs (a whole block) from its codes, sign-extended as they are read: 4 accumulators a row, so the
+// block's bytes are read in one pass (tile reads each 64-byte group's halves in two).
+template <int Rows, typename T>
+void block_tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, const float* row_scales,
+                const float* weight_scales, const float* bias, T* out, int64_t ldo) {
+  __m256i acc[Rows][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + g * 64 + kPrefetchAhead), _MM_HINT_T0);
+    __m256i quarters[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      quarters[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 64 + 16 * q)));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) {
+      int64_t four;
+      std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
+      const __m256i xv = _mm256_set1_epi64x(four);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(quarters[q], xv));
+    }
+  }
+  store_block<Rows>(acc, row_scales, weight_scales, bias, out, ldo);
+}
+
 // One block's codes [groups, 64] sign-extended to 16-bit words, for the rows of a chunk to share.
 void widen_block(const int8_t* w, int64_t bytes, int16_t* wide) {
   for (int64_t i = 0; i < bytes; i += 16) {
@@ -113,14 +163,7 @@ void wide_tile(const int16_t* x, int64_t k, const int16_t* wide, int64_t groups,
       for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(quarters[q], xv));
     }
   }
-  for (int half = 0; half < 2; ++half) {
-    const __m256 ws = _mm256_loadu_ps(weight_scales + half * 8);
-    const __m256 b = bias ? _mm256_loadu_ps(bias + half * 8) : _mm256_setzero_ps();
-    for (int r = 0; r < Rows; ++r) {
-      const __m256 sums = _mm256_cvtepi32_ps(feature_sums(acc[r][2 * half], acc[r][2 * half + 1]));
-      store8(out + r * ldo + half * 8, _mm256_fmadd_ps(_mm256_mul_ps(sums, ws), _mm256_set1_ps(row_scales[r]), b));
-    }
-  }
+  store_block<Rows>(acc, row_scales, weight_scales, bias, out, ldo);
 }
 
 template <typename T>
@@ -201,6 +244,9 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
             const WideTileFn<T> tile_fn = r + kWideRows <= r1 ? &wide_tile<kWideRows, T> : &wide_tile<1, T>;
             tile_fn(x + r * k, k, widened, groups, rows + r, scales + f, bb, op + r * n + f, n);
           }
+        } else if (r1 - r0 <= 2) {
+          const auto tile_fn = r1 - r0 == 2 ? &block_tile<2, T> : &block_tile<1, T>;
+          tile_fn(x + r0 * k, k, wb, groups, rows + r0, scales + f, bb, op + r0 * n + f, n);
         } else {
           for (int half = 0; half < 2; ++half) {
             for (int64_t r = r0; r < r1; r += kRows) {
