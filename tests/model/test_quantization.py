@@ -99,8 +99,8 @@ def test_16_bit_codes_bound_their_sums_to_int32():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# On AVX2: 1 and 2 rows run whole-block tiles, 7 tiles over half-blocks, 9 and 301 widened chunks with an odd row.
-@pytest.mark.parametrize("rows", [1, 2, 7, 9, 64, 301])
+# On AVX2: up to 5 rows run block tiles of 2 rows (3: and one of 1), 6 or more widened blocks (7, 9, 301: an odd row).
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 9, 64, 301])
 @pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True), (48, 32, False)])
 @pytest.mark.parametrize("activation_bits", [8, 16])
 def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, out_features, bias, activation_bits):

@@ -15,13 +15,13 @@
 // scale) x row scale + bias. No gated epilogue here (it needs a vector exp): the MLP's SiLU is its own operator.
 //
 // Register tiles hold 8 accumulators of the 16 ymm registers: a 6-row x 2-quarter tile (12) had GCC keep 9 of them
-// on the stack, a load and a store each per group. Steps of a few rows sign-extend each quarter as they read it (the
-// weight's bytes from memory are what they wait for); steps of 8 rows or more widen a block to 16-bit words once and
-// run 2-row x 16-feature tiles over it (wide_tile): sign-extending as read, the `vpmovsxbw`s competed with the
-// multiplies. On a Zen 3 core the wide tiles ran at 54-58 GMAC/s, the 6 x 2 tile at 36-39 (benchmarks/RESULTS.md).
-// Steps of 1 or 2 rows (batch-1 decode) take a whole block a group at a time (block_tile: 4 accumulators a row, each
-// 64-byte line read once, the line 1 KB ahead prefetched), in units of 64 KB: a step's 120 decoder weights streamed
-// at 1.2-1.3x the rate of 4 x 8 tiles over halves of a block in units of 32 KB.
+// on the stack, a load and a store each per group. Steps of up to 5 rows sign-extend a group's four quarters as they
+// read them and run 2-row x 16-feature tiles (block_tile: each 64-byte line read once, the line 1 KB ahead
+// prefetched; the weight's bytes from memory are what they wait for); steps of 6 rows or more widen a block to
+// 16-bit words once and run 2-row x 16-feature tiles over it (wide_tile): sign-extending as read, the `vpmovsxbw`s
+// competed with the multiplies. On a Zen 3 core the wide tiles ran at 54-58 GMAC/s, the 6 x 2 tile at 36-39; a step's
+// 120 decoder weights at 1-2 rows streamed 1.2-1.3x faster in block tiles and units of 64 KB than in 4-row tiles over
+// half-blocks and units of 32 KB, 1.03-1.1x at 3-6 rows (benchmarks/RESULTS.md).
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -45,10 +45,10 @@ namespace {
 
 constexpr int kBlock = tokenloom::kInt8Block;  // output features per packed block
 constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
-constexpr int kRows = 4;    // rows of a narrow tile: 4 x 2 accumulators, 2 weight quarters, the inputs
+constexpr int kNarrowRows = 2;  // rows of a narrow tile: 2 x 4 accumulators, the group's 4 quarters sign-extended
 constexpr int kWideRows = 2;  // rows of a wide tile: 2 x 4 accumulators, the block's 4 widened quarters read in place
-static_assert(kWideRows == 2, "a chunk's odd row is one wide_tile<1>");
-constexpr int64_t kWideFromRows = 8;  // a chunk of this many rows or more widens each block once
+static_assert(kWideRows == 2 && kNarrowRows == 2, "a chunk's odd row is one tile of 1 row");
+constexpr int64_t kWideFromRows = 6;  // a chunk of this many rows or more widens each block once
 constexpr int64_t kMinUnitBytes = 64 * 1024;  // a unit's weight bytes (32 KB: 1-2-row steps ~10% slower)
 constexpr int64_t kChunkRows = 120;  // 60 wide tiles
 constexpr int64_t kPrefetchAhead = 1024;  // bytes
@@ -63,33 +63,6 @@ inline void store8(c10::BFloat16* at, __m256 v) {
 // [a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, ..., b6+b7]: two quarters' pair sums -> their 8 features, in order.
 inline __m256i feature_sums(__m256i a, __m256i b) {
   return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-}
-
-// Rows x 8 outputs, half `half` of one packed block (its quarters 2 half and 2 half + 1), from 16-bit activation
-// codes x [Rows, K] (row stride k): 2 accumulators a row, so up to 6 rows share each converted weight vector.
-template <int Rows, typename T>
-void tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, int half, const float* row_scales,
-          const float* weight_scales, const float* bias, T* out, int64_t ldo) {
-  __m256i acc[Rows][2];
-  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  const int8_t* quarters = w + half * 32;
-  for (int64_t g = 0; g < groups; ++g) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quarters + g * 64)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(quarters + g * 64 + 16)));
-    for (int r = 0; r < Rows; ++r) {
-      int64_t four;
-      std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
-      const __m256i xv = _mm256_set1_epi64x(four);
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xv));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xv));
-    }
-  }
-  const __m256 ws = _mm256_loadu_ps(weight_scales + half * 8);
-  const __m256 b = bias ? _mm256_loadu_ps(bias + half * 8) : _mm256_setzero_ps();
-  for (int r = 0; r < Rows; ++r) {
-    const __m256 sums = _mm256_cvtepi32_ps(feature_sums(acc[r][0], acc[r][1]));
-    store8(out + r * ldo + half * 8, _mm256_fmadd_ps(_mm256_mul_ps(sums, ws), _mm256_set1_ps(row_scales[r]), b));
-  }
 }
 
 // A whole block's outputs for Rows rows from their 4 quarter accumulators each (pair sums in adjacent lanes):
@@ -108,8 +81,8 @@ inline void store_block(const __m256i (&acc)[Rows][4], const float* row_scales, 
   }
 }
 
-// Rows x 16 outputs (a whole block) from its codes, sign-extended as they are read: 4 accumulators a row, so the
-// block's bytes are read in one pass (tile reads each 64-byte group's halves in two).
+// Rows x 16 outputs (a whole block) from its codes, sign-extended as they are read: 4 accumulators a row, each
+// 64-byte group read once, a line 1 KB ahead prefetched.
 template <int Rows, typename T>
 void block_tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, const float* row_scales,
                 const float* weight_scales, const float* bias, T* out, int64_t ldo) {
@@ -181,20 +154,6 @@ int16_t* wide_scratch(int64_t bytes) {
   return reinterpret_cast<int16_t*>(words.data());
 }
 
-template <typename T>
-using TileFn = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int, const float*, const float*,
-                        const float*, T*, int64_t);
-
-template <typename T>
-TileFn<T> tile_for(int64_t rows) {
-  switch (rows) {
-    case 1: return &tile<1, T>;
-    case 2: return &tile<2, T>;
-    case 3: return &tile<3, T>;
-    default: return &tile<kRows, T>;
-  }
-}
-
 // codes [M, K] int16 or int8 (rows contiguous; int16 ones small enough that 127 x K x their largest |code| fits
 // int32), row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums (unread here) and scales [N]
 // float32, bias [N] or none -> [M, N] in out_dtype (float32 or bfloat16).
@@ -244,15 +203,10 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
             const WideTileFn<T> tile_fn = r + kWideRows <= r1 ? &wide_tile<kWideRows, T> : &wide_tile<1, T>;
             tile_fn(x + r * k, k, widened, groups, rows + r, scales + f, bb, op + r * n + f, n);
           }
-        } else if (r1 - r0 <= 2) {
-          const auto tile_fn = r1 - r0 == 2 ? &block_tile<2, T> : &block_tile<1, T>;
-          tile_fn(x + r0 * k, k, wb, groups, rows + r0, scales + f, bb, op + r0 * n + f, n);
         } else {
-          for (int half = 0; half < 2; ++half) {
-            for (int64_t r = r0; r < r1; r += kRows) {
-              const int64_t nr = std::min<int64_t>(kRows, r1 - r);
-              tile_for<T>(nr)(x + r * k, k, wb, groups, half, rows + r, scales + f, bb, op + r * n + f, n);
-            }
+          for (int64_t r = r0; r < r1; r += kNarrowRows) {
+            const auto tile_fn = r + kNarrowRows <= r1 ? &block_tile<kNarrowRows, T> : &block_tile<1, T>;
+            tile_fn(x + r * k, k, wb, groups, rows + r, scales + f, bb, op + r * n + f, n);
           }
         }
       }
