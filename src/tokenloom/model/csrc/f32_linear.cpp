@@ -6,9 +6,10 @@
 // float32 matmul reaches ~170. Here the weight is packed as [N / 16, K x 16] (f32_pack_weight in prepack.py: for
 // each input a block's 16 features side by side), and a register tile of up to 6 rows x 16 features keeps 12 sums:
 // each input loads the block's 16 weights once (two vectors) and broadcasts each row's value, 12 FMAs for 8 loads;
-// the block is read from memory once and from L1/L2 by every further group of 6 rows. Outputs are stored once, with the bias, at the end of the block: no horizontal sums. On a
-// Zen 3 this ran a step's 120 decoder linears 1.3-1.4x faster than oneDNN at 1-64 rows and 1.1-1.2x at 256-2,048
-// (prefill chunks), so on AVX2 CPUs it takes every float32 linear; on AVX-512 ones oneDNN keeps them (not measured).
+// the block is read from memory once and from L1/L2 by every further group of 6 rows. Outputs are stored once, with
+// the bias, at the end of the block: no horizontal sums. On a Zen 3 this ran a step's 120 decoder linears 1.3-1.4x
+// faster than oneDNN at 1-64 rows and 1.1-1.2x at 256-2,048 (prefill chunks), so on AVX2 CPUs it takes every float32
+// linear; on AVX-512 ones oneDNN keeps them (not measured).
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

@@ -15,13 +15,13 @@
 // scale) x row scale + bias. No gated epilogue here (it needs a vector exp): the MLP's SiLU is its own operator.
 //
 // Register tiles hold 8 accumulators of the 16 ymm registers: a 6-row x 2-quarter tile (12) had GCC keep 9 of them
-// on the stack, a load and a store each per group. Steps of up to 5 rows sign-extend a group's four quarters as they
-// read them and run 2-row x 16-feature tiles (block_tile: each 64-byte line read once, the line 1 KB ahead
-// prefetched; the weight's bytes from memory are what they wait for); steps of 6 rows or more widen a block to
-// 16-bit words once and run 2-row x 16-feature tiles over it (wide_tile): sign-extending as read, the `vpmovsxbw`s
-// competed with the multiplies. On a Zen 3 core the wide tiles ran at 54-58 GMAC/s, the 6 x 2 tile at 36-39; a step's
-// 120 decoder weights at 1-2 rows streamed 1.2-1.3x faster in block tiles and units of 64 KB than in 4-row tiles over
-// half-blocks and units of 32 KB, 1.03-1.1x at 3-6 rows (benchmarks/RESULTS.md).
+// on the stack, a load and a store each per group. Every step runs 2-row x 16-feature tiles (block_tile) over a
+// block's codes: steps of up to 5 rows sign-extend a group's four quarters as they read them (each 64-byte line read
+// once, the line 1 KB ahead prefetched; the weight's bytes from memory are what they wait for); steps of 6 rows or
+// more widen a block to 16-bit words once (widen_block) and read that in place: sign-extending as read, the
+// `vpmovsxbw`s competed with the multiplies. On a Zen 3 core the widened tiles ran at 54-58 GMAC/s, the 6 x 2 tile at
+// 36-39; a step's 120 decoder weights at 1-2 rows streamed 1.2-1.3x faster in block tiles and units of 64 KB than in
+// 4-row tiles over half-blocks and units of 32 KB, 1.03-1.1x at 3-6 rows (benchmarks/RESULTS.md).
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -32,6 +32,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "int8_epilogue.h"
@@ -45,9 +46,8 @@ namespace {
 
 constexpr int kBlock = tokenloom::kInt8Block;  // output features per packed block
 constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
-constexpr int kNarrowRows = 2;  // rows of a narrow tile: 2 x 4 accumulators, the group's 4 quarters sign-extended
-constexpr int kWideRows = 2;  // rows of a wide tile: 2 x 4 accumulators, the block's 4 widened quarters read in place
-static_assert(kWideRows == 2 && kNarrowRows == 2, "a chunk's odd row is one tile of 1 row");
+constexpr int kTileRows = 2;  // rows of a register tile: 2 x 4 accumulators, a group's 4 quarters
+static_assert(kTileRows == 2, "a chunk's odd row is one tile of 1 row");
 constexpr int64_t kWideFromRows = 6;  // a chunk of this many rows or more widens each block once
 constexpr int64_t kMinUnitBytes = 64 * 1024;  // a unit's weight bytes (with 32 KB, 1-2-row steps ran 5-8% slower)
 constexpr int64_t kChunkRows = 120;  // 60 wide tiles
@@ -81,36 +81,6 @@ inline void store_block(const __m256i (&acc)[Rows][4], const float* row_scales, 
   }
 }
 
-// Rows x 16 outputs (a whole block) from its codes, sign-extended as they are read: 4 accumulators a row, each
-// 64-byte group read once, a line 1 KB ahead prefetched.
-template <int Rows, typename T>
-void block_tile(const int16_t* x, int64_t k, const int8_t* w, int64_t groups, const float* row_scales,
-                const float* weight_scales, const float* bias, T* out, int64_t ldo) {
-  __m256i acc[Rows][4];
-#pragma GCC unroll 4
-  for (int r = 0; r < Rows; ++r) {
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + g * 64 + kPrefetchAhead), _MM_HINT_T0);
-    __m256i quarters[4];
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-      quarters[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 64 + 16 * q)));
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) {
-      int64_t four;
-      std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
-      const __m256i xv = _mm256_set1_epi64x(four);
-#pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(quarters[q], xv));
-    }
-  }
-  store_block<Rows>(acc, row_scales, weight_scales, bias, out, ldo);
-}
-
 // One block's codes [groups, 64] sign-extended to 16-bit words, for the rows of a chunk to share.
 void widen_block(const int8_t* w, int64_t bytes, int16_t* wide) {
   for (int64_t i = 0; i < bytes; i += 16) {
@@ -119,29 +89,45 @@ void widen_block(const int8_t* w, int64_t bytes, int16_t* wide) {
   }
 }
 
-// Rows x 16 outputs (a whole block) from its widened codes: 4 accumulators a row, the weight vectors read from L1.
-template <int Rows, typename T>
-void wide_tile(const int16_t* x, int64_t k, const int16_t* wide, int64_t groups, const float* row_scales,
-               const float* weight_scales, const float* bias, T* out, int64_t ldo) {
+// Group g's four quarters as 16-bit words: from the packed int8 codes, sign-extended as they are read (each 64-byte
+// group once, the line 1 KB ahead prefetched); or from a block widen_block widened, read in place from L1.
+inline void group_quarters(const int8_t* w, int64_t g, __m256i (&quarters)[4]) {
+  _mm_prefetch(reinterpret_cast<const char*>(w + g * 64 + kPrefetchAhead), _MM_HINT_T0);
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    quarters[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 64 + 16 * q)));
+  }
+}
+inline void group_quarters(const int16_t* wide, int64_t g, __m256i (&quarters)[4]) {
+  const __m256i* group = reinterpret_cast<const __m256i*>(wide + g * kBlock * kGroup);
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) quarters[q] = _mm256_load_si256(group + q);
+}
+
+// Rows x 16 outputs (a whole block) from its codes (int8 as packed, or int16 as widened): 4 accumulators a row.
+template <int Rows, typename Code, typename T>
+void block_tile(const int16_t* x, int64_t k, const Code* codes, int64_t groups, const float* row_scales,
+                const float* weight_scales, const float* bias, T* out, int64_t ldo) {
   __m256i acc[Rows][4];
+#pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
   }
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256i* quarters = reinterpret_cast<const __m256i*>(wide + g * kBlock * kGroup);
+    __m256i quarters[4];
+    group_quarters(codes, g, quarters);
+#pragma GCC unroll 4
     for (int r = 0; r < Rows; ++r) {
       int64_t four;
       std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
       const __m256i xv = _mm256_set1_epi64x(four);
+#pragma GCC unroll 4
       for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(quarters[q], xv));
     }
   }
   store_block<Rows>(acc, row_scales, weight_scales, bias, out, ldo);
 }
-
-template <typename T>
-using WideTileFn = void (*)(const int16_t*, int64_t, const int16_t*, int64_t, const float*, const float*, const float*,
-                            T*, int64_t);
 
 // Scratch for widen_block: one block of up to `bytes` codes as 16-bit words, 32-byte aligned, per thread.
 int16_t* wide_scratch(int64_t bytes) {
@@ -197,17 +183,19 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
         const int64_t f = b * kBlock;
         const float* bb = bias_data ? bias_data + f : nullptr;
         const int8_t* wb = wp + b * block_bytes;
+        // The chunk's rows over the block, 2 at a time: from its int8 codes, or widened once for them to share.
+        const auto tiles = [&](const auto* block) {
+          using Code = std::remove_cv_t<std::remove_pointer_t<decltype(block)>>;
+          for (int64_t r = r0; r < r1; r += kTileRows) {
+            const auto tile_fn = r + kTileRows <= r1 ? &block_tile<kTileRows, Code, T> : &block_tile<1, Code, T>;
+            tile_fn(x + r * k, k, block, groups, rows + r, scales + f, bb, op + r * n + f, n);
+          }
+        };
         if (wide) {
           widen_block(wb, block_bytes, widened);
-          for (int64_t r = r0; r < r1; r += kWideRows) {
-            const WideTileFn<T> tile_fn = r + kWideRows <= r1 ? &wide_tile<kWideRows, T> : &wide_tile<1, T>;
-            tile_fn(x + r * k, k, widened, groups, rows + r, scales + f, bb, op + r * n + f, n);
-          }
+          tiles(static_cast<const int16_t*>(widened));
         } else {
-          for (int64_t r = r0; r < r1; r += kNarrowRows) {
-            const auto tile_fn = r + kNarrowRows <= r1 ? &block_tile<kNarrowRows, T> : &block_tile<1, T>;
-            tile_fn(x + r * k, k, wb, groups, rows + r, scales + f, bb, op + r * n + f, n);
-          }
+          tiles(wb);
         }
       }
     };
