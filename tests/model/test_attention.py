@@ -150,6 +150,16 @@ def test_operator_reads_and_writes_strided_rows():
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
+@pytest.fixture
+def two_threads():
+    """torch (and the operators' work sharing) on 2 threads: the operator splits long contexts only with a helper to
+    take splits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("block_size", [8, 12, 16, 32])  # 16 keys inside one block, or spread over two or three
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_operator_walks_blocks_of_any_size(block_size, dtype):
@@ -179,14 +189,16 @@ def test_operator_walks_blocks_of_any_size(block_size, dtype):
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (16, 1, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_operator_gives_a_sequence_the_same_output_alone_or_in_a_crowd(heads, kv_heads, head_dim, dtype):
+def test_operator_gives_a_sequence_the_same_output_alone_or_in_a_crowd(heads, kv_heads, head_dim, dtype, two_threads):
     """The operator's online softmax walks each context in chunks of 64 keys; a sequence's output must not depend
     on the batch around it or on which thread took it (bit for bit), and must match a float32 reference across
     chunks, including sharp softmaxes whose maximum comes late. 16 query heads per KV head exceed the 8 whose bf16
     accumulators are held at once."""
     needs_operator()
     block_size = 16
-    context_lens = [1, 2, 63, 64, 65, 130, 200, 333] * 5
+    # 1,100 keys: over the operator's own split length (512), so with 2 threads it is attended in splits, alone and
+    # in the crowd alike (split-K cuts by the context, never by the batch).
+    context_lens = [1, 2, 63, 64, 65, 130, 200, 333] * 5 + [1100]
     g = torch.Generator().manual_seed(heads)
     max_blocks = cdiv(max(context_lens), block_size)
     num_blocks = max_blocks * len(context_lens)
@@ -204,13 +216,63 @@ def test_operator_gives_a_sequence_the_same_output_alone_or_in_a_crowd(heads, kv
             q[i : i + 1], cache_k, cache_v, tables[i : i + 1], lens[i : i + 1], block_size, scale
         )
         assert torch.equal(alone, crowd[i : i + 1]), f"sequence {i} differs alone and in the crowd"
-    for i, ctx in enumerate(context_lens[:8]):
+    for i in [*range(8), len(context_lens) - 1]:
+        ctx = context_lens[i]
         positions = torch.arange(ctx)
         slots = tables[i, positions // block_size] * block_size + positions % block_size
         k = cache_k[slots].float().view(ctx, kv_heads, head_dim)
         v = cache_v[slots].float().view(ctx, kv_heads, head_dim)
         reference = dense_reference(q[i].float(), k, v, scale)
         torch.testing.assert_close(crowd[i].float(), reference, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+NO_SPLIT = 1 << 20  # split_keys past any context here: each (sequence, KV head) attended whole
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 3, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_keys", [16, 48])  # one block a split, or three
+def test_contexts_attended_in_splits_and_merged_match_the_whole_context(heads, kv_heads, head_dim, dtype, split_keys):
+    """Split-K: a context longer than split_keys is attended in splits of that many keys (any thread takes any
+    split) and each head's splits are merged by their log-sum-exps. The result must be attention over the whole
+    context, wherever the softmax's maximum lies (peaked queries put it in any split), through every kernel (48:
+    the generic loop; bf16 partial rows are kept in float32, so only the output is rounded)."""
+    needs_operator()
+    block_size = 16
+    context_lens = [1, 16, 17, 48, 49, 95, 300]
+    g = torch.Generator().manual_seed(head_dim + split_keys)
+    max_blocks = cdiv(max(context_lens), block_size)
+    num_blocks = max_blocks * len(context_lens)
+    cache_k = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
+    cache_v = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g).view(len(context_lens), -1)
+    q = torch.randn(len(context_lens), heads, head_dim, generator=g)
+    q[1::2] *= 6
+    q = q.to(dtype)
+    lens = torch.tensor(context_lens)
+    scale = head_dim**-0.5
+    split, whole = (
+        cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size, scale, split_keys=keys)
+        for keys in (split_keys, NO_SPLIT)
+    )
+    for i, ctx in enumerate(context_lens):
+        if ctx <= split_keys:  # attended whole either way: the same arithmetic
+            assert torch.equal(split[i], whole[i])
+        positions = torch.arange(ctx)
+        slots = tables[i, positions // block_size] * block_size + positions % block_size
+        k = cache_k[slots].float().view(ctx, kv_heads, head_dim)
+        v = cache_v[slots].float().view(ctx, kv_heads, head_dim)
+        reference = dense_reference(q[i].float(), k, v, scale)
+        torch.testing.assert_close(split[i].float(), reference, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    if dtype == torch.float32:
+        torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
+
+
+def test_split_keys_must_be_whole_blocks():
+    needs_operator()
+    q, cache_k, cache_v, tables = random_case(9, 3, 64, [40])
+    with pytest.raises(RuntimeError, match="multiple of block_size"):
+        cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, torch.tensor([40]), BLOCK, 0.1, split_keys=6)
 
 
 def scheduled_blocks(request_id: str, block_ids: list[int], epoch: int | None) -> ScheduledRequest:

@@ -143,10 +143,31 @@ def test_decode_operator_matches_the_plain_path_on_8_bit_caches(name, dtype, hea
     # A context of one token is its value, whatever the arithmetic.
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-2, atol=1e-2)
     row_error = (ours - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert row_error.max() <= row_error_bound(name, dtype, head_dim), float(row_error.max())
+
+
+def row_error_bound(name: str, dtype: torch.dtype, head_dim: int) -> float:
     exact = dtype == torch.float32 and (name != "int8" or head_dim == 48)  # the float32 kernels: no rounding
     avx2_int8 = dtype == torch.float32 and name == "int8" and int8_kernel_isa() == "avx2"  # not VNNI's bytes
-    bound = 1e-4 if exact else AVX2_INT8_ROW_ERROR if avx2_int8 else ROW_ERROR[name]
-    assert row_error.max() <= bound, float(row_error.max())
+    return 1e-4 if exact else AVX2_INT8_ROW_ERROR if avx2_int8 else ROW_ERROR[name]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FORMATS)
+def test_split_contexts_of_an_8_bit_cache_merge_to_the_whole(name, dtype):
+    """Split-K over an 8-bit cache: each split reads its codes and scales from its first block on, and the merged
+    result stays within the format's error of attention over the dequantized cache."""
+    needs_operator()
+    lens = [1, 16, 17, 64, 65, 300]
+    heads_, kv_heads, head_dim = 9, 3, 64
+    fmt, q, cache_k, cache_v, tables = quantized_case(name, heads_, kv_heads, head_dim, lens)
+    reference = decode(q, cache_k, cache_v, tables, lens, fmt, use_kernel=False)
+    ours = cpu_kernel.paged_decode_attention(
+        q.to(dtype), cache_k, cache_v, tables, torch.tensor(lens), BLOCK, head_dim**-0.5, kv_kind=fmt.kind,
+        split_keys=2 * BLOCK,
+    ).float()  # fmt: skip
+    row_error = (ours - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert row_error.max() <= row_error_bound(name, dtype, head_dim), float(row_error.max())
 
 
 @pytest.mark.parametrize("name", FORMATS)

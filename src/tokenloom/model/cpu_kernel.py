@@ -131,14 +131,17 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     kv_kind: int = 0,
+    split_keys: int = 0,
 ) -> torch.Tensor:
     """q: [D, heads, d]; block_tables: [D, max_blocks] int64; context_lens: [D] int64. Returns [D, heads, d]: `out`
     when given (a slice of the step's output, written in place: no copy), else a new tensor. q's and out's rows may
     be strided, as views into the fused qkv output and the step's output are. kv_kind: an 8-bit cache's
-    KVFormat.kind (kv_quant.py), 0 for a cache of q's dtype."""
+    KVFormat.kind (kv_quant.py), 0 for a cache of q's dtype. split_keys: keys per split of a context (a multiple of
+    block_size) where contexts are attended in splits and merged (split-K); 0 lets the operator decide, which splits
+    only when the (sequence, KV head) pairs are too few to keep its threads busy."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.tokenloom.paged_decode_attention(
-        q, cache_k, cache_v, block_tables, context_lens, block_size, scale, out, kv_kind
+        q, cache_k, cache_v, block_tables, context_lens, block_size, scale, out, kv_kind, split_keys
     )
     return out

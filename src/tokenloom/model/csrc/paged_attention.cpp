@@ -47,8 +47,9 @@ inline void widen_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
-// Each of `rows` rows of `n` scores becomes its softmax, in place, in float32.
-inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+// Each of `rows` rows of `n` scores becomes its softmax, in place, in float32; each row's log-sum-exp into `lse`
+// when given.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* lse) {
   for (int64_t h = 0; h < rows; ++h) {
     float* s = scores + h * n;
     float max = std::numeric_limits<float>::lowest();
@@ -60,8 +61,30 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
     }
     const float inv = 1.0f / sum;
     for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+    if (lse != nullptr) lse[h] = max + std::log(sum);
   }
 }
+
+// Where a unit's query heads go: the op's output rows, in their dtype; or, for one split of a long context
+// (decode_all), float32 rows normalized within the split and each head's log-sum-exp, merged once all splits are
+// done (merge_splits). Every kernel below ends by writing each head through one.
+template <typename T>
+struct HeadsOut {
+  T* out;                    // [heads][hd], when not a split
+  float* split = nullptr;    // [heads][hd], for a split
+  float* lse = nullptr;      // [heads], for a split
+  void put(int64_t i, float value) const {
+    if (split != nullptr) {
+      split[i] = value;
+    } else {
+      out[i] = static_cast<T>(value);
+    }
+  }
+  // The head's softmax denominator, exp(run_max) x run_sum: what weighs this split against the others.
+  void denominator(int64_t h, float run_max, float run_sum) const {
+    if (lse != nullptr) lse[h] = run_max + std::log(run_sum);
+  }
+};
 
 // One KV head's rows of a plain (float32 or bfloat16) cache, widened to float32 one slot at a time.
 template <typename T>
@@ -90,7 +113,7 @@ struct CodeRows {
 // One sequence, one KV head: the `group` query heads that share it, over `ctx` tokens of context.
 template <typename T, int HD, typename Rows>
 void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* table, int64_t ctx, int64_t group,
-            int64_t head_dim, int64_t block_size, float scale, T* out, std::vector<float>& scratch) {
+            int64_t head_dim, int64_t block_size, float scale, const HeadsOut<T>& out, std::vector<float>& scratch) {
   const int64_t hd = HD ? HD : head_dim;
   scratch.resize(group * hd * 2 + group * ctx + hd);
   float* qf = scratch.data();             // [group, hd]
@@ -109,7 +132,7 @@ void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* t
       scores[h * ctx + t] = dot;
     }
   }
-  softmax_rows(scores, group, ctx);
+  softmax_rows(scores, group, ctx, out.lse);
   for (int64_t t = 0; t < ctx; ++t) {
     v_rows.widen(table[t / block_size], t % block_size, kv, hd);
     for (int64_t h = 0; h < group; ++h) {
@@ -118,7 +141,7 @@ void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* t
       for (int64_t d = 0; d < hd; ++d) a[d] += w * kv[d];
     }
   }
-  for (int64_t i = 0; i < group * hd; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t i = 0; i < group * hd; ++i) out.put(i, acc[i]);
 }
 
 #if defined(__AVX512F__)
@@ -212,7 +235,7 @@ inline void widen_rows(const uint8_t* const* raw, c10::BFloat16* widened, const 
 template <int HD, int64_t Kind>
 void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache,
                         const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_stride,
-                        int64_t block_size, int64_t scale_offset, float scale, c10::BFloat16* out,
+                        int64_t block_size, int64_t scale_offset, float scale, const HeadsOut<c10::BFloat16>& out,
                         std::vector<float>& scratch) {
   using Elem = KVElem<Kind>;
   static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
@@ -359,10 +382,17 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
       const __m512 lo = _mm512_loadu_ps(acc + h * HD + c * 32), hi = _mm512_loadu_ps(acc + h * HD + c * 32 + 16);
       const __m512 dims_0_15 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), inv);
       const __m512 dims_16_31 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), inv);
+      if (out.split != nullptr) {
+        _mm512_storeu_ps(out.split + h * HD + c * 32, dims_0_15);
+        _mm512_storeu_ps(out.split + h * HD + c * 32 + 16, dims_16_31);
+        continue;
+      }
       // Rounded to nearest even, as c10::BFloat16 does.
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * HD + c * 32), (__m256i)_mm512_cvtneps_pbh(dims_0_15));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * HD + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(dims_16_31));
+      c10::BFloat16* o = out.out + h * HD + c * 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(dims_0_15));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(dims_16_31));
     }
+    out.denominator(h, run_max[h], run_sum[h]);
   }
 }
 #endif
@@ -397,7 +427,7 @@ inline __m512i sum_each_epi32(const __m512i* v) {
 template <typename T, int HD>
 void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table, int64_t ctx,
                       int64_t group, int64_t row, int64_t block_stride, int64_t block_size, int64_t scale_offset,
-                      float scale, T* out, std::vector<float>& scratch) {
+                      float scale, const HeadsOut<T>& out, std::vector<float>& scratch) {
   static_assert(HD % 64 == 0, "whole 64-byte vectors of codes");
   constexpr int kVecs = HD / 64;
   constexpr int kChunk = 64;
@@ -554,10 +584,11 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
       for (int m = 0; m < 4; ++m) {
         for (int lane = 0; lane < 16; ++lane) {
           const int dim = 64 * c + 16 * (lane / 4) + 4 * m + lane % 4;
-          out[h * HD + dim] = static_cast<T>(acc[h * HD + 16 * (4 * c + m) + lane] * inv);
+          out.put(h * HD + dim, acc[h * HD + 16 * (4 * c + m) + lane] * inv);
         }
       }
     }
+    out.denominator(h, run_max[h], run_sum[h]);
   }
 }
 #endif
@@ -632,7 +663,8 @@ template <int HD, int64_t Kind>
 void attend_f32_avx2(const float* q, const std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>* k_cache,
                      const std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>* v_cache,
                      const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_stride,
-                     int64_t block_size, int64_t scale_offset, float scale, float* out, std::vector<float>& scratch) {
+                     int64_t block_size, int64_t scale_offset, float scale, const HeadsOut<float>& out,
+                     std::vector<float>& scratch) {
   using Elem = std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>;
   static_assert(HD % 64 == 0, "whole tiles of 64 dims");
   constexpr int kChunk = 64;  // keys per step of the online softmax
@@ -714,7 +746,8 @@ void attend_f32_avx2(const float* q, const std::conditional_t<Kind == tokenloom:
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.0f / run_sum[h];
-    for (int d = 0; d < HD; ++d) out[h * HD + d] = acc[h * HD + d] * inv;
+    for (int d = 0; d < HD; ++d) out.put(h * HD + d, acc[h * HD + d] * inv);
+    out.denominator(h, run_max[h], run_sum[h]);
   }
 }
 
@@ -777,7 +810,7 @@ inline void weigh_values_int16(const uint8_t* const* v_rows, int pairs, const in
 template <int HD>
 void attend_int8_avx2(const float* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table,
                       int64_t ctx, int64_t group, int64_t row, int64_t block_stride, int64_t block_size,
-                      int64_t scale_offset, float scale, float* out, std::vector<float>& scratch) {
+                      int64_t scale_offset, float scale, const HeadsOut<float>& out, std::vector<float>& scratch) {
   static_assert(HD % 32 == 0, "whole tiles of 32 dims");
   constexpr int kChunk = 64;  // keys per step of the online softmax
   constexpr int kPass = 3;    // query heads whose p.v sums fit in registers at once (12 of 16)
@@ -886,7 +919,8 @@ void attend_int8_avx2(const float* q, const uint8_t* k_cache, const uint8_t* v_c
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.0f / run_sum[h];
-    for (int d = 0; d < HD; ++d) out[h * HD + d] = acc[h * HD + d] * inv;
+    for (int d = 0; d < HD; ++d) out.put(h * HD + d, acc[h * HD + d] * inv);
+    out.denominator(h, run_max[h], run_sum[h]);
   }
 }
 #endif  // __AVX2__ && __FMA__
@@ -909,7 +943,7 @@ inline HeadLayout head_layout(int64_t kind, int64_t row, int64_t num_kv_heads, i
 template <typename T, int64_t Kind>
 void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v_cache, HeadLayout at,
                  const int64_t* table, int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size, float s,
-                 T* out_head, std::vector<float>& scratch) {
+                 const HeadsOut<T>& out_head, std::vector<float>& scratch) {
   using Elem = std::conditional_t<Kind == tokenloom::kPlain, T, uint8_t>;
   const Elem* k = k_cache.const_data_ptr<Elem>() + at.offset;
   const Elem* v = v_cache.const_data_ptr<Elem>() + at.offset;
@@ -984,10 +1018,49 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
   }
 }
 
+// Keys per split of a long context (split-K): a (sequence, KV head) unit over more keys than this is cut into splits
+// of this many, attended apart (by whichever threads are free) and merged. At batch 1 a model's few KV heads (3 for
+// SmolLM2) would otherwise leave threads idle however long the context. The length depends on the context alone,
+// never on the batch, so a sequence's output is the same bit for bit alone or in a crowd; 512 keys are 10-20 us of
+// work, against a split's cost of writing and merging its heads' rows (~1 KB). One thread: no splits.
+constexpr int64_t kSplitKeys = 512;
+
+int64_t auto_split_keys(int64_t block_size) {
+  if (at::get_num_threads() < 2) return 0;
+  return (kSplitKeys + block_size - 1) / block_size * block_size;
+}
+
+// One piece of work: a (sequence, KV head) unit's keys [first, first + keys); `part` is its split's index among all
+// splits (their rows in the partials), -1 where the unit is not split and writes the output itself.
+struct Piece {
+  int64_t seq, kv_head, first, keys, part;
+};
+
+// A split unit's rows, each head's splits weighed by exp(lse - the largest lse): the softmax over the whole context.
+template <typename T>
+void merge_splits(const float* partials, const float* lse, int64_t first_part, int64_t parts, int64_t group,
+                  int64_t head_dim, T* out, std::vector<float>& merged) {
+  merged.resize(head_dim);
+  for (int64_t h = 0; h < group; ++h) {
+    float most = kNoMax;
+    for (int64_t p = 0; p < parts; ++p) most = std::max(most, lse[(first_part + p) * group + h]);
+    std::fill(merged.begin(), merged.end(), 0.0f);
+    float total = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float w = std::exp(lse[(first_part + p) * group + h] - most);
+      total += w;
+      const float* rows = partials + ((first_part + p) * group + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * rows[d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < head_dim; ++d) out[h * head_dim + d] = static_cast<T>(merged[d] * inv);
+  }
+}
+
 template <typename T, int64_t Kind>
 void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                 const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
-                int64_t num_kv_heads, at::Tensor& out) {
+                int64_t num_kv_heads, int64_t split_keys, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t q_stride = q.stride(0), out_stride = out.stride(0);
   const int64_t row = k_cache.size(1), group = num_heads / num_kv_heads;
@@ -996,38 +1069,79 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
-  // One unit per sequence and KV head, taken in order by whichever thread is free (work_sharing.h): longest
-  // contexts first (the runner sorts decodes by context length, ascending), so the last units taken are short and
-  // the threads finish together.
+  if (split_keys == 0) split_keys = auto_split_keys(block_size);
+  TORCH_INTERNAL_ASSERT(split_keys % block_size == 0);
+  // The pieces in the order threads take them (work_sharing.h): longest contexts first (the runner sorts decodes
+  // by context length, ascending), so the last taken are short and the threads finish together.
+  std::vector<Piece> pieces;
+  int64_t parts = 0;
+  for (int64_t seq = num_seqs - 1; seq >= 0; --seq) {
+    const int64_t ctx = lens[seq];
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      if (split_keys == 0 || ctx <= split_keys) {
+        pieces.push_back({seq, kv_head, 0, ctx, -1});
+        continue;
+      }
+      for (int64_t first = 0; first < ctx; first += split_keys) {
+        pieces.push_back({seq, kv_head, first, std::min(split_keys, ctx - first), parts++});
+      }
+    }
+  }
+  // The caller's (a helper naming a thread_local would get its own): [parts][group][head_dim], [parts][group].
+  thread_local std::vector<float> partial_rows, partial_lse;
+  partial_rows.resize(parts * group * head_dim);
+  partial_lse.resize(parts * group);
+  float* const partials = partial_rows.data();
+  float* const lse = partial_lse.data();
   const float s = static_cast<float>(scale);
-  const std::function<void(int64_t)> body = [&](int64_t unit) {
+  const std::function<void(int64_t)> body = [&](int64_t index) {
     thread_local std::vector<float> scratch;
-    const int64_t seq = num_seqs - 1 - unit / num_kv_heads, kv_head = unit % num_kv_heads;
-    attend_unit<T, Kind>(q_ptr + seq * q_stride + kv_head * group * head_dim, k_cache, v_cache,
-                         head_layout(Kind, row, num_kv_heads, head_dim, kv_head, block_size), tables + seq * max_blocks,
-                         lens[seq], group, head_dim, block_size, s, out_ptr + seq * out_stride + kv_head * group * head_dim,
-                         scratch);
+    const Piece piece = pieces[index];
+    const int64_t head_offset = piece.kv_head * group * head_dim;
+    HeadsOut<T> sink{out_ptr + piece.seq * out_stride + head_offset};
+    if (piece.part >= 0) {
+      sink.split = partials + piece.part * group * head_dim;
+      sink.lse = lse + piece.part * group;
+    }
+    // A split reads its keys' blocks only: the table from its first block on (splits start on a block's start).
+    attend_unit<T, Kind>(q_ptr + piece.seq * q_stride + head_offset, k_cache, v_cache,
+                         head_layout(Kind, row, num_kv_heads, head_dim, piece.kv_head, block_size),
+                         tables + piece.seq * max_blocks + piece.first / block_size, piece.keys, group, head_dim,
+                         block_size, s, sink, scratch);
   };
-  tokenloom::WorkSharing::instance().run(num_seqs * num_kv_heads, body);
+  tokenloom::WorkSharing::instance().run(static_cast<int64_t>(pieces.size()), body);
+  if (parts == 0) return;
+  std::vector<const Piece*> split_units;  // each split unit once, by its first split
+  for (const Piece& piece : pieces) {
+    if (piece.part >= 0 && piece.first == 0) split_units.push_back(&piece);
+  }
+  const std::function<void(int64_t)> merge = [&](int64_t index) {
+    thread_local std::vector<float> merged;
+    const Piece& first = *split_units[index];
+    const int64_t unit_parts = (lens[first.seq] + split_keys - 1) / split_keys;
+    merge_splits(partials, lse, first.part, unit_parts, group, head_dim,
+                 out_ptr + first.seq * out_stride + first.kv_head * group * head_dim, merged);
+  };
+  tokenloom::WorkSharing::instance().run(static_cast<int64_t>(split_units.size()), merge);
 }
 
 template <typename T>
 void decode_any_kind(int64_t kind, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
-                     int64_t num_kv_heads, at::Tensor& out) {
+                     int64_t num_kv_heads, int64_t split_keys, at::Tensor& out) {
   switch (kind) {
     case tokenloom::kPlain:
       return decode_all<T, tokenloom::kPlain>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                              num_kv_heads, out);
+                                              num_kv_heads, split_keys, out);
     case tokenloom::kInt8:
       return decode_all<T, tokenloom::kInt8>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                             num_kv_heads, out);
+                                             num_kv_heads, split_keys, out);
     case tokenloom::kFp8E4M3:
       return decode_all<T, tokenloom::kFp8E4M3>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                                num_kv_heads, out);
+                                                num_kv_heads, split_keys, out);
     default:
       return decode_all<T, tokenloom::kFp8E5M2>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                                num_kv_heads, out);
+                                                num_kv_heads, split_keys, out);
   }
 }
 
@@ -1036,7 +1150,7 @@ void decode_any_kind(int64_t kind, const at::Tensor& q, const at::Tensor& k_cach
 // [num_slots, kv_heads * d] of q's dtype; else they are 8-bit (kv_codes.h), uint8 [num_slots, kv_heads * (d + 4)].
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                            double scale, at::Tensor out, int64_t kv_kind) {
+                            double scale, at::Tensor out, int64_t kv_kind, int64_t split_keys) {
   TORCH_CHECK(q.device().is_cpu() && out.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must be shaped as q, its dtype");
@@ -1062,6 +1176,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t head_bytes = kv_kind == tokenloom::kPlain ? head_dim : head_dim + 4;  // an 8-bit head's codes and scale
   TORCH_CHECK(block_size > 0 && head_dim > 0 && k_cache.size(1) % head_bytes == 0,
               "the cache row must hold whole heads");
+  TORCH_CHECK(split_keys >= 0 && split_keys % block_size == 0, "split_keys must be 0 or a multiple of block_size");
   const int64_t num_kv_heads = k_cache.size(1) / head_bytes;
   TORCH_CHECK(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "query heads must be a multiple of KV heads");
   // Every block a context reaches must exist: a bad table would read outside the cache.
@@ -1078,10 +1193,10 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
   if (q.scalar_type() == at::kFloat) {
     decode_any_kind<float>(kv_kind, q, k_cache, v_cache, block_tables, context_lens, block_size, scale, num_kv_heads,
-                           out);
+                           split_keys, out);
   } else {
     decode_any_kind<c10::BFloat16>(kv_kind, q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                   num_kv_heads, out);
+                                   num_kv_heads, split_keys, out);
   }
 }
 
@@ -1090,7 +1205,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 TORCH_LIBRARY(tokenloom, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-      "int block_size, float scale, Tensor(a!) out, int kv_kind=0) -> ()");
+      "int block_size, float scale, Tensor(a!) out, int kv_kind=0, int split_keys=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
