@@ -20,7 +20,7 @@
 // once, the line 1 KB ahead prefetched; the weight's bytes from memory are what they wait for); steps of 6 rows or
 // more widen a block to 16-bit words once (widen_block) and read that in place: sign-extending as read, the
 // `vpmovsxbw`s competed with the multiplies. On a Zen 3 core the widened tiles ran at 54-58 GMAC/s, the 6 x 2 tile at
-// 36-39; a step's 120 decoder weights at 1-2 rows streamed 1.2-1.3x faster in block tiles and units of 64 KB than in
+// 36-39; at 69-74 once GCC stopped copying the accumulators between registers every group (store_row); a step's 120 decoder weights at 1-2 rows streamed 1.2-1.3x faster in block tiles and units of 64 KB than in
 // 4-row tiles over half-blocks and units of 32 KB, 1.03-1.1x at 3-6 rows (benchmarks/RESULTS.md).
 
 #include <ATen/ops/empty.h>
@@ -65,19 +65,30 @@ inline __m256i feature_sums(__m256i a, __m256i b) {
   return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(a, b), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
 }
 
-// A whole block's outputs for Rows rows from their 4 quarter accumulators each (pair sums in adjacent lanes):
-// scaled as int8_epilogue.h orders it, plus the bias.
-template <int Rows, typename T>
-inline void store_block(const __m256i (&acc)[Rows][4], const float* row_scales, const float* weight_scales,
-                        const float* bias, T* out, int64_t ldo) {
+// One row's 4 accumulators over a block, one per quarter of a group (each feature's two pair sums in adjacent lanes).
+struct Quarters {
+  __m256i q0, q1, q2, q3;
+};
+
+inline void accumulate(Quarters& acc, const Quarters& w, __m256i xv) {
+  acc.q0 = _mm256_add_epi32(acc.q0, _mm256_madd_epi16(w.q0, xv));
+  acc.q1 = _mm256_add_epi32(acc.q1, _mm256_madd_epi16(w.q1, xv));
+  acc.q2 = _mm256_add_epi32(acc.q2, _mm256_madd_epi16(w.q2, xv));
+  acc.q3 = _mm256_add_epi32(acc.q3, _mm256_madd_epi16(w.q3, xv));
+}
+
+// A row's block of 16 outputs from its accumulators: scaled as int8_epilogue.h orders it, plus the bias.
+template <typename T>
+inline void store_row(Quarters acc, float row_scale, const float* weight_scales, const float* bias, T* out) {
+  // The accumulators as they are, in their registers: without this, GCC (12) let each group's sums in the loop
+  // before land in other registers and copied them back, 8 moves a group (30 instructions where 22 do).
+  asm("" : "+x"(acc.q0), "+x"(acc.q1), "+x"(acc.q2), "+x"(acc.q3));
+  const __m256 rs = _mm256_set1_ps(row_scale);
+  const __m256i sums[2] = {feature_sums(acc.q0, acc.q1), feature_sums(acc.q2, acc.q3)};
   for (int half = 0; half < 2; ++half) {
     const __m256 ws = _mm256_loadu_ps(weight_scales + half * 8);
     const __m256 b = bias ? _mm256_loadu_ps(bias + half * 8) : _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) {
-      const __m256 sums = _mm256_cvtepi32_ps(feature_sums(acc[r][2 * half], acc[r][2 * half + 1]));
-      store8(out + r * ldo + half * 8, _mm256_fmadd_ps(_mm256_mul_ps(sums, ws), _mm256_set1_ps(row_scales[r]), b));
-    }
+    store8(out + half * 8, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums[half]), ws), rs, b));
   }
 }
 
@@ -91,42 +102,40 @@ void widen_block(const int8_t* w, int64_t bytes, int16_t* wide) {
 
 // Group g's four quarters as 16-bit words: from the packed int8 codes, sign-extended as they are read (each 64-byte
 // group once, the line 1 KB ahead prefetched); or from a block widen_block widened, read in place from L1.
-inline void group_quarters(const int8_t* w, int64_t g, __m256i (&quarters)[4]) {
+inline Quarters group_quarters(const int8_t* w, int64_t g) {
   _mm_prefetch(reinterpret_cast<const char*>(w + g * 64 + kPrefetchAhead), _MM_HINT_T0);
-#pragma GCC unroll 4
-  for (int q = 0; q < 4; ++q) {
-    quarters[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 64 + 16 * q)));
-  }
+  const auto quarter = [&](int q) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 64 + 16 * q)));
+  };
+  return {quarter(0), quarter(1), quarter(2), quarter(3)};
 }
-inline void group_quarters(const int16_t* wide, int64_t g, __m256i (&quarters)[4]) {
+inline Quarters group_quarters(const int16_t* wide, int64_t g) {
   const __m256i* group = reinterpret_cast<const __m256i*>(wide + g * kBlock * kGroup);
-#pragma GCC unroll 4
-  for (int q = 0; q < 4; ++q) quarters[q] = _mm256_load_si256(group + q);
+  return {_mm256_load_si256(group), _mm256_load_si256(group + 1), _mm256_load_si256(group + 2),
+          _mm256_load_si256(group + 3)};
 }
 
-// Rows x 16 outputs (a whole block) from its codes (int8 as packed, or int16 as widened): 4 accumulators a row.
+// A row's 4 inputs of group g, repeated across the vector (each quarter's 4 features take them in turn).
+inline __m256i row_inputs(const int16_t* x, int64_t g) {
+  int64_t four;
+  std::memcpy(&four, x + g * kGroup, sizeof(four));
+  return _mm256_set1_epi64x(four);
+}
+
+// Rows (1 or 2) x 16 outputs (a whole block) from its codes (int8 as packed, or int16 as widened).
 template <int Rows, typename Code, typename T>
 void block_tile(const int16_t* x, int64_t k, const Code* codes, int64_t groups, const float* row_scales,
                 const float* weight_scales, const float* bias, T* out, int64_t ldo) {
-  __m256i acc[Rows][4];
-#pragma GCC unroll 4
-  for (int r = 0; r < Rows; ++r) {
-#pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
-  }
+  static_assert(Rows == 1 || Rows == 2);
+  const __m256i zero = _mm256_setzero_si256();
+  Quarters first{zero, zero, zero, zero}, second{zero, zero, zero, zero};
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i quarters[4];
-    group_quarters(codes, g, quarters);
-#pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) {
-      int64_t four;
-      std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
-      const __m256i xv = _mm256_set1_epi64x(four);
-#pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_add_epi32(acc[r][q], _mm256_madd_epi16(quarters[q], xv));
-    }
+    const Quarters w = group_quarters(codes, g);
+    accumulate(first, w, row_inputs(x, g));
+    if constexpr (Rows == 2) accumulate(second, w, row_inputs(x + k, g));
   }
-  store_block<Rows>(acc, row_scales, weight_scales, bias, out, ldo);
+  store_row(first, row_scales[0], weight_scales, bias, out);
+  if constexpr (Rows == 2) store_row(second, row_scales[1], weight_scales, bias, out + ldo);
 }
 
 // Scratch for widen_block: one block of up to `bytes` codes as 16-bit words, 32-byte aligned, per thread.
