@@ -160,6 +160,32 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
+def blocked_case(context_lens, heads, kv_heads, head_dim, block_size, dtype, seed, spare_blocks=0, peaked=False):
+    """Caches whose blocks the contexts' tables take in a random order, and one query per context; `peaked` makes
+    every other query's softmax sharp, so its running maximum moves between chunks (and splits)."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = cdiv(max(context_lens), block_size)
+    num_blocks = max_blocks * len(context_lens) + spare_blocks
+    cache_k = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
+    cache_v = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: max_blocks * len(context_lens)].view(len(context_lens), -1)
+    q = torch.randn(len(context_lens), heads, head_dim, generator=g)
+    if peaked:
+        q[1::2] *= 6
+    return q.to(dtype), cache_k, cache_v, tables
+
+
+def blocked_reference(q_row, cache_k, cache_v, table, ctx, block_size, scale):
+    """Attention of one query over its context read through its block table, in float32."""
+    head_dim = q_row.shape[-1]
+    kv_heads = cache_k.shape[1] // head_dim
+    positions = torch.arange(ctx)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    k = cache_k[slots].float().view(ctx, kv_heads, head_dim)
+    v = cache_v[slots].float().view(ctx, kv_heads, head_dim)
+    return dense_reference(q_row.float(), k, v, scale)
+
+
 @pytest.mark.parametrize("block_size", [8, 12, 16, 32])  # 16 keys inside one block, or spread over two or three
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_operator_walks_blocks_of_any_size(block_size, dtype):
@@ -168,22 +194,11 @@ def test_operator_walks_blocks_of_any_size(block_size, dtype):
     the next chunk's: every way must read the same rows."""
     needs_operator()
     context_lens = [1, 15, 16, 17, 47, 70, 129]
-    heads, kv_heads, head_dim = 9, 3, 64
-    g = torch.Generator().manual_seed(block_size)
-    max_blocks = cdiv(max(context_lens), block_size)
-    num_blocks = max_blocks * len(context_lens) + 3
-    cache_k = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
-    cache_v = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
-    tables = torch.randperm(num_blocks, generator=g)[: max_blocks * len(context_lens)].view(len(context_lens), -1)
-    q = torch.randn(len(context_lens), heads, head_dim, generator=g).to(dtype)
-    lens = torch.tensor(context_lens)
-    out = cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size, head_dim**-0.5)
+    head_dim, scale = 64, 64**-0.5
+    q, cache_k, cache_v, tables = blocked_case(context_lens, 9, 3, head_dim, block_size, dtype, block_size, 3)
+    out = cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, torch.tensor(context_lens), block_size, scale)
     for i, ctx in enumerate(context_lens):
-        positions = torch.arange(ctx)
-        slots = tables[i, positions // block_size] * block_size + positions % block_size
-        k = cache_k[slots].float().view(ctx, kv_heads, head_dim)
-        v = cache_v[slots].float().view(ctx, kv_heads, head_dim)
-        reference = dense_reference(q[i].float(), k, v, head_dim**-0.5)
+        reference = blocked_reference(q[i], cache_k, cache_v, tables[i], ctx, block_size, scale)
         torch.testing.assert_close(out[i].float(), reference, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -199,15 +214,9 @@ def test_operator_gives_a_sequence_the_same_output_alone_or_in_a_crowd(heads, kv
     # 1,100 keys: over the operator's own split length (512), so with 2 threads it is attended in splits, alone and
     # in the crowd alike (split-K cuts by the context, never by the batch).
     context_lens = [1, 2, 63, 64, 65, 130, 200, 333] * 5 + [1100]
-    g = torch.Generator().manual_seed(heads)
-    max_blocks = cdiv(max(context_lens), block_size)
-    num_blocks = max_blocks * len(context_lens)
-    cache_k = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
-    cache_v = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
-    tables = torch.randperm(num_blocks, generator=g).view(len(context_lens), -1)
-    q = torch.randn(len(context_lens), heads, head_dim, generator=g)
-    q[1::2] *= 6  # peaked softmaxes: the running maximum moves between chunks
-    q = q.to(dtype)
+    q, cache_k, cache_v, tables = blocked_case(
+        context_lens, heads, kv_heads, head_dim, block_size, dtype, seed=heads, peaked=True
+    )
     lens = torch.tensor(context_lens)
     scale = head_dim**-0.5
     crowd = cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, lens, block_size, scale)
@@ -217,12 +226,7 @@ def test_operator_gives_a_sequence_the_same_output_alone_or_in_a_crowd(heads, kv
         )
         assert torch.equal(alone, crowd[i : i + 1]), f"sequence {i} differs alone and in the crowd"
     for i in [*range(8), len(context_lens) - 1]:
-        ctx = context_lens[i]
-        positions = torch.arange(ctx)
-        slots = tables[i, positions // block_size] * block_size + positions % block_size
-        k = cache_k[slots].float().view(ctx, kv_heads, head_dim)
-        v = cache_v[slots].float().view(ctx, kv_heads, head_dim)
-        reference = dense_reference(q[i].float(), k, v, scale)
+        reference = blocked_reference(q[i], cache_k, cache_v, tables[i], context_lens[i], block_size, scale)
         torch.testing.assert_close(crowd[i].float(), reference, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
@@ -240,15 +244,9 @@ def test_contexts_attended_in_splits_and_merged_match_the_whole_context(heads, k
     needs_operator()
     block_size = 16
     context_lens = [1, 16, 17, 48, 49, 95, 300]
-    g = torch.Generator().manual_seed(head_dim + split_keys)
-    max_blocks = cdiv(max(context_lens), block_size)
-    num_blocks = max_blocks * len(context_lens)
-    cache_k = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
-    cache_v = torch.randn(num_blocks * block_size, kv_heads * head_dim, generator=g).to(dtype)
-    tables = torch.randperm(num_blocks, generator=g).view(len(context_lens), -1)
-    q = torch.randn(len(context_lens), heads, head_dim, generator=g)
-    q[1::2] *= 6
-    q = q.to(dtype)
+    q, cache_k, cache_v, tables = blocked_case(
+        context_lens, heads, kv_heads, head_dim, block_size, dtype, seed=head_dim + split_keys, peaked=True
+    )
     lens = torch.tensor(context_lens)
     scale = head_dim**-0.5
     split, whole = (
@@ -258,11 +256,7 @@ def test_contexts_attended_in_splits_and_merged_match_the_whole_context(heads, k
     for i, ctx in enumerate(context_lens):
         if ctx <= split_keys:  # attended whole either way: the same arithmetic
             assert torch.equal(split[i], whole[i])
-        positions = torch.arange(ctx)
-        slots = tables[i, positions // block_size] * block_size + positions % block_size
-        k = cache_k[slots].float().view(ctx, kv_heads, head_dim)
-        v = cache_v[slots].float().view(ctx, kv_heads, head_dim)
-        reference = dense_reference(q[i].float(), k, v, scale)
+        reference = blocked_reference(q[i], cache_k, cache_v, tables[i], ctx, block_size, scale)
         torch.testing.assert_close(split[i].float(), reference, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     if dtype == torch.float32:
         torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
