@@ -20,8 +20,9 @@
 // once, the line 1 KB ahead prefetched; the weight's bytes from memory are what they wait for); steps of 6 rows or
 // more widen a block to 16-bit words once (widen_block) and read that in place: sign-extending as read, the
 // `vpmovsxbw`s competed with the multiplies. On a Zen 3 core the widened tiles ran at 54-58 GMAC/s, the 6 x 2 tile at
-// 36-39; at 69-74 once GCC stopped copying the accumulators between registers every group (store_row); a step's 120 decoder weights at 1-2 rows streamed 1.2-1.3x faster in block tiles and units of 64 KB than in
-// 4-row tiles over half-blocks and units of 32 KB, 1.03-1.1x at 3-6 rows (benchmarks/RESULTS.md).
+// 36-39; at 69-74 once GCC stopped copying the accumulators between registers every group (store_row). A step's 120
+// decoder weights at 1-2 rows streamed 1.2-1.3x faster in block tiles and units of 64 KB than in 4-row tiles over
+// half-blocks and units of 32 KB, 1.03-1.1x at 3-6 rows (benchmarks/RESULTS.md).
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>

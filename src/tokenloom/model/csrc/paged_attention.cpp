@@ -47,24 +47,6 @@ inline void widen_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
-// Each of `rows` rows of `n` scores becomes its softmax, in place, in float32; each row's log-sum-exp into `lse`
-// when given.
-inline void softmax_rows(float* scores, int64_t rows, int64_t n, float* lse) {
-  for (int64_t h = 0; h < rows; ++h) {
-    float* s = scores + h * n;
-    float max = std::numeric_limits<float>::lowest();
-    for (int64_t t = 0; t < n; ++t) max = std::max(max, s[t]);
-    float sum = 0.0f;
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = std::exp(s[t] - max);
-      sum += s[t];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-    if (lse != nullptr) lse[h] = max + std::log(sum);
-  }
-}
-
 // Where a unit's query heads go: the op's output rows, in their dtype; or, for one split of a long context
 // (decode_all), float32 rows normalized within the split and each head's log-sum-exp, merged once all splits are
 // done (merge_splits). Every kernel below ends by writing each head through one.
@@ -85,6 +67,25 @@ struct HeadsOut {
     if (lse != nullptr) lse[h] = run_max + std::log(run_sum);
   }
 };
+
+// Each of `rows` rows of `n` scores becomes its softmax, in place, in float32; each row's denominator to `out` (a
+// split's log-sum-exp).
+template <typename T>
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, const HeadsOut<T>& out) {
+  for (int64_t h = 0; h < rows; ++h) {
+    float* s = scores + h * n;
+    float max = std::numeric_limits<float>::lowest();
+    for (int64_t t = 0; t < n; ++t) max = std::max(max, s[t]);
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - max);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+    out.denominator(h, max, sum);
+  }
+}
 
 // One KV head's rows of a plain (float32 or bfloat16) cache, widened to float32 one slot at a time.
 template <typename T>
@@ -132,7 +133,7 @@ void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* t
       scores[h * ctx + t] = dot;
     }
   }
-  softmax_rows(scores, group, ctx, out.lse);
+  softmax_rows(scores, group, ctx, out);
   for (int64_t t = 0; t < ctx; ++t) {
     v_rows.widen(table[t / block_size], t % block_size, kv, hd);
     for (int64_t h = 0; h < group; ++h) {
@@ -1072,22 +1073,29 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   if (split_keys == 0) split_keys = auto_split_keys(block_size);
   TORCH_INTERNAL_ASSERT(split_keys % block_size == 0);
   // The pieces in the order threads take them (work_sharing.h): longest contexts first (the runner sorts decodes
-  // by context length, ascending), so the last taken are short and the threads finish together.
-  std::vector<Piece> pieces;
+  // by context length, ascending), so the last taken are short and the threads finish together. Kept from call to
+  // call (no allocation a layer), and read through pointers: a helper naming a thread_local would get its own.
+  thread_local std::vector<Piece> piece_list;
+  thread_local std::vector<int64_t> split_list;  // each split unit's first piece
+  piece_list.clear();
+  split_list.clear();
   int64_t parts = 0;
   for (int64_t seq = num_seqs - 1; seq >= 0; --seq) {
     const int64_t ctx = lens[seq];
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
       if (split_keys == 0 || ctx <= split_keys) {
-        pieces.push_back({seq, kv_head, 0, ctx, -1});
+        piece_list.push_back({seq, kv_head, 0, ctx, -1});
         continue;
       }
+      split_list.push_back(static_cast<int64_t>(piece_list.size()));
       for (int64_t first = 0; first < ctx; first += split_keys) {
-        pieces.push_back({seq, kv_head, first, std::min(split_keys, ctx - first), parts++});
+        piece_list.push_back({seq, kv_head, first, std::min(split_keys, ctx - first), parts++});
       }
     }
   }
-  // The caller's (a helper naming a thread_local would get its own): [parts][group][head_dim], [parts][group].
+  const Piece* const pieces = piece_list.data();
+  const int64_t* const split_units = split_list.data();
+  // [parts][group][head_dim], [parts][group]: the caller's, as above.
   thread_local std::vector<float> partial_rows, partial_lse;
   partial_rows.resize(parts * group * head_dim);
   partial_lse.resize(parts * group);
@@ -1109,20 +1117,15 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
                          tables + piece.seq * max_blocks + piece.first / block_size, piece.keys, group, head_dim,
                          block_size, s, sink, scratch);
   };
-  tokenloom::WorkSharing::instance().run(static_cast<int64_t>(pieces.size()), body);
-  if (parts == 0) return;
-  std::vector<const Piece*> split_units;  // each split unit once, by its first split
-  for (const Piece& piece : pieces) {
-    if (piece.part >= 0 && piece.first == 0) split_units.push_back(&piece);
-  }
+  tokenloom::WorkSharing::instance().run(static_cast<int64_t>(piece_list.size()), body);
   const std::function<void(int64_t)> merge = [&](int64_t index) {
     thread_local std::vector<float> merged;
-    const Piece& first = *split_units[index];
+    const Piece& first = pieces[split_units[index]];
     const int64_t unit_parts = (lens[first.seq] + split_keys - 1) / split_keys;
     merge_splits(partials, lse, first.part, unit_parts, group, head_dim,
                  out_ptr + first.seq * out_stride + first.kv_head * group * head_dim, merged);
   };
-  tokenloom::WorkSharing::instance().run(static_cast<int64_t>(split_units.size()), merge);
+  tokenloom::WorkSharing::instance().run(static_cast<int64_t>(split_list.size()), merge);
 }
 
 template <typename T>
