@@ -125,9 +125,10 @@ def decode(q, cache_k, cache_v, tables, lens, fmt, use_kernel: bool) -> torch.Te
 # The operator's error against attention over the dequantized cache in float32 (the plain path), as a share of each
 # output row's norm. fp8 in float32 is the same arithmetic; in bf16 the kernel rounds as for a bf16 cache (measured up
 # to 1.8%); int8 through AVX-512 VNNI also quantizes each query head in two int8 parts and each 16 keys' probabilities
-# to 8 bits (measured up to 2.0%, on K and V with a 20x outlier channel); int8 in float32 on AVX2 quantizes each
-# query head and each chunk's weights to 16 bits (measured up to 0.06%).
-ROW_ERROR = {"int8": 0.03, "fp8_e4m3": 0.025, "fp8_e5m2": 0.025}
+# to 8 bits (measured up to 2.0% on K and V with a 20x outlier channel, 3.2% on a 65-key context of
+# test_split_contexts_of_an_8_bit_cache_merge_to_the_whole's case, split or not); int8 in float32 on AVX2 quantizes
+# each query head and each chunk's weights to 16 bits (measured up to 0.06%).
+ROW_ERROR = {"int8": 0.04, "fp8_e4m3": 0.025, "fp8_e5m2": 0.025}
 AVX2_INT8_ROW_ERROR = 0.002
 
 
@@ -142,8 +143,7 @@ def test_decode_operator_matches_the_plain_path_on_8_bit_caches(name, dtype, hea
     ours = decode(q.to(dtype), cache_k, cache_v, tables, lens, fmt, use_kernel=True).float()
     # A context of one token is its value, whatever the arithmetic.
     torch.testing.assert_close(ours[0], reference[0], rtol=1e-2, atol=1e-2)
-    row_error = (ours - reference).norm(dim=-1) / reference.norm(dim=-1)
-    assert row_error.max() <= row_error_bound(name, dtype, head_dim), float(row_error.max())
+    assert row_error(ours, reference) <= row_error_bound(name, dtype, head_dim)
 
 
 def row_error_bound(name: str, dtype: torch.dtype, head_dim: int) -> float:
@@ -162,12 +162,22 @@ def test_split_contexts_of_an_8_bit_cache_merge_to_the_whole(name, dtype):
     heads_, kv_heads, head_dim = 9, 3, 64
     fmt, q, cache_k, cache_v, tables = quantized_case(name, heads_, kv_heads, head_dim, lens)
     reference = decode(q, cache_k, cache_v, tables, lens, fmt, use_kernel=False)
-    ours = cpu_kernel.paged_decode_attention(
-        q.to(dtype), cache_k, cache_v, tables, torch.tensor(lens), BLOCK, head_dim**-0.5, kv_kind=fmt.kind,
-        split_keys=2 * BLOCK,
-    ).float()  # fmt: skip
-    row_error = (ours - reference).norm(dim=-1) / reference.norm(dim=-1)
-    assert row_error.max() <= row_error_bound(name, dtype, head_dim), float(row_error.max())
+
+    def attend(split_keys: int) -> torch.Tensor:
+        return cpu_kernel.paged_decode_attention(
+            q.to(dtype), cache_k, cache_v, tables, torch.tensor(lens), BLOCK, head_dim**-0.5, kv_kind=fmt.kind,
+            split_keys=split_keys,
+        ).float()  # fmt: skip
+
+    split, whole = attend(2 * BLOCK), attend(1 << 30)
+    assert row_error(split, reference) <= row_error_bound(name, dtype, head_dim)
+    if dtype == torch.float32:  # the same codes, probabilities and sums, merged: only float rounding may differ
+        assert row_error(split, whole) <= 1e-5
+
+
+def row_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest error of an output row, as a share of the reference row's norm."""
+    return float(((ours - reference).norm(dim=-1) / reference.norm(dim=-1)).max())
 
 
 @pytest.mark.parametrize("name", FORMATS)
