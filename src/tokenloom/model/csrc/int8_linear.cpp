@@ -29,6 +29,7 @@
 #include "bf16_vec.h"
 #include "int8_epilogue.h"
 #include "int8_packing.h"
+#include "vnni_asm.h"
 #include "work_sharing.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -46,7 +47,9 @@ constexpr int64_t kChunkRows = 128;  // rows whose codes stay in L2 while a unit
 // codes, 2 x 4 on 16-bit ones. Larger steps on int8 codes take 8 x 2 tiles, which load half the weight vectors per
 // `vpdpbusd`: on a Zen 4 they ran the decoder's shapes at 64-1,024 rows 1.2-1.6x faster than 4 x 4 (6 x 4, 4 x 6,
 // 10 x 2 and 12 x 2 were slower than either; on the Zen 5 measured before, 6 x 4 and 8 x 3 were no faster than
-// 4 x 4; RESULTS.md). Larger 16-bit steps take 4 x 2.
+// 4 x 4; RESULTS.md). Larger 16-bit steps take 4 x 2. Every multiply goes through vnni_asm.h, and every loop over
+// a tile's rows or blocks is unrolled: so GCC keeps the accumulators in registers, uncopied (on a Zen 4 the
+// decoder's four linears then ran 1.07-1.24x faster at 4-1,024 rows, the same at 1-3; RESULTS.md).
 template <typename Code, bool Few>
 struct TileShape {
   static constexpr bool kWide = std::is_same_v<Code, int16_t>;
@@ -55,17 +58,8 @@ struct TileShape {
 };
 constexpr int64_t kFewRows = 8;  // int8 steps of fewer rows take the few-row tiles
 
-// acc += u x s by `vpdpbusd` (unsigned x signed bytes), and acc += a x b by `vpdpwssd` (signed words), in acc's own
-// register. Through the intrinsics GCC (12) kept each accumulator of a tile in two registers and copied it in and out
-// around every multiply (two moves a `vpdpbusd`, and spills in the larger tiles); with these and the tiles' loops
-// unrolled before its scalar replacement of the accumulator arrays (the `GCC unroll` pragmas), none. On a Zen 4 the
-// decoder's four linears ran 1.07-1.24x faster at 4-1,024 rows, the same at 1-3 (RESULTS.md).
-[[gnu::always_inline]] inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-}
-[[gnu::always_inline]] inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-}
+using tokenloom::dpbusd;
+using tokenloom::dpwssd;
 
 struct Scales {
   const float* rows;     // [M]

@@ -24,6 +24,7 @@
 #include "avx512_exp.h"
 #include "bf16_vec.h"
 #include "kv_codes.h"
+#include "vnni_asm.h"
 #include "work_sharing.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -415,6 +416,65 @@ inline __m512i sum_each_epi32(const __m512i* v) {
   return _mm512_add_epi32(_mm512_shuffle_i32x4(q01, q23, 0x88), _mm512_shuffle_i32x4(q01, q23, 0xDD));
 }
 
+// p.v of one group of 16 keys for N query heads, a count known when compiled so that their N x 4 x kVecs integer
+// sums stay in registers: the 16 rows of V codes, 4 keys interleaved per dimension, times each head's 16 weight
+// bytes (head h's at w8 + h * w_stride; keys from `live` on weigh 0), added into each head's float32 accumulator
+// (acc + h * HD) times its weight scale for the group (w_mul[h * w_mul_stride]).
+template <int HD, int N>
+void weigh_group_vnni(const uint8_t* const* rows, int live, const uint8_t* w8, int64_t w_stride, const float* w_mul,
+                      int64_t w_mul_stride, float* acc) {
+  constexpr int kVecs = HD / 64;
+  __m512i sums[N][4 * kVecs];
+#pragma GCC unroll 16
+  for (int h = 0; h < N; ++h) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 4 * kVecs; ++i) sums[h][i] = _mm512_setzero_si512();
+  }
+  for (int j = 0; j < live; j += 4) {
+    __m512i quads[4 * kVecs];
+#pragma GCC unroll 16
+    for (int c = 0; c < kVecs; ++c) {
+      const __m512i r0 = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + 64 * c));
+      const __m512i r1 = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 1] + 64 * c));
+      const __m512i r2 = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 2] + 64 * c));
+      const __m512i r3 = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 3] + 64 * c));
+      const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
+      const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
+      quads[4 * c + 0] = _mm512_unpacklo_epi16(lo01, lo23);
+      quads[4 * c + 1] = _mm512_unpackhi_epi16(lo01, lo23);
+      quads[4 * c + 2] = _mm512_unpacklo_epi16(hi01, hi23);
+      quads[4 * c + 3] = _mm512_unpackhi_epi16(hi01, hi23);
+    }
+#pragma GCC unroll 16
+    for (int h = 0; h < N; ++h) {
+      int32_t four;
+      std::memcpy(&four, w8 + h * w_stride + j, sizeof(four));
+      const __m512i w = _mm512_set1_epi32(four);
+#pragma GCC unroll 16
+      for (int i = 0; i < 4 * kVecs; ++i) tokenloom::dpbusd(sums[h][i], w, quads[i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int h = 0; h < N; ++h) {
+    const __m512 f = _mm512_set1_ps(w_mul[h * w_mul_stride]);
+    float* a = acc + h * HD;
+#pragma GCC unroll 16
+    for (int i = 0; i < 4 * kVecs; ++i) {
+      _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h][i]), f, _mm512_loadu_ps(a + 16 * i)));
+    }
+  }
+}
+
+// weigh_group_vnni for the n heads of a pass, 1 <= n <= N.
+template <int HD, int N>
+void weigh_group_vnni(int n, const uint8_t* const* rows, int live, const uint8_t* w8, int64_t w_stride,
+                      const float* w_mul, int64_t w_mul_stride, float* acc) {
+  if constexpr (N > 1) {
+    if (n < N) return weigh_group_vnni<HD, N - 1>(n, rows, live, w8, w_stride, w_mul, w_mul_stride, acc);
+  }
+  weigh_group_vnni<HD, N>(rows, live, w8, w_stride, w_mul, w_mul_stride, acc);
+}
+
 // Decode attention over an int8 cache with AVX-512 VNNI: integer dot products of 64 bytes per instruction, twice
 // the multiplies of a bf16 dot product in less time on the CPUs measured (benchmarks/RESULTS.md), so the 8-bit
 // cache is read faster than a bf16 one, not just in fewer bytes. As llama.cpp does for its q8_0 cache:
@@ -493,12 +553,14 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
           q2[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(q8 + 2 * h * HD + HD + 64 * c));
         }
         __m512i dots[16];
+#pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
           __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
+#pragma GCC unroll 16
           for (int c = 0; c < kVecs; ++c) {
             const __m512i k = _mm512_load_si512(reinterpret_cast<const void*>(unsigned_rows + j * HD + 64 * c));
-            first = _mm512_dpbusd_epi32(first, k, q1[c]);
-            second = _mm512_dpbusd_epi32(second, k, q2[c]);
+            tokenloom::dpbusd(first, k, q1[c]);
+            tokenloom::dpbusd(second, k, q2[c]);
           }
           dots[j] = _mm512_add_epi32(_mm512_slli_epi32(first, 8), second);
         }
@@ -542,40 +604,10 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
           group_rows(k_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, next);
           prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
         }
-        __m512i sums[kPass][4 * kVecs];
-        for (int64_t h = 0; h < n; ++h) {
-          for (int i = 0; i < 4 * kVecs; ++i) sums[h][i] = _mm512_setzero_si512();
-        }
         const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: weight 0
-        for (int j = 0; j < live; j += 4) {
-          __m512i quads[4 * kVecs];
-          for (int c = 0; c < kVecs; ++c) {
-            const __m512i r0 = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j] + 64 * c));
-            const __m512i r1 = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j + 1] + 64 * c));
-            const __m512i r2 = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j + 2] + 64 * c));
-            const __m512i r3 = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j + 3] + 64 * c));
-            const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
-            const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
-            quads[4 * c + 0] = _mm512_unpacklo_epi16(lo01, lo23);
-            quads[4 * c + 1] = _mm512_unpackhi_epi16(lo01, lo23);
-            quads[4 * c + 2] = _mm512_unpacklo_epi16(hi01, hi23);
-            quads[4 * c + 3] = _mm512_unpackhi_epi16(hi01, hi23);
-          }
-          for (int64_t h = 0; h < n; ++h) {
-            int32_t four;
-            std::memcpy(&four, w8 + (h0 + h) * kChunk + (t0 - c0 + j), sizeof(four));
-            const __m512i w = _mm512_set1_epi32(four);
-            for (int i = 0; i < 4 * kVecs; ++i) sums[h][i] = _mm512_dpbusd_epi32(sums[h][i], w, quads[i]);
-          }
-        }
-        const int g = static_cast<int>((t0 - c0) / 16);
-        for (int64_t h = 0; h < n; ++h) {
-          const __m512 f = _mm512_set1_ps(w_mul[(h0 + h) * (kChunk / 16) + g]);
-          float* a = acc + (h0 + h) * HD;
-          for (int i = 0; i < 4 * kVecs; ++i) {
-            _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h][i]), f, _mm512_loadu_ps(a + 16 * i)));
-          }
-        }
+        const int64_t g = (t0 - c0) / 16;
+        weigh_group_vnni<HD, kPass>(static_cast<int>(n), raw, live, w8 + h0 * kChunk + (t0 - c0), kChunk,
+                                    w_mul + h0 * (kChunk / 16) + g, kChunk / 16, acc + h0 * HD);
       }
     }
   }
