@@ -35,6 +35,16 @@ namespace {
 
 using tokenloom::kNoMax;
 
+// f.template operator()<N>() with N = n, for 1 <= n <= Max: a count known when compiled, so that register tiles of
+// N rows are sized by it and their loops unrolled (a tile sized by a count known only at run time lives in memory).
+template <int Max, typename F>
+void with_count(int n, F&& f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_count<Max - 1>(n, f);
+  }
+  f.template operator()<Max>();
+}
+
 inline float widen(float x) { return x; }
 
 inline float widen(c10::BFloat16 x) {
@@ -243,7 +253,8 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
   using Elem = KVElem<Kind>;
   static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
   constexpr int kChunks = HD / 32;  // bf16 vectors of 32 per row
-  constexpr int kMaxGroup = 8;
+  // query heads whose p.v accumulators (2 x kChunks each) fit in the 32 registers beside a key pair's 2 x kChunks
+  constexpr int kPass = (32 - 2 * kChunks - 2) / (2 * kChunks);
   constexpr int kChunk = 64;        // keys per step of the online softmax
   const int64_t heads = group;  // the query heads that share this KV head
   scratch.resize(heads * (kChunk + kChunk / 2 + HD + 2));
@@ -325,55 +336,64 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
       }
       run_sum[h] += _mm512_reduce_add_ps(total);
     }
-    // The chunk's V rows, weighted, for kMaxGroup query heads at a time (their accumulators live in registers).
-    // Two keys per bf16 dot product: rows 2i and 2i + 1 interleaved into pairs of dims.
-    for (int64_t h0 = 0; h0 < heads; h0 += kMaxGroup) {
-      const int64_t n = std::min<int64_t>(kMaxGroup, heads - h0);
-      __m512 lo[kMaxGroup][kChunks], hi[kMaxGroup][kChunks];
-      for (int64_t h = 0; h < n; ++h) {
-        for (int c = 0; c < kChunks; ++c) {
-          lo[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32);
-          hi[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32 + 16);
-        }
-      }
-      for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-        group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
-        if constexpr (Kind == tokenloom::kPlain) {
-          std::copy(raw, raw + 16, rows);
-        } else {
-          widen_rows<HD, Kind>(raw, widened, rows);
-        }
-        if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
-          // The next chunk's K rows, into L2 while this chunk's V rows are multiplied.
-          const Elem* next[16];
-          group_rows(k_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, next);
-          prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
-        }
-        const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
-        for (int j = 0; j < live; j += 2) {
-          __m512bh pair_lo[kChunks], pair_hi[kChunks];
+    // The chunk's V rows, weighted, for kPass query heads at a time (their accumulators live in registers: N is
+    // known when compiled, and every loop over them unrolled). Two keys per bf16 dot product: rows 2i and 2i + 1
+    // interleaved into pairs of dims.
+    for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
+      with_count<kPass>(static_cast<int>(std::min<int64_t>(kPass, heads - h0)), [&]<int N>() {
+        __m512 lo[N][kChunks], hi[N][kChunks];
+#pragma GCC unroll 16
+        for (int h = 0; h < N; ++h) {
+#pragma GCC unroll 16
           for (int c = 0; c < kChunks; ++c) {
-            const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + c * 32));
-            const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 1] + c * 32));
-            pair_lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-            pair_hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            lo[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32);
+            hi[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32 + 16);
           }
-          const int64_t pair = (t0 - c0 + j) / 2;
-          for (int64_t h = 0; h < n; ++h) {
-            const __m512bh w = tokenloom::broadcast_pair(probs + (h0 + h) * (kChunk / 2) + pair);
+        }
+        for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+          group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
+          if constexpr (Kind == tokenloom::kPlain) {
+            std::copy(raw, raw + 16, rows);
+          } else {
+            widen_rows<HD, Kind>(raw, widened, rows);
+          }
+          if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
+            // The next chunk's K rows, into L2 while this chunk's V rows are multiplied.
+            const Elem* next[16];
+            group_rows(k_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, next);
+            prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
+          }
+          const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
+          for (int j = 0; j < live; j += 2) {
+            __m512bh pair_lo[kChunks], pair_hi[kChunks];
+#pragma GCC unroll 16
             for (int c = 0; c < kChunks; ++c) {
-              lo[h][c] = _mm512_dpbf16_ps(lo[h][c], w, pair_lo[c]);
-              hi[h][c] = _mm512_dpbf16_ps(hi[h][c], w, pair_hi[c]);
+              const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + c * 32));
+              const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 1] + c * 32));
+              pair_lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+              pair_hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
+            const int64_t pair = (t0 - c0 + j) / 2;
+#pragma GCC unroll 16
+            for (int h = 0; h < N; ++h) {
+              const __m512bh w = tokenloom::broadcast_pair(probs + (h0 + h) * (kChunk / 2) + pair);
+#pragma GCC unroll 16
+              for (int c = 0; c < kChunks; ++c) {
+                lo[h][c] = _mm512_dpbf16_ps(lo[h][c], w, pair_lo[c]);
+                hi[h][c] = _mm512_dpbf16_ps(hi[h][c], w, pair_hi[c]);
+              }
             }
           }
         }
-      }
-      for (int64_t h = 0; h < n; ++h) {
-        for (int c = 0; c < kChunks; ++c) {
-          _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32, lo[h][c]);
-          _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32 + 16, hi[h][c]);
+#pragma GCC unroll 16
+        for (int h = 0; h < N; ++h) {
+#pragma GCC unroll 16
+          for (int c = 0; c < kChunks; ++c) {
+            _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32, lo[h][c]);
+            _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32 + 16, hi[h][c]);
+          }
         }
-      }
+      });
     }
   }
   // unpacklo/hi_epi16 pair dims per 128-bit lane: lane 4L + m of `lo` holds dim 8L + m, of `hi` dim 8L + 4 + m.
@@ -463,16 +483,6 @@ void weigh_group_vnni(const uint8_t* const* rows, int live, const uint8_t* w8, i
       _mm512_storeu_ps(a + 16 * i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h][i]), f, _mm512_loadu_ps(a + 16 * i)));
     }
   }
-}
-
-// weigh_group_vnni for the n heads of a pass, 1 <= n <= N.
-template <int HD, int N>
-void weigh_group_vnni(int n, const uint8_t* const* rows, int live, const uint8_t* w8, int64_t w_stride,
-                      const float* w_mul, int64_t w_mul_stride, float* acc) {
-  if constexpr (N > 1) {
-    if (n < N) return weigh_group_vnni<HD, N - 1>(n, rows, live, w8, w_stride, w_mul, w_mul_stride, acc);
-  }
-  weigh_group_vnni<HD, N>(rows, live, w8, w_stride, w_mul, w_mul_stride, acc);
 }
 
 // Decode attention over an int8 cache with AVX-512 VNNI: integer dot products of 64 bytes per instruction, twice
@@ -606,8 +616,10 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
         }
         const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: weight 0
         const int64_t g = (t0 - c0) / 16;
-        weigh_group_vnni<HD, kPass>(static_cast<int>(n), raw, live, w8 + h0 * kChunk + (t0 - c0), kChunk,
-                                    w_mul + h0 * (kChunk / 16) + g, kChunk / 16, acc + h0 * HD);
+        with_count<kPass>(static_cast<int>(n), [&]<int N>() {
+          weigh_group_vnni<HD, N>(raw, live, w8 + h0 * kChunk + (t0 - c0), kChunk, w_mul + h0 * (kChunk / 16) + g,
+                                  kChunk / 16, acc + h0 * HD);
+        });
       }
     }
   }
