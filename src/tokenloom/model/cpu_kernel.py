@@ -39,8 +39,8 @@ SOURCES = [
 HEADERS = [
     CSRC / name
     for name in (
-        "work_sharing.h", "avx512_exp.h", "bf16_vec.h", "kv_codes.h", "int8_epilogue.h", "int8_packing.h", "amx_tiles.h",
-        "vnni_asm.h",
+        "work_sharing.h", "avx512_exp.h", "bf16_vec.h", "kv_codes.h", "int8_epilogue.h", "int8_packing.h",
+        "amx_tiles.h", "vnni_asm.h",
     )
 ]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math
