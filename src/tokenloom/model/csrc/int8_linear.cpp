@@ -74,14 +74,14 @@ template <int Rows, int Blocks>
 void sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, __m512i (&acc)[Rows][Blocks]) {
   for (int64_t g = 0; g < groups; ++g) {
     __m512i wv[Blocks];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) wv[b] = _mm512_loadu_si512(w + b * groups + g);
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       int32_t four;
       std::memcpy(&four, xu + r * k + g * kGroup, sizeof(four));
       const __m512i xv = _mm512_set1_epi32(four);
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int b = 0; b < Blocks; ++b) dpbusd(acc[r][b], xv, wv[b]);
     }
   }
@@ -93,36 +93,36 @@ void sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, __m
 template <int Rows, int Blocks>
 void sums_of(const int16_t* x, int64_t k, const __m512i* w, int64_t groups, __m512i (&acc)[Rows][Blocks]) {
   __m512i pairs[Rows][Blocks][2];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) pairs[r][b][0] = pairs[r][b][1] = _mm512_setzero_si512();
   }
   const auto* halves = reinterpret_cast<const __m256i*>(w);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i wv[Blocks][2];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) {
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int h = 0; h < 2; ++h) wv[b][h] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(halves + 2 * (b * groups + g) + h));
     }
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       int64_t four;
       std::memcpy(&four, x + r * k + g * kGroup, sizeof(four));
       const __m512i xv = _mm512_set1_epi64(four);
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int b = 0; b < Blocks; ++b) {
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int h = 0; h < 2; ++h) dpwssd(pairs[r][b][h], xv, wv[b][h]);
       }
     }
   }
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) {
       const __m512i lo = pairs[r][b][0], hi = pairs[r][b][1];
       acc[r][b] = _mm512_add_epi32(_mm512_permutex2var_epi32(lo, even, hi), _mm512_permutex2var_epi32(lo, odd, hi));
@@ -137,15 +137,15 @@ void tile(const Code* x, int64_t k, const __m512i* w, int64_t groups, const Scal
           int64_t ldo) {
   static_assert(!Gated || Blocks % 2 == 0, "a gated tile holds gate and up blocks in pairs");
   __m512i acc[Rows][Blocks];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_si512();
   }
   sums_of<Rows, Blocks>(x, k, w, groups, acc);
   __m512i shift[Blocks];
   __m512 weight_scale[Blocks], bias[Blocks];
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int b = 0; b < Blocks; ++b) {
     const int64_t f = feature + b * kBlock;
     // 128 x the code sum, for the unsigned shift of int8 codes
@@ -154,21 +154,21 @@ void tile(const Code* x, int64_t k, const __m512i* w, int64_t groups, const Scal
     weight_scale[b] = _mm512_loadu_ps(s.weights + f);
     bias[b] = s.bias ? _mm512_loadu_ps(s.bias + f) : _mm512_setzero_ps();
   }
-  #pragma GCC unroll 16
+#pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
     const __m512 row_scale = _mm512_set1_ps(s.rows[r]);
     __m512 y[Blocks];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) {
       y[b] = tokenloom::scale_sums(_mm512_sub_epi32(acc[r][b], shift[b]), weight_scale[b], row_scale, bias[b]);
     }
     if constexpr (Gated) {
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int b = 0; b < Blocks / 2; ++b) {
         tokenloom::store16(out + r * ldo + b * kBlock, tokenloom::silu_times(y[2 * b], y[2 * b + 1]));
       }
     } else {
-      #pragma GCC unroll 16
+#pragma GCC unroll 16
       for (int b = 0; b < Blocks; ++b) tokenloom::store16(out + r * ldo + b * kBlock, y[b]);
     }
   }
