@@ -171,8 +171,11 @@ def test_split_contexts_of_an_8_bit_cache_merge_to_the_whole(name, dtype):
 
     split, whole = attend(2 * BLOCK), attend(1 << 30)
     assert row_error(split, reference) <= row_error_bound(name, dtype, head_dim)
-    if dtype == torch.float32:  # the same codes, probabilities and sums, merged: only float rounding may differ
-        assert row_error(split, whole) <= 1e-5
+    if dtype == torch.float32:
+        # The same codes and scales, merged: float rounding differs, and on AVX2 each split's probabilities are
+        # rounded to 16 bits against its own largest (~1e-5 of a row); a split reading another slot's codes or scale
+        # is off by tens of percent.
+        assert row_error(split, whole) <= 1e-3
 
 
 def row_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
