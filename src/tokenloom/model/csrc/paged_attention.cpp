@@ -606,7 +606,7 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
     }
     // p.v, kPass heads at a time: per 16 keys, 4 keys per integer dot product (their codes interleaved per dim).
     for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
-      const int64_t n = std::min<int64_t>(kPass, heads - h0);
+      const int n = static_cast<int>(std::min<int64_t>(kPass, heads - h0));
       for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
         group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
         if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
@@ -616,7 +616,7 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
         }
         const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: weight 0
         const int64_t g = (t0 - c0) / 16;
-        with_count<kPass>(static_cast<int>(n), [&]<int N>() {
+        with_count<kPass>(n, [&]<int N>() {
           weigh_group_vnni<HD, N>(raw, live, w8 + h0 * kChunk + (t0 - c0), kChunk, w_mul + h0 * (kChunk / 16) + g,
                                   kChunk / 16, acc + h0 * HD);
         });
@@ -950,17 +950,12 @@ void attend_int8_avx2(const float* q, const uint8_t* k_cache, const uint8_t* v_c
     }
     const int pairs = (keys + 1) / 2;
     for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
-      const int64_t n = std::min<int64_t>(kPass, heads - h0);
       const int16_t* w = w16 + h0 * kChunk;
-      for (int d0 = 0; d0 < HD; d0 += 32) {
-        if (n == 3) {
-          weigh_values_int16<3, HD>(v_rows, pairs, w, kChunk, w_mul + h0, acc + h0 * HD, d0);
-        } else if (n == 2) {
-          weigh_values_int16<2, HD>(v_rows, pairs, w, kChunk, w_mul + h0, acc + h0 * HD, d0);
-        } else {
-          weigh_values_int16<1, HD>(v_rows, pairs, w, kChunk, w_mul + h0, acc + h0 * HD, d0);
+      with_count<kPass>(static_cast<int>(std::min<int64_t>(kPass, heads - h0)), [&]<int N>() {
+        for (int d0 = 0; d0 < HD; d0 += 32) {
+          weigh_values_int16<N, HD>(v_rows, pairs, w, kChunk, w_mul + h0, acc + h0 * HD, d0);
         }
-      }
+      });
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
