@@ -158,15 +158,23 @@ void attend(const T* q, const Rows& k_rows, const Rows& v_rows, const int64_t* t
 }
 
 #if defined(__AVX512F__)
-// `rows` rows of `elements` each, into cache level Hint. The loop over keys is faster than memory, and a block's
+// `rows` rows of `elements` each, into L2. The loop over keys is faster than memory, and a block's
 // successor is elsewhere in memory where the hardware's prefetcher cannot see it coming. At 64 sequences x 340
 // tokens, 30 layers of cold cache, a layer took 977 us with the kernel's two prefetches and 1,354 us without.
-template <int Hint, typename Elem>
+// The AVX-512 kernels fetch a context's first chunk at once, then the next chunk's K rows while a chunk's V rows are
+// multiplied. A bf16 cache's V rows are fetched as their own chunk's K rows are multiplied; an 8-bit cache's V
+// entries come a chunk ahead with K, and whole (codes and scale: 16 entries end in a 17th line): its V scales are
+// read as the chunk begins, and V fetched only then, with the scales' lines left out, stalled on memory (12 x 4,000
+// tokens of int8 cache, 30 layers cold: 1.5x slower). A bf16 cache's V fetched with the next K, twice the bytes in
+// one burst, was 5-8% slower (benchmarks/RESULTS.md).
+// Each line is asked for by `prefetcht1` in volatile asm: GCC 12's dead-code elimination dropped _mm_prefetch
+// calls from these kernels whenever the rows came through group_rows in a helper (no prefetch at all was emitted).
+template <typename Elem>
 inline void prefetch_rows(const Elem* first, int64_t row, int elements, int64_t rows) {
   constexpr int kLine = 64 / sizeof(Elem);  // elements per cache line
   for (int64_t j = 0; j < rows; ++j) {
     for (int d = 0; d < elements; d += kLine) {
-      _mm_prefetch(reinterpret_cast<const char*>(first + j * row + d), static_cast<_mm_hint>(Hint));
+      asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(first + j * row + d)));
     }
   }
 }
@@ -200,6 +208,18 @@ inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int6
   } else {
     for (int j = 0; j < 16; ++j) rows[j] = row_of(std::min(t0 + j, ctx - 1));
   }
+}
+
+// Keys t0 .. t0 + 15 (t0 + 16 <= ctx) into L2: their K rows and, with_v, their V rows (V lies as K does); `entry`
+// elements of each row (an 8-bit cache's whole entries).
+template <typename Elem>
+inline void prefetch_group(const Elem* k_cache, const Elem* v_cache, const int64_t* table, int64_t t0, int64_t ctx,
+                           int64_t row, int64_t block_stride, int64_t block_size, int entry, bool with_v) {
+  const Elem* rows[16];
+  group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, rows);
+  const int64_t contiguous = block_size % 16 == 0 ? 16 : 1;
+  prefetch_rows(rows[0], row, entry, contiguous);
+  if (with_v) prefetch_rows(v_cache + (rows[0] - k_cache), row, entry, contiguous);
 }
 
 // The online softmax meeting a chunk whose largest score is chunk_max: what one query head summed under a lower
@@ -272,13 +292,17 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
   alignas(64) c10::BFloat16 widened[16 * HD];  // an 8-bit cache's 16 rows, as bf16
   alignas(64) float k_scales[16];
   alignas(64) float v_scales[kChunk];  // the chunk's
+  const int entry = Kind == tokenloom::kPlain ? HD : static_cast<int>(row);  // elements fetched of each row
+  constexpr bool kVWithK = Kind != tokenloom::kPlain;  // V fetched a chunk ahead, with K (see prefetch_rows)
+  for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kChunk, ctx); t0 += 16) {
+    prefetch_group(k_cache, v_cache, table, t0, ctx, row, block_stride, block_size, entry, kVWithK);
+  }
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
     for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
       group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
-      if (t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half (V lies as K does)
-        const Elem* v_first = v_cache + (raw[0] - k_cache);
-        prefetch_rows<_MM_HINT_T1>(v_first, row, HD, block_size % 16 == 0 ? 16 : 1);
+      if (!kVWithK && t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half
+        prefetch_rows(v_cache + (raw[0] - k_cache), row, HD, block_size % 16 == 0 ? 16 : 1);
       }
       if constexpr (Kind == tokenloom::kPlain) {
         std::copy(raw, raw + 16, rows);
@@ -357,11 +381,8 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
           } else {
             widen_rows<HD, Kind>(raw, widened, rows);
           }
-          if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
-            // The next chunk's K rows, into L2 while this chunk's V rows are multiplied.
-            const Elem* next[16];
-            group_rows(k_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, next);
-            prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
+          if (h0 == 0 && t0 + kChunk + 16 <= ctx) {  // the next chunk's rows, while this chunk's V rows are multiplied
+            prefetch_group(k_cache, v_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, entry, kVWithK);
           }
           const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
           for (int j = 0; j < live; j += 2) {
@@ -543,11 +564,14 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
   alignas(64) float k_scales[16];
   alignas(64) float v_scales[kChunk];
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int entry = static_cast<int>(row);  // codes and scale: V comes a chunk ahead with K (see prefetch_rows)
+  for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kChunk, ctx); t0 += 16) {
+    prefetch_group(k_cache, v_cache, table, t0, ctx, row, block_stride, block_size, entry, true);
+  }
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
     for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
       group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
-      if (t0 + 16 <= ctx) prefetch_rows<_MM_HINT_T1>(v_cache + (raw[0] - k_cache), row, HD, block_size % 16 == 0 ? 16 : 1);
       for (int j = 0; j < 16; ++j) {
         for (int c = 0; c < kVecs; ++c) {
           const __m512i codes = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j] + 64 * c));
@@ -610,9 +634,7 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
       for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
         group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
         if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
-          const uint8_t* next[16];
-          group_rows(k_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, next);
-          prefetch_rows<_MM_HINT_T1>(next[0], row, HD, block_size % 16 == 0 ? 16 : 1);
+          prefetch_group(k_cache, v_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, entry, true);
         }
         const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: weight 0
         const int64_t g = (t0 - c0) / 16;
