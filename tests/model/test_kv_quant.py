@@ -201,6 +201,41 @@ def test_prefill_over_an_8_bit_past_matches_dense_attention_over_dequantized_val
     torch.testing.assert_close(out, torch.einsum("hqc,chd->qhd", weights, v), rtol=1e-4, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_past_decoded_by_the_operator_is_the_plain_paths_bit_for_bit(name, dtype):
+    needs_operator()
+    fmt, _, cache_k, _, tables = quantized_case(name, 6, 3, 64, [70])
+    gathered = cache_k.view(-1, BLOCK * cache_k.shape[1])[tables[0]].view(-1, cache_k.shape[1])
+    plain = kv_quant.dequantize_blocks(gathered, fmt, 64, BLOCK, dtype)
+    for length in (70, 64, 1):  # a block cut short, whole blocks, one slot
+        out = torch.full((length, 3 * 64), float("nan"), dtype=dtype)
+        cpu_kernel.dequantize_past(cache_k, tables[0], length, 64, fmt.kind, BLOCK, out)
+        assert torch.equal(out, plain[:length])
+    with pytest.raises(RuntimeError, match="length exceeds"):
+        cpu_kernel.dequantize_past(cache_k, tables[0, :2], 70, 64, fmt.kind, BLOCK, torch.empty(70, 192, dtype=dtype))
+    with pytest.raises(RuntimeError, match="out of range"):
+        bad = tables[0].clone()
+        bad[1] = cache_k.shape[0] // BLOCK
+        cpu_kernel.dequantize_past(cache_k, bad, 70, 64, fmt.kind, BLOCK, torch.empty(70, 192, dtype=dtype))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_prefill_over_an_8_bit_past_is_the_same_on_the_operators(name):
+    needs_operator()
+    fmt, _, cache_k, cache_v, tables = quantized_case(name, 4, 2, 64, [40])
+    q = torch.randn(8, 4, 64)
+    visible = torch.arange(40)[None, :] <= torch.arange(32, 40)[:, None]
+    outs = []
+    for on_operators in (False, True):
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.long), block_size=BLOCK, kv_format=fmt,
+            prefills=[PrefillSegment(0, 8, 40, tables[0, :3], visible)], use_cpu_kernel=on_operators,
+        )  # fmt: skip
+        outs.append(paged_attention(q, torch.zeros(8, 128), torch.zeros(8, 128), cache_k, cache_v, meta, 0.125))
+    assert torch.equal(outs[0], outs[1])
+
 # ---- the engine ---------------------------------------------------------------------------------------------
 
 SHARED = list(range(20, 52))  # four blocks of 8, which the second prompt finds cached

@@ -137,15 +137,18 @@ class GatherWorkspace:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
+    def buffer(self, name: str, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A [rows, width] view of the buffer kept under name, grown (by a quarter more) when too small."""
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < rows * width or buffer.dtype != dtype:
+            buffer = torch.empty(rows * width * 5 // 4, dtype=dtype, device=device)
+            self._buffers[name] = buffer
+        return buffer[: rows * width].view(rows, width)
+
     def gather(self, name: str, cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
         """[..., num_blocks] block ids -> [..., num_blocks * block_size, row] rows of the cache."""
         row = cache.shape[1]
-        num = block_tables.numel()
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < num * block_size * row or buffer.dtype != cache.dtype:
-            buffer = torch.empty(num * block_size * row * 5 // 4, dtype=cache.dtype, device=cache.device)
-            self._buffers[name] = buffer
-        out = buffer[: num * block_size * row].view(num, block_size * row)
+        out = self.buffer(name, block_tables.numel(), block_size * row, cache.dtype, cache.device)
         torch.index_select(cache.view(-1, block_size * row), 0, block_tables.reshape(-1), out=out)
         return out.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, row)
 
@@ -193,6 +196,12 @@ def paged_attention(
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.block_table is None:
             seg_k, seg_v = k[rows], v[rows]
+        elif fmt is not None and meta.use_cpu_kernel:  # the past's codes decoded in one pass each
+            width = k.shape[-1]
+            seg_k = ws.buffer("k", seg.ctx_len, width, q.dtype, q.device)
+            seg_v = ws.buffer("v", seg.ctx_len, width, q.dtype, q.device)
+            for cache, past in ((cache_k, seg_k), (cache_v, seg_v)):
+                cpu_kernel.dequantize_past(cache, seg.block_table, seg.ctx_len, head_dim, fmt.kind, block_size, past)
         else:
             seg_k = gathered("k", cache_k, seg.block_table, seg.ctx_len)
             seg_v = gathered("v", cache_v, seg.block_table, seg.ctx_len)

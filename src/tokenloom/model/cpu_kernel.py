@@ -122,6 +122,21 @@ def usable_for(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in DTYPES and load_kernel()
 
 
+def dequantize_past(
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    head_dim: int,
+    kv_kind: int,
+    block_size: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """An 8-bit cache's first `length` slots along block_table ([blocks] int64), decoded into out ([length, kv_heads *
+    head_dim], float32 or bfloat16): the values kv_quant.dequantize_blocks gives, in one pass."""
+    torch.ops.tokenloom.dequantize_past(cache, block_table, length, head_dim, kv_kind, block_size, out)
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     cache_k: torch.Tensor,
