@@ -76,7 +76,6 @@ void dispatch(at::ScalarType type, const F& body) {
   }
 }
 
-// Rows in chunks of about kParallelElements, shared between threads through work_sharing.h.
 // f.template operator()<Kind>() for an 8-bit cache's kind, known when compiled.
 template <typename F>
 void with_kv_kind(int64_t kind, const F& f) {
@@ -85,6 +84,7 @@ void with_kv_kind(int64_t kind, const F& f) {
   f.template operator()<tokenloom::kFp8E5M2>();
 }
 
+// Rows in chunks of about kParallelElements, shared between threads through work_sharing.h.
 template <typename F>
 void for_rows(int64_t rows, int64_t row_elements, const F& body) {
   const int64_t grain = std::max<int64_t>(1, kParallelElements / std::max<int64_t>(row_elements, 1));
