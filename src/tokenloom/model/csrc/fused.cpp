@@ -76,14 +76,6 @@ void dispatch(at::ScalarType type, const F& body) {
   }
 }
 
-// f.template operator()<Kind>() for an 8-bit cache's kind, known when compiled.
-template <typename F>
-void with_kv_kind(int64_t kind, const F& f) {
-  if (kind == tokenloom::kInt8) return f.template operator()<tokenloom::kInt8>();
-  if (kind == tokenloom::kFp8E4M3) return f.template operator()<tokenloom::kFp8E4M3>();
-  f.template operator()<tokenloom::kFp8E5M2>();
-}
-
 // Rows in chunks of about kParallelElements, shared between threads through work_sharing.h.
 template <typename F>
 void for_rows(int64_t rows, int64_t row_elements, const F& body) {
@@ -281,7 +273,7 @@ void dequantize_past(const at::Tensor& cache, const at::Tensor& block_table, int
   dispatch(out.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    with_kv_kind(kv_kind, [&]<int64_t Kind>() {
+    tokenloom::with_kv_kind(kv_kind, [&]<int64_t Kind>() {
       for_rows(length, heads * head_dim, [&](int64_t t) {
         float values[1024];
         const int64_t block = table[t / block_size], offset = t % block_size;

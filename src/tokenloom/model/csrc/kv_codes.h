@@ -31,6 +31,15 @@ enum KVKind : int64_t { kPlain = 0, kInt8 = 1, kFp8E4M3 = 2, kFp8E5M2 = 3 };
 
 inline bool is_kv_kind(int64_t kind) { return kind >= kInt8 && kind <= kFp8E5M2; }
 
+// f.template operator()<Kind>() with the cache's kind known when compiled.
+template <typename F>
+void with_kv_kind(int64_t kind, const F& f) {
+  if (kind == kPlain) return f.template operator()<kPlain>();
+  if (kind == kInt8) return f.template operator()<kInt8>();
+  if (kind == kFp8E4M3) return f.template operator()<kFp8E4M3>();
+  f.template operator()<kFp8E5M2>();
+}
+
 // The largest code magnitude: a head's largest |x| maps onto it.
 inline float max_code(int64_t kind) {
   return kind == kInt8 ? 127.0f : kind == kFp8E4M3 ? 448.0f : 57344.0f;

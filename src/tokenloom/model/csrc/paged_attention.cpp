@@ -196,12 +196,19 @@ inline __m512 sum_each(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(q01, q23, 0x88), _mm512_shuffle_f32x4(q01, q23, 0xDD));
 }
 
+// Key t's row in a paged cache.
+template <typename Elem>
+inline const Elem* row_at(const Elem* cache, const int64_t* table, int64_t t, int64_t row, int64_t block_stride,
+                          int64_t block_size) {
+  return cache + table[t / block_size] * block_stride + (t % block_size) * row;
+}
+
 // The 16 rows of keys t0 .. t0 + 15 (past the end of the context: its last row, repeated), with one table lookup
 // when they lie in one block.
 template <typename Elem>
 inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int64_t ctx, int64_t row,
                        int64_t block_stride, int64_t block_size, const Elem** rows) {
-  auto row_of = [&](int64_t t) { return cache + table[t / block_size] * block_stride + (t % block_size) * row; };
+  auto row_of = [&](int64_t t) { return row_at(cache, table, t, row, block_stride, block_size); };
   if (block_size % 16 == 0 && t0 + 16 <= ctx) {
     const Elem* first = row_of(t0);
     for (int j = 0; j < 16; ++j) rows[j] = first + j * row;
@@ -213,13 +220,12 @@ inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int6
 // Keys t0 .. t0 + 15 (t0 + 16 <= ctx) into L2: their K rows and, with_v, their V rows (V lies as K does); `entry`
 // elements of each row (an 8-bit cache's whole entries).
 template <typename Elem>
-inline void prefetch_group(const Elem* k_cache, const Elem* v_cache, const int64_t* table, int64_t t0, int64_t ctx,
-                           int64_t row, int64_t block_stride, int64_t block_size, int entry, bool with_v) {
-  const Elem* rows[16];
-  group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, rows);
-  const int64_t contiguous = block_size % 16 == 0 ? 16 : 1;
-  prefetch_rows(rows[0], row, entry, contiguous);
-  if (with_v) prefetch_rows(v_cache + (rows[0] - k_cache), row, entry, contiguous);
+inline void prefetch_group(const Elem* k_cache, const Elem* v_cache, const int64_t* table, int64_t t0, int64_t row,
+                           int64_t block_stride, int64_t block_size, int entry, bool with_v) {
+  const Elem* first = row_at(k_cache, table, t0, row, block_stride, block_size);
+  const int64_t contiguous = block_size % 16 == 0 ? 16 : 1;  // else only the first row is known to follow
+  prefetch_rows(first, row, entry, contiguous);
+  if (with_v) prefetch_rows(v_cache + (first - k_cache), row, entry, contiguous);
 }
 
 // The online softmax meeting a chunk whose largest score is chunk_max: what one query head summed under a lower
@@ -295,7 +301,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
   const int entry = Kind == tokenloom::kPlain ? HD : static_cast<int>(row);  // elements fetched of each row
   constexpr bool kVWithK = Kind != tokenloom::kPlain;  // V fetched a chunk ahead, with K (see prefetch_rows)
   for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kChunk, ctx); t0 += 16) {
-    prefetch_group(k_cache, v_cache, table, t0, ctx, row, block_stride, block_size, entry, kVWithK);
+    prefetch_group(k_cache, v_cache, table, t0, row, block_stride, block_size, entry, kVWithK);
   }
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
@@ -382,7 +388,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
             widen_rows<HD, Kind>(raw, widened, rows);
           }
           if (h0 == 0 && t0 + kChunk + 16 <= ctx) {  // the next chunk's rows, while this chunk's V rows are multiplied
-            prefetch_group(k_cache, v_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, entry, kVWithK);
+            prefetch_group(k_cache, v_cache, table, t0 + kChunk, row, block_stride, block_size, entry, kVWithK);
           }
           const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
           for (int j = 0; j < live; j += 2) {
@@ -566,7 +572,7 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int entry = static_cast<int>(row);  // codes and scale: V comes a chunk ahead with K (see prefetch_rows)
   for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kChunk, ctx); t0 += 16) {
-    prefetch_group(k_cache, v_cache, table, t0, ctx, row, block_stride, block_size, entry, true);
+    prefetch_group(k_cache, v_cache, table, t0, row, block_stride, block_size, entry, true);
   }
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
@@ -634,7 +640,7 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
       for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
         group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
         if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
-          prefetch_group(k_cache, v_cache, table, t0 + kChunk, ctx, row, block_stride, block_size, entry, true);
+          prefetch_group(k_cache, v_cache, table, t0 + kChunk, row, block_stride, block_size, entry, true);
         }
         const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: weight 0
         const int64_t g = (t0 - c0) / 16;
@@ -1194,20 +1200,10 @@ template <typename T>
 void decode_any_kind(int64_t kind, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
                      int64_t num_kv_heads, int64_t split_keys, at::Tensor& out) {
-  switch (kind) {
-    case tokenloom::kPlain:
-      return decode_all<T, tokenloom::kPlain>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                              num_kv_heads, split_keys, out);
-    case tokenloom::kInt8:
-      return decode_all<T, tokenloom::kInt8>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                             num_kv_heads, split_keys, out);
-    case tokenloom::kFp8E4M3:
-      return decode_all<T, tokenloom::kFp8E4M3>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                                num_kv_heads, split_keys, out);
-    default:
-      return decode_all<T, tokenloom::kFp8E5M2>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale,
-                                                num_kv_heads, split_keys, out);
-  }
+  tokenloom::with_kv_kind(kind, [&]<int64_t Kind>() {
+    decode_all<T, Kind>(q, k_cache, v_cache, block_tables, context_lens, block_size, scale, num_kv_heads, split_keys,
+                        out);
+  });
 }
 
 // q: [num_seqs, heads, d], rows may be strided (a view into the fused qkv output); out: the same shape, rows may
