@@ -211,8 +211,8 @@ def test_operator_gives_a_sequence_the_same_output_alone_or_in_a_crowd(heads, kv
     accumulators are held at once."""
     needs_operator()
     block_size = 16
-    # 1,100 keys: over the operator's own split length (512), so with 2 threads it is attended in splits, alone and
-    # in the crowd alike (split-K cuts by the context, never by the batch).
+    # 1,100 keys: over twice the operator's shortest split (512 keys), so with 2 threads it is attended in two splits,
+    # alone and in the crowd alike (split-K cuts by the context and the thread count, never by the batch).
     context_lens = [1, 2, 63, 64, 65, 130, 200, 333] * 5 + [1100]
     q, cache_k, cache_v, tables = blocked_case(
         context_lens, heads, kv_heads, head_dim, block_size, dtype, seed=heads, peaked=True
@@ -260,6 +260,25 @@ def test_contexts_attended_in_splits_and_merged_match_the_whole_context(heads, k
         torch.testing.assert_close(split[i].float(), reference, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     if dtype == torch.float32:
         torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_operator_splits_a_long_context_once_per_thread(dtype, two_threads):
+    """Left to itself (split_keys 0) the operator cuts a context into one split per thread of at least 512 keys,
+    whole blocks each: on 2 threads 1,000 keys stay whole, 1,100 go in splits of 560 and 4,000 of 2,000; more
+    splits than threads only cost a crowd (each split starts on keys not yet fetched, and is merged)."""
+    needs_operator()
+    block_size = 16
+    context_lens = [1000, 1100, 4000]
+    q, cache_k, cache_v, tables = blocked_case(context_lens, 9, 3, 64, block_size, dtype, seed=7, peaked=True)
+    scale = 64**-0.5
+    for i, (ctx, keys) in enumerate(zip(context_lens, [NO_SPLIT, 560, 2000], strict=True)):
+        lens = torch.tensor([ctx])
+        args = (q[i : i + 1], cache_k, cache_v, tables[i : i + 1], lens, block_size, scale)
+        auto = cpu_kernel.paged_decode_attention(*args)
+        assert torch.equal(auto, cpu_kernel.paged_decode_attention(*args, split_keys=keys)), ctx
+        if keys != NO_SPLIT:  # the same context in splits of 512 is other arithmetic
+            assert not torch.equal(auto, cpu_kernel.paged_decode_attention(*args, split_keys=512)), ctx
 
 
 def test_split_keys_must_be_whole_blocks():

@@ -153,9 +153,9 @@ def paged_decode_attention(
     when given (a slice of the step's output, written in place: no copy), else a new tensor. q's and out's rows may
     be strided, as views into the fused qkv output and the step's output are. kv_kind: an 8-bit cache's
     KVFormat.kind (kv_quant.py), 0 for a cache of q's dtype. split_keys: keys per split of a context (a multiple of
-    block_size) where contexts are attended in splits and merged (split-K); 0 lets the operator decide: splits of
-    512 keys with 2 threads or more (by context length alone, so a sequence's output does not depend on its batch),
-    none on one thread."""
+    block_size) where contexts are attended in splits and merged (split-K); 0 lets the operator decide: a context
+    of at least 1,024 keys in up to one split per thread, each of 512 keys or more (by context length and thread
+    count alone, so a sequence's output does not depend on its batch), none on one thread."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.tokenloom.paged_decode_attention(

@@ -19,6 +19,7 @@
 #include <functional>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "avx512_exp.h"
@@ -1087,16 +1088,22 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
   }
 }
 
-// Keys per split of a long context (split-K): a (sequence, KV head) unit over more keys than this is cut into splits
-// of this many, attended apart (by whichever threads are free) and merged. At batch 1 a model's few KV heads (3 for
-// SmolLM2) would otherwise leave threads idle however long the context. The length depends on the context alone,
-// never on the batch, so a sequence's output is the same bit for bit alone or in a crowd; 512 keys are 10-20 us of
-// work, against a split's cost of writing and merging its heads' rows (~1 KB). One thread: no splits.
-constexpr int64_t kSplitKeys = 512;
+// The fewest keys in a split of a long context (split-K): a (sequence, KV head) unit is cut into up to one split per
+// thread, each of at least this many keys, attended apart (by whichever threads are free) and merged. At batch 1 a
+// model's few KV heads (3 for SmolLM2) would otherwise leave threads idle however long the context. 512 keys are
+// 10-20 us of work, against a split's cost of writing and merging its heads' rows (~1 KB) and of starting on keys
+// not yet fetched; splits of 512 whatever the thread count cost a crowd of long contexts 7-10% of an 8-bit cache's
+// time on 2 threads (benchmarks/RESULTS.md), where no thread idles anyway.
+constexpr int64_t kMinSplitKeys = 512;
 
-int64_t auto_split_keys(int64_t block_size) {
-  if (at::get_num_threads() < 2) return 0;
-  return (kSplitKeys + block_size - 1) / block_size * block_size;
+// Keys per split of a context of ctx keys when the caller leaves it to the operator (0: attended whole). It depends on
+// the context and the thread count alone, never on the batch, so a sequence's output is the same bit for bit alone
+// or in a crowd. One thread: no splits.
+int64_t auto_split_keys(int64_t ctx, int64_t block_size) {
+  const int64_t splits = std::min<int64_t>(at::get_num_threads(), ctx / kMinSplitKeys);
+  if (splits < 2) return 0;
+  const int64_t keys = (ctx + splits - 1) / splits;
+  return (keys + block_size - 1) / block_size * block_size;
 }
 
 // One piece of work: a (sequence, KV head) unit's keys [first, first + keys); `part` is its split's index among all
@@ -1138,31 +1145,32 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const int64_t* tables = block_tables.const_data_ptr<int64_t>();
   const int64_t* lens = context_lens.const_data_ptr<int64_t>();
   T* out_ptr = out.mutable_data_ptr<T>();
-  if (split_keys == 0) split_keys = auto_split_keys(block_size);
-  TORCH_INTERNAL_ASSERT(split_keys % block_size == 0);
   // The pieces in the order threads take them (work_sharing.h): longest contexts first (the runner sorts decodes
   // by context length, ascending), so the last taken are short and the threads finish together. Kept from call to
   // call (no allocation a layer), and read through pointers: a helper naming a thread_local would get its own.
   thread_local std::vector<Piece> piece_list;
-  thread_local std::vector<int64_t> split_list;  // each split unit's first piece
+  thread_local std::vector<std::pair<int64_t, int64_t>> split_list;  // each split unit's first piece and splits
   piece_list.clear();
   split_list.clear();
   int64_t parts = 0;
   for (int64_t seq = num_seqs - 1; seq >= 0; --seq) {
     const int64_t ctx = lens[seq];
+    const int64_t keys_per_split = split_keys == 0 ? auto_split_keys(ctx, block_size) : split_keys;
+    TORCH_INTERNAL_ASSERT(keys_per_split % block_size == 0);
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-      if (split_keys == 0 || ctx <= split_keys) {
+      if (keys_per_split == 0 || ctx <= keys_per_split) {
         piece_list.push_back({seq, kv_head, 0, ctx, -1});
         continue;
       }
-      split_list.push_back(static_cast<int64_t>(piece_list.size()));
-      for (int64_t first = 0; first < ctx; first += split_keys) {
-        piece_list.push_back({seq, kv_head, first, std::min(split_keys, ctx - first), parts++});
+      const int64_t unit_first = static_cast<int64_t>(piece_list.size());
+      for (int64_t first = 0; first < ctx; first += keys_per_split) {
+        piece_list.push_back({seq, kv_head, first, std::min(keys_per_split, ctx - first), parts++});
       }
+      split_list.emplace_back(unit_first, static_cast<int64_t>(piece_list.size()) - unit_first);
     }
   }
   const Piece* const pieces = piece_list.data();
-  const int64_t* const split_units = split_list.data();
+  const std::pair<int64_t, int64_t>* const split_units = split_list.data();
   // [parts][group][head_dim], [parts][group]: the caller's, as above.
   thread_local std::vector<float> partial_rows, partial_lse;
   partial_rows.resize(parts * group * head_dim);
@@ -1188,8 +1196,8 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   tokenloom::WorkSharing::instance().run(static_cast<int64_t>(piece_list.size()), body);
   const std::function<void(int64_t)> merge = [&](int64_t index) {
     thread_local std::vector<float> merged;
-    const Piece& first = pieces[split_units[index]];
-    const int64_t unit_parts = (lens[first.seq] + split_keys - 1) / split_keys;
+    const auto [first_piece, unit_parts] = split_units[index];
+    const Piece& first = pieces[first_piece];
     merge_splits(partials, lse, first.part, unit_parts, group, head_dim,
                  out_ptr + first.seq * out_stride + first.kv_head * group * head_dim, merged);
   };
