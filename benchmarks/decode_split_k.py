@@ -4,12 +4,13 @@ process (this machine's speed drifts between minutes).
     .venv/bin/python benchmarks/decode_split_k.py [--rounds 3] [--contexts 1024,4096] [--engines default int8]
                                                  [--mixed-64]
 
-The operator cuts a (sequence, KV head) context longer than 512 keys into splits that any thread takes, then merges
-them (paged_attention.cpp); without it, a batch of one gives as many pieces of work as the model has KV heads (3 for
-SmolLM2-135M), which leaves threads idle. The "whole" variant calls the same operator with split_keys past any
-context. Each measure: one prompt of the context's length (random ids, the same for both variants of a round: the
-second finds it in the prefix cache), its first token, then 128 tokens more, greedy, ignore_eos; ms a token after
-the first (the decode alone). Medians over the rounds; both variants in each round, in turn.
+The operator cuts a (sequence, KV head) context of 1,024 keys or more into up to one split per thread (each of 512
+keys or more) that any thread takes, then merges them (paged_attention.cpp); without it, a batch of one gives as many
+pieces of work as the model has KV heads (3 for SmolLM2-135M), which leaves threads idle. The "whole" variant calls
+the same operator with split_keys past any context. Each measure: one prompt of the context's length (random ids, the
+same for both variants of a round: the second finds it in the prefix cache), its first token, then 128 tokens more,
+greedy, ignore_eos; ms a token after the first (the decode alone). Medians over the rounds; both variants in each
+round, in turn.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 // Plain PyTorch must first copy each context out of its scattered blocks (a gather) before it can multiply;
 // this kernel reads every cached row in place, once. Work is split over (sequence, KV head) pairs: the query
 // heads that share a KV head are served by the same pass over its rows; a long context's pair is cut further into
-// splits of 512 keys, merged after (decode_all), so one sequence keeps every thread busy.
+// up to one split per thread, merged after (decode_all), so one sequence keeps every thread busy.
 // Softmax and sums are in float32 whatever the storage dtype. The float32 path with AVX2 and FMA sweeps K and V in
 // chunks as the bf16 one does (attend_f32_avx2); elsewhere, and for bfloat16 without AVX-512 BF16, rows are widened
 // as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its probabilities rounded to
