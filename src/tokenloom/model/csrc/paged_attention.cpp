@@ -1099,8 +1099,8 @@ constexpr int64_t kMinSplitKeys = 512;
 // Keys per split of a context of ctx keys when the caller leaves it to the operator (0: attended whole). It depends on
 // the context and the thread count alone, never on the batch, so a sequence's output is the same bit for bit alone
 // or in a crowd. One thread: no splits.
-int64_t auto_split_keys(int64_t ctx, int64_t block_size) {
-  const int64_t splits = std::min<int64_t>(at::get_num_threads(), ctx / kMinSplitKeys);
+int64_t auto_split_keys(int64_t ctx, int64_t block_size, int64_t threads) {
+  const int64_t splits = std::min<int64_t>(threads, ctx / kMinSplitKeys);
   if (splits < 2) return 0;
   const int64_t keys = (ctx + splits - 1) / splits;
   return (keys + block_size - 1) / block_size * block_size;
@@ -1153,9 +1153,10 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   piece_list.clear();
   split_list.clear();
   int64_t parts = 0;
+  const int64_t threads = at::get_num_threads();
   for (int64_t seq = num_seqs - 1; seq >= 0; --seq) {
     const int64_t ctx = lens[seq];
-    const int64_t keys_per_split = split_keys == 0 ? auto_split_keys(ctx, block_size) : split_keys;
+    const int64_t keys_per_split = split_keys == 0 ? auto_split_keys(ctx, block_size, threads) : split_keys;
     TORCH_INTERNAL_ASSERT(keys_per_split % block_size == 0);
     for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
       if (keys_per_split == 0 || ctx <= keys_per_split) {
