@@ -4,6 +4,7 @@ tokens stay those of the same model alone whatever the batch; a method the devic
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -69,6 +70,14 @@ def test_the_operator_rotates_then_quantizes_each_row(dtype, rows):
     assert off.max() <= 1 and (off > 0).float().mean() < 1e-3  # only float32 ties may round the other way
     plain_codes, plain_scales = torch.ops.tokenloom.quantize_rows_int8(x)
     torch.testing.assert_close(plain_codes.double() * plain_scales.double(), per_token_codes(x))
+    # With a group, one scale per 64 rotated inputs: the outlier's group has a coarse one, the others stay fine.
+    grouped, group_scales = torch.ops.tokenloom.quantize_rows_int8(x, signs, 64)
+    assert group_scales.shape == (rows, 9)
+    blocks = rotated.unflatten(1, (9, 64))
+    torch.testing.assert_close(group_scales.double(), blocks.abs().amax(2) / 127, rtol=1e-5, atol=0)
+    off = (grouped.double().unflatten(1, (9, 64)) - blocks / group_scales.double()[:, :, None]).abs()
+    assert off.max() <= 0.5 + 1e-3
+    assert (group_scales.min(1).values < scales[:, 0] / 2).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -124,7 +133,9 @@ def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, o
     if signs is not None:
         weight = rotate(weight.float(), signs)
     codes, scales = quantized.activation_codes(x.to(dtype))  # int8 or int16, as the layer takes them: tested above
-    activations = codes.double() * scales.double()
+    # one scale a row, or one per 64 inputs where the layer groups them (the VNNI kernel without AMX)
+    assert scales.shape == (rows, in_features // quantized.activation_group if quantized.activation_group else 1)
+    activations = codes.double() * scales.double().repeat_interleave(in_features // scales.shape[1], dim=1)
     scaled, scale = per_channel(weight, 127.0)  # the weight's codes, in float32
     w = scaled.round().clamp(-127, 127).double() * scale.double()[:, None]
     reference = activations @ w.T
@@ -314,6 +325,17 @@ def test_every_kernel_gets_oneDNNs_bits(dtype, in_features, out_features, bias, 
     assert layer.own is not None and layer.amx == (fits_tiles and amx_cpu)
     # oneDNN's packing is kept only where a step can reach it: on an AMX CPU, for what does not fit the tiles
     assert (layer.packed is None) == (layer.amx or not amx_cpu)
+    if layer.activation_group:
+        # Scales per 64 inputs: only our VNNI kernel reads them, and it runs every step (no AMX here), so a row's
+        # output is what it is alone, whatever the step's rows and tiles.
+        assert layer.small_rows == sys.maxsize and layer.packed is None
+        x = torch.randn(129, in_features, generator=g).to(dtype)
+        crowd = layer(x)
+        for rows in (1, 2, 3, 7, 8, 13, 33, 129):
+            assert torch.equal(layer(x[:rows]), crowd[:rows]), rows
+        for row in (0, 5, 100, 128):
+            assert torch.equal(layer(x[row : row + 1]), crowd[row : row + 1]), row
+        return
     reference = through_onednn_alone(layer)
     # 129: past one chunk of 128 rows (the VNNI kernel's L2 chunk) by a lone row; a larger step adds no path, only
     # minutes where oneDNN's int8 matmul is its reference implementation (CPUs without AMX).

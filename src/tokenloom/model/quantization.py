@@ -178,6 +178,13 @@ def amx_kernel_available() -> bool:
     )
 
 
+def group_code_sums(codes: torch.Tensor, group: int) -> torch.Tensor:
+    """int8 codes [N, K] -> [K / group, N] int32: each feature's code sum over each group of inputs (int8_linear's
+    grouped steps take back the activations' unsigned shift group by group)."""
+    n, k = codes.shape
+    return codes.view(n, k // group, group).sum(-1, dtype=torch.int32).T.contiguous()
+
+
 def unpacked_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     """int8_pack_weight's [N / 16, K * 16] back to the codes [N, K] (csrc/int8_packing.h has the layout)."""
     n, k = packed.shape[0] * 16, in_features
@@ -230,6 +237,10 @@ class Int8Linear(nn.Module):
         assert codes.dtype == torch.int8 and codes.shape == weight.shape
         codes = codes.contiguous()  # oneDNN's prepack reads GPTQ's transposed codes as if contiguous
         self.weight_scale = scale
+        # One activation scale per 64 inputs (a rotation block) where our VNNI kernel runs every step: no other kernel
+        # reads such codes (see the module's docstring for what it buys).
+        self.activation_group = 0
+        self.group_code_sums: torch.Tensor | None = None
         # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums), which
         # scale the sums exactly as oneDNN.
         self.own: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -241,6 +252,9 @@ class Int8Linear(nn.Module):
         # and, on the AMD CPU with VNNI measured (Zen 5), ran its reference loops (2.5 s for one 300-row linear).
         every_step = self.own is not None and not amx_cpu
         self.small_rows = sys.maxsize if every_step else AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
+        if every_step and not wide and self.signs is not None:
+            self.activation_group = ROTATION_BLOCK
+            self.group_code_sums = group_code_sums(codes, ROTATION_BLOCK)
         # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).
         self.activation_max_code = int16_activation_max_code(self.in_features) if wide else 127
         # oneDNN's packing only where a step can reach it: no kernel of ours for this shape, or AMX's misfits.
@@ -256,10 +270,10 @@ class Int8Linear(nn.Module):
         return None if self.own is None else unpacked_codes(self.own[0], self.in_features)
 
     def activation_codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's codes (rotated where the weight is) and its scale [M, 1]: int8, or int16 up to
-        activation_max_code."""
+        """Each row's codes (rotated where the weight is) and its scales: int8, or int16 up to activation_max_code;
+        [M, 1], or [M, K / 64] with an activation group."""
         if self.activation_max_code == 127:
-            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs)
+            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs, self.activation_group)
         return torch.ops.tokenloom.quantize_rows_int16(rows, self.signs, self.activation_max_code)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,6 +286,8 @@ class Int8Linear(nn.Module):
         dtype = out_dtype or rows.dtype
         if self.own is not None and rows.shape[0] <= self.small_rows:
             packed, code_sums = self.own
+            if self.group_code_sums is not None:
+                code_sums = self.group_code_sums
             return torch.ops.tokenloom.int8_linear(
                 codes, row_scales, packed, code_sums, self.weight_scale, self.bias, dtype, self.gated
             )

@@ -500,10 +500,10 @@ void quantize_row(const scalar_t* x, float inv, int64_t n, int16_t* codes) {
 }
 
 // quantize_rows_int8 and quantize_rows_int16: one row's scale is its largest |x| (rotated, with signs) over the
-// largest code, then codes as quantize_row makes them.
+// largest code, then codes as quantize_row makes them; with a group, one scale per group of a row's inputs.
 template <typename code_t>
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std::optional<at::Tensor>& signs,
-                                                 int64_t max_code, const char* name) {
+                                                 int64_t max_code, const char* name, int64_t group = 0) {
   check_rows(x, name);
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   const float* sg = nullptr;
@@ -513,9 +513,11 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
                 name, ": signs must be float32 [K] with K a multiple of 64");
     sg = signs->const_data_ptr<float>();
   }
+  TORCH_CHECK(group >= 0 && (group == 0 || n % group == 0), name, ": a group must divide the row");
+  const int64_t width = group == 0 ? n : group, groups = n / width;
   const float inv_max = 1.0f / static_cast<float>(max_code);
   at::Tensor codes = at::empty({rows, n}, x.options().dtype(c10::CppTypeToScalarType<code_t>::value));
-  at::Tensor scales = at::empty({rows, 1}, x.options().dtype(at::kFloat));
+  at::Tensor scales = at::empty({rows, groups}, x.options().dtype(at::kFloat));
   code_t* c = codes.mutable_data_ptr<code_t>();
   float* sc = scales.mutable_data_ptr<float>();
   dispatch(x.scalar_type(), [&](auto tag) {
@@ -523,27 +525,32 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
     const scalar_t* in = x.const_data_ptr<scalar_t>();
     for_rows(rows, n, [&](int64_t r) {
       thread_local std::vector<float> rotated;
-      float amax;
+      float amax = 0.0f;
       if (sg != nullptr) {
         rotated.resize(n);
         amax = rotate_row(in + r * stride, sg, n, rotated.data());
-      } else {
+      } else if (groups == 1) {
         amax = row_amax(in + r * stride, n);
       }
-      const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
-      if (sg != nullptr) {
-        quantize_row(rotated.data(), 1.0f / scale, n, c + r * n);
-      } else {
-        quantize_row(in + r * stride, 1.0f / scale, n, c + r * n);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = g * width;
+        if (groups > 1) amax = sg != nullptr ? row_amax(rotated.data() + at, width) : row_amax(in + r * stride + at, width);
+        const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
+        if (sg != nullptr) {
+          quantize_row(rotated.data() + at, 1.0f / scale, width, c + r * n + at);
+        } else {
+          quantize_row(in + r * stride + at, 1.0f / scale, width, c + r * n + at);
+        }
+        sc[r * groups + g] = scale;
       }
-      sc[r] = scale;
     });
   });
   return {codes, scales};
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs) {
-  return quantize_rows<int8_t>(x, signs, 127, "quantize_rows_int8");
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs,
+                                                      int64_t group) {
+  return quantize_rows<int8_t>(x, signs, 127, "quantize_rows_int8", group);
 }
 
 // 16-bit activation codes for the AVX2 int8 linear (int8_linear_avx2.cpp), which multiplies 16-bit words anyway:
@@ -607,7 +614,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def(
       "dequantize_past(Tensor cache, Tensor block_table, int length, int head_dim, int kv_kind, int block_size, "
       "Tensor(a!) out) -> ()");
-  m.def("quantize_rows_int8(Tensor x, Tensor? signs=None) -> (Tensor, Tensor)");
+  m.def("quantize_rows_int8(Tensor x, Tensor? signs=None, int group=0) -> (Tensor, Tensor)");
   m.def("quantize_rows_int16(Tensor x, Tensor? signs, int max_code) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor row_scales, Tensor? bias, ScalarType dtype, bool gated=False) -> Tensor");
 }

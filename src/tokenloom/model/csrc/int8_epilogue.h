@@ -14,12 +14,14 @@
 
 namespace tokenloom {
 
-// The checks every int8 epilogue makes of the row scales [M, 1], the bias [N] and the output dtype; returns the
-// bias as float32, or an undefined tensor without one.
+// The checks every int8 epilogue makes of the row scales [M, 1] (or [M, G], one per group of a row's inputs, where
+// the kernel takes them), the bias [N] and the output dtype; returns the bias as float32, or an undefined tensor
+// without one.
 inline at::Tensor checked_rows_and_bias(const char* name, const at::Tensor& row_scales, int64_t m, int64_t n,
-                                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
-  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m && row_scales.is_contiguous(), name,
-              ": row_scales must be float32 [M, 1]");
+                                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                        int64_t groups = 1) {
+  TORCH_CHECK(row_scales.scalar_type() == at::kFloat && row_scales.numel() == m * groups && row_scales.is_contiguous(),
+              name, groups == 1 ? ": row_scales must be float32 [M, 1]" : ": row_scales must be float32 [M, G]");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, name, ": float32 or bfloat16 out");
   if (!bias.has_value()) return {};
   TORCH_CHECK(bias->numel() == n, name, ": bias must be [N]");
@@ -29,10 +31,11 @@ inline at::Tensor checked_rows_and_bias(const char* name, const at::Tensor& row_
 // And the weight's scales [N], which the int8 kernels apply themselves (oneDNN does before scale_rows).
 inline at::Tensor checked_scales_and_bias(const char* name, const at::Tensor& row_scales, int64_t m,
                                           const at::Tensor& weight_scales, int64_t n,
-                                          const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+                                          const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                          int64_t groups = 1) {
   TORCH_CHECK(weight_scales.scalar_type() == at::kFloat && weight_scales.numel() == n && weight_scales.is_contiguous(),
               name, ": weight scales float32 [N]");
-  return checked_rows_and_bias(name, row_scales, m, n, bias, out_dtype);
+  return checked_rows_and_bias(name, row_scales, m, n, bias, out_dtype, groups);
 }
 
 // f(out's data), typed float* or c10::BFloat16* as out is.

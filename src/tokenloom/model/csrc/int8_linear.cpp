@@ -14,6 +14,13 @@
 // sign-extended, by `vpdpwssd` (32 word pairs an instruction: half the rate, activations about as fine as float's).
 // Then, as the oneDNN path scales it (sum x the feature's scale, then x the row's scale plus the bias, fused), bit
 // for bit: a request's output does not depend on which path its step took.
+//
+// On a CPU without AMX this kernel runs every step, and int8 codes come with one scale per 64 inputs of a row (the
+// rotation's block; quantize_rows_int8 with a group): each group's exact int32 sum, its shift's share taken back,
+// is turned to float32 and times the group's scale, then the groups' sum times the feature's scale plus the bias.
+// Why: per-row scales cost SmolLM2-135M's top-1 agreement 96.0-96.4% in bf16, below the 97% asked of int8
+// weights; scales per 64 inputs measured 97.3-97.9% in a float32 model of them (RESULTS.md), at ~1.1-1.2x the
+// per-row kernel's time on large steps and the same at 1-2 rows.
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -32,6 +39,13 @@
 #include "vnni_asm.h"
 #include "work_sharing.h"
 
+#ifndef GROUPED_ROWS
+#define GROUPED_ROWS 4
+#endif
+#ifndef GROUPED_FEW_ROWS
+#define GROUPED_FEW_ROWS 4
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -39,6 +53,7 @@ namespace {
 
 constexpr int kBlock = tokenloom::kInt8Block;  // output features per packed block
 constexpr int kGroup = tokenloom::kInt8Group;  // inputs per group
+constexpr int kScaleGroup = tokenloom::kInt8ScaleGroup;  // inputs per activation scale, in grouped steps
 constexpr int64_t kMinUnitBytes = 32 * 1024;
 constexpr int64_t kChunkRows = 128;  // rows whose codes stay in L2 while a unit's blocks pass over them
 
@@ -50,10 +65,13 @@ constexpr int64_t kChunkRows = 128;  // rows whose codes stay in L2 while a unit
 // 4 x 4; RESULTS.md). Larger 16-bit steps take 4 x 2. Every multiply goes through vnni_asm.h, and every loop over
 // a tile's rows or blocks is unrolled: so GCC keeps the accumulators in registers, uncopied (on a Zen 4 the
 // decoder's four linears then ran 1.07-1.24x faster at 4-1,024 rows, the same at 1-3; RESULTS.md).
-template <typename Code, bool Few>
+// Grouped steps (int8 codes with a scale per 64 inputs) hold a float32 sum beside each int32 accumulator, so they
+// take fewer rows: 2 x 4 and 4 x 2 (on a Zen 4, 4 x 2 ran 1.08-1.20x the per-token 8 x 2's time at 64-2,048 rows;
+// 5, 6 and 8 rows 1.12-1.28x).
+template <typename Code, bool Few, bool Grouped>
 struct TileShape {
   static constexpr bool kWide = std::is_same_v<Code, int16_t>;
-  static constexpr int kRows = Few ? (kWide ? 2 : 4) : (kWide ? 4 : 8);
+  static constexpr int kRows = Few ? (kWide || Grouped ? 2 : 4) : (kWide || Grouped ? 4 : 8);
   static constexpr int kBlocks = Few ? 4 : 2;
 };
 constexpr int64_t kFewRows = 8;  // int8 steps of fewer rows take the few-row tiles
@@ -62,17 +80,20 @@ using tokenloom::dpbusd;
 using tokenloom::dpwssd;
 
 struct Scales {
-  const float* rows;     // [M]
+  const float* rows;     // [M, groups]
   const float* weights;  // [N]
-  const int32_t* sums;   // [N]: each feature's code sum
+  const int32_t* sums;   // [groups, N]: each feature's code sum over each group of inputs
   const float* bias;     // [N] or null
+  int64_t groups;        // scales per row: 1, or one per kScaleGroup inputs
+  int64_t n;             // features: the stride of sums
 };
 
 // The int32 sums of Rows x Blocks x 16 outputs from unsigned activation codes xu [Rows, K] (row stride k), each
 // 4 of them times a packed 64-byte group by `vpdpbusd`; the +128 shift's share is still in them.
 template <int Rows, int Blocks>
-void sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, __m512i (&acc)[Rows][Blocks]) {
-  for (int64_t g = 0; g < groups; ++g) {
+void sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, __m512i (&acc)[Rows][Blocks],
+             int64_t g0 = 0, int64_t g1 = -1) {
+  for (int64_t g = g0; g < (g1 < 0 ? groups : g1); ++g) {
     __m512i wv[Blocks];
 #pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) wv[b] = _mm512_loadu_si512(w + b * groups + g);
@@ -130,37 +151,81 @@ void sums_of(const int16_t* x, int64_t k, const __m512i* w, int64_t groups, __m5
   }
 }
 
-// Rows x Blocks outputs from activation codes x [Rows, K] (unsigned-shifted int8, or 16-bit) and Blocks packed
-// blocks; gated, the blocks alternate gate and up and the tile writes Blocks / 2 blocks of silu(gate) x up.
-template <typename Code, int Rows, int Blocks, bool Gated, typename T>
-void tile(const Code* x, int64_t k, const __m512i* w, int64_t groups, const Scales& s, int64_t feature, T* out,
-          int64_t ldo) {
-  static_assert(!Gated || Blocks % 2 == 0, "a gated tile holds gate and up blocks in pairs");
-  __m512i acc[Rows][Blocks];
+// The float32 sums of Rows x Blocks x 16 outputs from unsigned activation codes with one scale per kScaleGroup inputs
+// of a row (quantize_rows_int8 with a group): each group's exact int32 sums, less the +128 shift's share over the
+// group, times the row's scale for the group.
+template <int Rows, int Blocks>
+void grouped_sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, const Scales& s,
+                     int64_t feature, __m512 (&total)[Rows][Blocks]) {
+  constexpr int64_t steps = kScaleGroup / kGroup;
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
 #pragma GCC unroll 16
-    for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_si512();
+    for (int b = 0; b < Blocks; ++b) total[r][b] = _mm512_setzero_ps();
   }
-  sums_of<Rows, Blocks>(x, k, w, groups, acc);
+  for (int64_t sg = 0; sg < s.groups; ++sg) {
+    __m512i acc[Rows][Blocks];
+#pragma GCC unroll 16
+    for (int b = 0; b < Blocks; ++b) {
+      // minus 128 x the group's code sum: the shift's share, taken back before any product is added
+      const __m512i start = _mm512_sub_epi32(
+          _mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s.sums + sg * s.n + feature + b * kBlock), 7));
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) acc[r][b] = start;
+    }
+    sums_of<Rows, Blocks>(xu, k, w, groups, acc, sg * steps, (sg + 1) * steps);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 row_scale = _mm512_set1_ps(s.rows[r * s.groups + sg]);
+#pragma GCC unroll 16
+      for (int b = 0; b < Blocks; ++b) total[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][b]), row_scale, total[r][b]);
+    }
+  }
+}
+
+// Rows x Blocks outputs from activation codes x [Rows, K] (unsigned-shifted int8, or 16-bit) and Blocks packed
+// blocks; gated, the blocks alternate gate and up and the tile writes Blocks / 2 blocks of silu(gate) x up.
+// Grouped: the int8 codes carry a scale per kScaleGroup inputs (Scales::groups of them a row).
+template <typename Code, int Rows, int Blocks, bool Gated, bool Grouped, typename T>
+void tile(const Code* x, int64_t k, const __m512i* w, int64_t groups, const Scales& s, int64_t feature, T* out,
+          int64_t ldo) {
+  static_assert(!Gated || Blocks % 2 == 0, "a gated tile holds gate and up blocks in pairs");
+  static_assert(!Grouped || std::is_same_v<Code, uint8_t>, "group scales are for int8 codes");
+  __m512i acc[Rows][Blocks];
+  __m512 total[Rows][Blocks];
+  if constexpr (Grouped) {
+    grouped_sums_of<Rows, Blocks>(x, k, w, groups, s, feature, total);
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 16
+      for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_si512();
+    }
+    sums_of<Rows, Blocks>(x, k, w, groups, acc);
+  }
   __m512i shift[Blocks];
   __m512 weight_scale[Blocks], bias[Blocks];
 #pragma GCC unroll 16
   for (int b = 0; b < Blocks; ++b) {
     const int64_t f = feature + b * kBlock;
     // 128 x the code sum, for the unsigned shift of int8 codes
-    shift[b] = std::is_same_v<Code, uint8_t> ? _mm512_slli_epi32(_mm512_loadu_si512(s.sums + f), 7)
-                                             : _mm512_setzero_si512();
+    shift[b] = std::is_same_v<Code, uint8_t> && !Grouped ? _mm512_slli_epi32(_mm512_loadu_si512(s.sums + f), 7)
+                                                         : _mm512_setzero_si512();
     weight_scale[b] = _mm512_loadu_ps(s.weights + f);
     bias[b] = s.bias ? _mm512_loadu_ps(s.bias + f) : _mm512_setzero_ps();
   }
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
-    const __m512 row_scale = _mm512_set1_ps(s.rows[r]);
     __m512 y[Blocks];
+    if constexpr (Grouped) {
 #pragma GCC unroll 16
-    for (int b = 0; b < Blocks; ++b) {
-      y[b] = tokenloom::scale_sums(_mm512_sub_epi32(acc[r][b], shift[b]), weight_scale[b], row_scale, bias[b]);
+      for (int b = 0; b < Blocks; ++b) y[b] = tokenloom::scale_sums(total[r][b], weight_scale[b], bias[b]);
+    } else {
+      const __m512 row_scale = _mm512_set1_ps(s.rows[r]);
+#pragma GCC unroll 16
+      for (int b = 0; b < Blocks; ++b) {
+        y[b] = tokenloom::scale_sums(_mm512_sub_epi32(acc[r][b], shift[b]), weight_scale[b], row_scale, bias[b]);
+      }
     }
     if constexpr (Gated) {
 #pragma GCC unroll 16
@@ -178,30 +243,31 @@ template <typename Code, typename T>
 using TileFn = void (*)(const Code*, int64_t, const __m512i*, int64_t, const Scales&, int64_t, T*, int64_t);
 
 // The tile for a remainder of rows or blocks: the largest shape that fits them (gated blocks come in pairs).
-template <typename Code, int Rows, bool Gated, typename T, int Blocks>
+template <typename Code, int Rows, bool Gated, bool Grouped, typename T, int Blocks>
 TileFn<Code, T> tile_for_blocks(int blocks) {
   constexpr int step = Gated ? 2 : 1;
   if constexpr (Blocks > step) {
-    if (blocks < Blocks) return tile_for_blocks<Code, Rows, Gated, T, Blocks - step>(blocks);
+    if (blocks < Blocks) return tile_for_blocks<Code, Rows, Gated, Grouped, T, Blocks - step>(blocks);
   }
-  return &tile<Code, Rows, Blocks, Gated, T>;
+  return &tile<Code, Rows, Blocks, Gated, Grouped, T>;
 }
 
-template <typename Code, bool Gated, typename T, int Rows, int Blocks>
+template <typename Code, bool Gated, bool Grouped, typename T, int Rows, int Blocks>
 TileFn<Code, T> tile_for(int rows, int blocks) {
   if constexpr (Rows > 1) {
-    if (rows < Rows) return tile_for<Code, Gated, T, Rows - 1, Blocks>(rows, blocks);
+    if (rows < Rows) return tile_for<Code, Gated, Grouped, T, Rows - 1, Blocks>(rows, blocks);
   }
-  return tile_for_blocks<Code, Rows, Gated, T, Blocks>(blocks);
+  return tile_for_blocks<Code, Rows, Gated, Grouped, T, Blocks>(blocks);
 }
 
 // out [M, width] from codes x [M, K] (rows contiguous): units of up to kChunkRows rows by enough feature blocks that
 // their weights are worth a thread's start; a unit's rows run in tiles over each of its blocks while it is in L1.
-template <typename Code, bool Gated, bool Few>
+template <typename Code, bool Gated, bool Few, bool Grouped>
 void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t blocks, const Scales& scales,
                at::Tensor& out) {
   const int64_t groups = k / kGroup, block_bytes = k * kBlock, width = out.size(1);
-  constexpr int tile_blocks = TileShape<Code, Few>::kBlocks, tile_rows = TileShape<Code, Few>::kRows;
+  constexpr int tile_blocks = TileShape<Code, Few, Grouped>::kBlocks;
+  constexpr int tile_rows = TileShape<Code, Few, Grouped>::kRows;
   const int64_t tiles_per_unit = std::max<int64_t>(1, kMinUnitBytes / (block_bytes * tile_blocks));
   const int64_t blocks_per_unit = tiles_per_unit * tile_blocks;
   const int64_t block_units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
@@ -216,9 +282,9 @@ void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t b
         for (int64_t r = r0; r < r1; r += tile_rows) {
           const int nr = static_cast<int>(std::min<int64_t>(tile_rows, r1 - r));
           Scales at_rows = scales;
-          at_rows.rows += r;
+          at_rows.rows += r * scales.groups;
           T* at = op + r * width + (Gated ? b / 2 : b) * kBlock;
-          const auto fn = tile_for<Code, Gated, T, tile_rows, tile_blocks>(nr, nb);
+          const auto fn = tile_for<Code, Gated, Grouped, T, tile_rows, tile_blocks>(nr, nb);
           fn(x + r * k, k, wp + b * groups, groups, at_rows, b * kBlock, at, width);
         }
       }
@@ -231,7 +297,8 @@ void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t b
 // codes [M, K] int8, or int16 small enough that 127 x K x their largest |code| fits int32 (rows contiguous),
 // row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums and scales [N] float32, bias [N] or
 // none -> [M, N] in out_dtype (float32 or bfloat16); gated (the features [gate; up] interleaved per 16): [M, N / 2],
-// silu(gate) x up.
+// silu(gate) x up. Grouped int8 codes (quantize_rows_int8 with a group of 64) come with row_scales [M, K / 64] and
+// code_sums [K / 64, N], each feature's sums over each group (int8_group_code_sums).
 at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
                        const at::Tensor& code_sums, const at::Tensor& weight_scales,
                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated) {
@@ -241,30 +308,42 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   const int64_t m = codes.size(0), k = codes.size(1), blocks = packed.size(0), n = blocks * kBlock;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kBlock,
               "int8_linear: a weight from int8_pack_weight with the codes' K");
-  TORCH_CHECK(code_sums.scalar_type() == at::kInt && code_sums.numel() == n, "int8_linear: code sums int32 [N]");
+  const int64_t groups = row_scales.dim() == 2 ? row_scales.size(1) : 1;
+  const bool grouped = groups > 1;
+  TORCH_CHECK(!grouped || (!wide && groups * kScaleGroup == k),
+              "int8_linear: grouped row scales are [M, K / 64], for int8 codes");
+  TORCH_CHECK(code_sums.scalar_type() == at::kInt && code_sums.numel() == groups * n && code_sums.is_contiguous(),
+              grouped ? "int8_linear: code sums int32 [K / 64, N]" : "int8_linear: code sums int32 [N]");
   const at::Tensor bias_f =
-      tokenloom::checked_scales_and_bias("int8_linear", row_scales, m, weight_scales, n, bias, out_dtype);
+      tokenloom::checked_scales_and_bias("int8_linear", row_scales, m, weight_scales, n, bias, out_dtype, groups);
   TORCH_CHECK(!gated || blocks % 2 == 0, "int8_linear: a gated weight has gate and up blocks in pairs");
   at::Tensor out = at::empty({m, gated ? n / 2 : n}, codes.options().dtype(out_dtype));
   if (m == 0) return out;
   const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
-                      code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr};
+                      code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
+                      groups, n};
   const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
   // few: the step takes its code type's few-row tiles (TileShape)
   auto run = [&](const auto* x, bool few) {
     using Code = std::remove_const_t<std::remove_pointer_t<decltype(x)>>;
-    auto with_tiles = [&](auto few_rows) {
-      constexpr bool kFew = decltype(few_rows)::value;
+    auto with_tiles = [&](auto few_rows, auto by_groups) {
+      constexpr bool kFew = decltype(few_rows)::value, kGrouped = decltype(by_groups)::value;
       if (gated) {
-        run_tiles<Code, true, kFew>(x, m, k, wp, blocks, scales, out);
+        run_tiles<Code, true, kFew, kGrouped>(x, m, k, wp, blocks, scales, out);
       } else {
-        run_tiles<Code, false, kFew>(x, m, k, wp, blocks, scales, out);
+        run_tiles<Code, false, kFew, kGrouped>(x, m, k, wp, blocks, scales, out);
       }
     };
+    auto with_groups = [&](auto few_rows) {
+      if constexpr (std::is_same_v<Code, uint8_t>) {
+        if (grouped) return with_tiles(few_rows, std::true_type{});
+      }
+      with_tiles(few_rows, std::false_type{});
+    };
     if (few) {
-      with_tiles(std::true_type{});
+      with_groups(std::true_type{});
     } else {
-      with_tiles(std::false_type{});
+      with_groups(std::false_type{});
     }
   };
   if (wide) {

@@ -12,6 +12,9 @@ namespace tokenloom {
 
 constexpr int kInt8Block = 16;  // output features per packed block
 constexpr int kInt8Group = 4;   // inputs per 32-bit lane (VNNI's vpdpbusd; the AVX2 kernel reads a lane as 2 pairs)
+// Inputs per activation scale where a row's int8 codes carry one per group (the VNNI kernel's grouped steps): the
+// rotation's block (quantization.py), so a group's outliers stay in their group.
+constexpr int kInt8ScaleGroup = 64;
 
 // w: [N, K] int8 codes -> ([N / 16, K / 4, 16, 4] as [N / 16, K * 16] int8, the features' code sums [N] int32): for
 // each block of 16 output features, the K inputs in groups of 4, 16 features x 4 inputs to 64 bytes.
