@@ -18,6 +18,11 @@ With --ablation, where the loss is instead: W8A8 rotated everywhere but one kind
 which keeps float activations (its weights still int8, rotated); and the LM head quantized as well (rotated int8
 weights, with float or int8 activations), which the engine leaves in bf16.
 
+With --activation-codes, the weights rounded by GPTQ (as the engine does) and the activations' int8 codes made
+five ways: one symmetric scale per token (what the engine did before), asymmetric per token (a zero point), per token
+clipped where a smaller scale has the smaller squared error, and one scale per 64 or per 192 inputs of a token (64:
+the rotation's block, what the engine now does where the CPU has VNNI and no AMX).
+
 With --per-layer, the other way round: rotated int8 weights with float activations everywhere (W8A16), and 8-bit
 activations in one kind of linear, or in one decoder layer, at a time; beside top-1, the mean KL divergence from the
 float32 model's next-token distribution (x 1e3), which adds up over where the loss comes from where top-1 flips.
@@ -64,6 +69,31 @@ def fake_tokens(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
     return out.flatten(-2) if group else out
 
 
+def asymmetric_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Codes 0-255 over [min, max] of each token (a zero point), scaled back."""
+    low, high = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
+    scale = ((high - low) / 255).clamp(min=1e-12)
+    zero = (-low / scale).round()
+    return ((x / scale).round() + zero).clamp(0, 255).sub(zero) * scale
+
+
+def clipped_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Per token, the scale among amax x (1, 0.95, ..., 0.7) / 127 whose codes have the smallest squared error."""
+    amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    best, best_error = None, None
+    for ratio in (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7):
+        scale = amax * ratio / 127
+        codes = (x / scale).round().clamp(-127, 127) * scale
+        error = (codes - x).pow(2).sum(-1, keepdim=True)
+        if best is None or best_error is None:
+            best, best_error = codes, error
+        else:
+            better = error < best_error
+            best, best_error = torch.where(better, codes, best), torch.where(better, error, best_error)
+    assert best is not None
+    return best
+
+
 def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -97,6 +127,9 @@ def main() -> None:
     parser.add_argument("--per-layer", action="store_true", help="8-bit activations one kind, one layer at a time")
     parser.add_argument("--gptq", action="store_true", help="weights rounded by GPTQ against calibration inputs")
     parser.add_argument(
+        "--activation-codes", action="store_true", help="GPTQ weights; activation scales per token, or per group"
+    )
+    parser.add_argument(
         "--calibration", choices=["engine", "sampled", "both"], default="engine",
         help="GPTQ's inputs: the engine's calibration text, the model's own samples from SEEDS, or both",
     )  # fmt: skip
@@ -113,7 +146,8 @@ def main() -> None:
     linears = {name: m for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
     parents = {name: (model.model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) for name in linears}
     maxima = calibrate(model, tokenizer, linears)
-    hessians = rotated_hessians(model, tokenizer, linears, args.calibration) if args.gptq else {}
+    gptq = args.gptq or args.activation_codes
+    hessians = rotated_hessians(model, tokenizer, linears, args.calibration) if gptq else {}
 
     def agreement() -> tuple[float, float]:
         """Top-1 agreement, and the mean KL divergence (x 1e3) from the float32 model's distribution."""
@@ -149,6 +183,16 @@ def main() -> None:
                 m.weight, hessians[n], fake_tokens
             ),
         }
+    if args.activation_codes:
+        schemes: dict[str, Transform] = {
+            "weights only": identity,
+            "one scale per token": fake_tokens,
+            "asymmetric per token": asymmetric_tokens,
+            "per token, clipped": clipped_tokens,
+            "one scale per 64 inputs": lambda t: fake_tokens(t, 64),
+            "one scale per 192 inputs": lambda t: fake_tokens(t, 192),
+        }
+        variants = {f"GPTQ weights, activations: {name}": gptq_with(hessians, codes) for name, codes in schemes.items()}
     positions = sum(len(ids) - n for ids, n, _ in sequences)
     print(f"top-1 agreement with the float32 model over {positions} positions (float32 arithmetic)")
     print("| variant | top-1 | mean KL x 1e3 |\n|---|---:|---:|")
@@ -260,6 +304,10 @@ class GptqLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(self.activations(self.into(x)), self.weight)
+
+
+def gptq_with(hessians: dict[str, torch.Tensor], codes: Transform) -> Callable[[str, torch.nn.Linear], torch.nn.Module]:
+    return lambda name, m: GptqLinear(m.weight, hessians[name], codes)
 
 
 SEEDS = ["Here is a short story:", "<|im_start|>user\nExplain how a hash map works.<|im_end|>\n<|im_start|>assistant\n",

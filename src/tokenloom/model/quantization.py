@@ -3,8 +3,8 @@
 Weights are symmetric per output channel (one float32 scale per row of the weight, its largest |w| over the largest
 code), made from whatever the checkpoint held (GGUF dequantized, or safetensors) after tensor-parallel sharding, so
 each rank quantizes its own slice; where the runner has calibration inputs, each code is rounded by GPTQ against
-them (gptq.py) instead of to the nearest. Activations are quantized per token on the fly, so one request's outlier
-token never coarsens another's rows: a request's output does not depend on the batch it ran in. The product of the codes
+them (gptq.py) instead of to the nearest. Activations are quantized per token on the fly (per 64 inputs of a token
+on CPUs with VNNI and no AMX: below), so one request's outlier token never coarsens another's rows: a request's output does not depend on the batch it ran in. The product of the codes
 is summed exactly in int32, then scaled back by the row's and the column's scales:
 
     y[m, n] = x_scale[m] * w_scale[n] * sum_k xq[m, k] * wq[n, k]   (+ bias[n])
@@ -24,8 +24,12 @@ pair sums there), the SiLU as its own operator.
 Activation codes: int8 where the kernel multiplies bytes (VNNI's vpdpbusd, AMX), 16-bit where it multiplies words
 (``tokenloom::quantize_rows_int16``, as large as exact int32 sums allow): always on the AVX2 kernel, where it costs
 nothing, and on every CPU with ``--quantization int8_w8a16`` (VNNI's vpdpwssd: half the byte rate, and no AMX).
-On SmolLM2-135M against float32 (RESULTS.md, a Zen 5 with VNNI): int8 weights agreed on 96.0-97.3% of top-1
-tokens with 8-bit activations, 98.0% (bf16 engine) and 98.6% (float32) with 16-bit ones.
+Where our VNNI kernel runs every step (no AMX), a token's int8 codes carry one scale per 64 inputs, the rotation's
+block, instead of one a row (``activation_group``): the kernel scales each group's exact sum as it goes, which costs
+it ~1.1-1.2x on large steps; AMX's tiles and oneDNN take one scale a row, so CPUs with AMX keep those.
+On SmolLM2-135M against float32 (RESULTS.md): int8 weights agreed on 96.0-97.3% of top-1 tokens with 8-bit
+activations scaled per row (Zen 5 and Zen 4, bf16 engine), 97.6% with a scale per 64 inputs (Zen 4, bf16), 98.0%
+(bf16 engine) and 98.6% (float32) with 16-bit ones.
 fp8 (CUDA): e4m3 codes and ``torch._scaled_mm`` with row-wise scales (Hopper and later).
 
 Before either is quantized, each linear's inputs are rotated (QuaRot, Ashkboos et al. 2024): every 64 inputs times
