@@ -4,10 +4,13 @@ Weights are symmetric per output channel (one float32 scale per row of the weigh
 code), made from whatever the checkpoint held (GGUF dequantized, or safetensors) after tensor-parallel sharding, so
 each rank quantizes its own slice; where the runner has calibration inputs, each code is rounded by GPTQ against
 them (gptq.py) instead of to the nearest. Activations are quantized per token on the fly (per 64 inputs of a token
-on CPUs with VNNI and no AMX: below), so one request's outlier token never coarsens another's rows: a request's output does not depend on the batch it ran in. The product of the codes
-is summed exactly in int32, then scaled back by the row's and the column's scales:
+on CPUs with VNNI and no AMX: below), so one request's outlier token never coarsens another's rows: a request's
+output does not depend on the batch it ran in. The product of the codes is summed exactly in int32, then scaled back
+by the row's and the column's scales:
 
     y[m, n] = x_scale[m] * w_scale[n] * sum_k xq[m, k] * wq[n, k]   (+ bias[n])
+
+(grouped: sum over the groups g of x_scale[m, g] * sum_{k in g} xq[m, k] * wq[n, k], times w_scale[n]).
 
 int8 (the CPU): three kernels, one result. Where the CPU has AMX-INT8, steps of a few rows run our VNNI kernel
 (csrc/int8_linear.cpp: at decode sizes oneDNN's int8 matmul was slower than the whole bf16 linear) and larger ones
@@ -183,10 +186,12 @@ def amx_kernel_available() -> bool:
 
 
 def group_code_sums(codes: torch.Tensor, group: int) -> torch.Tensor:
-    """int8 codes [N, K] -> [K / group, N] int32: each feature's code sum over each group of inputs (int8_linear's
-    grouped steps take back the activations' unsigned shift group by group)."""
+    """int8 codes [N, K] -> [N / 16, K / group, 16] int32: each feature's code sum over each group of inputs, a
+    16-feature block's groups side by side (int8_linear's grouped steps take back the activations' unsigned shift
+    group by group, reading a block's sums as they read its codes)."""
     n, k = codes.shape
-    return codes.view(n, k // group, group).sum(-1, dtype=torch.int32).T.contiguous()
+    sums = codes.view(n // PACK_BLOCK, PACK_BLOCK, k // group, group).sum(-1, dtype=torch.int32)
+    return sums.transpose(1, 2).contiguous()
 
 
 def unpacked_codes(packed: torch.Tensor, in_features: int) -> torch.Tensor:

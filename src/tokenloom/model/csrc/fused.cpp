@@ -499,6 +499,31 @@ void quantize_row(const scalar_t* x, float inv, int64_t n, int16_t* codes) {
   for (; i < n; ++i) codes[i] = static_cast<int16_t>(std::nearbyint(std::clamp(load(x + i) * inv, -most, most)));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// A row of x times its signs through the transform, each 64-input block quantized to int8 with its own scale (its
+// largest |value| x inv_max) straight from the registers: the same codes and scales as rotate_row, then row_amax and
+// quantize_row per block, in one pass (grouped codes at 2,048 rows took 1.5x one scale a row's time in two).
+template <typename scalar_t>
+void rotate_and_quantize_blocks(const scalar_t* x, const float* signs, int64_t n, float inv_max, int8_t* codes,
+                                float* scales) {
+  for (int64_t i = 0; i < n; i += kRotationBlock) {
+    __m512 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(load16(x + i + 16 * j), _mm512_loadu_ps(signs + i + 16 * j));
+    hadamard64(v);
+    __m512 most = _mm512_abs_ps(v[0]);
+    for (int j = 1; j < 4; ++j) most = _mm512_max_ps(most, _mm512_abs_ps(v[j]));
+    const float amax = _mm512_reduce_max_ps(most);
+    const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
+    const __m512 inv = _mm512_set1_ps(1.0f / scale);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 16 * j), _mm512_cvtsepi32_epi8(q));
+    }
+    scales[i / kRotationBlock] = scale;
+  }
+}
+#endif
+
 // quantize_rows_int8 and quantize_rows_int16: one row's scale is its largest |x| (rotated, with signs) over the
 // largest code, then codes as quantize_row makes them; with a group, one scale per group of a row's inputs.
 template <typename code_t>
@@ -524,6 +549,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
     using scalar_t = decltype(tag);
     const scalar_t* in = x.const_data_ptr<scalar_t>();
     for_rows(rows, n, [&](int64_t r) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<code_t, int8_t>) {
+        if (sg != nullptr && width == kRotationBlock) {
+          rotate_and_quantize_blocks(in + r * stride, sg, n, inv_max, c + r * n, sc + r * groups);
+          return;
+        }
+      }
+#endif
       thread_local std::vector<float> rotated;
       float amax = 0.0f;
       if (sg != nullptr) {

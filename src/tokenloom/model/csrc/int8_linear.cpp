@@ -82,10 +82,9 @@ using tokenloom::dpwssd;
 struct Scales {
   const float* rows;     // [M, groups]
   const float* weights;  // [N]
-  const int32_t* sums;   // [groups, N]: each feature's code sum over each group of inputs
+  const int32_t* sums;   // [N]: each feature's code sum; grouped, [N / 16, groups, 16], over each group of inputs
   const float* bias;     // [N] or null
   int64_t groups;        // scales per row: 1, or one per kScaleGroup inputs
-  int64_t n;             // features: the stride of sums
 };
 
 // The int32 sums of Rows x Blocks x 16 outputs from unsigned activation codes xu [Rows, K] (row stride k), each
@@ -169,7 +168,7 @@ void grouped_sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t gro
     for (int b = 0; b < Blocks; ++b) {
       // minus 128 x the group's code sum: the shift's share, taken back before any product is added
       const __m512i start = _mm512_sub_epi32(
-          _mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s.sums + sg * s.n + feature + b * kBlock), 7));
+          _mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s.sums + ((feature / kBlock + b) * s.groups + sg) * kBlock), 7));
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) acc[r][b] = start;
     }
@@ -298,7 +297,8 @@ void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t b
 // row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums and scales [N] float32, bias [N] or
 // none -> [M, N] in out_dtype (float32 or bfloat16); gated (the features [gate; up] interleaved per 16): [M, N / 2],
 // silu(gate) x up. Grouped int8 codes (quantize_rows_int8 with a group of 64) come with row_scales [M, K / 64] and
-// code_sums [K / 64, N], each feature's sums over each group (int8_group_code_sums).
+// code_sums [N / 16, K / 64, 16], each feature's code sum over each group, a block's groups together
+// (quantization.group_code_sums).
 at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
                        const at::Tensor& code_sums, const at::Tensor& weight_scales,
                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated) {
@@ -313,7 +313,7 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   TORCH_CHECK(!grouped || (!wide && groups * kScaleGroup == k),
               "int8_linear: grouped row scales are [M, K / 64], for int8 codes");
   TORCH_CHECK(code_sums.scalar_type() == at::kInt && code_sums.numel() == groups * n && code_sums.is_contiguous(),
-              grouped ? "int8_linear: code sums int32 [K / 64, N]" : "int8_linear: code sums int32 [N]");
+              grouped ? "int8_linear: code sums int32 [N / 16, K / 64, 16]" : "int8_linear: code sums int32 [N]");
   const at::Tensor bias_f =
       tokenloom::checked_scales_and_bias("int8_linear", row_scales, m, weight_scales, n, bias, out_dtype, groups);
   TORCH_CHECK(!gated || blocks % 2 == 0, "int8_linear: a gated weight has gate and up blocks in pairs");
@@ -321,7 +321,7 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
   if (m == 0) return out;
   const Scales scales{row_scales.const_data_ptr<float>(), weight_scales.const_data_ptr<float>(),
                       code_sums.const_data_ptr<int32_t>(), bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
-                      groups, n};
+                      groups};
   const auto* wp = reinterpret_cast<const __m512i*>(packed.const_data_ptr<int8_t>());
   // few: the step takes its code type's few-row tiles (TileShape)
   auto run = [&](const auto* x, bool few) {
