@@ -185,6 +185,19 @@ def amx_kernel_available() -> bool:
     )
 
 
+def weight_codes(
+    weight: torch.Tensor, hessian: torch.Tensor | None, codes: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (rotated) weight [N, K] -> its int8 codes, contiguous, and per-channel scales [N]: rounded by GPTQ against
+    the hessian, or to the nearest, unless given (an earlier load's, gptq_cache.py)."""
+    scaled, scale = per_channel(weight, 127.0)
+    if codes is None:
+        rounded = scaled.round().clamp(-127, 127) if hessian is None else gptq_codes(weight, hessian, scale)
+        codes = rounded.to(torch.int8)
+    assert codes.dtype == torch.int8 and codes.shape == weight.shape
+    return codes.contiguous(), scale  # oneDNN's prepack reads GPTQ's transposed codes as if contiguous
+
+
 def group_code_sums(codes: torch.Tensor, group: int) -> torch.Tensor:
     """int8 codes [N, K] -> [N / 16, K / group, 16] int32: each feature's code sum over each group of inputs, a
     16-feature block's groups side by side (int8_linear's grouped steps take back the activations' unsigned shift
@@ -239,17 +252,7 @@ class Int8Linear(nn.Module):
         if self.signs is not None:
             weight = rotate(weight.detach().float(), self.signs)
             hessian = None if hessian is None else rotated_hessian(hessian, self.signs)
-        scaled, scale = per_channel(weight, 127.0)
-        if codes is None:
-            rounded = scaled.round().clamp(-127, 127) if hessian is None else gptq_codes(weight, hessian, scale)
-            codes = rounded.to(torch.int8)
-        assert codes.dtype == torch.int8 and codes.shape == weight.shape
-        codes = codes.contiguous()  # oneDNN's prepack reads GPTQ's transposed codes as if contiguous
-        self.weight_scale = scale
-        # One activation scale per 64 inputs (a rotation block) where our VNNI kernel runs every step: no other kernel
-        # reads such codes (see the module's docstring for what it buys).
-        self.activation_group = 0
-        self.group_code_sums: torch.Tensor | None = None
+        codes, self.weight_scale = weight_codes(weight, hessian, codes)
         # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums), which
         # scale the sums exactly as oneDNN.
         self.own: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -261,9 +264,10 @@ class Int8Linear(nn.Module):
         # and, on the AMD CPU with VNNI measured (Zen 5), ran its reference loops (2.5 s for one 300-row linear).
         every_step = self.own is not None and not amx_cpu
         self.small_rows = sys.maxsize if every_step else AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
-        if every_step and not wide and self.signs is not None:
-            self.activation_group = ROTATION_BLOCK
-            self.group_code_sums = group_code_sums(codes, ROTATION_BLOCK)
+        # One activation scale per 64 inputs (a rotation block) where our VNNI kernel runs every step: no other kernel
+        # reads such codes (see the module's docstring for what it buys).
+        self.activation_group = ROTATION_BLOCK if every_step and not wide and self.signs is not None else 0
+        self.group_code_sums = group_code_sums(codes, ROTATION_BLOCK) if self.activation_group else None
         # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).
         self.activation_max_code = int16_activation_max_code(self.in_features) if wide else 127
         # oneDNN's packing only where a step can reach it: no kernel of ours for this shape, or AMX's misfits.
