@@ -110,7 +110,11 @@ def test_16_bit_codes_bound_their_sums_to_int32():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # On AVX2: up to 5 rows run block tiles of 2 rows (3: and one of 1), 6 or more widened blocks (7, 9, 301: an odd row).
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 9, 64, 301])
-@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True), (48, 32, False)])
+# 128 x 48: two groups of 64 inputs (where the VNNI kernel scales them apart) over three blocks of 16 features, so
+# its tiles of 2 and 4 blocks end in a remainder.
+@pytest.mark.parametrize(
+    ("in_features", "out_features", "bias"), [(576, 1536, False), (64, 48, True), (128, 48, True), (48, 32, False)]
+)
 @pytest.mark.parametrize("activation_bits", [8, 16])
 def test_int8_linear_equals_the_product_of_its_codes(dtype, rows, in_features, out_features, bias, activation_bits):
     g = torch.Generator().manual_seed(rows)
