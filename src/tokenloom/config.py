@@ -60,8 +60,11 @@ class ModelLoadConfig:
     """The longest sequence (prompt plus output); None takes the model's own context length."""
     quantization: Quantization | None = None
     """8-bit weights for every linear of the decoder layers, quantized at load time per output channel, activations
-    per token on the fly: 'int8' (CPU: oneDNN's int8 matmul) or 'fp8' (CUDA, Hopper or later: torch._scaled_mm).
-    The LM head and embeddings keep the model's dtype. None: the checkpoint's weights in the model's dtype."""
+    on the fly: 'int8' (CPU: our VNNI, AMX or AVX2 kernels; 8-bit activation codes per token, or per 64 inputs of a
+    token where the CPU has VNNI and no AMX, 16-bit ones on AVX2), 'int8_w8a16' (16-bit activation codes on every
+    CPU) or 'fp8' (CUDA, Hopper or later: torch._scaled_mm). The embeddings keep the model's dtype; an int8 model's
+    logits come from an int8 copy of the LM head, each row's best candidates recomputed from the plain weight
+    (model/quantization.py). None: the checkpoint's weights in the model's dtype."""
     seed: int = 0
     """Seeds the sampler of requests that give no seed of their own."""
 
