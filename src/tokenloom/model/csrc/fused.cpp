@@ -567,7 +567,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
       }
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = g * width;
-        if (groups > 1) amax = sg != nullptr ? row_amax(rotated.data() + at, width) : row_amax(in + r * stride + at, width);
+        if (groups > 1) {
+          amax = sg != nullptr ? row_amax(rotated.data() + at, width) : row_amax(in + r * stride + at, width);
+        }
         const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
         if (sg != nullptr) {
           quantize_row(rotated.data() + at, 1.0f / scale, width, c + r * n + at);

@@ -18,9 +18,9 @@
 // On a CPU without AMX this kernel runs every step, and int8 codes come with one scale per 64 inputs of a row (the
 // rotation's block; quantize_rows_int8 with a group): each group's exact int32 sum, its shift's share taken back,
 // is turned to float32 and times the group's scale, then the groups' sum times the feature's scale plus the bias.
-// Why: per-row scales cost SmolLM2-135M's top-1 agreement 96.0-96.4% in bf16, below the 97% asked of int8
-// weights; scales per 64 inputs measured 97.3-97.9% in a float32 model of them (RESULTS.md), at ~1.1-1.2x the
-// per-row kernel's time on large steps and the same at 1-2 rows.
+// Why: with one scale a row SmolLM2-135M's top-1 agreement with float32 was 96.0-96.4% in bf16, below the 97%
+// asked of int8 weights; with a scale per 64 inputs it is 97.6% (RESULTS.md), at ~1.1-1.2x the per-row kernel's
+// time on large steps and ~1.05x at 1-2 rows.
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -38,13 +38,6 @@
 #include "int8_packing.h"
 #include "vnni_asm.h"
 #include "work_sharing.h"
-
-#ifndef GROUPED_ROWS
-#define GROUPED_ROWS 4
-#endif
-#ifndef GROUPED_FEW_ROWS
-#define GROUPED_FEW_ROWS 4
-#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -167,8 +160,8 @@ void grouped_sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t gro
 #pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) {
       // minus 128 x the group's code sum: the shift's share, taken back before any product is added
-      const __m512i start = _mm512_sub_epi32(
-          _mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(s.sums + ((feature / kBlock + b) * s.groups + sg) * kBlock), 7));
+      const int32_t* sums = s.sums + ((feature / kBlock + b) * s.groups + sg) * kBlock;
+      const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_loadu_si512(sums), 7));
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) acc[r][b] = start;
     }
@@ -177,7 +170,9 @@ void grouped_sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t gro
     for (int r = 0; r < Rows; ++r) {
       const __m512 row_scale = _mm512_set1_ps(s.rows[r * s.groups + sg]);
 #pragma GCC unroll 16
-      for (int b = 0; b < Blocks; ++b) total[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][b]), row_scale, total[r][b]);
+      for (int b = 0; b < Blocks; ++b) {
+        total[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][b]), row_scale, total[r][b]);
+      }
     }
   }
 }
