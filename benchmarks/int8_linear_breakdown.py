@@ -69,8 +69,8 @@ def measured_row(weight: torch.Tensor, m: int) -> str:
         packed_linear = prepack.PackedLinear(weight_bf16, None)
         packed_bf16 = f"{milliseconds(lambda: packed_linear(x)):.2f}"
     int8 = milliseconds(lambda: linear(x))
-    quantize = milliseconds(lambda: torch.ops.tokenloom.quantize_rows_int8(x, linear.signs))
-    codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(x, linear.signs)
+    quantize = milliseconds(lambda: linear.activation_codes(x))  # as the layer makes them (grouped without AMX)
+    codes, row_scales = torch.ops.tokenloom.quantize_rows_int8(x, linear.signs)  # one scale a row: AMX's, oneDNN's
     amx = "-"
     if linear.amx:
         assert linear.own is not None
