@@ -253,8 +253,9 @@ class Int8Linear(nn.Module):
             weight = rotate(weight.detach().float(), self.signs)
             hessian = None if hessian is None else rotated_hessian(hessian, self.signs)
         codes, self.weight_scale = weight_codes(weight, hessian, codes)
-        # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums), which
-        # scale the sums exactly as oneDNN.
+        # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums: per
+        # feature, or per feature and group of inputs with an activation group), which scale the sums exactly as
+        # oneDNN.
         self.own: tuple[torch.Tensor, torch.Tensor] | None = None
         if fits_own and isa is not None:
             self.own = torch.ops.tokenloom.int8_pack_weight(codes)
@@ -267,7 +268,8 @@ class Int8Linear(nn.Module):
         # One activation scale per 64 inputs (a rotation block) where our VNNI kernel runs every step: no other kernel
         # reads such codes (see the module's docstring for what it buys).
         self.activation_group = ROTATION_BLOCK if every_step and not wide and self.signs is not None else 0
-        self.group_code_sums = group_code_sums(codes, ROTATION_BLOCK) if self.activation_group else None
+        if self.activation_group and self.own is not None:  # the kernel then reads the code sums group by group
+            self.own = (self.own[0], group_code_sums(codes, ROTATION_BLOCK))
         # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).
         self.activation_max_code = int16_activation_max_code(self.in_features) if wide else 127
         # oneDNN's packing only where a step can reach it: no kernel of ours for this shape, or AMX's misfits.
@@ -299,8 +301,6 @@ class Int8Linear(nn.Module):
         dtype = out_dtype or rows.dtype
         if self.own is not None and rows.shape[0] <= self.small_rows:
             packed, code_sums = self.own
-            if self.group_code_sums is not None:
-                code_sums = self.group_code_sums
             return torch.ops.tokenloom.int8_linear(
                 codes, row_scales, packed, code_sums, self.weight_scale, self.bias, dtype, self.gated
             )

@@ -357,6 +357,18 @@ inline void hadamard64(__m512 (&v)[4]) {
     v[i + 2] = _mm512_mul_ps(_mm512_sub_ps(a, b), _mm512_set1_ps(0.125f));
   }
 }
+
+// One 64-input block of x times its signs through the transform, in registers.
+template <typename scalar_t>
+inline void rotate_block(const scalar_t* x, const float* signs, __m512 (&v)[4]) {
+  for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(load16(x + 16 * j), _mm512_loadu_ps(signs + 16 * j));
+  hadamard64(v);
+}
+
+// 16 values times inv as int8 codes, rounded to nearest even (|v| x inv <= 127 by the caller's scale).
+inline void store_codes16(__m512 v, __m512 inv, int8_t* codes) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 // Stages 1, 2 and 4 inside an 8-float vector, as the AVX-512 Butterfly: lane i becomes x[i ^ H] +- x[i].
 inline __m256 butterflies_in_vector(__m256 v) {
@@ -396,8 +408,7 @@ float rotate_row(const scalar_t* x, const float* signs, int64_t n, float* to) {
   __m512 most = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kRotationBlock) {
     __m512 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(load16(x + i + 16 * j), _mm512_loadu_ps(signs + i + 16 * j));
-    hadamard64(v);
+    rotate_block(x + i, signs + i, v);
     for (int j = 0; j < 4; ++j) {
       _mm512_storeu_ps(to + i + 16 * j, v[j]);
       most = _mm512_max_ps(most, _mm512_abs_ps(v[j]));
@@ -459,10 +470,7 @@ void quantize_row(const scalar_t* x, float inv, int64_t n, int8_t* codes) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const __m512 v_inv = _mm512_set1_ps(inv);
-  for (; i + 16 <= n; i += 16) {
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + i), v_inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtsepi32_epi8(q));
-  }
+  for (; i + 16 <= n; i += 16) store_codes16(load16(x + i), v_inv, codes + i);
 #elif defined(__AVX2__) && defined(__FMA__)
   const __m256 v_inv = _mm256_set1_ps(inv);
   for (; i + 32 <= n; i += 32) {  // rounded to nearest even (the default rounding), packed 32 to a vector
@@ -508,17 +516,13 @@ void rotate_and_quantize_blocks(const scalar_t* x, const float* signs, int64_t n
                                 float* scales) {
   for (int64_t i = 0; i < n; i += kRotationBlock) {
     __m512 v[4];
-    for (int j = 0; j < 4; ++j) v[j] = _mm512_mul_ps(load16(x + i + 16 * j), _mm512_loadu_ps(signs + i + 16 * j));
-    hadamard64(v);
+    rotate_block(x + i, signs + i, v);
     __m512 most = _mm512_abs_ps(v[0]);
     for (int j = 1; j < 4; ++j) most = _mm512_max_ps(most, _mm512_abs_ps(v[j]));
     const float amax = _mm512_reduce_max_ps(most);
     const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / scale);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 16 * j), _mm512_cvtsepi32_epi8(q));
-    }
+    for (int j = 0; j < 4; ++j) store_codes16(v[j], inv, codes + i + 16 * j);
     scales[i / kRotationBlock] = scale;
   }
 }
@@ -539,6 +543,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
     sg = signs->const_data_ptr<float>();
   }
   TORCH_CHECK(group >= 0 && (group == 0 || n % group == 0), name, ": a group must divide the row");
+  TORCH_CHECK(sg == nullptr || group % kRotationBlock == 0, name, ": a rotated row's groups are whole 64-blocks");
   const int64_t width = group == 0 ? n : group, groups = n / width;
   const float inv_max = 1.0f / static_cast<float>(max_code);
   at::Tensor codes = at::empty({rows, n}, x.options().dtype(c10::CppTypeToScalarType<code_t>::value));
@@ -558,23 +563,18 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
       }
 #endif
       thread_local std::vector<float> rotated;
-      float amax = 0.0f;
-      if (sg != nullptr) {
-        rotated.resize(n);
-        amax = rotate_row(in + r * stride, sg, n, rotated.data());
-      } else if (groups == 1) {
-        amax = row_amax(in + r * stride, n);
-      }
+      if (sg != nullptr) rotated.resize(n);
+      // Each group (without one, the whole row) rotated as it is scaled: one pass over the row either way.
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = g * width;
-        if (groups > 1) {
-          amax = sg != nullptr ? row_amax(rotated.data() + at, width) : row_amax(in + r * stride + at, width);
-        }
+        const scalar_t* from = in + r * stride + at;
+        const float amax =
+            sg != nullptr ? rotate_row(from, sg + at, width, rotated.data() + at) : row_amax(from, width);
         const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
         if (sg != nullptr) {
           quantize_row(rotated.data() + at, 1.0f / scale, width, c + r * n + at);
         } else {
-          quantize_row(in + r * stride + at, 1.0f / scale, width, c + r * n + at);
+          quantize_row(from, 1.0f / scale, width, c + r * n + at);
         }
         sc[r * groups + g] = scale;
       }

@@ -81,11 +81,12 @@ struct Scales {
 };
 
 // The int32 sums of Rows x Blocks x 16 outputs from unsigned activation codes xu [Rows, K] (row stride k), each
-// 4 of them times a packed 64-byte group by `vpdpbusd`; the +128 shift's share is still in them.
+// 4 of them times a packed 64-byte group by `vpdpbusd`, over the groups [g0, g1) of `groups`, added to acc; the +128
+// shift's share is still in them.
 template <int Rows, int Blocks>
-void sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, __m512i (&acc)[Rows][Blocks],
-             int64_t g0 = 0, int64_t g1 = -1) {
-  for (int64_t g = g0; g < (g1 < 0 ? groups : g1); ++g) {
+void sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, int64_t g0, int64_t g1,
+             __m512i (&acc)[Rows][Blocks]) {
+  for (int64_t g = g0; g < g1; ++g) {
     __m512i wv[Blocks];
 #pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) wv[b] = _mm512_loadu_si512(w + b * groups + g);
@@ -102,9 +103,11 @@ void sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t groups, __m
 
 // The same from 16-bit codes x (quantize_rows_int16), by `vpdpwssd`: a 64-byte group is two halves of 8 features x
 // 4 inputs, each sign-extended to 32 words; times the row's 4 codes, broadcast, a half's lanes 2f and 2f + 1 hold
-// feature f's two pair sums, which the end adds. Exact: the codes are small enough that no sum leaves int32.
+// feature f's two pair sums, which the end adds into acc's place (acc's earlier values are not kept). Exact: the
+// codes are small enough that no sum leaves int32.
 template <int Rows, int Blocks>
-void sums_of(const int16_t* x, int64_t k, const __m512i* w, int64_t groups, __m512i (&acc)[Rows][Blocks]) {
+void sums_of(const int16_t* x, int64_t k, const __m512i* w, int64_t groups, int64_t g0, int64_t g1,
+             __m512i (&acc)[Rows][Blocks]) {
   __m512i pairs[Rows][Blocks][2];
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
@@ -112,7 +115,7 @@ void sums_of(const int16_t* x, int64_t k, const __m512i* w, int64_t groups, __m5
     for (int b = 0; b < Blocks; ++b) pairs[r][b][0] = pairs[r][b][1] = _mm512_setzero_si512();
   }
   const auto* halves = reinterpret_cast<const __m256i*>(w);
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     __m512i wv[Blocks][2];
 #pragma GCC unroll 16
     for (int b = 0; b < Blocks; ++b) {
@@ -165,7 +168,7 @@ void grouped_sums_of(const uint8_t* xu, int64_t k, const __m512i* w, int64_t gro
 #pragma GCC unroll 16
       for (int r = 0; r < Rows; ++r) acc[r][b] = start;
     }
-    sums_of<Rows, Blocks>(xu, k, w, groups, acc, sg * steps, (sg + 1) * steps);
+    sums_of<Rows, Blocks>(xu, k, w, groups, sg * steps, (sg + 1) * steps, acc);
 #pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       const __m512 row_scale = _mm512_set1_ps(s.rows[r * s.groups + sg]);
@@ -195,7 +198,7 @@ void tile(const Code* x, int64_t k, const __m512i* w, int64_t groups, const Scal
 #pragma GCC unroll 16
       for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_si512();
     }
-    sums_of<Rows, Blocks>(x, k, w, groups, acc);
+    sums_of<Rows, Blocks>(x, k, w, groups, 0, groups, acc);
   }
   __m512i shift[Blocks];
   __m512 weight_scale[Blocks], bias[Blocks];
