@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -57,3 +57,33 @@ class RequestOutput:
     error: str | None = None  # why the request failed, when its finish_reason is "error"
     # Per prompt token (None for the first, which nothing predicts) when asked for: the token and the top ones.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class JoinedDeltas:
+    """A request's DELTA outputs joined into the one output that holds them all (the cumulative one), each added at
+    the cost of its own length: text, token ids and logprobs joined, the rest the last's."""
+
+    def __init__(self) -> None:
+        self._texts: list[str] = []
+        self.token_ids: list[int] = []
+        self._logprobs: list[dict[int, Logprob]] | None = []  # None once an output came without them
+        self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._last: RequestOutput | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        completion = output.outputs[0]
+        self._texts.append(completion.text)
+        self.token_ids.extend(completion.token_ids)
+        if completion.logprobs is None:
+            self._logprobs = None
+        elif self._logprobs is not None:
+            self._logprobs.extend(completion.logprobs)
+        self._prompt_logprobs = self._prompt_logprobs or output.prompt_logprobs
+        self._last = output
+
+    def output(self) -> RequestOutput:
+        last = self._last
+        assert last is not None, "at least one output was added"
+        logprobs = None if self._logprobs is None else self._logprobs[:]  # copies: more outputs may be added
+        joined = replace(last.outputs[0], text="".join(self._texts), token_ids=self.token_ids[:], logprobs=logprobs)
+        return replace(last, outputs=[joined], prompt_logprobs=self._prompt_logprobs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloom.engine.detokenizer import IncrementalDetokenizer
+from tokenloom.engine.detokenizer import IncrementalDetokenizer, Text
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +52,21 @@ def test_a_stream_that_raises_falls_back_to_the_window(tokenizer):
     detokenizer._stream = Broken()
     text += "".join(detokenizer.add(t) for t in tokenizer.encode(" and after", add_special_tokens=False))
     assert detokenizer._stream is None and text == " before and after" == detokenizer.text
+
+
+def test_text_reads_any_range_across_its_chunks(monkeypatch):
+    """Pieces are joined into chunks every few appends; a range read from the tail, or the whole, is the plain
+    string's, across chunk boundaries and while the whole text has not been read since the last append."""
+    monkeypatch.setattr(Text, "CHUNK_PIECES", 4)
+    text, plain = Text(), ""
+    for i in range(40):
+        piece = "" if i % 7 == 3 else f"<{i}>" * (i % 3 + 1)
+        text.append(piece)
+        plain += piece
+        assert len(text) == len(plain)
+        for start in range(max(0, len(plain) - 30), len(plain) + 2):
+            assert text.between(start) == plain[start:]
+            assert text.between(start, len(plain) - 2) == plain[start : len(plain) - 2]
+        if i % 5 == 0:
+            assert str(text) == plain
+    assert text.between(-3, 5) == plain[:5] and text.between(3, 2) == "" and str(text) == plain

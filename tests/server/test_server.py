@@ -12,7 +12,8 @@ import openai
 import pytest
 from server_process import TINY_KV_POOL_ARGS, HeldRequest, ServerProcess
 
-from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenloom.outputs import CompletionOutput, JoinedDeltas, Logprob, RequestMetrics, RequestOutput
+from tokenloom.server.chat import ChatShape
 from tokenloom.server.completions import CompletionShape
 from tokenloom.server.guard import Guard
 from tokenloom.server.tenants import Tenant
@@ -237,6 +238,9 @@ def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model, preemptio
         assert proc.metric(f'tokenloom:num_preemptions_total{{mode="{preemption_mode}"}}') > 0
         assert proc.metric(f'tokenloom:num_preemptions_total{{mode="{other}"}}') == 0
         assert proc.metric("tokenloom:generation_tokens_total") == 1000
+        # counted per request from its DELTA outputs, as the histogram of whole requests
+        assert proc.metric("tokenloom:request_generation_tokens_sum") == 1000
+        assert proc.metric("tokenloom:request_generation_tokens_count") == 4
         # Every step's tokens: each prompt token not served from the cache, each output token but the last,
         # and under recompute the tokens computed again.
         computed_once = (
@@ -389,19 +393,54 @@ def test_a_request_arrives_when_its_body_has_been_read():
     assert sent[1] <= seen["arrival"] <= seen["handler"]  # after the last chunk, before the handler
 
 
+def _delta(text: str, tokens: list[int], finish_reason: str | None, logprobs: bool = False) -> RequestOutput:
+    """A DELTA output, as the server asks the engine for: the step's tokens and text."""
+    entries = [{t: Logprob(-0.5 * t, rank=1)} for t in tokens] if logprobs else None
+    completion = CompletionOutput(0, text, tokens, finish_reason, logprobs=entries)
+    metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=0.0, finished_time=None)
+    return RequestOutput("r", None, [1, 2], [completion], finish_reason is not None, metrics)
+
+
+def test_a_chat_stream_sends_the_logprobs_of_a_step_whose_text_waits_with_the_next_chunk():
+    """An output whose text is held back (half a character) makes no content chunk after the first; its token's
+    logprobs go with the next chunk, so the stream's logprobs cover every token once, in order."""
+
+    async def stream():
+        yield _delta("a", [101], None, logprobs=True)
+        yield _delta("", [102], None, logprobs=True)  # the first half of "指": no chunk
+        yield _delta("指", [103], None, logprobs=True)
+        yield _delta("!", [104], "length", logprobs=True)
+
+    async def chunks() -> list[dict]:
+        return [choice.model_dump() async for choice, _ in ChatShape(None).chunks(stream(), logprobs=True)]
+
+    sent = asyncio.run(chunks())
+    assert [c["delta"].get("content") for c in sent] == ["a", "指", "!", None]
+    carried = [[entry["token"] for entry in c["logprobs"]["content"]] if c["logprobs"] else [] for c in sent]
+    assert carried == [["101"], ["102", "103"], ["104"], []]
+    assert sent[1]["logprobs"]["content"][0]["logprob"] == -51.0
+
+
+def test_joined_deltas_are_the_cumulative_output():
+    joined = JoinedDeltas()
+    for output in (_delta("Hel", [1, 2], None, True), _delta("", [3], None, True), _delta("lo", [4], "stop", True)):
+        joined.add(output)
+    whole = joined.output()
+    completion = whole.outputs[0]
+    assert (completion.text, completion.token_ids, completion.finish_reason) == ("Hello", [1, 2, 3, 4], "stop")
+    assert [list(entry) for entry in completion.logprobs] == [[1], [2], [3], [4]] and whole.finished
+    joined.add(_delta("!", [5], "stop", True))  # what was returned is not changed by what comes after
+    assert completion.token_ids == [1, 2, 3, 4] and len(completion.logprobs) == 4
+
+
 def test_a_completion_stream_sends_a_chunk_for_every_token_even_before_its_text_is_whole():
     """The first token of "指" is half its UTF-8 bytes, so its text is held back; the chunk still goes out at once
     (empty text), as vLLM sends it: a client times the first token on it, and the text comes whole after."""
 
-    def output(text: str, tokens: list[int], finish_reason: str | None) -> RequestOutput:
-        completion = CompletionOutput(0, text, tokens, finish_reason)
-        metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=0.0, finished_time=None)
-        return RequestOutput("r", None, [1, 2], [completion], finish_reason is not None, metrics)
-
     async def stream():
-        yield output("", [101], None)  # the first half of a character: nothing to show yet
-        yield output("指", [101, 102], None)
-        yield output("指!", [101, 102, 103], "length")
+        yield _delta("", [101], None)  # the first half of a character: nothing to show yet
+        yield _delta("指", [102], None)
+        yield _delta("!", [103], "length")
 
     async def chunks() -> list[dict]:
         return [choice.model_dump() async for choice, _ in CompletionShape(None).chunks(stream(), logprobs=False)]

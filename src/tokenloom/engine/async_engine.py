@@ -16,14 +16,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from tokenloom.engine.client import EngineClient, PreparedRequest
 from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.step_log import StepLog
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import JoinedDeltas, RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,12 +85,10 @@ class _Stream:
 
 def merged_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two unread DELTA outputs of one request as one: text, token ids and logprobs joined, the rest the later's."""
-    first, second = earlier.outputs[0], later.outputs[0]
-    logprobs = None if first.logprobs is None or second.logprobs is None else first.logprobs + second.logprobs
-    joined = replace(
-        second, text=first.text + second.text, token_ids=first.token_ids + second.token_ids, logprobs=logprobs
-    )
-    return replace(later, outputs=[joined], prompt_logprobs=earlier.prompt_logprobs or later.prompt_logprobs)
+    joined = JoinedDeltas()
+    joined.add(earlier)
+    joined.add(later)
+    return joined.output()
 
 
 class AsyncEngine:

@@ -132,14 +132,16 @@ class OutputProcessor:
             return RequestOutput(
                 output.request_id, None, state.prompt_token_ids, [completion], True, metrics, error=output.error
             )
-        text = self._text(state, output.finished)
         logprobs, prompt_logprobs = state.logprobs, state.prompt_logprobs
         if delta:
             # The text shown so far only grows (held-back characters are shown later or cut at a stop string).
-            text, state.sent_text = text[state.sent_text :], len(text)
+            text = self._text_since(state, state.sent_text, output.finished)
+            state.sent_text += len(text)
             state.sent_tokens = len(state.output_token_ids)
             logprobs = None if logprobs is None else logprobs[first_token:]
             prompt_logprobs = prompt_logprobs if first_token == 0 else None
+        else:
+            text = self._text_since(state, 0, output.finished)
         cumulative = None if state.logprobs is None else state.cumulative_logprob
         completion = CompletionOutput(
             index=0,
@@ -160,30 +162,34 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _text(self, state: RequestState, finished: bool) -> str:
+    def _text_since(self, state: RequestState, start: int, finished: bool) -> str:
+        """The request's text shown from character `start` on: at its end, the whole reply's; before, the text so
+        far less what may begin a stop string. Read from the tail, so a DELTA output costs its own length."""
         if state.stop_text is not None:
-            return state.stop_text
+            return state.stop_text[start:]
+        pieces = state.detokenizer.pieces
         if finished:
             # A reply cut inside a multi-byte character ends without its partial bytes, as vLLM's, instead of in
             # U+FFFD (the incremental text never ends in one unless the model wrote one).
             text = self.decode(state.output_token_ids)
-            return text if state.detokenizer.text.endswith("\ufffd") else text.rstrip("\ufffd")
-        text = state.detokenizer.text
+            whole = text if pieces.between(len(pieces) - 1).endswith("\ufffd") else text.rstrip("\ufffd")
+            return whole[start:]
         # While a stop string may still complete, hold back the characters it could start with.
         held = max((len(stop) - 1 for stop in state.params.stop), default=0)
-        return text[: len(text) - held] if held else text
+        return pieces.between(start, len(pieces) - held)
 
     @staticmethod
     def _completed_stop(state: RequestState) -> str | None:
-        text = state.detokenizer.text
+        pieces = state.detokenizer.pieces
         stops = state.params.stop
         # Only the tail can hold a new match: the last token's text plus the longest stop string.
-        tail_start = max(0, len(text) - 2 * max(len(stop) for stop in stops) - 16)
-        hits = [(text.find(stop, tail_start), stop) for stop in stops if stop in text[tail_start:]]
+        tail_start = max(0, len(pieces) - 2 * max(len(stop) for stop in stops) - 16)
+        tail = pieces.between(tail_start)
+        hits = [(tail.find(stop), stop) for stop in stops if stop in tail]
         if not hits:
             return None
         index, stop = min(hits)
-        state.stop_text = text[:index]
+        state.stop_text = pieces.between(0, tail_start + index)
         return stop
 
     def decode(self, token_ids: list[int]) -> str:

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.errors import APIError
-from tokenloom.server.logprobs import chat_logprobs_body
+from tokenloom.server.logprobs import TokenLogprobs, chat_logprobs_body, chat_logprobs_of, generated_logprobs
 from tokenloom.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -95,20 +95,24 @@ class ChatShape:
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
     ) -> AsyncIterator[tuple[ChatStreamChoice, RequestOutput]]:
         """Each content chunk carries the logprobs of the tokens that arrived since the last one, when asked for."""
-        sent_tokens, tool = 0, self.tool
+        tool = self.tool
+        unsent: list[TokenLogprobs] = []  # tokens come with each output; a chunk carries those not sent yet
 
         def choice(delta: dict[str, Any], finish_reason: str | None, output: RequestOutput) -> ChatStreamChoice:
-            nonlocal sent_tokens
             lp = None
-            if logprobs and len(output.outputs[0].token_ids) > sent_tokens:
-                lp = chat_logprobs_body(output, self.tokenizer, sent_tokens)
-                sent_tokens = len(output.outputs[0].token_ids)
+            if unsent:
+                lp = chat_logprobs_of(unsent[:])
+                unsent.clear()
             return ChatStreamChoice(index=0, delta=ChatDelta(**delta), logprobs=lp, finish_reason=finish_reason)
 
-        first, shown, parser = True, 0, self.parser
+        first, shown, parser, text = True, 0, self.parser, ""
         async for delta, finish_reason, output in text_deltas(stream):
+            if logprobs:
+                completion = output.outputs[0]
+                unsent += generated_logprobs(completion.token_ids, completion.logprobs or [], self.tokenizer)
+            if parser is not None or tool is not None:
+                text += delta  # what these read whole: the reply so far
             if parser is not None:  # content as far as it cannot begin a call; the calls once the reply is whole
-                text = output.outputs[0].text
                 parsed = parser.parse(text) if finish_reason else None
                 end = parser.streamable_end(text) if parsed is None or parsed.calls else len(text)
                 delta, shown = text[shown:end], max(shown, end)
@@ -127,8 +131,8 @@ class ChatShape:
                 continue
             if tool is not None and tool.mode == "required":
                 if finish_reason:  # the array is only whole at the end
-                    yield choice(_required_delta(tool, output.outputs[0].text), None, output), output
-                    calls_made = tool.calls(output.outputs[0].text) is not None and finish_reason == "stop"
+                    yield choice(_required_delta(tool, text), None, output), output
+                    calls_made = tool.calls(text) is not None and finish_reason == "stop"
                     yield choice({}, tool.finish_reason if calls_made else finish_reason, output), output
                 continue
             if first:  # the role goes with the first token, as vLLM sends it, so TTFT is timed right

@@ -71,16 +71,15 @@ class CompletionShape:
         """A chunk for every step that gave the request a token, as vLLM streams: its text may be empty (the bytes of
         an unfinished character, or text held back while it may begin a stop string), but the client learns the
         token came (TTFT is timed on it). Each carries the logprobs of the tokens since the last, when asked for."""
-        sent_tokens, text_offset, first = 0, 0, True
+        text_offset, first = 0, True
         async for delta, finish_reason, output in text_deltas(stream):
             prefix, lp = "", None
             if first:
                 prefix, lp, text_offset = self._echoed(output, logprobs)
                 first = False
             if logprobs:
-                new, text_offset = completion_logprobs_body(output, self.tokenizer, sent_tokens, text_offset)
+                new, text_offset = completion_logprobs_body(output, self.tokenizer, 0, text_offset)
                 lp = _joined(lp, new)
-                sent_tokens = len(output.outputs[0].token_ids)
             choice = CompletionStreamChoice(index=0, text=prefix + delta, logprobs=lp, finish_reason=finish_reason)
             yield choice, output
 

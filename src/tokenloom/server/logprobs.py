@@ -41,6 +41,11 @@ def ranked(
 
 def chat_logprobs_body(output: RequestOutput, tokenizer: Tokenizer | None, start: int = 0) -> dict[str, Any]:
     """OpenAI's chat logprobs of the output's tokens from `start` on."""
+    return chat_logprobs_of(_generated(output, tokenizer, start))
+
+
+def chat_logprobs_of(tokens: list[TokenLogprobs]) -> dict[str, Any]:
+    """OpenAI's chat logprobs of these tokens."""
     content = [
         {
             "token": token.text,
@@ -50,7 +55,7 @@ def chat_logprobs_body(output: RequestOutput, tokenizer: Tokenizer | None, start
                 {"token": text, "logprob": logprob, "bytes": list(text.encode())} for text, logprob in token.top or []
             ],
         }
-        for token in _generated(output, tokenizer, start)
+        for token in tokens
     ]
     return {"content": content}
 
@@ -72,7 +77,13 @@ def prompt_logprobs_body(output: RequestOutput, tokenizer: Tokenizer | None) -> 
 def _generated(output: RequestOutput, tokenizer: Tokenizer | None, start: int) -> list[TokenLogprobs]:
     """The first choice's tokens from `start` on that have logprobs."""
     completion = output.outputs[0]
-    token_ids, entries = completion.token_ids[start:], (completion.logprobs or [])[start:]
+    return generated_logprobs(completion.token_ids[start:], (completion.logprobs or [])[start:], tokenizer)
+
+
+def generated_logprobs(
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], tokenizer: Tokenizer | None
+) -> list[TokenLogprobs]:
+    """Generated tokens with their entries, as far as both go."""
     count = min(len(token_ids), len(entries))
     return ranked(token_ids[:count], entries[:count], tokenizer)
 

@@ -80,6 +80,7 @@ class ServerMetrics:
         self._define_cache_info(families)
         self._define_http_metrics()
         self._last_token_time: dict[str, float] = {}
+        self._generated: dict[str, int] = {}  # tokens each running request has had so far
         self._last_stats = engine.stats()
         self._lock = threading.Lock()
         self._log_every = log_interval
@@ -261,13 +262,17 @@ class ServerMetrics:
         if last is not None:
             self.itl.observe(now - last)
         self._last_token_time[output.request_id] = now
+        # The server's outputs are DELTA: each carries the tokens its step added.
+        generated = self._generated.get(output.request_id, 0) + len(output.outputs[0].token_ids)
         if not output.finished:
+            self._generated[output.request_id] = generated
             return
         self._last_token_time.pop(output.request_id, None)
+        self._generated.pop(output.request_id, None)
         m = output.metrics
         self.success.labels(finished_reason=output.outputs[0].finish_reason, **self._common).inc()
         self.request_prompt_tokens.observe(len(output.prompt_token_ids))
-        self.request_generation_tokens.observe(len(output.outputs[0].token_ids))
+        self.request_generation_tokens.observe(generated)
         self.request_preemptions.observe(m.num_preemptions)
         if m.first_token_time is None or m.first_scheduled_time is None or m.finished_time is None:
             return
@@ -276,8 +281,8 @@ class ServerMetrics:
         self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
         self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         self.decode_time.observe(m.finished_time - m.first_token_time)
-        if len(output.outputs[0].token_ids) > 1:
-            self.tpot.observe((m.finished_time - m.first_token_time) / (len(output.outputs[0].token_ids) - 1))
+        if generated > 1:
+            self.tpot.observe((m.finished_time - m.first_token_time) / (generated - 1))
         self.inference_time.observe(m.finished_time - m.first_scheduled_time)
 
     def admitted_request(self, max_tokens: int, n: int) -> None:

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tokenloom.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
+from tokenloom.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
 
 
@@ -196,6 +196,8 @@ class _Common(_Body):
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs(logprobs),
                 structured_outputs=structured,
+                # each output only what its step added: the server joins them (O(1) a step, not O(length))
+                output_kind=RequestOutputKind.DELTA,
             )
         except ValueError as error:
             raise APIError(400, str(error).removeprefix("SamplingParams: "), None, "invalid_value") from error

@@ -64,7 +64,7 @@ async def serve_generation(
             )
             return await sse_response(chunks, lease.transfer(), raw.receive)
         finals = await collect_finals(streams, raw.receive)
-    usage_body = usage_of(prompt_tokens, finals)
+    usage_body = usage_of(prompt_tokens, sum(len(final.outputs[0].token_ids) for final in finals))
     response = shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage_body)
     return JSONResponse(response.model_dump())
 

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from tokenloom.engine.async_engine import ErrorReason, RequestError
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import JoinedDeltas, RequestOutput
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Receive, until_disconnected
 from tokenloom.server.protocol import (
@@ -56,15 +56,18 @@ async def envelopes(
 ) -> AsyncGenerator[StreamChunk]:
     """Each chunk of every choice as it comes (with the usage so far, under continuous_usage_stats); then, if asked,
     the usage of all of them."""
-    latest: dict[int, RequestOutput] = {}
+    generated: dict[int, int] = {}  # each choice's tokens so far
+    last: dict[int, RequestOutput] = {}  # each choice's last output (one output may yield several chunks)
     async for index, choice, output in _merged(shape, streams, logprobs):
-        latest[index] = output
-        usage = usage_of(prompt_tokens, list(latest.values())) if options.continuous_usage_stats else None
+        if last.get(index) is not output:
+            last[index] = output
+            generated[index] = generated.get(index, 0) + len(output.outputs[0].token_ids)
+        usage = usage_of(prompt_tokens, sum(generated.values())) if options.continuous_usage_stats else None
         if choice.index != index:
             choice = choice.model_copy(update={"index": index})
         yield _envelope(request_id, shape.chunk_object, created, model, [choice], usage)
-    if options.include_usage and latest:
-        usage = usage_of(prompt_tokens, list(latest.values()))
+    if options.include_usage and last:
+        usage = usage_of(prompt_tokens, sum(generated.values()))
         yield _envelope(request_id, shape.chunk_object, created, model, [], usage)
 
 
@@ -141,14 +144,14 @@ async def unless_disconnected(work: Awaitable[T], receive: Receive) -> T:
 
 
 async def collect_finals(streams: list[AsyncIterator[RequestOutput]], receive: Receive) -> list[RequestOutput]:
-    """Each choice's final output; a hang-up aborts them at once (their KV blocks and the tenant slot are freed)."""
+    """Each choice's whole output, its DELTA outputs joined; a hang-up aborts them at once (their KV blocks and the
+    tenant slot are freed)."""
 
     async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-        final = None
+        joined = JoinedDeltas()
         async for output in stream:
-            final = output
-        assert final is not None
-        return final
+            joined.add(output)
+        return joined.output()
 
     async def every_last() -> list[RequestOutput]:
         if len(streams) == 1:
@@ -182,9 +185,8 @@ class Lease:
             self._release = None
 
 
-def usage_of(prompt_tokens: int, finals: list[RequestOutput]) -> Usage:
-    """OpenAI's count: each prompt once, every choice's completion."""
-    completion = sum(len(final.outputs[0].token_ids) for final in finals)
+def usage_of(prompt_tokens: int, completion: int) -> Usage:
+    """OpenAI's count: each prompt once, every choice's completion tokens."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
@@ -217,12 +219,10 @@ async def sse_response(chunks: AsyncGenerator[StreamChunk], lease: Lease, receiv
 
 
 async def text_deltas(stream: AsyncIterator[RequestOutput]):
-    """(new text, finish reason or None, output) for each output of a request, until it finishes."""
-    sent = 0
+    """(new text, finish reason or None, output) for each DELTA output of a request, until it finishes."""
     async for output in stream:
         completion = output.outputs[0]
-        delta, sent = completion.text[sent:], len(completion.text)
-        yield delta, completion.finish_reason, output
+        yield completion.text, completion.finish_reason, output
 
 
 def _envelope(
