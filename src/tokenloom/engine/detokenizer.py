@@ -14,7 +14,6 @@ stop string's search read only the tail.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from tokenizers import decoders
@@ -67,18 +66,18 @@ class Text:
 
     def _tail(self, start: int) -> str:
         """The text from `start` to its end, joined from the last pieces back."""
+        recent = self._recent
+        if recent and self.length - len(recent[-1]) <= start:  # a step's delta: within the last piece
+            return recent[-1][start - self.length :] if start < self.length else ""
         taken: list[str] = []
         position = self.length  # where the pieces taken so far begin
-        for piece in self._pieces_backwards():
-            if position <= start:
-                break
-            taken.append(piece)
-            position -= len(piece)
+        for pieces in (recent, self._chunks):
+            for piece in reversed(pieces):
+                if position <= start:
+                    break
+                taken.append(piece)
+                position -= len(piece)
         return "".join(reversed(taken))[start - position :]
-
-    def _pieces_backwards(self) -> Iterator[str]:
-        yield from reversed(self._recent)
-        yield from reversed(self._chunks)
 
 
 class IncrementalDetokenizer:
