@@ -117,3 +117,22 @@ def test_kv_manager_invariants_under_random_operations(ops, block_size, num_bloc
         kv.free(request)
     kv.check_invariants(set())
     assert kv.num_used_blocks == 0
+
+
+def test_a_block_table_handed_out_keeps_its_ids_while_the_request_grows_and_is_trimmed():
+    """block_table gives the manager's own list (no copy a step): later steps only append to it, and a trim or a
+    free leaves the list a reader holds as it was; a new list comes with a new epoch."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    request = make_request("r", list(range(6)))
+    assert kv.allocate_slots(request, 6)
+    ids, epoch = kv.block_table("r")
+    seen = ids[:]
+    request.num_computed_tokens = 6
+    assert kv.allocate_slots(request, 6)  # 12 tokens: a third block, appended
+    grown, same_epoch = kv.block_table("r")
+    assert same_epoch == epoch and grown[: len(seen)] == seen and len(grown) == 3
+    kv.trim(request, 6)  # drafts rejected: back to two blocks, in a new list under a new epoch
+    trimmed, new_epoch = kv.block_table("r")
+    assert new_epoch != epoch and trimmed == seen and trimmed is not grown and len(grown) == 3
+    kv.free(request)
+    assert trimmed == seen and kv.block_table("r") == ([], -1)

@@ -49,9 +49,10 @@ class KVCacheManager:
         return self._block_ids.get(request_id, [])[:]
 
     def block_table(self, request_id: str) -> tuple[list[int], int]:
-        """A copy of the request's block ids and their epoch: two reads of the same request under the same epoch
-        differ only in ids appended to the first."""
-        return self.block_ids(request_id), self._epochs.get(request_id, -1)
+        """The request's list of block ids itself (not a copy: a step reads it for every request, and a copy cost
+        the context's length each step) and its epoch. Under one epoch the list only grows by appending, so the ids
+        it holds now stay where they are; a reader keeps its length now and reads no further."""
+        return self._block_ids.get(request_id, []), self._epochs.get(request_id, -1)
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest run of cached blocks that starts the request's tokens.
@@ -136,7 +137,7 @@ class KVCacheManager:
         assert keep >= self._num_registered.get(request.request_id, 0), "a registered block would be given back"
         if len(ids) > keep:
             self.pool.release(self._blocks(reversed(ids[keep:])))
-            del ids[keep:]
+            self._block_ids[request.request_id] = ids[:keep]  # a new list: a reader of the old one keeps its ids
             self._epochs[request.request_id] = next(self._next_epoch)
 
     def num_shared_prefix_tokens(self, request: Request) -> int:

@@ -275,6 +275,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             draft_token_ids=drafts,
             block_epoch=block_epoch,
+            num_blocks=len(block_ids),
         )
 
     # ---- scheduling ahead: a step scheduled before the one before it is read ------------------------------

@@ -25,12 +25,17 @@ class ScheduledRequest:
     # block_ids' epoch (KVCacheManager.block_table): under one epoch a request's later block_ids extend its earlier
     # ones. None: not known, read them whole.
     block_epoch: int | None = None
+    # How many of block_ids are the request's when scheduled: the scheduler hands over the KV manager's own list,
+    # which later steps may extend (never change), so a reader reads no further. None: all of them.
+    num_blocks: int | None = None
     num_tokens: int = field(init=False)
     # The chunk computes prompt (or recomputed) tokens: more than the last token and its drafts, or not up to the
     # last token.
     is_prefill: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.num_blocks is None:
+            self.num_blocks = len(self.block_ids)
         self.num_tokens = len(self.token_ids)
         self.is_prefill = not self.sample or self.num_tokens > 1 + len(self.draft_token_ids)
 

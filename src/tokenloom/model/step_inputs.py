@@ -213,7 +213,7 @@ class BlockTableRows:
                 continue
             held[request_id] = entry
             rows.append(entry[0])
-            if s.block_epoch is None or entry[1] != s.block_epoch or entry[2] != len(s.block_ids):  # seldom
+            if s.block_epoch is None or entry[1] != s.block_epoch or entry[2] != s.num_blocks:  # seldom
                 self._write(entry, s)
         self._free_rows.extend(entry[0] for entry in previous.values())
         for i in newcomers:
@@ -239,12 +239,13 @@ class BlockTableRows:
     def _write(self, entry: list[int], s: ScheduledRequest) -> None:
         """Brings the row up to the request's ids: their new tail, or all of them where the epoch changed."""
         row, epoch, written = entry
-        if s.block_epoch is None or epoch != s.block_epoch or written > len(s.block_ids):
+        needed = s.num_blocks
+        assert needed is not None
+        if s.block_epoch is None or epoch != s.block_epoch or written > needed:
             written = 0
-        needed = len(s.block_ids)
         if needed > self.ids.shape[1]:
             self._grow(len(self.ids), max(needed, 2 * self.ids.shape[1]))
-        self.ids[row, written:needed] = s.block_ids[written:]
+        self.ids[row, written:needed] = s.block_ids[written:needed]
         entry[1], entry[2] = -1 if s.block_epoch is None else s.block_epoch, needed
 
     def _take_row(self) -> int:
