@@ -62,11 +62,10 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
-        tokens = request.all_token_ids
-        hashes = self._full_block_hashes(request, tokens)
+        hashes = self._full_block_hashes(request)
         hits: list[KVBlock] = []
-        for i in range(min(len(hashes), (len(tokens) - 1) // self.block_size)):
-            block = self.pool.lookup(hashes[i], self._block_tokens(tokens, i))
+        for i in range(min(len(hashes), (request.num_tokens - 1) // self.block_size)):
+            block = self.pool.lookup(hashes[i], self._block_tokens(request, i))
             if block is None:
                 break
             hits.append(block)
@@ -121,11 +120,10 @@ class KVCacheManager:
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
-        tokens = request.all_token_ids
-        hashes, ids = self._full_block_hashes(request, tokens), self._block_ids[request.request_id]
+        hashes, ids = self._full_block_hashes(request), self._block_ids[request.request_id]
         num_full = min(num_full, len(hashes))
         for i in range(start, num_full):
-            self.pool.cache_full_block(self.pool.blocks[ids[i]], hashes[i], self._block_tokens(tokens, i))
+            self.pool.cache_full_block(self.pool.blocks[ids[i]], hashes[i], self._block_tokens(request, i))
         self._num_registered[request.request_id] = num_full
 
     def trim(self, request: Request, num_tokens: int) -> None:
@@ -160,15 +158,16 @@ class KVCacheManager:
     def _blocks(self, ids: Iterable[int]) -> list[KVBlock]:
         return [self.pool.blocks[block_id] for block_id in ids]
 
-    def _block_tokens(self, tokens: list[int], index: int) -> tuple[int, ...]:
-        return tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        """The tokens of the request's block `index` (read alone: a request's whole token list is not copied)."""
+        return tuple(request.token_ids_slice(index * self.block_size, (index + 1) * self.block_size))
 
-    def _full_block_hashes(self, request: Request, tokens: list[int]) -> list[BlockHash]:
+    def _full_block_hashes(self, request: Request) -> list[BlockHash]:
         """The chained hashes of the request's full blocks, up to the first that holds a placeholder (a token still
         on the device: its block is hashed once the token is known)."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        for i in range(len(hashes), len(tokens) // self.block_size):
-            block_tokens = self._block_tokens(tokens, i)
+        for i in range(len(hashes), request.num_tokens // self.block_size):
+            block_tokens = self._block_tokens(request, i)
             if PLACEHOLDER_TOKEN in block_tokens:
                 break
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block_tokens))
