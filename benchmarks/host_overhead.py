@@ -1,6 +1,7 @@
 """What the host spends per decode step, with the model's forward replaced by a stub.
 
-    .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--prompt-len 32] [--final-only]
+    .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--prompt-len 32]
+                                                [--final-only | --delta]
                                                 [--attention-backend torch] [--async-output-proc]
                                                 [--async-scheduling] [--core-loop] [--no-freeze]
 
@@ -13,7 +14,8 @@ float32 tensor (greedy argmax over it on this CPU is part of "sample": on a GPU 
 
 `--prompt-len` sets each request's context (a decode step's host work grows with it where the host copies what a
 request holds; 32 by default, as the first figures), `--final-only` asks for outputs as `LLM.generate` does (none
-between steps), `--attention-backend triton` builds the inputs a GPU step gets (set TRITON_INTERPRET=1 on a CPU),
+between steps), `--delta` as the server does (each step's tokens and text; the default is CUMULATIVE, all so far),
+`--attention-backend triton` builds the inputs a GPU step gets (set TRITON_INTERPRET=1 on a CPU),
 `--async-output-proc` reads each step's tokens after the next one is launched, and `--async-scheduling` schedules
 each step before the one before is read. "device idle" is the host time from reading a step's tokens to the next
 step's inputs being ready (DeviceIdle): what a device whose step takes long would wait between two steps.
@@ -181,10 +183,10 @@ class DeviceIdle:
         setattr(*self._restore)
 
 
-def _final_only() -> object:
+def _output_kind(name: str) -> object:
     from tokenloom import RequestOutputKind
 
-    return RequestOutputKind.FINAL_ONLY
+    return RequestOutputKind[name]
 
 
 def core_step_and_report(engine: LLMEngine) -> list[EngineCoreOutput]:
@@ -225,6 +227,7 @@ def measure(
     freeze: bool = True,
     prompt_len: int = 32,
     final_only: bool = False,
+    delta: bool = False,
     attention_backend: str = "torch",
     async_output_proc: bool = False,
     async_scheduling: bool = False,
@@ -267,7 +270,8 @@ def measure(
     step = (lambda: core_step_and_report(engine)) if core_loop else engine.step
     idle = DeviceIdle(engine)
     # Only asked for where wanted, so that the script also measures a checkout from before output kinds.
-    kind = {"output_kind": _final_only()} if final_only else {}
+    asked = "FINAL_ONLY" if final_only else "DELTA" if delta else None
+    kind = {"output_kind": _output_kind(asked)} if asked else {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kind)
     for i in range(running):
         engine.add_request([(7 * i + j) % 1000 + 10 for j in range(prompt_len)], params, request_id=f"r{i}")
@@ -311,6 +315,7 @@ def main() -> None:
     parser.add_argument("--async-output-proc", action="store_true", help="read each step while the next one runs")
     parser.add_argument("--async-scheduling", action="store_true", help="schedule each step before the last is read")
     parser.add_argument("--final-only", action="store_true", help="outputs as LLM.generate takes them: the last")
+    parser.add_argument("--delta", action="store_true", help="outputs as the server takes them: each step's tokens")
     parser.add_argument("--core-loop", action="store_true", help="only what the core process does a step")
     parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     parser.add_argument("--profile", type=Path, help="write cProfile's stats of the timed steps to PROFILE.<running>")
@@ -321,8 +326,8 @@ def main() -> None:
         for running in (int(n) for n in args.running.split(",")):
             freeze = not args.no_freeze
             figures = measure(
-                model, running, args.steps, freeze, args.prompt_len, args.final_only, args.attention_backend,
-                args.async_output_proc, args.async_scheduling,
+                model, running, args.steps, freeze, args.prompt_len, args.final_only, args.delta,
+                args.attention_backend, args.async_output_proc, args.async_scheduling,
                 args.profile.with_suffix(f".{running}") if args.profile else None, args.core_loop,
             )  # fmt: skip
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
