@@ -614,6 +614,32 @@ def test_a_reader_that_falls_behind_holds_one_output_and_catches_up_in_one_read(
     assert front.stats().kv_blocks_in_use == 0
 
 
+def test_a_streams_unread_deltas_are_joined_as_they_come_and_read_as_one_then_the_error():
+    """DELTA outputs that find the one before unread are joined to it (each at its own length's cost); the reader
+    gets one output holding them all, then an error that came after, and a later read starts afresh."""
+    from tokenloom.engine.async_engine import _Stream
+    from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def delta(i: int) -> RequestOutput:
+        metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=0.0, finished_time=None)
+        return RequestOutput("r", None, [1], [CompletionOutput(0, f"<{i}>", [i], None)], False, metrics)
+
+    async def run() -> list:
+        stream = _Stream(asyncio.get_running_loop(), delta=True)
+        for i in range(1000):
+            stream.put(delta(i))
+        stream.put(RuntimeError("cut"))
+        stream.put(delta(1000))  # after an error: never read
+        first, second = await stream.get(), await stream.get()
+        stream.put(delta(1001))
+        return [first, second, await stream.get()]
+
+    joined, error, later = asyncio.run(run())
+    assert joined.outputs[0].token_ids == list(range(1000))
+    assert joined.outputs[0].text == "".join(f"<{i}>" for i in range(1000))
+    assert isinstance(error, RuntimeError) and later.outputs[0].token_ids == [1001]
+
+
 @pytest.mark.parametrize("overlap", ["async_output_proc", "async_scheduling"])
 def test_a_request_ended_at_a_stop_token_has_the_tokens_of_a_synchronous_engine(tiny_llama, overlap):
     """Stop token ids and max_tokens end a request at the same token as without overlap, also where the next step

@@ -54,14 +54,16 @@ class RequestError(Exception):
 
 class _Stream:
     """A request's outputs on their way to its reader, on the reader's event loop. An output that finds the one
-    before it still unread takes its place (a cumulative one holds all the other did) or is merged into it (DELTA),
+    before it still unread takes its place (a cumulative one holds all the other did) or is joined to it (DELTA),
     as vLLM's RequestOutputCollector does: a reader that falls behind (a client that reads slowly) holds one output
-    however long its request runs, not one per step, and catches up in one read."""
+    however long its request runs, not one per step, and catches up in one read. DELTA outputs are joined as they
+    come at the cost of each one's length (JoinedDeltas), and made one output when read."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
         self.loop = loop
         self._delta = delta
         self._items: deque[RequestOutput | Exception] = deque()
+        self._unread: JoinedDeltas | None = None  # DELTA outputs that came while the first item was unread, joined
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | Exception) -> None:
@@ -70,7 +72,12 @@ class _Stream:
         if isinstance(last, Exception):
             return  # the reader ends at an error (an abort's own output may follow it): nothing after it is read
         if isinstance(item, RequestOutput) and isinstance(last, RequestOutput):
-            self._items[-1] = merged_delta(last, item) if self._delta else item
+            if self._delta:
+                if self._unread is None:
+                    self._unread = JoinedDeltas()
+                    self._unread.add(last)
+                self._unread.add(item)
+            self._items[-1] = item
         else:
             self._items.append(item)
         assert len(self._items) <= 2, "an unread output, then at most an error after it"
@@ -80,15 +87,10 @@ class _Stream:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
-        return self._items.popleft()
-
-
-def merged_delta(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two unread DELTA outputs of one request as one: text, token ids and logprobs joined, the rest the later's."""
-    joined = JoinedDeltas()
-    joined.add(earlier)
-    joined.add(later)
-    return joined.output()
+        item = self._items.popleft()
+        if isinstance(item, RequestOutput) and self._unread is not None:  # the outputs that item stands for
+            item, self._unread = self._unread.output(), None
+        return item
 
 
 class AsyncEngine:
