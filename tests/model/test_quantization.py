@@ -13,6 +13,7 @@ from helpers import needs_operator
 from torch import nn
 
 from tokenloom import LLM, SamplingParams
+from tokenloom.model import quantization
 from tokenloom.model.llama import REFINED_TOP_K
 from tokenloom.model.loader import load_model
 from tokenloom.model.parallel import TensorParallelGroup
@@ -78,6 +79,32 @@ def test_the_operator_rotates_then_quantizes_each_row(dtype, rows):
     off = (grouped.double().unflatten(1, (9, 64)) - blocks / group_scales.double()[:, :, None]).abs()
     assert off.max() <= 0.5 + 1e-3
     assert (group_scales.min(1).values < scales[:, 0] / 2).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("in_features", "rotated", "group"), [(576, True, 0), (576, True, 64), (40, False, 0)])
+def test_shifted_codes_are_the_codes_plus_128_and_the_kernel_sums_them_alike(dtype, in_features, rotated, group):
+    """quantize_rows_int8(..., shifted=True) stores each code + 128 as an unsigned byte (the VNNI kernel's operand,
+    so it skips its own shifting pass): the same codes and scales, and int8_linear gives the same bits from either
+    (40 inputs: the quantizer's scalar tail after two vectors of 16)."""
+    g = torch.Generator().manual_seed(in_features + group)
+    x = (torch.randn(33, in_features, generator=g) * 3).to(dtype)
+    signs = rotation_signs(in_features) if rotated else None
+    codes, scales = torch.ops.tokenloom.quantize_rows_int8(x, signs, group)
+    shifted, shifted_scales = torch.ops.tokenloom.quantize_rows_int8(x, signs, group, True)
+    assert codes.dtype == torch.int8 and shifted.dtype == torch.uint8
+    assert torch.equal(shifted.int(), codes.int() + 128) and torch.equal(scales, shifted_scales)
+    if not quantization.small_step_kernel_available():
+        return  # the kernel below is the VNNI one
+    weight = torch.randint(-127, 128, (48, in_features), dtype=torch.int8, generator=g)
+    packed, sums = torch.ops.tokenloom.int8_pack_weight(weight)
+    code_sums = quantization.group_code_sums(weight, group) if group else sums
+    weight_scale = torch.rand(48, generator=g) * 0.01
+    outputs = [
+        torch.ops.tokenloom.int8_linear(c, scales, packed, code_sums, weight_scale, None, dtype, False)
+        for c in (codes, shifted)
+    ]
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -272,6 +272,8 @@ class Int8Linear(nn.Module):
             self.own = (self.own[0], group_code_sums(codes, ROTATION_BLOCK))
         # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).
         self.activation_max_code = int16_activation_max_code(self.in_features) if wide else 127
+        # Our VNNI kernel multiplies unsigned bytes: its int8 codes come shifted by +128 from the quantizer.
+        self.shifted_codes = isa == "avx512_vnni" and not wide and self.own is not None
         # oneDNN's packing only where a step can reach it: no kernel of ours for this shape, or AMX's misfits.
         onednn = not (self.amx or every_step)
         self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features]) if onednn else None
@@ -284,11 +286,11 @@ class Int8Linear(nn.Module):
         packing; None where only oneDNN's opaque packing holds them."""
         return None if self.own is None else unpacked_codes(self.own[0], self.in_features)
 
-    def activation_codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's codes (rotated where the weight is) and its scales: int8, or int16 up to activation_max_code;
-        [M, 1], or [M, K / 64] with an activation group."""
+    def activation_codes(self, rows: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's codes (rotated where the weight is) and its scales: int8 (shifted: + 128, as uint8, for our VNNI
+        kernel), or int16 up to activation_max_code; [M, 1], or [M, K / 64] with an activation group."""
         if self.activation_max_code == 127:
-            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs, self.activation_group)
+            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs, self.activation_group, shifted)
         return torch.ops.tokenloom.quantize_rows_int16(rows, self.signs, self.activation_max_code)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -297,10 +299,11 @@ class Int8Linear(nn.Module):
     def rows_forward(self, rows: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """forward for 2-D rows of unit stride (the C++ operators' step calls this: llama.OperatorLayer); the output
         in out_dtype (float32 for the LM head's logits), by default the rows' dtype."""
-        codes, row_scales = self.activation_codes(rows)
+        own = self.own if self.own is not None and rows.shape[0] <= self.small_rows else None
+        codes, row_scales = self.activation_codes(rows, own is not None and self.shifted_codes)
         dtype = out_dtype or rows.dtype
-        if self.own is not None and rows.shape[0] <= self.small_rows:
-            packed, code_sums = self.own
+        if own is not None:
+            packed, code_sums = own
             return torch.ops.tokenloom.int8_linear(
                 codes, row_scales, packed, code_sums, self.weight_scale, self.bias, dtype, self.gated
             )

@@ -365,9 +365,11 @@ inline void rotate_block(const scalar_t* x, const float* signs, __m512 (&v)[4]) 
   hadamard64(v);
 }
 
-// 16 values times inv as int8 codes, rounded to nearest even (|v| x inv <= 127 by the caller's scale).
-inline void store_codes16(__m512 v, __m512 inv, int8_t* codes) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv))));
+// 16 values times inv as int8 codes, rounded to nearest even (|v| x inv <= 127 by the caller's scale), each xor
+// flip (-128: the code + 128 as an unsigned byte, what the VNNI kernel multiplies; 0: the code).
+inline void store_codes16(__m512 v, __m512 inv, int8_t* codes, __m128i flip) {
+  const __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_xor_si128(q, flip));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // Stages 1, 2 and 4 inside an 8-float vector, as the AVX-512 Butterfly: lane i becomes x[i ^ H] +- x[i].
@@ -465,12 +467,13 @@ float row_amax(const scalar_t* x, int64_t n) {
 }
 
 // Codes of a row of x (float32 or bfloat16) times inv, rounded to nearest even; |x| * inv <= 127, so no clamp.
+// Each xor flip: -128 stores code + 128 as an unsigned byte (the VNNI kernel's operand), 0 the code.
 template <typename scalar_t>
-void quantize_row(const scalar_t* x, float inv, int64_t n, int8_t* codes) {
+void quantize_row(const scalar_t* x, float inv, int64_t n, int8_t* codes, int8_t flip = 0) {
   int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   const __m512 v_inv = _mm512_set1_ps(inv);
-  for (; i + 16 <= n; i += 16) store_codes16(load16(x + i), v_inv, codes + i);
+  for (; i + 16 <= n; i += 16) store_codes16(load16(x + i), v_inv, codes + i, _mm_set1_epi8(flip));
 #elif defined(__AVX2__) && defined(__FMA__)
   const __m256 v_inv = _mm256_set1_ps(inv);
   for (; i + 32 <= n; i += 32) {  // rounded to nearest even (the default rounding), packed 32 to a vector
@@ -478,10 +481,12 @@ void quantize_row(const scalar_t* x, float inv, int64_t n, int8_t* codes) {
     for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + i + 8 * j), v_inv));
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), ordered);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm256_xor_si256(ordered, _mm256_set1_epi8(flip)));
   }
 #endif
-  for (; i < n; ++i) codes[i] = static_cast<int8_t>(std::nearbyint(std::clamp(load(x + i) * inv, -127.0f, 127.0f)));
+  for (; i < n; ++i) {
+    codes[i] = static_cast<int8_t>(static_cast<int8_t>(std::nearbyint(std::clamp(load(x + i) * inv, -127.0f, 127.0f))) ^ flip);
+  }
 }
 
 // The same into 16-bit codes, |x| * inv <= max_code <= 32767.
@@ -513,7 +518,7 @@ void quantize_row(const scalar_t* x, float inv, int64_t n, int16_t* codes) {
 // quantize_row per block, in one pass (grouped codes at 2,048 rows took 1.5x one scale a row's time in two).
 template <typename scalar_t>
 void rotate_and_quantize_blocks(const scalar_t* x, const float* signs, int64_t n, float inv_max, int8_t* codes,
-                                float* scales) {
+                                float* scales, int8_t flip) {
   for (int64_t i = 0; i < n; i += kRotationBlock) {
     __m512 v[4];
     rotate_block(x + i, signs + i, v);
@@ -522,7 +527,7 @@ void rotate_and_quantize_blocks(const scalar_t* x, const float* signs, int64_t n
     const float amax = _mm512_reduce_max_ps(most);
     const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
     const __m512 inv = _mm512_set1_ps(1.0f / scale);
-    for (int j = 0; j < 4; ++j) store_codes16(v[j], inv, codes + i + 16 * j);
+    for (int j = 0; j < 4; ++j) store_codes16(v[j], inv, codes + i + 16 * j, _mm_set1_epi8(flip));
     scales[i / kRotationBlock] = scale;
   }
 }
@@ -530,9 +535,12 @@ void rotate_and_quantize_blocks(const scalar_t* x, const float* signs, int64_t n
 
 // quantize_rows_int8 and quantize_rows_int16: one row's scale is its largest |x| (rotated, with signs) over the
 // largest code, then codes as quantize_row makes them; with a group, one scale per group of a row's inputs.
+// Shifted (int8 only): each code + 128 as an unsigned byte, what the VNNI kernel multiplies (vpdpbusd takes unsigned
+// bytes), so that it need not shift them in a pass of its own.
 template <typename code_t>
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std::optional<at::Tensor>& signs,
-                                                 int64_t max_code, const char* name, int64_t group = 0) {
+                                                 int64_t max_code, const char* name, int64_t group = 0,
+                                                 bool shifted = false) {
   check_rows(x, name);
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   const float* sg = nullptr;
@@ -546,9 +554,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
   TORCH_CHECK(sg == nullptr || group % kRotationBlock == 0, name, ": a rotated row's groups are whole 64-blocks");
   const int64_t width = group == 0 ? n : group, groups = n / width;
   const float inv_max = 1.0f / static_cast<float>(max_code);
-  at::Tensor codes = at::empty({rows, n}, x.options().dtype(c10::CppTypeToScalarType<code_t>::value));
+  TORCH_CHECK(!shifted || (std::is_same_v<code_t, int8_t>), name, ": only int8 codes are shifted");
+  const auto code_type = shifted ? at::kByte : c10::CppTypeToScalarType<code_t>::value;
+  const int8_t flip = shifted ? -128 : 0;
+  at::Tensor codes = at::empty({rows, n}, x.options().dtype(code_type));
   at::Tensor scales = at::empty({rows, groups}, x.options().dtype(at::kFloat));
-  code_t* c = codes.mutable_data_ptr<code_t>();
+  code_t* c = static_cast<code_t*>(codes.mutable_data_ptr());  // int8 codes stored as uint8 when shifted
   float* sc = scales.mutable_data_ptr<float>();
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -557,7 +568,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       if constexpr (std::is_same_v<code_t, int8_t>) {
         if (sg != nullptr && width == kRotationBlock) {
-          rotate_and_quantize_blocks(in + r * stride, sg, n, inv_max, c + r * n, sc + r * groups);
+          rotate_and_quantize_blocks(in + r * stride, sg, n, inv_max, c + r * n, sc + r * groups, flip);
           return;
         }
       }
@@ -571,10 +582,17 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
         const float amax =
             sg != nullptr ? rotate_row(from, sg + at, width, rotated.data() + at) : row_amax(from, width);
         const float scale = amax > 0.0f ? amax * inv_max : 1.0f;
+        auto quantize = [&](const auto* values) {
+          if constexpr (std::is_same_v<code_t, int8_t>) {
+            quantize_row(values, 1.0f / scale, width, c + r * n + at, flip);
+          } else {
+            quantize_row(values, 1.0f / scale, width, c + r * n + at);
+          }
+        };
         if (sg != nullptr) {
-          quantize_row(rotated.data() + at, 1.0f / scale, width, c + r * n + at);
+          quantize(rotated.data() + at);
         } else {
-          quantize_row(from, 1.0f / scale, width, c + r * n + at);
+          quantize(from);
         }
         sc[r * groups + g] = scale;
       }
@@ -584,8 +602,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs,
-                                                      int64_t group) {
-  return quantize_rows<int8_t>(x, signs, 127, "quantize_rows_int8", group);
+                                                      int64_t group, bool shifted) {
+  return quantize_rows<int8_t>(x, signs, 127, "quantize_rows_int8", group, shifted);
 }
 
 // 16-bit activation codes for the AVX2 int8 linear (int8_linear_avx2.cpp), which multiplies 16-bit words anyway:
@@ -649,7 +667,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def(
       "dequantize_past(Tensor cache, Tensor block_table, int length, int head_dim, int kv_kind, int block_size, "
       "Tensor(a!) out) -> ()");
-  m.def("quantize_rows_int8(Tensor x, Tensor? signs=None, int group=0) -> (Tensor, Tensor)");
+  m.def("quantize_rows_int8(Tensor x, Tensor? signs=None, int group=0, bool shifted=False) -> (Tensor, Tensor)");
   m.def("quantize_rows_int16(Tensor x, Tensor? signs, int max_code) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor row_scales, Tensor? bias, ScalarType dtype, bool gated=False) -> Tensor");
 }

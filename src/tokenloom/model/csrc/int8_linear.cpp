@@ -8,9 +8,9 @@
 // the bytes of bf16, and `vpdpbusd` multiplies 64 byte pairs per instruction.
 //
 // The weight's codes are packed for `vpdpbusd` (unsigned x signed bytes): for each block of 16 output features, the
-// K inputs in groups of 4, 16 features x 4 inputs to a 64-byte vector. The activations' int8 codes (signed, from
-// quantize_rows_int8) are shifted by +128 to unsigned; the shift's share, 128 x the sum of a feature's codes, is
-// taken back from the int32 sum, so the sum is exact. 16-bit codes (quantize_rows_int16) multiply the same packing,
+// K inputs in groups of 4, 16 features x 4 inputs to a 64-byte vector. The activations' int8 codes are shifted by
+// +128 to unsigned (by quantize_rows_int8 as it makes them, with shifted=True; signed ones here, in a pass of its
+// own); the shift's share, 128 x the sum of a feature's codes, is taken back from the int32 sum, so the sum is exact. 16-bit codes (quantize_rows_int16) multiply the same packing,
 // sign-extended, by `vpdpwssd` (32 word pairs an instruction: half the rate, activations about as fine as float's).
 // Then, as the oneDNN path scales it (sum x the feature's scale, then x the row's scale plus the bias, fused), bit
 // for bit: a request's output does not depend on which path its step took.
@@ -291,7 +291,8 @@ void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t b
   tokenloom::with_output_data(out, run);
 }
 
-// codes [M, K] int8, or int16 small enough that 127 x K x their largest |code| fits int32 (rows contiguous),
+// codes [M, K] int8 (or uint8: int8 + 128, as quantize_rows_int8 shifts them for this kernel), or int16 small enough
+// that 127 x K x their largest |code| fits int32 (rows contiguous),
 // row_scales [M, 1] float32, a weight from int8_pack_weight with its code sums and scales [N] float32, bias [N] or
 // none -> [M, N] in out_dtype (float32 or bfloat16); gated (the features [gate; up] interleaved per 16): [M, N / 2],
 // silu(gate) x up. Grouped int8 codes (quantize_rows_int8 with a group of 64) come with row_scales [M, K / 64] and
@@ -300,9 +301,9 @@ void run_tiles(const Code* x, int64_t m, int64_t k, const __m512i* wp, int64_t b
 at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, const at::Tensor& packed,
                        const at::Tensor& code_sums, const at::Tensor& weight_scales,
                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype, bool gated) {
-  const bool wide = codes.scalar_type() == at::kShort;
-  TORCH_CHECK((wide || codes.scalar_type() == at::kChar) && codes.dim() == 2 && codes.is_contiguous(),
-              "int8_linear: codes must be contiguous int8 or int16 [M, K]");
+  const bool wide = codes.scalar_type() == at::kShort, shifted = codes.scalar_type() == at::kByte;
+  TORCH_CHECK((wide || shifted || codes.scalar_type() == at::kChar) && codes.dim() == 2 && codes.is_contiguous(),
+              "int8_linear: codes must be contiguous int8, uint8 (int8 + 128) or int16 [M, K]");
   const int64_t m = codes.size(0), k = codes.size(1), blocks = packed.size(0), n = blocks * kBlock;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(1) == k * kBlock,
               "int8_linear: a weight from int8_pack_weight with the codes' K");
@@ -348,9 +349,13 @@ at::Tensor int8_linear(const at::Tensor& codes, const at::Tensor& row_scales, co
     run(codes.const_data_ptr<int16_t>(), m <= 2);
     return out;
   }
-  at::Tensor shifted = at::empty({m, k}, codes.options().dtype(at::kByte));  // codes + 128, as unsigned bytes
+  if (shifted) {  // quantize_rows_int8(..., shifted=True) made them unsigned already
+    run(codes.const_data_ptr<uint8_t>(), m < kFewRows);
+    return out;
+  }
+  at::Tensor unsigned_codes = at::empty({m, k}, codes.options().dtype(at::kByte));  // codes + 128
   const int8_t* c = codes.const_data_ptr<int8_t>();
-  uint8_t* u = shifted.mutable_data_ptr<uint8_t>();
+  uint8_t* u = unsigned_codes.mutable_data_ptr<uint8_t>();
   for (int64_t i = 0; i < m * k; ++i) u[i] = static_cast<uint8_t>(c[i] + 128);
   run(static_cast<const uint8_t*>(u), m < kFewRows);
   return out;
