@@ -272,13 +272,11 @@ class Int8Linear(nn.Module):
             self.own = (self.own[0], group_code_sums(codes, ROTATION_BLOCK))
         # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).
         self.activation_max_code = int16_activation_max_code(self.in_features) if wide else 127
-        # Our VNNI kernel multiplies unsigned bytes: its int8 codes come shifted by +128 from the quantizer.
-        self.shifted_codes = isa == "avx512_vnni" and not wide and self.own is not None
+        self.shifted_codes = isa == "avx512_vnni" and not wide and self.own is not None  # + 128: vpdpbusd's bytes
         # oneDNN's packing only where a step can reach it: no kernel of ours for this shape, or AMX's misfits.
         onednn = not (self.amx or every_step)
         self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features]) if onednn else None
-        zeros = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device)
-        self.weight_zero_point = zeros if onednn else None
+        self.weight_zero_point = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device) if onednn else None
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def rounded_codes(self) -> torch.Tensor | None:
