@@ -65,7 +65,7 @@ class JoinedDeltas:
 
     def __init__(self) -> None:
         self._texts: list[str] = []
-        self.token_ids: list[int] = []
+        self._token_ids: list[int] = []
         self._logprobs: list[dict[int, Logprob]] | None = []  # None once an output came without them
         self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._last: RequestOutput | None = None
@@ -73,7 +73,7 @@ class JoinedDeltas:
     def add(self, output: RequestOutput) -> None:
         completion = output.outputs[0]
         self._texts.append(completion.text)
-        self.token_ids.extend(completion.token_ids)
+        self._token_ids.extend(completion.token_ids)
         if completion.logprobs is None:
             self._logprobs = None
         elif self._logprobs is not None:
@@ -85,5 +85,5 @@ class JoinedDeltas:
         last = self._last
         assert last is not None, "at least one output was added"
         logprobs = None if self._logprobs is None else self._logprobs[:]  # copies: more outputs may be added
-        joined = replace(last.outputs[0], text="".join(self._texts), token_ids=self.token_ids[:], logprobs=logprobs)
+        joined = replace(last.outputs[0], text="".join(self._texts), token_ids=self._token_ids[:], logprobs=logprobs)
         return replace(last, outputs=[joined], prompt_logprobs=self._prompt_logprobs)

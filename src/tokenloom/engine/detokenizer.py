@@ -33,8 +33,7 @@ class Text:
     def __init__(self) -> None:
         self._chunks: list[str] = []
         self._recent: list[str] = []
-        self._whole = ""  # the text's first _whole_length characters, as last read whole
-        self._whole_length = 0
+        self._whole = ""  # the text as last read whole (its first len(_whole) characters)
         self.length = 0
 
     def __len__(self) -> int:
@@ -50,9 +49,8 @@ class Text:
             self._recent = []
 
     def __str__(self) -> str:
-        if self._whole_length < self.length:
-            self._whole += self._tail(self._whole_length)
-            self._whole_length = self.length
+        if len(self._whole) < self.length:
+            self._whole += self._tail(len(self._whole))
         return self._whole
 
     def between(self, start: int, end: int | None = None) -> str:
@@ -60,7 +58,7 @@ class Text:
         start, end = max(0, start), self.length if end is None else min(end, self.length)
         if start >= end:
             return ""
-        if self._whole_length == self.length or 2 * start < self.length:  # from early on: read whole, kept
+        if len(self._whole) == self.length or 2 * start < self.length:  # from early on: read whole, kept
             return str(self)[start:end]
         return self._tail(start)[: end - start]
 

@@ -272,7 +272,7 @@ class Int8Linear(nn.Module):
             self.own = (self.own[0], group_code_sums(codes, ROTATION_BLOCK))
         # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).
         self.activation_max_code = int16_activation_max_code(self.in_features) if wide else 127
-        self.shifted_codes = isa == "avx512_vnni" and not wide and self.own is not None  # + 128: vpdpbusd's bytes
+        self.shifted_codes = isa == "avx512_vnni" and not wide  # our VNNI kernel's int8 codes + 128: vpdpbusd's bytes
         # oneDNN's packing only where a step can reach it: no kernel of ours for this shape, or AMX's misfits.
         onednn = not (self.amx or every_step)
         self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features]) if onednn else None

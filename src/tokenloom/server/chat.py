@@ -101,7 +101,7 @@ class ChatShape:
         def choice(delta: dict[str, Any], finish_reason: str | None, output: RequestOutput) -> ChatStreamChoice:
             lp = None
             if unsent:
-                lp = chat_logprobs_of(unsent[:])
+                lp = chat_logprobs_of(unsent)
                 unsent.clear()
             return ChatStreamChoice(index=0, delta=ChatDelta(**delta), logprobs=lp, finish_reason=finish_reason)
 

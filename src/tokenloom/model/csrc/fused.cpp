@@ -485,7 +485,8 @@ void quantize_row(const scalar_t* x, float inv, int64_t n, int8_t* codes, int8_t
   }
 #endif
   for (; i < n; ++i) {
-    codes[i] = static_cast<int8_t>(static_cast<int8_t>(std::nearbyint(std::clamp(load(x + i) * inv, -127.0f, 127.0f))) ^ flip);
+    const auto code = static_cast<int8_t>(std::nearbyint(std::clamp(load(x + i) * inv, -127.0f, 127.0f)));
+    codes[i] = static_cast<int8_t>(code ^ flip);
   }
 }
 

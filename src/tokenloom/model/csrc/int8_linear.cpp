@@ -10,8 +10,9 @@
 // The weight's codes are packed for `vpdpbusd` (unsigned x signed bytes): for each block of 16 output features, the
 // K inputs in groups of 4, 16 features x 4 inputs to a 64-byte vector. The activations' int8 codes are shifted by
 // +128 to unsigned (by quantize_rows_int8 as it makes them, with shifted=True; signed ones here, in a pass of its
-// own); the shift's share, 128 x the sum of a feature's codes, is taken back from the int32 sum, so the sum is exact. 16-bit codes (quantize_rows_int16) multiply the same packing,
-// sign-extended, by `vpdpwssd` (32 word pairs an instruction: half the rate, activations about as fine as float's).
+// own); the shift's share, 128 x the sum of a feature's codes, is taken back from the int32 sum, so the sum is
+// exact. 16-bit codes (quantize_rows_int16) multiply the same packing, sign-extended, by `vpdpwssd` (32 word pairs
+// an instruction: half the rate, activations about as fine as float's).
 // Then, as the oneDNN path scales it (sum x the feature's scale, then x the row's scale plus the bias, fused), bit
 // for bit: a request's output does not depend on which path its step took.
 //
