@@ -107,6 +107,28 @@ def test_shifted_codes_are_the_codes_plus_128_and_the_kernel_sums_them_alike(dty
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 33])
+@pytest.mark.parametrize(("rotated", "group", "gated"), [(True, 64, False), (True, 0, True), (False, 0, False)])
+def test_int8_linear_rows_is_the_quantizer_then_the_kernel_in_one_call(rows, rotated, group, gated):
+    """int8_linear_rows (what Int8Linear calls where our VNNI kernel runs) quantizes its bf16 rows as
+    quantize_rows_int8 does and multiplies them as int8_linear does: the same bits as the two operators."""
+    if not quantization.small_step_kernel_available():
+        pytest.skip("int8_linear_rows is the VNNI kernel's")
+    g = torch.Generator().manual_seed(rows * 10 + group)
+    x = (torch.randn(rows, 128, generator=g) * 3).to(torch.bfloat16)
+    signs = rotation_signs(128) if rotated else None
+    weight = torch.randint(-127, 128, (64, 128), dtype=torch.int8, generator=g)
+    packed, sums = torch.ops.tokenloom.int8_pack_weight(weight)
+    code_sums = quantization.group_code_sums(weight, group) if group else sums
+    weight_scale, bias = torch.rand(64, generator=g) * 0.01, torch.randn(64, generator=g)
+    codes, scales = torch.ops.tokenloom.quantize_rows_int8(x, signs, group, True)
+    apart = torch.ops.tokenloom.int8_linear(codes, scales, packed, code_sums, weight_scale, bias, torch.bfloat16, gated)
+    fused = torch.ops.tokenloom.int8_linear_rows(
+        x, signs, group, packed, code_sums, weight_scale, bias, torch.bfloat16, gated
+    )
+    assert fused.shape == (rows, 32 if gated else 64) and torch.equal(fused, apart)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_code", [32767, 11008, 300])
 def test_16_bit_codes_are_rotated_and_rounded_as_the_8_bit_ones(dtype, max_code):

@@ -284,11 +284,12 @@ class Int8Linear(nn.Module):
         packing; None where only oneDNN's opaque packing holds them."""
         return None if self.own is None else unpacked_codes(self.own[0], self.in_features)
 
-    def activation_codes(self, rows: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's codes (rotated where the weight is) and its scales: int8 (shifted: + 128, as uint8, for our VNNI
-        kernel), or int16 up to activation_max_code; [M, 1], or [M, K / 64] with an activation group."""
+    def activation_codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's codes (rotated where the weight is) and its scales: int8, or int16 up to activation_max_code;
+        [M, 1], or [M, K / 64] with an activation group. (Where our VNNI kernel runs, int8_linear_rows makes them
+        itself, + 128.)"""
         if self.activation_max_code == 127:
-            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs, self.activation_group, shifted)
+            return torch.ops.tokenloom.quantize_rows_int8(rows, self.signs, self.activation_group)
         return torch.ops.tokenloom.quantize_rows_int16(rows, self.signs, self.activation_max_code)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -298,8 +299,12 @@ class Int8Linear(nn.Module):
         """forward for 2-D rows of unit stride (the C++ operators' step calls this: llama.OperatorLayer); the output
         in out_dtype (float32 for the LM head's logits), by default the rows' dtype."""
         own = self.own if self.own is not None and rows.shape[0] <= self.small_rows else None
-        codes, row_scales = self.activation_codes(rows, own is not None and self.shifted_codes)
         dtype = out_dtype or rows.dtype
+        if own is not None and self.shifted_codes:  # our VNNI kernel: the rows quantized in the same call
+            return torch.ops.tokenloom.int8_linear_rows(
+                rows, self.signs, self.activation_group, *own, self.weight_scale, self.bias, dtype, self.gated
+            )
+        codes, row_scales = self.activation_codes(rows)
         if own is not None:
             packed, code_sums = own
             return torch.ops.tokenloom.int8_linear(

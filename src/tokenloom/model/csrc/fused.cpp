@@ -658,6 +658,14 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const s
 
 }  // namespace
 
+namespace tokenloom {
+// For int8_linear.cpp's int8_linear_rows, which quantizes its rows in the same call (int8_packing.h declares it).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs,
+                                                      int64_t group, bool shifted) {
+  return ::quantize_rows_int8(x, signs, group, shifted);
+}
+}  // namespace tokenloom
+
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 namespace tokenloom {
@@ -40,6 +41,10 @@ inline std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& w) 
   }
   return {packed, sums};
 }
+
+// fused.cpp's quantize_rows_int8 operator, for a kernel that quantizes its rows itself (int8_linear_rows).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs,
+                                                      int64_t group, bool shifted);
 
 inline void define_int8_linear_ops(torch::Library& m) {
   m.def("int8_pack_weight(Tensor w) -> (Tensor, Tensor)");
