@@ -66,3 +66,25 @@ def test_the_operator_keeps_the_largest_first_and_the_first_of_equals(n, k):
             assert torch.equal(ours[r], expected), (r, ours[r], expected)
         if n > k:  # k values besides the NaN: it is not among the chosen
             assert not torch.isnan(x[2, ours[2]]).any()
+
+
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_refine_top_logits_recomputes_each_rows_top_k_from_the_head_and_leaves_the_rest(head_dtype, rows):
+    """refine_top_logits (CausalLM.compute_logits' last step on a CPU): each row's k largest approximate logits are
+    replaced by normed . head[token] in float32, every other logit is left as it was."""
+    needs_operator()
+    generator = torch.Generator().manual_seed(rows)
+    vocab, hidden, k = 1000, 96, 8
+    normed = torch.randn(rows, hidden, generator=generator)
+    head = torch.randn(vocab, hidden, generator=generator).to(head_dtype)
+    exact = normed @ head.float().T
+    approximate = exact + 0.05 * torch.randn(rows, vocab, generator=generator)  # a coarser head's logits
+    top = approximate.topk(k).indices
+    logits = approximate.clone()
+    torch.ops.tokenloom.refine_top_logits(logits, normed, head, k)
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top))
+    untouched = torch.ones_like(logits, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(logits[untouched], approximate[untouched])
+    with pytest.raises(RuntimeError, match="head must be float32 or bfloat16"):
+        torch.ops.tokenloom.refine_top_logits(logits, normed, head[:, :10], k)

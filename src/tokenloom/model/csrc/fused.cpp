@@ -662,7 +662,7 @@ namespace tokenloom {
 // For int8_linear.cpp's int8_linear_rows, which quantizes its rows in the same call (int8_packing.h declares it).
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs,
                                                       int64_t group, bool shifted) {
-  return ::quantize_rows_int8(x, signs, group, shifted);
+  return quantize_rows<int8_t>(x, signs, 127, "int8_linear_rows", group, shifted);
 }
 }  // namespace tokenloom
 
