@@ -171,6 +171,14 @@ def paged_attention(
             kv_quant=kv_quant_kind,
         )  # fmt: skip
     ws, block_size, fmt = meta.workspace, meta.block_size, meta.kv_format
+    if meta.use_cpu_kernel and not meta.prefills and len(meta.decodes) == 1:  # a decode step: one call, no slices
+        group = meta.decodes[0]
+        assert group.row_start == 0 and group.num_rows == q.shape[0], "a lone decode group holds every row"
+        kv_kind = 0 if fmt is None else fmt.kind
+        torch.ops.tokenloom.paged_decode_attention(
+            q, cache_k, cache_v, group.block_tables, group.context_lens, block_size, scale, out, kv_kind, 0
+        )
+        return out
     head_dim = q.shape[-1]
 
     def gathered(name: str, cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:

@@ -169,7 +169,7 @@ class OperatorLayer:
         ops = torch.ops.tokenloom
         num_tokens, q_size, kv_size = hidden.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         ops.fused_add_rms_norm(hidden, residual, self.input_norm, self.eps)  # both in place
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split_with_sizes([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
