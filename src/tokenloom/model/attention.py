@@ -172,13 +172,7 @@ def paged_attention(
         )  # fmt: skip
     ws, block_size, fmt = meta.workspace, meta.block_size, meta.kv_format
     if meta.use_cpu_kernel and not meta.prefills and len(meta.decodes) == 1:  # a decode step: one call, no slices
-        group = meta.decodes[0]
-        assert group.row_start == 0 and group.num_rows == q.shape[0], "a lone decode group holds every row"
-        kv_kind = 0 if fmt is None else fmt.kind
-        torch.ops.tokenloom.paged_decode_attention(
-            q, cache_k, cache_v, group.block_tables, group.context_lens, block_size, scale, out, kv_kind, 0
-        )
-        return out
+        return _decode_step_on_operator(q, cache_k, cache_v, meta, scale, out)
     head_dim = q.shape[-1]
 
     def gathered(name: str, cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -217,6 +211,17 @@ def paged_attention(
             torch.ops.tokenloom.prefill_attention(q[rows], seg_k, seg_v, scale, out[rows])
         else:
             out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)
+    return out
+
+
+def _decode_step_on_operator(q, cache_k, cache_v, meta: AttentionMetadata, scale: float, out) -> torch.Tensor:
+    """A step of decode rows in one group, on the C++ operator: one call over every row, straight to the operator."""
+    group = meta.decodes[0]
+    assert group.row_start == 0 and group.num_rows == q.shape[0], "a lone decode group holds every row"
+    kv_kind = 0 if meta.kv_format is None else meta.kv_format.kind
+    torch.ops.tokenloom.paged_decode_attention(
+        q, cache_k, cache_v, group.block_tables, group.context_lens, meta.block_size, scale, out, kv_kind, 0
+    )
     return out
 
 
