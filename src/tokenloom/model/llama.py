@@ -245,8 +245,8 @@ class CausalLM(nn.Module):
         With int8 weights every logit comes from the head's int8 copy (quantization.int8_head), refined the same way.
         """
         head_weight = self._head_weight()
-        operators = stream.device.type == "cpu" and cpu_kernel.has_row_topk()  # every build has both operators
-        if operators:
+        cpu_operators = stream.device.type == "cpu" and cpu_kernel.has_row_topk()  # every build has both used here
+        if cpu_operators:
             normed = torch.ops.tokenloom.rms_norm(stream, self._float32_norm_weight(), self.norm.eps)
         else:
             normed = F.rms_norm(stream, (stream.shape[-1],), self.norm.weight.float(), self.norm.eps)
@@ -257,7 +257,7 @@ class CausalLM(nn.Module):
         else:
             rounded = normed.to(head_weight.dtype)
             logits = (F.linear(rounded, head_weight) if self.lm_head is None else self.lm_head(rounded)).float()
-        if operators:  # one operator for the five below
+        if cpu_operators:  # one operator for the five below
             torch.ops.tokenloom.refine_top_logits(logits, normed, head_weight, REFINED_TOP_K)
             return logits
         top = row_topk_indices(logits, REFINED_TOP_K)

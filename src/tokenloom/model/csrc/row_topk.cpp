@@ -142,10 +142,10 @@ void refine_top_logits(at::Tensor logits, const at::Tensor& normed, const at::Te
   const std::function<void(int64_t)> body = [&](int64_t r) {
     TopK best{k, {}, {}};
     float* row = lp + r * logits.stride(0);
+    const float* x = np + r * normed.stride(0);
     scan_row(row, vocab, best);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t t = best.indices[j];
-      const float* x = np + r * normed.stride(0);
       row[t] = head.scalar_type() == at::kFloat
                    ? dot_with(x, head.const_data_ptr<float>() + t * head.stride(0), hidden)
                    : dot_with(x, head.const_data_ptr<c10::BFloat16>() + t * head.stride(0), hidden);
