@@ -30,6 +30,13 @@ def test_norms_match_pytorch(dtype, rows):
     x = torch.randn(rows, 576, generator=g).to(dtype)
     weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
     close(torch.ops.tokenloom.rms_norm(x, weight, 1e-5), F.rms_norm(x.float(), (576,), weight.float(), 1e-5), dtype)
+    # float32 rows by a bf16 weight, as the logits' final norm runs (the weight widened exactly)
+    bf16_weight = weight.to(torch.bfloat16)
+    close(
+        torch.ops.tokenloom.rms_norm(x.float(), bf16_weight, 1e-5),
+        F.rms_norm(x.float(), (576,), bf16_weight.float(), 1e-5),
+        torch.float32,
+    )
     residual = torch.randn(rows, 576, generator=g)  # float32, as the model keeps its residual stream
     expected_residual = residual + x.float()
     expected = F.rms_norm(expected_residual, (576,), weight.float(), 1e-5)

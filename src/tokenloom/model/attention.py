@@ -219,10 +219,9 @@ def _decode_step_on_operator(q, cache_k, cache_v, meta: AttentionMetadata, scale
     group = meta.decodes[0]
     assert group.row_start == 0 and group.num_rows == q.shape[0], "a lone decode group holds every row"
     kv_kind = 0 if meta.kv_format is None else meta.kv_format.kind
-    torch.ops.tokenloom.paged_decode_attention(
-        q, cache_k, cache_v, group.block_tables, group.context_lens, meta.block_size, scale, out, kv_kind, 0
+    return cpu_kernel.paged_decode_attention(
+        q, cache_k, cache_v, group.block_tables, group.context_lens, meta.block_size, scale, out, kv_kind
     )
-    return out
 
 
 def _decode_attention(q, k, v, bias: torch.Tensor, scale: float) -> torch.Tensor:

@@ -205,7 +205,6 @@ class CausalLM(nn.Module):
         )
         self._operator_layers: list[OperatorLayer] | None = None
         self._int8_head: Int8Linear | None = None  # an int8 model's approximate logits (quantize_weights)
-        self._norm_weight_copy: tuple[tuple[int, int], torch.Tensor] | None = None  # _float32_norm_weight's
         # Rank 0 alone computes logits and samples (parallel_runner.py): the other ranks make no copies of the head.
         self.computes_logits = tp.rank == 0
 
@@ -247,7 +246,7 @@ class CausalLM(nn.Module):
         head_weight = self._head_weight()
         cpu_operators = stream.device.type == "cpu" and cpu_kernel.has_row_topk()  # every build has both used here
         if cpu_operators:
-            normed = torch.ops.tokenloom.rms_norm(stream, self._float32_norm_weight(), self.norm.eps)
+            normed = torch.ops.tokenloom.rms_norm(stream, self.norm.weight, self.norm.eps)
         else:
             normed = F.rms_norm(stream, (stream.shape[-1],), self.norm.weight.float(), self.norm.eps)
         if self._int8_head is not None:  # int8 weights: the int8 head's logits, their best candidates refined below
@@ -263,16 +262,6 @@ class CausalLM(nn.Module):
         top = row_topk_indices(logits, REFINED_TOP_K)
         exact = torch.einsum("rh,rkh->rk", normed, head_weight[top].float())
         return logits.scatter_(1, top, exact)
-
-    def _float32_norm_weight(self) -> torch.Tensor:
-        """The final norm's weight in float32 (compute_logits norms float32 rows), converted once."""
-        weight = self.norm.weight
-        if weight.dtype == torch.float32:
-            return weight.detach()
-        key = (weight.data_ptr(), weight._version)  # a weight loaded or moved since is converted again
-        if self._norm_weight_copy is None or self._norm_weight_copy[0] != key:
-            self._norm_weight_copy = (key, weight.detach().float())
-        return self._norm_weight_copy[1]
 
     def _head_weight(self) -> torch.Tensor:
         """The LM head's weight as a plain tensor, also once the head itself is prepacked."""

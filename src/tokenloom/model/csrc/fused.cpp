@@ -91,8 +91,8 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expects [rows, cols] with contiguous rows");
 }
 
-template <typename T>
-void norm_row(const T* in, const T* w, T* out, int64_t n, float eps) {
+template <typename T, typename W>
+void norm_row(const T* in, const W* w, T* out, int64_t n, float eps) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     const float v = load(in + i);
@@ -104,16 +104,21 @@ void norm_row(const T* in, const T* w, T* out, int64_t n, float eps) {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
-              "rms_norm: weight must be [cols], contiguous, of x's dtype");
+  // The weight in either dtype: the logits' float32 rows are normed by the model's bf16 weight (llama.compute_logits).
+  TORCH_CHECK((weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16) && weight.is_contiguous() &&
+                  weight.numel() == x.size(1),
+              "rms_norm: weight must be [cols], contiguous, float32 or bfloat16");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1), stride = x.stride(0);
   dispatch(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* in = x.const_data_ptr<scalar_t>();
-    const scalar_t* w = weight.const_data_ptr<scalar_t>();
     scalar_t* o = out.mutable_data_ptr<scalar_t>();
-    for_rows(x.size(0), n, [&](int64_t r) { norm_row(in + r * stride, w, o + r * n, n, static_cast<float>(eps)); });
+    dispatch(weight.scalar_type(), [&](auto weight_tag) {
+      using weight_t = decltype(weight_tag);
+      const weight_t* w = weight.const_data_ptr<weight_t>();
+      for_rows(x.size(0), n, [&](int64_t r) { norm_row(in + r * stride, w, o + r * n, n, static_cast<float>(eps)); });
+    });
   });
   return out;
 }
@@ -602,11 +607,6 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const std:
   return {codes, scales};
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs,
-                                                      int64_t group, bool shifted) {
-  return quantize_rows<int8_t>(x, signs, 127, "quantize_rows_int8", group, shifted);
-}
-
 // 16-bit activation codes for the AVX2 int8 linear (int8_linear_avx2.cpp), which multiplies 16-bit words anyway:
 // max_code up to 32767, small enough that a row's sum over K inputs cannot overflow int32 (the caller's bound).
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int16(const at::Tensor& x, const std::optional<at::Tensor>& signs,
@@ -659,10 +659,11 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& row_scales, const s
 }  // namespace
 
 namespace tokenloom {
-// For int8_linear.cpp's int8_linear_rows, which quantizes its rows in the same call (int8_packing.h declares it).
+// The quantize_rows_int8 operator, outside the anonymous namespace: int8_linear.cpp's int8_linear_rows calls it too
+// (int8_packing.h declares it).
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x, const std::optional<at::Tensor>& signs,
                                                       int64_t group, bool shifted) {
-  return quantize_rows<int8_t>(x, signs, 127, "int8_linear_rows", group, shifted);
+  return quantize_rows<int8_t>(x, signs, 127, "quantize_rows_int8", group, shifted);
 }
 }  // namespace tokenloom
 
@@ -687,7 +688,7 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("dequantize_past", &dequantize_past);
-  m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("quantize_rows_int8", &tokenloom::quantize_rows_int8);
   m.impl("quantize_rows_int16", &quantize_rows_int16);
   m.impl("scale_rows", &scale_rows);
 }
