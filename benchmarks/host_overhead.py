@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/host_overhead.py [--running 64,256,1024] [--steps 30] [--prompt-len 32]
                                                 [--final-only | --delta]
-                                                [--attention-backend torch] [--async-output-proc]
+                                                [--attention-backend torch] [--async-output-proc] [--penalties]
                                                 [--async-scheduling] [--core-loop] [--no-freeze]
 
 On a GPU a small model's forward takes 1-3 ms a step; whatever the host spends around it (scheduling, building the
@@ -16,6 +16,7 @@ float32 tensor (greedy argmax over it on this CPU is part of "sample": on a GPU 
 request holds; 32 by default, as the first figures), `--final-only` asks for outputs as `LLM.generate` does (none
 between steps), `--delta` as the server does (each step's tokens and text; the default is CUMULATIVE, all so far),
 `--attention-backend triton` builds the inputs a GPU step gets (set TRITON_INTERPRET=1 on a CPU),
+`--penalties` gives every request presence, frequency and repetition penalties (whose counts the sampler reads),
 `--async-output-proc` reads each step's tokens after the next one is launched, and `--async-scheduling` schedules
 each step before the one before is read. "device idle" is the host time from reading a step's tokens to the next
 step's inputs being ready (DeviceIdle): what a device whose step takes long would wait between two steps.
@@ -233,6 +234,7 @@ def measure(
     async_scheduling: bool = False,
     profile_to: Path | None = None,
     core_loop: bool = False,
+    penalties: bool = False,
 ) -> dict[str, float]:
     budget = max(2048, running * 40)
     # Requests that start first decode while the last prompts prefill: none may finish before the timed steps end.
@@ -271,8 +273,10 @@ def measure(
     idle = DeviceIdle(engine)
     # Only asked for where wanted, so that the script also measures a checkout from before output kinds.
     asked = "FINAL_ONLY" if final_only else "DELTA" if delta else None
-    kind = {"output_kind": _output_kind(asked)} if asked else {}
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kind)
+    extra = {"output_kind": _output_kind(asked)} if asked else {}
+    if penalties:  # as a chat client may send them: every request counts its tokens for its next one
+        extra.update(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **extra)
     for i in range(running):
         engine.add_request([(7 * i + j) % 1000 + 10 for j in range(prompt_len)], params, request_id=f"r{i}")
     while engine.core.stats().num_waiting or any(  # until every prompt is prefilled and every request decodes
@@ -317,6 +321,7 @@ def main() -> None:
     parser.add_argument("--final-only", action="store_true", help="outputs as LLM.generate takes them: the last")
     parser.add_argument("--delta", action="store_true", help="outputs as the server takes them: each step's tokens")
     parser.add_argument("--core-loop", action="store_true", help="only what the core process does a step")
+    parser.add_argument("--penalties", action="store_true", help="presence, frequency and repetition penalties")
     parser.add_argument("--no-freeze", action="store_true", help="leave the start-up heap to the collector")
     parser.add_argument("--profile", type=Path, help="write cProfile's stats of the timed steps to PROFILE.<running>")
     args = parser.parse_args()
@@ -328,7 +333,7 @@ def main() -> None:
             figures = measure(
                 model, running, args.steps, freeze, args.prompt_len, args.final_only, args.delta,
                 args.attention_backend, args.async_output_proc, args.async_scheduling,
-                args.profile.with_suffix(f".{running}") if args.profile else None, args.core_loop,
+                args.profile.with_suffix(f".{running}") if args.profile else None, args.core_loop, args.penalties,
             )  # fmt: skip
             parts = ", ".join(f"{k} {v:,.0f}" for k, v in figures.items() if k != "all")
             print(f"{running:5d} running: {figures['all']:9,.0f} us/step ({figures['all'] / running:6.1f} per request)"

@@ -697,6 +697,7 @@ def test_async_scheduling_reads_each_step_first_while_a_request_needs_its_tokens
         finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     assert [finished[str(i)] for i in range(4)] == expected
     assert not any(ahead[:4]) and all(ahead[6:]), "read first while the penalized request lives, ahead after it"
+    assert len(engine.core.runner._seen) == 0, "the penalized request's token counts went with it"
 
 
 def test_async_scheduling_is_refused_where_it_cannot_run():

@@ -188,7 +188,7 @@ def test_sampled_tokens_keep_the_distribution_at_temperature_one():
     p1 = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])
     sampler = Sampler(torch.device("cpu"), seed=1)
     params = SamplingParams(temperature=1.0)
-    batch = SamplingBatch([params] * draws, [None] * draws, [[]] * draws, [[]] * draws)
+    batch = SamplingBatch([params] * draws, [None] * draws, [None] * draws)
     logits = torch.stack([p0.log(), p1.log(), p1.log()]).repeat(draws, 1)
     results = sampler.verify(logits, batch, [[0, 4]] * draws)  # drafts: token 0, then token 4
     first = torch.bincount(torch.tensor([r[0].token_id for r in results]), minlength=vocab).float() / draws
@@ -205,7 +205,7 @@ def test_greedy_verification_accepts_exactly_the_argmax_prefix():
     logits = torch.full((4, 8), -5.0)
     for row, best in enumerate([3, 5, 1, 7]):
         logits[row, best] = 5.0
-    batch = SamplingBatch([SamplingParams(temperature=0)], [None], [[]], [[]])
+    batch = SamplingBatch([SamplingParams(temperature=0)], [None], [None])
     assert [t.token_id for t in sampler.verify(logits, batch, [[3, 5, 2]])[0]] == [3, 5, 1]  # third rejected
     assert [t.token_id for t in sampler.verify(logits, batch, [[3, 5, 1]])[0]] == [3, 5, 1, 7]  # all, and a bonus
     assert [t.token_id for t in sampler.verify(logits, batch, [[4, 5, 1]])[0]] == [3]

@@ -7,19 +7,19 @@ import math
 import pytest
 import torch
 
+from tokenloom.model.penalties import TokenCounts, apply_penalties
 from tokenloom.model.sampler import (
     Sampler,
     SamplingBatch,
-    apply_penalties,
     filter_top_k_top_p_min_p,
     mask_disallowed,
 )
 from tokenloom.sampling_params import SamplingParams
 
 
-def batch_of(*params: SamplingParams, outputs=None, prompts=None) -> SamplingBatch:
+def batch_of(*params: SamplingParams) -> SamplingBatch:
     n = len(params)
-    return SamplingBatch(list(params), [None] * n, prompts or [[]] * n, outputs or [[]] * n)
+    return SamplingBatch(list(params), [None] * n, [None] * n)
 
 
 def kept(row: torch.Tensor) -> set[int]:
@@ -46,7 +46,10 @@ def test_penalties():
         SamplingParams(frequency_penalty=0.5),
         SamplingParams(repetition_penalty=2.0),
     ]
-    out = apply_penalties(logits, batch_of(*params, outputs=[[0, 0, 2]] * 3, prompts=[[3]] * 3))
+    counts = [TokenCounts([3], with_prompt=p.repetition_penalty != 1.0) for p in params]
+    for seen in counts:
+        seen.update([0, 0, 2])
+    out = apply_penalties(logits, params, list(counts))
     assert out[0].tolist() == [1.0, 2.0, -2.0, 0.5]
     assert out[1].tolist() == [1.0, 2.0, -1.5, 0.5]
     assert out[2].tolist() == [1.0, 2.0, -2.0, 0.25]  # repetition also covers the prompt's token 3
@@ -69,7 +72,7 @@ def test_seeded_rows_repeat():
 
     def draw(seed: int) -> list[int]:
         g = torch.Generator().manual_seed(seed)
-        batch = SamplingBatch([SamplingParams(temperature=1.0)], [g], [[]], [[]])
+        batch = SamplingBatch([SamplingParams(temperature=1.0)], [g], [None])
         return [sampler(logits, batch)[0].token_id for _ in range(20)]
 
     assert draw(3) == draw(3)

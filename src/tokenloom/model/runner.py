@@ -25,6 +25,7 @@ from tokenloom.model.gptq_cache import cache_enabled as gptq_cache_enabled
 from tokenloom.model.gptq_cache import codes_key, load_codes, save_gptq_codes
 from tokenloom.model.kv_quant import KVFormat, kv_format
 from tokenloom.model.llama import CausalLM
+from tokenloom.model.penalties import SeenTokens
 from tokenloom.model.platform import accelerator_count, cpu_has_amx
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.quantization import INT8_METHODS, check_quantization, int8_kernel_isa
@@ -139,6 +140,7 @@ class ModelRunner:
         if can_prepack(device, dtype):
             model.prepack_weights(layers=quantization is None)
         self._generators: dict[str, torch.Generator] = {}
+        self._seen = SeenTokens()  # the token counts of live requests with penalties
         # The last step's sampled token ids on the device, by request: a step scheduled ahead reads its placeholders.
         self._last_sampled: tuple[list[str], torch.Tensor] | None = None
 
@@ -392,6 +394,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._seen.drop(request_id)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         return self.inputs.build(scheduled)
@@ -404,8 +407,7 @@ class ModelRunner:
                 None if r.sampling_params.seed is None else self._generator_for(r.request_id, r.sampling_params.seed)
                 for r in requests
             ],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
+            token_counts=[self._seen.of(r) for r in requests],
         )
 
     def _generator_for(self, request_id: str, seed: int) -> torch.Generator:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenloom.model.penalties import TokenCounts, apply_penalties
 from tokenloom.model.reductions import row_argmax
 from tokenloom.sampling_params import SamplingParams
 
@@ -22,8 +23,7 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     generators: list[torch.Generator | None]  # None: the engine-wide generator
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]
+    token_counts: list[TokenCounts | None]  # a row's seen tokens where its request has penalties (penalties.py)
 
     @property
     def all_greedy(self) -> bool:
@@ -144,7 +144,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         if any(p.uses_penalties for p in batch.params):
-            logits = apply_penalties(logits, batch)
+            logits = apply_penalties(logits, batch.params, batch.token_counts)
         tokens = row_argmax(logits)
         if not batch.all_greedy:
             tokens = self._sample_random(logits, batch, tokens)
@@ -265,31 +265,6 @@ class Sampler:
         return SampledOnDevice(tokens, (chosen, top.values, top.indices), batch.params)
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Presence and frequency penalties over generated tokens (OpenAI); repetition over prompt and output (HF)."""
-    num_rows, vocab = logits.shape
-    output_counts = _token_counts(batch.output_token_ids, num_rows, vocab, logits.device)
-    presence = logits.new_tensor([p.presence_penalty for p in batch.params]).unsqueeze(1)
-    frequency = logits.new_tensor([p.frequency_penalty for p in batch.params]).unsqueeze(1)
-    logits = logits - frequency * output_counts - presence * (output_counts > 0).float()
-    repetition = logits.new_tensor([p.repetition_penalty for p in batch.params]).unsqueeze(1)
-    if bool((repetition != 1.0).any()):
-        prompt_counts = _token_counts(batch.prompt_token_ids, num_rows, vocab, logits.device)
-        seen = (prompt_counts + output_counts) > 0
-        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = torch.where(seen, penalised, logits)
-    return logits
-
-
-def _token_counts(token_lists: list[list[int]], num_rows: int, vocab: int, device) -> torch.Tensor:
-    counts = torch.zeros(num_rows, vocab, device=device)
-    for row, tokens in enumerate(token_lists):
-        if tokens:
-            ids = torch.tensor(tokens, device=device)
-            counts[row].scatter_add_(0, ids, torch.ones(len(tokens), device=device))
-    return counts
-
-
 def filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Sets to -inf every logit outside a row's top-k, its top-p nucleus, or below min_p times its best prob."""
     vocab = logits.shape[1]
@@ -312,7 +287,7 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams])
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-_BATCH_FIELDS = ("params", "generators", "prompt_token_ids", "output_token_ids")
+_BATCH_FIELDS = ("params", "generators", "token_counts")
 
 
 def _select_rows(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:

@@ -1,0 +1,117 @@
+"""Presence, frequency (OpenAI) and repetition (Hugging Face) penalties: the token counts each request keeps from
+step to step, and the logits they change.
+
+A penalty changes only the logits of tokens a request has seen, so it is applied where they are: each row's
+distinct seen ids are gathered, changed and put back (``apply_penalties``), and the counts behind them grow by the
+tokens each step adds (``TokenCounts.update``). Rebuilding every penalized row's counts from its whole prompt and
+output into a dense [rows, vocab] tensor at every step cost 50 ms a step at 64 running requests with 1,024-token
+prompts and 215-300 ms at 256, two orders above the rest of a step's host work (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from tokenloom.sampling_params import SamplingParams
+
+
+class TokenCounts:
+    """One request's seen tokens: each distinct id its output holds (and its prompt's, where it penalises
+    repetition) with how many times the output holds it, in arrays a step concatenates with the other rows'."""
+
+    def __init__(self, prompt_token_ids: Sequence[int], with_prompt: bool) -> None:
+        prompt = np.unique(np.asarray(prompt_token_ids if with_prompt else [], dtype=np.int64))
+        self.size = len(prompt)  # distinct ids so far: ids[:size], counts[:size]
+        self.ids = np.empty(max(64, 2 * self.size), dtype=np.int64)
+        self.counts = np.zeros(len(self.ids), dtype=np.float32)  # in the output; a prompt's id may have none
+        self.ids[: self.size] = prompt
+        self._position = dict(zip(prompt.tolist(), range(self.size), strict=True))
+        self._counted = 0  # of the output's tokens
+
+    def update(self, output_token_ids: Sequence[int]) -> None:
+        """Counts the output's tokens since the last update: a request's output only grows while it lives."""
+        assert len(output_token_ids) >= self._counted, "a live request's output never shrinks"
+        for token in output_token_ids[self._counted :]:
+            self._add(token)
+        self._counted = len(output_token_ids)
+
+    def _add(self, token: int) -> None:
+        at = self._position.get(token)
+        if at is None:
+            if self.size == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
+                self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+            at = self.size
+            self.ids[at] = token
+            self._position[token] = at
+            self.size += 1
+        self.counts[at] += 1.0
+
+
+class Sampled(Protocol):
+    """What the counts read of a request that samples (core/request.py's Request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class SeenTokens:
+    """The TokenCounts of each live request with penalties, by request id: made at its first sampled step, brought
+    up to its output at every one after, dropped when the request ends."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, TokenCounts] = {}
+
+    def of(self, request: Sampled) -> TokenCounts | None:
+        """The request's counts, up to its output; None for a request without penalties."""
+        params = request.sampling_params
+        if not params.uses_penalties:
+            return None
+        counts = self._by_request.get(request.request_id)
+        if counts is None:
+            counts = TokenCounts(request.prompt_token_ids, with_prompt=params.repetition_penalty != 1.0)
+            self._by_request[request.request_id] = counts
+        counts.update(request.output_token_ids)
+        return counts
+
+    def drop(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], counts: list[TokenCounts | None]
+) -> torch.Tensor:
+    """The logits with each row's penalties applied (a new tensor; rows without counts are unchanged): a seen
+    token's logit less frequency x its output count and presence if the output has it, then divided by repetition
+    if positive, else multiplied by it: the arithmetic of the dense form, on the seen tokens only."""
+    kept = [(row, seen) for row, seen in enumerate(counts) if seen is not None and seen.size]
+    if not kept:
+        return logits
+    rows, seen_rows = [row for row, _ in kept], [seen for _, seen in kept]
+    sizes = [seen.size for seen in seen_rows]
+    device = logits.device
+
+    def entries(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(device)
+
+    row_index = entries(np.repeat(np.asarray(rows, dtype=np.int64), sizes))
+    token_index = entries(np.concatenate([seen.ids[: seen.size] for seen in seen_rows]))
+    token_counts = entries(np.concatenate([seen.counts[: seen.size] for seen in seen_rows]))
+    factors = np.array(
+        [(params[row].frequency_penalty, params[row].presence_penalty, params[row].repetition_penalty) for row in rows],
+        dtype=np.float32,
+    )
+    frequency, presence, repetition = entries(np.repeat(factors, sizes, axis=0)).unbind(1)
+    values = logits[row_index, token_index]
+    values = values - frequency * token_counts - presence * (token_counts > 0).float()
+    values = torch.where(values > 0, values / repetition, values * repetition)
+    return logits.index_put((row_index, token_index), values)

@@ -1,0 +1,84 @@
+"""Penalties from the counts each request keeps from step to step: the dense definition's values, bit for bit."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenloom.model.penalties import SeenTokens, TokenCounts, apply_penalties
+from tokenloom.sampling_params import SamplingParams
+
+VOCAB = 300
+
+
+def dense_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts, outputs) -> torch.Tensor:
+    """The definition, over the whole vocabulary: every row's output counts and prompt tokens made from scratch."""
+    counts = torch.zeros(logits.shape)
+    in_prompt = torch.zeros(logits.shape, dtype=torch.bool)
+    for row, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        if output:
+            counts[row] = torch.bincount(torch.tensor(output), minlength=VOCAB).float()
+        in_prompt[row, prompt] = True
+    frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
+    repetition = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
+    out = logits - frequency * counts - presence * (counts > 0).float()
+    penalised = torch.where(out > 0, out / repetition, out * repetition)
+    return torch.where(in_prompt | (counts > 0), penalised, out)
+
+
+@dataclass
+class Sampling:
+    """What SeenTokens reads of a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def test_counts_kept_from_step_to_step_penalize_as_the_dense_definition():
+    rng = random.Random(0)
+    params = [
+        SamplingParams(presence_penalty=0.7),
+        SamplingParams(frequency_penalty=-0.4),  # negative: a token is encouraged the more it comes
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.3),
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(temperature=0),  # no penalties: its row is left alone
+        SamplingParams(frequency_penalty=1.0),  # no prompt kept: its distinct outputs outgrow the first arrays
+    ]
+    requests = [
+        Sampling(str(i), [rng.randrange(VOCAB) for _ in range(rng.randint(0, 200))], p) for i, p in enumerate(params)
+    ]
+    seen = SeenTokens()
+    for step in range(60):
+        for request in requests:  # a step adds one token, or a few (accepted drafts)
+            request.output_token_ids += [rng.randrange(VOCAB) for _ in range(rng.choice([1, 1, 3]))]
+        logits = torch.randn(len(requests), VOCAB) * 4
+        logits[:, :7] = float("-inf")  # a grammar's mask
+        before = logits.clone()
+        counts = [seen.of(request) for request in requests]
+        got = apply_penalties(logits, params, counts)
+        want = dense_penalties(
+            logits, params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests]
+        )
+        assert torch.equal(got, want), step
+        assert torch.equal(logits, before), "the logits given are not changed"
+    assert counts[4] is None and len(seen) == 5
+    assert counts[5] is not None and counts[5].size > 64, "the arrays grew past their first size"
+    for request in requests:
+        seen.drop(request.request_id)
+    assert len(seen) == 0
+
+
+def test_counts_hold_each_distinct_token_once():
+    counts = TokenCounts([5, 3, 5, 9], with_prompt=True)
+    counts.update([3, 3])
+    counts.update([3, 3, 7, 3])  # the output so far: its last two tokens are new
+    held = dict(zip(counts.ids[: counts.size].tolist(), counts.counts[: counts.size].tolist(), strict=True))
+    assert held == {3: 3.0, 5: 0.0, 9: 0.0, 7: 1.0}
+    without_prompt = TokenCounts([5, 3], with_prompt=False)
+    without_prompt.update([8])
+    assert without_prompt.ids[: without_prompt.size].tolist() == [8]
