@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from tokenloom.model.penalties import SeenTokens, TokenCounts, apply_penalties
+from tokenloom.model.sampler import Sampler, SamplingBatch
 from tokenloom.sampling_params import SamplingParams
 
 VOCAB = 300
@@ -58,14 +60,15 @@ def test_counts_kept_from_step_to_step_penalize_as_the_dense_definition():
             request.output_token_ids += [rng.randrange(VOCAB) for _ in range(rng.choice([1, 1, 3]))]
         logits = torch.randn(len(requests), VOCAB) * 4
         logits[:, :7] = float("-inf")  # a grammar's mask
-        before = logits.clone()
         counts = [seen.of(request) for request in requests]
-        got = apply_penalties(logits, params, counts)
+        got = logits.clone()
+        restore = apply_penalties(got, params, counts)
         want = dense_penalties(
             logits, params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests]
         )
         assert torch.equal(got, want), step
-        assert torch.equal(logits, before), "the logits given are not changed"
+        restore()
+        assert torch.equal(got, logits), "restored: the model's logits again"
     assert counts[4] is None and len(seen) == 5
     assert counts[5] is not None and counts[5].size > 64, "the arrays grew past their first size"
     for request in requests:
@@ -82,3 +85,20 @@ def test_counts_hold_each_distinct_token_once():
     without_prompt = TokenCounts([5, 3], with_prompt=False)
     without_prompt.update([8])
     assert without_prompt.ids[: without_prompt.size].tolist() == [8]
+
+
+def test_a_failed_sample_leaves_the_model_logits_for_the_retry_row_by_row(monkeypatch):
+    """The runner samples row by row after a batch fails: each row must start from the model's logits again."""
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1.5), SamplingParams(temperature=1.0)]
+    counts = [TokenCounts([1, 2, 3], with_prompt=True), None]
+    logits = torch.randn(2, VOCAB)
+    model_logits = logits.clone()
+
+    def fails(*args):
+        raise RuntimeError("a row's sampling failed")
+
+    monkeypatch.setattr(sampler, "_sample_random", fails)
+    with pytest.raises(RuntimeError, match="failed"):
+        sampler.sample(logits, SamplingBatch(params, [None, None], counts))
+    assert torch.equal(logits, model_logits)

@@ -49,7 +49,8 @@ def test_penalties():
     counts = [TokenCounts([3], with_prompt=p.repetition_penalty != 1.0) for p in params]
     for seen in counts:
         seen.update([0, 0, 2])
-    out = apply_penalties(logits, params, list(counts))
+    out = logits.clone()
+    apply_penalties(out, params, list(counts))
     assert out[0].tolist() == [1.0, 2.0, -2.0, 0.5]
     assert out[1].tolist() == [1.0, 2.0, -1.5, 0.5]
     assert out[2].tolist() == [1.0, 2.0, -2.0, 0.25]  # repetition also covers the prompt's token 3

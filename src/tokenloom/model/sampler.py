@@ -143,12 +143,17 @@ class Sampler:
         """Samples each row on the logits' device; the tokens come to the host when ``tokens()`` is read."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
-        if any(p.uses_penalties for p in batch.params):
-            logits = apply_penalties(logits, batch.params, batch.token_counts)
-        tokens = row_argmax(logits)
-        if not batch.all_greedy:
-            tokens = self._sample_random(logits, batch, tokens)
-        return self._on_device(tokens, raw_logprobs, batch)
+        penalized = any(p.uses_penalties for p in batch.params)
+        restore = apply_penalties(logits, batch.params, batch.token_counts) if penalized else None
+        try:
+            tokens = row_argmax(logits)
+            if not batch.all_greedy:
+                tokens = self._sample_random(logits, batch, tokens)
+            return self._on_device(tokens, raw_logprobs, batch)
+        except BaseException:
+            if restore is not None:  # the runner samples row by row after a failure: from the model's logits
+                restore()
+            raise
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor):
         params = batch.params
