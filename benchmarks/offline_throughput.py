@@ -1,6 +1,6 @@
 """Offline throughput on the mixed-64 workload: continuous batching vs static batching vs transformers generate.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--max-num-seqs 16] [--write-results]
+    .venv/bin/python benchmarks/offline_throughput.py [--max-num-seqs 16] [--penalties] [--write-results]
 
 Every method generates exactly the requested number of tokens for each request (ignore_eos), so output tokens/s
 differ only by wall time. The compute ceiling is the workload's FLOPs over the matmul rate this machine reaches
@@ -88,6 +88,10 @@ def matmul_rate(cfg: ModelConfig, dtype: torch.dtype, tokens: int = 512, repeats
     return flops / best
 
 
+# --penalties: what a chat client may send with every request (OpenAI's two, Hugging Face's repetition penalty).
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+
+
 def run_tokenloom(work: Workload, batching: str, args) -> float:
     llm = LLM(
         batching=batching,
@@ -95,7 +99,8 @@ def run_tokenloom(work: Workload, batching: str, args) -> float:
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
     )
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in work.max_tokens]
+    penalties = PENALTIES if args.penalties else {}
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, **penalties) for m in work.max_tokens]
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     # Warm-up on prompts outside the workload, so the timed run starts with an empty prefix cache.
     warmup = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -150,9 +155,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="as the engine takes it; the ceiling is measured in it")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip", default="", help="comma-separated: continuous,static,transformers")
+    parser.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every request with presence, frequency and "
+        "repetition penalties (transformers is skipped: it has no presence or frequency penalty)",
+    )
     parser.add_argument("--write-results", action="store_true", help=f"append the result to {RESULTS.name}")
     args = parser.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
+    skip = set(filter(None, args.skip.split(","))) | ({"transformers"} if args.penalties else set())
 
     import json
 
