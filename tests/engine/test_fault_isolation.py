@@ -23,15 +23,18 @@ UNDER_PRESSURE = dict(max_num_seqs=6, max_num_batched_tokens=32, num_kv_blocks=1
 
 
 class PoisonedSampler:
-    """The engine's sampler, except that any batch holding the poisoned request's settings raises."""
+    """The engine's sampler, except that any batch holding the poisoned request's settings raises once that request
+    has sampled `after_tokens` tokens (each batch that holds it samples one)."""
 
     def __init__(self, sampler: Sampler, poisoned: SamplingParams, after_tokens: int) -> None:
         self.sampler, self.poisoned, self.after_tokens = sampler, poisoned, after_tokens
+        self.sampled = 0  # by the poisoned request
 
     def sample(self, logits, batch):
-        for params, output in zip(batch.params, batch.output_token_ids, strict=True):
-            if params is self.poisoned and len(output) >= self.after_tokens:
+        if any(params is self.poisoned for params in batch.params):
+            if self.sampled >= self.after_tokens:
                 raise RuntimeError("injected sampling fault")
+            self.sampled += 1
         return self.sampler.sample(logits, batch)
 
 
