@@ -679,25 +679,30 @@ def test_async_scheduling_shares_decoded_blocks_through_the_prefix_cache(tiny_ll
     assert got == expected and hits == expected_hits == 24  # 13 + 14 - 1 computed tokens: 6 full blocks
 
 
-def test_async_scheduling_reads_each_step_first_while_a_request_needs_its_tokens(tiny_llama):
-    """A request with penalties needs the tokens of the step before on the host: while one is live, steps are read
-    before the next is scheduled, and every request gets the tokens a synchronous engine gives it."""
-    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    penalized = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3)
-    batch = prompts(4, seed=5)
-    params = [plain, penalized, plain, plain]
-    expected = token_ids(LLM(str(tiny_llama)).generate(batch, params, use_tqdm=False))
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), async_scheduling=True))
-    ahead = []
-    for i, (prompt, p) in enumerate(zip(batch, params, strict=True)):
+@pytest.mark.parametrize("pressure", [{}, UNDER_PRESSURE], ids=["roomy", "preempted"])
+def test_async_scheduling_counts_penalties_on_the_device_and_keeps_scheduling_ahead(tiny_llama, pressure):
+    """A request with penalties counts its last token where a step scheduled ahead left it, on the device (the
+    step's input): steps go on being scheduled ahead while it lives, and every request gets the tokens a synchronous
+    engine gives it, through preemptions too."""
+    penalties = [{}, {"repetition_penalty": 1.3}, {"presence_penalty": 0.8, "frequency_penalty": 0.4},
+                 {"frequency_penalty": -0.6, "repetition_penalty": 0.8}]  # fmt: skip
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **p) for p in penalties]
+    batch = prompts(8, seed=5)
+    expected = token_ids(LLM(str(tiny_llama), **pressure).generate(batch, params * 2, use_tqdm=False))
+    plain = token_ids(LLM(str(tiny_llama), **pressure).generate(batch, params[0], use_tqdm=False))
+    assert sum(e != p for e, p in zip(expected, plain, strict=True)) >= 4, "the penalties change what is sampled"
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama), async_scheduling=True, **pressure))
+    for i, (prompt, p) in enumerate(zip(batch, params * 2, strict=True)):
         engine.add_request(prompt["prompt_token_ids"], p, request_id=str(i))
-    finished = {}
+    finished, ahead = {}, []
     while engine.has_unfinished_requests():
         ahead.append(engine.core._may_schedule_ahead())
         finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    assert [finished[str(i)] for i in range(4)] == expected
-    assert not any(ahead[:4]) and all(ahead[6:]), "read first while the penalized request lives, ahead after it"
-    assert len(engine.core.runner._seen) == 0, "the penalized request's token counts went with it"
+    assert [finished[str(i)] for i in range(8)] == expected
+    assert all(ahead), "scheduled ahead while penalized requests live"
+    assert len(engine.core.runner._seen) == 0, "the penalized requests' token counts went with them"
+    if pressure:
+        assert engine.stats().num_preemptions > 0
 
 
 def test_async_scheduling_is_refused_where_it_cannot_run():

@@ -109,7 +109,7 @@ def test_a_failing_request_is_failed_alone(tiny_llama, preemption_mode, fault):
     assert stats.kv_blocks_in_use == 0 and stats.swap_blocks_in_use == 0 and stats.num_swapped == 0
     assert stats.num_preemptions > 0  # the faults happened under pressure, with preemptions going on
     engine.core.scheduler.check_invariants()
-    assert engine.core.runner._generators == {}  # no per-request generator outlives its request
+    assert len(engine.core.runner._generators) == 0  # no per-request generator outlives its request
 
 
 def test_the_async_front_fails_only_that_stream(tiny_llama):

@@ -22,6 +22,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.core_process import CoreProcessEngine
+from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.sampling_params import StructuredOutputsParams
 
 WEATHER_SCHEMA = {
@@ -88,6 +89,25 @@ def test_every_kind_of_grammar_holds_in_one_batch_and_plain_requests_are_untouch
     # Requests without a grammar in the same batch sample exactly what they sample alone.
     assert [o.outputs[0].token_ids for o in outputs[6:]] == [o.outputs[0].token_ids for o in alone]
     assert llm.engine.stats().kv_blocks_in_use == 0
+
+
+def test_async_scheduling_reads_each_step_first_while_a_grammar_lives(tiny_chat_model, llm):
+    """A grammar's mask for a step needs the step before's token on the host: while a request with one lives, steps
+    are read before the next is scheduled, ahead again after it; every request gets a synchronous engine's tokens."""
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ruled = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[a-c]{3}"))
+    prompts = [f"Request {i}: say something." for i in range(3)]
+    params = [plain, ruled, plain]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_chat_model), async_scheduling=True))
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(prompt, p, request_id=str(i))
+    finished, ahead = {}, []
+    while engine.has_unfinished_requests():
+        ahead.append(engine.core._may_schedule_ahead())
+        finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [finished[str(i)] for i in range(3)] == expected
+    assert not ahead[0] and ahead[-1], "read first while the grammar lives, ahead after it ends"
 
 
 def test_a_grammar_that_only_the_core_sees_fails_its_request_alone(llm):

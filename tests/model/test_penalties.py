@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tokenloom.core.request import PLACEHOLDER_TOKEN
 from tokenloom.model.penalties import SeenTokens, TokenCounts, apply_penalties
 from tokenloom.model.sampler import Sampler, SamplingBatch
 from tokenloom.sampling_params import SamplingParams
@@ -74,6 +75,39 @@ def test_counts_kept_from_step_to_step_penalize_as_the_dense_definition():
     for request in requests:
         seen.drop(request.request_id)
     assert len(seen) == 0
+
+
+def test_a_last_token_still_on_the_device_is_counted_there():
+    """With asynchronous scheduling a step's batch holds each request's last token as a placeholder; the token itself
+    is the row's input on the device: penalties count it from there, as if the host had it."""
+    rng = random.Random(1)
+    params = [
+        SamplingParams(presence_penalty=0.7, frequency_penalty=0.2),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(temperature=0),
+        SamplingParams(frequency_penalty=-0.5, repetition_penalty=0.9),
+    ]
+    requests = [
+        Sampling(str(i), [rng.randrange(20) for _ in range(rng.randint(0, 8))], p) for i, p in enumerate(params)
+    ]
+    seen = SeenTokens()
+    for step in range(30):
+        last = [rng.randrange(20) for _ in requests]  # a small vocabulary: last tokens often seen before
+        for request in requests:
+            request.output_token_ids.append(PLACEHOLDER_TOKEN)
+        logits = torch.randn(len(requests), VOCAB) * 4
+        counts = [seen.of(request) for request in requests]
+        assert all(c is None or c.pending for c in counts)
+        got = logits.clone()
+        restore = apply_penalties(got, params, counts, torch.tensor(last))
+        for request, token in zip(requests, last, strict=True):
+            request.output_token_ids[-1] = token  # read from the device: the placeholder settled
+        want = dense_penalties(
+            logits, params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests]
+        )
+        assert torch.equal(got, want), step
+        restore()
+        assert torch.equal(got, logits), "restored: the model's logits again"
 
 
 def test_counts_hold_each_distinct_token_once():

@@ -103,7 +103,6 @@ class EngineCore:
         self.overlaps_outputs = config.scheduler.overlaps_output_processing(device.type)
         self.schedules_ahead = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None  # the step launched by the last call, when outputs overlap
-        self._penalized: set[str] = set()  # live requests with penalties: their sampling reads the host's tokens
         self._reported: set[str] = set()  # live requests whose metrics went out with an output
 
     @property
@@ -168,8 +167,6 @@ class EngineCore:
         """Queues a request. One whose grammar does not compile here fails in the next step, alone (the client
         compiles every grammar before a request gets here, so this is the last resort, not the check)."""
         self.scheduler.add_request(request)
-        if request.sampling_params.uses_penalties:
-            self._penalized.add(request.request_id)
         spec = request.sampling_params.structured_outputs
         if spec is not None:
             try:
@@ -260,8 +257,8 @@ class EngineCore:
 
     def _may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is read: asked for, and no live request
-        needs its tokens on the host first (a grammar's mask, penalties' counts)."""
-        return self.schedules_ahead and not self._penalized and not self.structured
+        needs its tokens on the host first (a grammar's mask). Penalties count a placeholder's token on the device."""
+        return self.schedules_ahead and not self.structured
 
     def _take_in_flight(self) -> _InFlight:
         in_flight, self._in_flight = self._in_flight, None
@@ -344,7 +341,6 @@ class EngineCore:
         request_id = request.request_id
         self.runner.release(request_id)
         self.structured.remove(request_id)
-        self._penalized.discard(request_id)
         self._reported.discard(request_id)
         self._prompt_logprobs.pop(request_id, None)
         self.speculator.release(request)

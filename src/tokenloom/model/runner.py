@@ -35,6 +35,7 @@ from tokenloom.model.sampler import (
     SampledToken,
     Sampler,
     SamplingBatch,
+    SeededGenerators,
     mask_disallowed,
 )
 from tokenloom.model.step_inputs import ModelInputs, StepInputBuilder
@@ -139,7 +140,7 @@ class ModelRunner:
             self._quantize(quantization, calibration)
         if can_prepack(device, dtype):
             model.prepack_weights(layers=quantization is None)
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators = SeededGenerators(device)  # of live requests with a seed
         self._seen = SeenTokens()  # the token counts of live requests with penalties
         # The last step's sampled token ids on the device, by request: a step scheduled ahead reads its placeholders.
         self._last_sampled: tuple[list[str], torch.Tensor] | None = None
@@ -249,8 +250,9 @@ class ModelRunner:
             ]
             mask_disallowed(logits, rows, grammar.bitmask)
         request_ids = [item.request.request_id for item in items]
+        last = inputs.input_ids[inputs.sample_rows] if inputs.placeholders else None  # what penalties count on device
         try:
-            sampled = self._sample(logits, items)
+            sampled = self._sample(logits, items, last)
             if isinstance(sampled, SampledOnDevice):
                 self._last_sampled = (request_ids, sampled.device_tokens)
             return LaunchedStep(result, request_ids, sampled.per_request)
@@ -260,7 +262,9 @@ class ModelRunner:
             for item, lo, hi in zip(items, first_rows[:-1], first_rows[1:], strict=True):
                 request_id = item.request.request_id
                 try:
-                    result.sampled[request_id] = self._sample(logits[int(lo) : int(hi)], [item]).per_request()[0]
+                    span = slice(int(lo), int(hi))
+                    sampled = self._sample(logits[span], [item], None if last is None else last[span])
+                    result.sampled[request_id] = sampled.per_request()[0]
                 except Exception as error:
                     result.failed[request_id] = error
         # A failed request's row reads 0: the step it is in is read after it fails, and passes it over.
@@ -273,10 +277,12 @@ class ModelRunner:
         """Where each sampled request's logits rows start (its last token's row, then its drafts'), and the end."""
         return np.cumsum([0] + [1 + len(item.draft_token_ids) for item in items])
 
-    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> SampledOnDevice | VerifiedDrafts:
+    def _sample(
+        self, logits: torch.Tensor, items: list[ScheduledRequest], last_tokens: torch.Tensor | None
+    ) -> SampledOnDevice | VerifiedDrafts:
         """Each request's new tokens: one sampled (still on the device), or its drafts verified (read here: the
         accepted ones and one more)."""
-        batch = self._sampling_batch(items)
+        batch = self._sampling_batch(items, last_tokens)
         if any(item.draft_token_ids for item in items):
             return VerifiedDrafts(self.sampler.verify(logits, batch, [item.draft_token_ids for item in items]))
         return self.sampler.sample(logits, batch)
@@ -393,30 +399,20 @@ class ModelRunner:
         return entries
 
     def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._generators.drop(request_id)
         self._seen.drop(request_id)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         return self.inputs.build(scheduled)
 
-    def _sampling_batch(self, items: list[ScheduledRequest]) -> SamplingBatch:
+    def _sampling_batch(self, items: list[ScheduledRequest], last_tokens: torch.Tensor | None) -> SamplingBatch:
         requests = [s.request for s in items]
         return SamplingBatch(
             params=[r.sampling_params for r in requests],
-            generators=[
-                None if r.sampling_params.seed is None else self._generator_for(r.request_id, r.sampling_params.seed)
-                for r in requests
-            ],
+            generators=[self._generators.of(r.request_id, r.sampling_params.seed) for r in requests],
             token_counts=[self._seen.of(r) for r in requests],
+            last_tokens=last_tokens,
         )
-
-    def _generator_for(self, request_id: str, seed: int) -> torch.Generator:
-        generator = self._generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            self._generators[request_id] = generator
-        return generator
 
 
 def check_kv_format(fmt: KVFormat | None, backend: str, device: torch.device) -> None:

@@ -24,6 +24,8 @@ class SamplingBatch:
     params: list[SamplingParams]
     generators: list[torch.Generator | None]  # None: the engine-wide generator
     token_counts: list[TokenCounts | None]  # a row's seen tokens where its request has penalties (penalties.py)
+    # Each row's input token (its request's last) on the device, where a step scheduled ahead holds placeholders.
+    last_tokens: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -129,6 +131,32 @@ def _recorded_event(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
+class SeededGenerators:
+    """The generator of each live request with a seed, by request id: seeded at its first sampled step, drawn from
+    at every one after (so its draws do not depend on what shares its batch), dropped when the request ends."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._by_request: dict[str, torch.Generator] = {}
+
+    def of(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        """The request's generator; None for a request without a seed (it draws from the engine's)."""
+        if seed is None:
+            return None
+        generator = self._by_request.get(request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            self._by_request[request_id] = generator
+        return generator
+
+    def drop(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
@@ -144,7 +172,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         penalized = any(p.uses_penalties for p in batch.params)
-        restore = apply_penalties(logits, batch.params, batch.token_counts) if penalized else None
+        restore = apply_penalties(logits, batch.params, batch.token_counts, batch.last_tokens) if penalized else None
         try:
             tokens = row_argmax(logits)
             if not batch.all_greedy:
@@ -292,18 +320,16 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams])
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-_BATCH_FIELDS = ("params", "generators", "token_counts")
-
-
 def _select_rows(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
-    return SamplingBatch(*([getattr(batch, f)[row] for row in rows] for f in _BATCH_FIELDS))
+    """The batch's settings of these rows (drafts' verification, where no row has penalties or placeholders)."""
+    return SamplingBatch(
+        [batch.params[row] for row in rows],
+        [batch.generators[row] for row in rows],
+        [batch.token_counts[row] for row in rows],
+    )
 
 
 def _expand_batch(batch: SamplingBatch, counts: list[int]) -> SamplingBatch:
     """One entry per logits row: each request's settings repeated over its rows."""
-    return SamplingBatch(
-        *(
-            [value for value, count in zip(getattr(batch, f), counts, strict=True) for _ in range(count)]
-            for f in _BATCH_FIELDS
-        )
-    )
+    rows = [row for row, count in enumerate(counts) for _ in range(count)]
+    return _select_rows(batch, rows)
