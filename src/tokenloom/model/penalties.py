@@ -18,6 +18,7 @@ import torch
 from numpy.typing import ArrayLike, DTypeLike
 
 from tokenloom.core.request import PLACEHOLDER_TOKEN
+from tokenloom.model.step_inputs import to_device
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -150,4 +151,4 @@ def _penalized(values: torch.Tensor, counts: torch.Tensor, factors: torch.Tensor
 
 
 def _to(device: torch.device, values: ArrayLike, dtype: DTypeLike = np.int64) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(values, dtype=dtype)).to(device)
+    return to_device(np.asarray(values, dtype=dtype), device)  # as step inputs go: the host does not wait

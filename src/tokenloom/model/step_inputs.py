@@ -176,12 +176,16 @@ class StepInputBuilder:
         return self.tensor(np.where(visible, 0.0, -np.inf).astype(np.float32)).to(self.dtype)
 
     def tensor(self, array: np.ndarray) -> torch.Tensor:
-        """A step input on the device. To an accelerator through pinned host memory, without waiting: the copy
-        runs in stream order before the kernels that read it, and the host goes on preparing the step."""
-        host = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return to_device(array, self.device)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A step input on the device. To an accelerator through pinned host memory, without waiting: the copy runs in
+    stream order before the kernels that read it, and the host goes on preparing the step."""
+    host = torch.from_numpy(array)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class BlockTableRows:
