@@ -171,7 +171,34 @@ def check_correctness(root: Path, device: str, backends: list[str], lines: list[
                     row = f"{arch} | {case} | {backend} | {step}"
                     engine = dict(knobs, enforce_eager=eager, attention_backend=backend)
                     all_ok &= tokens_row(lines, row, path, device, prompts, expected, engine)
+        if arch == "llama" and "triton" in backends:
+            all_ok &= penalties_row(lines, path, device, prompts)
     return all_ok
+
+
+PENALTIES = [{"repetition_penalty": 1.3}, {"presence_penalty": 0.8, "frequency_penalty": 0.4}, {}]
+
+
+def penalties_row(lines, path: Path, device: str, prompts) -> bool:
+    """Penalized requests scheduled ahead, their last token counted on the device, against the same engine reading
+    each step before the next: the same greedy tokens (no transformers oracle has OpenAI's penalties)."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **PENALTIES[i % 3]) for i in range(len(prompts))
+    ]
+
+    def tokens(**knobs) -> list[list[int]]:
+        llm = LLM(str(path), device=device, dtype="float32", attention_backend="triton", **knobs)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    row = "llama | penalties, async scheduling against sync | triton | the default step"
+    expected = guarded(lines, row + " (sync)", tokens)
+    got = guarded(lines, row, functools.partial(tokens, async_scheduling=True))
+    if expected is None or got is None:
+        return False
+    same = sum(g == e for g, e in zip(got, expected, strict=True))
+    emit(lines, f"| {row} | {same}/{len(prompts)} |")
+    return same == len(prompts)
 
 
 def tokens_row(lines, row: str, path: Path, device: str, prompts, expected, knobs: dict) -> bool:
@@ -537,8 +564,12 @@ def main() -> None:
     parser.add_argument("--skip-speed", action="store_true", help="correctness only")
     parser.add_argument("--models", default="smollm2,llama8b", help=f"speed on these shapes: {', '.join(MODELS)}")
     parser.add_argument("--backends", default="torch,triton", help="attention backends to check and time")
-    parser.add_argument("--budget-s", type=float, default=560.0,
-                        help="no speed run starts after this many seconds (the device tool stops a command at 600)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=560.0,
+        help="no speed run starts after this many seconds (the device tool stops a command at 600)",
+    )
     args = parser.parse_args()
     global OUT, DEADLINE
     OUT = args.out
