@@ -185,26 +185,18 @@ def penalties_row(lines, path: Path, device: str, prompts) -> bool:
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **PENALTIES[i % 3]) for i in range(len(prompts))
     ]
-
-    def tokens(**knobs) -> list[list[int]]:
-        llm = LLM(str(path), device=device, dtype="float32", attention_backend="triton", **knobs)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outputs]
-
     row = "llama | penalties, async scheduling against sync | triton | the default step"
-    expected = guarded(lines, row + " (sync)", tokens)
-    got = guarded(lines, row, functools.partial(tokens, async_scheduling=True))
-    if expected is None or got is None:
+    knobs = {"attention_backend": "triton"}
+    expected = guarded(lines, row + " (sync)", functools.partial(greedy_tokens, path, device, prompts, knobs, params))
+    if expected is None:
         return False
-    same = sum(g == e for g, e in zip(got, expected, strict=True))
-    emit(lines, f"| {row} | {same}/{len(prompts)} |")
-    return same == len(prompts)
+    return tokens_row(lines, row, path, device, prompts, expected, dict(knobs, async_scheduling=True), params)
 
 
-def tokens_row(lines, row: str, path: Path, device: str, prompts, expected, knobs: dict) -> bool:
-    """One row: how many prompts' 12 greedy float32 tokens from an engine built with knobs equal the expected
-    ones (or FAILED, guarded); whether all do."""
-    got = guarded(lines, row, functools.partial(greedy_tokens, path, device, prompts, knobs))
+def tokens_row(lines, row: str, path: Path, device: str, prompts, expected, knobs: dict, params=None) -> bool:
+    """One row: how many prompts' 12 greedy float32 tokens (or params', one a prompt) from an engine built with
+    knobs equal the expected ones (or FAILED, guarded); whether all do."""
+    got = guarded(lines, row, functools.partial(greedy_tokens, path, device, prompts, knobs, params))
     if got is None:
         return False
     same = sum(g == e for g, e in zip(got, expected, strict=True))
@@ -311,10 +303,10 @@ def check_8bit_cache(root: Path, device: str, backends: list[str], lines: list[s
     return all_ok
 
 
-def greedy_tokens(path: Path, device: str, prompts: list[list[int]], knobs: dict) -> list[list[int]]:
+def greedy_tokens(path: Path, device: str, prompts: list[list[int]], knobs: dict, params=None) -> list[list[int]]:
     llm = LLM(str(path), device=device, dtype="float32", **knobs)
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], greedy,
+    params = params or SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]  # fmt: skip
 
 

@@ -250,7 +250,9 @@ class ModelRunner:
             ]
             mask_disallowed(logits, rows, grammar.bitmask)
         request_ids = [item.request.request_id for item in items]
-        last = inputs.input_ids[inputs.sample_rows] if inputs.placeholders else None  # what penalties count on device
+        # Each sampled row's input, its request's last token: a penalized request counts it there while it is a
+        # placeholder on the host (penalties.py). Only while a penalized request lives (it has counts).
+        last = inputs.input_ids[inputs.sample_rows] if inputs.placeholders and len(self._seen) else None
         try:
             sampled = self._sample(logits, items, last)
             if isinstance(sampled, SampledOnDevice):
