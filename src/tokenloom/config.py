@@ -318,6 +318,10 @@ class ServerConfig:
     """Sampling defaults for what a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty), as
     vLLM's flag: 'auto' reads the checkpoint's generation_config.json if it has one, 'vllm' uses none (OpenAI's
     defaults), a directory reads its generation_config.json."""
+    stream_interval: int = 1
+    """A streamed response's chunks after the first carry at least this many tokens (the last goes at once), as
+    vLLM's flag: fewer, larger chunks cost the server less CPU a token (benchmarks/RESULTS.md); 1: every token as
+    it comes. A request's own stream_interval may raise it, never lower it."""
     core_process: bool = False
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization; off by
     default, where it measured no faster on two cores (benchmarks/RESULTS.md)."""
@@ -373,7 +377,7 @@ class ServerConfig:
             (self.ssl_keyfile is None) == (self.ssl_certfile is None), "give both --ssl-keyfile and --ssl-certfile"
         )
         _require_server(self.max_log_len is None or self.max_log_len >= 0, "max_log_len must be >= 0")
-        for name in ("max_body_bytes", "max_header_bytes", "max_header_count"):
+        for name in ("max_body_bytes", "max_header_bytes", "max_header_count", "stream_interval"):
             _require_server(getattr(self, name) > 0, f"{name} must be positive")
         for name in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
             _require_server(getattr(self, name) > 0, f"{name} must be positive")

@@ -640,6 +640,54 @@ def test_a_streams_unread_deltas_are_joined_as_they_come_and_read_as_one_then_th
     assert isinstance(error, RuntimeError) and later.outputs[0].token_ids == [1001]
 
 
+def test_a_stream_wakes_its_reader_for_the_first_output_then_every_n_new_tokens_and_at_the_end():
+    """With wake_every=3 (a stream interval) the reader gets the first output at once, then nothing until three new
+    tokens are in (a step's several tokens count as several), joined; the last output and an error wake it at once.
+    wake_every=None (a reader that wants the whole response) is woken only by the last output or an error."""
+    from tokenloom.engine.async_engine import _Stream
+    from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    def delta(*ids: int, finished: bool = False) -> RequestOutput:
+        metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.0, first_token_time=0.0, finished_time=None)
+        text = "".join(f"<{i}>" for i in ids)
+        return RequestOutput("r", None, [1], [CompletionOutput(0, text, list(ids), None)], finished, metrics)
+
+    async def woken(stream: _Stream, *outputs: RequestOutput) -> RequestOutput | None:
+        """Puts the outputs one by one under a waiting reader: what it read, or None if it is still waiting."""
+        reader = asyncio.create_task(stream.get())
+        for output in outputs:
+            stream.put(output)
+            for _ in range(3):
+                await asyncio.sleep(0)
+        if reader.done():
+            return reader.result()
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        return None
+
+    async def run() -> tuple[list, list]:
+        every_three = _Stream(asyncio.get_running_loop(), delta=True, wake_every=3)
+        reads = [
+            await woken(every_three, delta(0)),  # the first output: at once
+            await woken(every_three, delta(1), delta(2)),  # two new tokens: still waiting, and kept
+            await woken(every_three, delta(3)),  # the third: all three, joined
+            await woken(every_three, delta(4, 5, 6, 7)),  # one step's four tokens
+            await woken(every_three, delta(8, finished=True)),  # the last: at once
+        ]
+        whole = _Stream(asyncio.get_running_loop(), delta=True, wake_every=None)
+        wholes = [await woken(whole, delta(0), delta(1, 2)), await woken(whole, delta(3, finished=True))]
+        cut = _Stream(asyncio.get_running_loop(), delta=True, wake_every=None)
+        cut.put(delta(0))
+        wholes.append(await woken(cut, RuntimeError("cut")))
+        return reads, wholes
+
+    reads, wholes = asyncio.run(run())
+    assert [None if r is None else r.outputs[0].token_ids for r in reads] == [[0], None, [1, 2, 3], [4, 5, 6, 7], [8]]
+    assert reads[2].outputs[0].text == "<1><2><3>" and reads[4].finished
+    assert wholes[0] is None and wholes[1].outputs[0].token_ids == [0, 1, 2, 3] and wholes[1].finished
+    assert wholes[2].outputs[0].token_ids == [0]  # what came before the error is read first, then the error
+
+
 @pytest.mark.parametrize("overlap", ["async_output_proc", "async_scheduling"])
 def test_a_request_ended_at_a_stop_token_has_the_tokens_of_a_synchronous_engine(tiny_llama, overlap):
     """Stop token ids and max_tokens end a request at the same token as without overlap, also where the next step

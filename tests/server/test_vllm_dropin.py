@@ -249,7 +249,7 @@ def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
         "serve", "some-model", "--api-key", "k1", "k2", "--served-model-name", "a", "b", "--uvicorn-log-level",
         "warning", "--enable-log-requests", "--max-log-len", "20", "--root-path", "/llm", "--allowed-origins",
         "https://app.example", "--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem", "--dtype", "half",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--stream-interval", "4",
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     assert args.model_tag == "some-model"
@@ -258,6 +258,7 @@ def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
     assert (server.uvicorn_log_level, server.enable_log_requests, server.max_log_len) == ("warning", True, 20)
     assert (server.root_path, server.allowed_origins) == ("/llm", ("https://app.example",))
     assert (server.ssl_keyfile, server.ssl_certfile, server.tool_call_parser) == ("key.pem", "cert.pem", "hermes")
+    assert server.stream_interval == 4
     import torch
 
     from tokenloom.model.platform import resolve_dtype
@@ -266,13 +267,15 @@ def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
     assert resolve_dtype("float", torch.device("cpu")) is torch.float32
     with pytest.raises(ValueError, match="tool-call-parser"):
         ServerConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="stream_interval"):
+        ServerConfig(stream_interval=0)
 
 
 @pytest.fixture(scope="module")
 def flagged_server(tiny_chat_model):
     args = (
         "--served-model-name", "first", "second", "--api-key", "k1", "k2", "--allowed-origins", "https://app.example",
-        "--enable-log-requests", "--max-log-len", "3", "--uvicorn-log-level", "warning",
+        "--enable-log-requests", "--max-log-len", "3", "--uvicorn-log-level", "warning", "--stream-interval", "3",
     )  # fmt: skip
     proc = ServerProcess(str(tiny_chat_model), *args, log_level="info")
     yield proc
@@ -299,6 +302,52 @@ def test_cors_answers_the_allowed_origin_only(flagged_server):
         f"{flagged_server.url}/v1/completions", headers={**preflight, "Origin": "https://evil.example"}, timeout=10
     )
     assert "access-control-allow-origin" not in other.headers
+
+
+def streamed_chat(url: str, key: str, body: dict) -> tuple[list[int], str, list, int]:
+    """Each content chunk's token count (from the usage streamed with it), the text, the logprobs and the usage."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    counts, text, logprobs, seen = [], "", [], 0
+    for chunk in client.chat.completions.create(**body, stream=True, stream_options=options):
+        if chunk.choices and chunk.choices[0].delta.content is not None:
+            counts.append(chunk.usage.completion_tokens - seen)
+            text += chunk.choices[0].delta.content
+            logprobs += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+        seen = chunk.usage.completion_tokens if chunk.usage else seen
+    return counts, text, logprobs, seen
+
+
+@pytest.mark.parametrize("asked", [None, 5, 1])
+def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_n(flagged_server, asked):
+    """--stream-interval 3 (vLLM's flag): after the first token each chunk carries at least three (the last fewer);
+    a request's own stream_interval raises it, never lowers it; the text and logprobs are the whole response's."""
+    import openai
+
+    body = dict(
+        model="first", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=17, temperature=0,
+        logprobs=True, top_logprobs=1, extra_body={"ignore_eos": True, **({"stream_interval": asked} if asked else {})},
+    )  # fmt: skip
+    counts, text, logprobs, total = streamed_chat(flagged_server.url, "k1", body)
+    whole = openai.OpenAI(base_url=f"{flagged_server.url}/v1", api_key="k1", max_retries=0, timeout=60)
+    reply = whole.chat.completions.create(**body).choices[0]
+    interval = max(3, asked or 1)
+    assert total == sum(counts) == 17 and counts[0] == 1
+    assert all(count >= interval for count in counts[1:-1]) and counts[-1] >= 1
+    assert len(counts) <= 2 + (16 // interval), counts
+    assert text == reply.message.content
+    assert [entry.token for entry in logprobs] == [entry.token for entry in reply.logprobs.content]
+
+
+def test_a_requests_stream_interval_is_vllms_field_and_zero_is_a_400(server):
+    body = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=9, temperature=0)
+    asked = {**body, "extra_body": {"ignore_eos": True, "stream_interval": 4}}
+    counts, _, _, total = streamed_chat(server.url, KEY, asked)
+    assert total == 9 and counts[0] == 1 and all(count >= 4 for count in counts[1:-1]) and len(counts) <= 3
+    refused = post(server, "/v1/chat/completions", {**body, "stream": True, "stream_interval": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_interval", refused.text
 
 
 def test_requests_are_logged_cut_to_max_log_len_and_the_access_log_follows_its_own_level(flagged_server):

@@ -57,13 +57,22 @@ class _Stream:
     before it still unread takes its place (a cumulative one holds all the other did) or is joined to it (DELTA),
     as vLLM's RequestOutputCollector does: a reader that falls behind (a client that reads slowly) holds one output
     however long its request runs, not one per step, and catches up in one read. DELTA outputs are joined as they
-    come at the cost of each one's length (JoinedDeltas), and made one output when read."""
+    come at the cost of each one's length (JoinedDeltas), and made one output when read.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
+    The reader is woken for its first output, its last, an error, and otherwise once ``wake_every`` new tokens are
+    unread (vLLM's stream interval: a streamed response in fewer, larger chunks, each of which costs the server's
+    event loop a chunk's serialization and a socket write); ``wake_every`` None wakes it only for the last output
+    or an error (a reader that wants the whole response)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool, wake_every: int | None = 1) -> None:
+        assert wake_every is None or wake_every >= 1, wake_every
         self.loop = loop
         self._delta = delta
+        self._wake_every = wake_every
         self._items: deque[RequestOutput | Exception] = deque()
         self._unread: JoinedDeltas | None = None  # DELTA outputs that came while the first item was unread, joined
+        self._unread_tokens = 0  # new tokens in the unread output (a DELTA one's own; a cumulative one: one a step)
+        self._read_any = False
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | Exception) -> None:
@@ -81,15 +90,30 @@ class _Stream:
         else:
             self._items.append(item)
         assert len(self._items) <= 2, "an unread output, then at most an error after it"
-        self._ready.set()
+        if isinstance(item, RequestOutput):
+            self._unread_tokens += len(item.outputs[0].token_ids) if self._delta else 1
+        if self._readable():
+            self._ready.set()
+
+    def _readable(self) -> bool:
+        if not self._items:
+            return False
+        last = self._items[-1]
+        if isinstance(last, Exception) or last.finished:
+            return True
+        if self._wake_every is None:
+            return False
+        return not self._read_any or self._unread_tokens >= self._wake_every
 
     async def get(self) -> RequestOutput | Exception:
-        while not self._items:
+        while not self._readable():
             self._ready.clear()
             await self._ready.wait()
         item = self._items.popleft()
-        if isinstance(item, RequestOutput) and self._unread is not None:  # the outputs that item stands for
-            item, self._unread = self._unread.output(), None
+        if isinstance(item, RequestOutput):
+            self._read_any, self._unread_tokens = True, 0
+            if self._unread is not None:  # the outputs that item stands for
+                item, self._unread = self._unread.output(), None
         return item
 
 
@@ -155,19 +179,22 @@ class AsyncEngine:
         priority: int = 0,
         tenant: str = "default",
         arrival_time: float | None = None,
+        wake_every: int | None = 1,
     ) -> AsyncIterator[RequestOutput]:
         """Admits a request (raising RequestError or ValueError if it can't be) and returns its output stream.
 
         The stream yields the request's output after every step that gave it a token; the last one has
         finished=True. If the caller stops iterating (a client disconnected), the request is aborted and its
         blocks freed within a step. ``arrival_time`` (monotonic; default now) is its place in an FCFS queue.
+        ``wake_every`` n > 1 yields after the first output only once n new tokens are in (DELTA outputs joined),
+        or at the last; None yields the last output alone (with DELTA outputs, all of them joined).
         """
         if self.draining:
             raise RequestError(ErrorReason.SERVER_DRAINING, "the server is shutting down")
         if not self.engine.healthy:
             raise RequestError(ErrorReason.ENGINE_UNAVAILABLE, "the engine core is not running")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA)
+        stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, wake_every)
         self._streams[request_id] = stream
         try:
             await asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant, arrival_time)

@@ -45,6 +45,7 @@ def build_app(
     log_requests: bool = False,
     max_log_len: int | None = None,
     root_path: str = "",
+    stream_interval: int = ServerConfig.stream_interval,
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__, root_path=root_path)
@@ -59,6 +60,7 @@ def build_app(
         tool_parser(tool_call_parser) if tool_call_parser else None,
         log_requests,
         max_log_len,
+        stream_interval,
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]

@@ -106,6 +106,7 @@ def build_server(
         log_requests=server.enable_log_requests,
         max_log_len=server.max_log_len,
         root_path=server.root_path,
+        stream_interval=server.stream_interval,
     )
     if server.allowed_origins:
         app.add_middleware(

@@ -103,6 +103,8 @@ class _Common(_Body):
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: the fewest tokens a chunk after the first carries; raises the server's --stream-interval, never lowers it.
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     best_of: Annotated[int, Field(ge=1)] | None = None
     logit_bias: dict[str, float] | None = None

@@ -99,12 +99,13 @@ async def _admitted(
     lease = Lease(lambda: limiter.release(tenant, sequences))
     priority = _priority(body.priority, tenant)
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
+    wake_every = max(state.stream_interval, body.stream_interval or 1) if body.stream else None
     submitted: list[AsyncGenerator[RequestOutput]] = []
 
     async def submit(
         prompt: list[int], q: SamplingParams, rid: str, arrival: float | None = arrival_time
     ) -> AsyncGenerator[RequestOutput]:
-        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority, arrival)
+        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority, arrival, wake_every)
         assert isinstance(stream, AsyncGenerator)  # the front's stream: closing it aborts the request
         submitted.append(stream)
         return stream
@@ -274,9 +275,10 @@ async def _submit(
     request_id: str,
     priority: int,
     arrival_time: float | None,
+    wake_every: int | None,
 ):
     try:
-        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name, arrival_time)
+        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name, arrival_time, wake_every)
     except RequestError as error:
         metrics.rejected_request(error.reason.value, tenant.name)
         raise api_error_of(error) from error

@@ -45,6 +45,7 @@ class ServerState:
     tool_call_parser: ToolCallParser | None = None  # tool_choice "auto" is served only with one
     log_requests: bool = False
     max_log_len: int | None = None
+    stream_interval: int = 1  # the fewest tokens a streamed chunk after the first carries (--stream-interval)
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
 
