@@ -5,8 +5,8 @@
 
 On a GPU the engine makes tokens faster than a Python HTTP front may send them: every streamed token is a chunk
 to serialize and a socket write on the server's event loop, one thread whatever the cores. This serves a tiny
-random Llama (2 layers of 64, SmolLM2's tokenizer and vocabulary: its steps are cheap, so the front is much of a
-token's cost) with `tokenloom serve`, sends C concurrent chat requests of --max-tokens tokens each (ignore_eos,
+random Llama (2 layers of 64, SmolLM2's tokenizer and vocabulary, so it speaks text; on a CPU its head over the
+49,152-token vocabulary is most of the engine thread's time) with `tokenloom serve`, sends C concurrent chat requests of --max-tokens tokens each (ignore_eos,
 greedy) from a minimal asyncio client that counts the events without parsing them, and reads the CPU seconds of
 each server thread from /proc: the event loop's (the main thread) per token is the figure; the engine's thread and
 the rest are printed beside it. Rows: streamed with each `stream_interval` (the request field; `--stream-interval`
