@@ -176,9 +176,7 @@ class DeviceIdle:
 
     @property
     def seconds(self) -> float:
-        return sum(
-            max(0.0, self._prepared[n + 1] - at) for n, at in self._read.items() if n + 1 in self._prepared
-        )
+        return sum(max(0.0, self._prepared[n + 1] - at) for n, at in self._read.items() if n + 1 in self._prepared)
 
     def close(self) -> None:
         setattr(*self._restore)

@@ -51,8 +51,10 @@ def compare(profile: Profile, steps: list[dict[str, Any]]) -> None:
         by_kind[kind_of(shape)].append((step["seconds"], *modelled))
         # The same shape, to a block of context: what the server itself varies by
         by_shape[tuple((start // 256, n, prefill) for start, n, _, prefill in items)].append(step["seconds"])
-    print("| steps | count | served s | engine model / served | served model / served | median step: served / "
-          "engine / served model ms |")
+    print(
+        "| steps | count | served s | engine model / served | served model / served | median step: served / "
+        "engine / served model ms |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     rows = [*sorted(by_kind.items()), ("all", [p for pairs in by_kind.values() for p in pairs])]
     for kind, times in rows:

@@ -3,16 +3,17 @@
     .venv/bin/python benchmarks/stream_cost.py [--concurrency 64,256] [--max-tokens 256] [--intervals 1,4,16]
                                                [--tokenloom-source CHECKOUT]
 
-On a GPU the engine makes tokens faster than a Python HTTP front may send them: every streamed token is a chunk
-to serialize and a socket write on the server's event loop, one thread whatever the cores. This serves a tiny
-random Llama (2 layers of 64, SmolLM2's tokenizer and vocabulary, so it speaks text; on a CPU its head over the
-49,152-token vocabulary is most of the engine thread's time) with `tokenloom serve`, sends C concurrent chat requests of --max-tokens tokens each (ignore_eos,
-greedy) from a minimal asyncio client that counts the events without parsing them, and reads the CPU seconds of
-each server thread from /proc: the event loop's (the main thread) per token is the figure; the engine's thread and
-the rest are printed beside it. Rows: streamed with each `stream_interval` (the request field; `--stream-interval`
-sets the server's floor), and not streamed. `--tokenloom-source` serves another checkout's code (a `git worktree`
-of an earlier commit), one more set of rows, alternated with this one's. Wall tok/s is shown too, but on two
-cores the client and the engine share them with the loop: the CPU per token is what carries to a bigger host.
+On a GPU the engine makes tokens faster than a Python HTTP front may send them: every streamed token is a chunk to
+serialize and a socket write on the server's event loop, one thread whatever the cores. This serves a tiny random
+Llama (2 layers of 64, SmolLM2's tokenizer and vocabulary, so it speaks text; on a CPU its head over the
+49,152-token vocabulary is most of the engine thread's time) with `tokenloom serve`, sends C concurrent chat
+requests of --max-tokens tokens each (ignore_eos, greedy) from a minimal asyncio client that counts the events
+without parsing them, and reads the CPU seconds of each server thread from /proc: the event loop's (the main thread)
+per token is the figure; the engine's thread and the rest are printed beside it. Rows: streamed with each
+`stream_interval` (the request field; `--stream-interval` sets the server's floor), and not streamed.
+`--tokenloom-source` serves another checkout's code (a `git worktree` of an earlier commit), one more set of rows,
+alternated with this one's. Wall tok/s is shown too, but on two cores the client and the engine share them with the
+loop: the CPU per token is what carries to a bigger host.
 """
 
 from __future__ import annotations

@@ -201,7 +201,6 @@ def test_prefill_over_an_8_bit_past_matches_dense_attention_over_dequantized_val
     torch.testing.assert_close(out, torch.einsum("hqc,chd->qhd", weights, v), rtol=1e-4, atol=1e-5)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", FORMATS)
 def test_the_past_decoded_by_the_operator_is_the_plain_paths_bit_for_bit(name, dtype):
@@ -235,6 +234,7 @@ def test_prefill_over_an_8_bit_past_is_the_same_on_the_operators(name):
         )  # fmt: skip
         outs.append(paged_attention(q, torch.zeros(8, 128), torch.zeros(8, 128), cache_k, cache_v, meta, 0.125))
     assert torch.equal(outs[0], outs[1])
+
 
 # ---- the engine ---------------------------------------------------------------------------------------------
 

@@ -33,14 +33,30 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / name
-    for name in ("paged_attention.cpp", "fused.cpp", "prefill_attention.cpp", "bf16_linear.cpp", "int8_linear.cpp",
-                 "int8_linear_avx2.cpp", "amx_int8_linear.cpp", "amx_bf16_linear.cpp", "row_topk.cpp", "f32_linear.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "fused.cpp",
+        "prefill_attention.cpp",
+        "bf16_linear.cpp",
+        "int8_linear.cpp",
+        "int8_linear_avx2.cpp",
+        "amx_int8_linear.cpp",
+        "amx_bf16_linear.cpp",
+        "row_topk.cpp",
+        "f32_linear.cpp",
+    )
 ]
 HEADERS = [
     CSRC / name
     for name in (
-        "work_sharing.h", "avx512_exp.h", "bf16_vec.h", "kv_codes.h", "int8_epilogue.h", "int8_packing.h",
-        "amx_tiles.h", "vnni_asm.h",
+        "work_sharing.h",
+        "avx512_exp.h",
+        "bf16_vec.h",
+        "kv_codes.h",
+        "int8_epilogue.h",
+        "int8_packing.h",
+        "amx_tiles.h",
+        "vnni_asm.h",
     )
 ]
 # -march=native: the operator is built on the machine that runs it (the CPU is part of the cache key). -ffast-math

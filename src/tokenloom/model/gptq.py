@@ -117,4 +117,3 @@ def calibration_ids(tokenizer: Any, vocab_size: int) -> list[list[int]]:
             rendered = tokenizer.apply_chat_template(chat, tokenize=False)
             sequences.append(tokenizer.encode(rendered, add_special_tokens=False))
     return [[t for t in s if 0 <= t < vocab_size] for s in sequences if s]
-

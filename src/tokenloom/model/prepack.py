@@ -172,9 +172,7 @@ def _own_linear_rows(
 
 
 @packed_linear.register_fake
-def _packed_linear_shape(
-    x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int, amx: bool = False
-):
+def _packed_linear_shape(x: torch.Tensor, handle: int, bias: torch.Tensor | None, out_features: int, amx: bool = False):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -193,7 +191,11 @@ class PackedLinear(nn.Module):
     computed from the float32 sums before anything is rounded or written: half the output, one pass."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False, small_batch: bool = False,
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        gated: bool = False,
+        small_batch: bool = False,
         amx_kernel: bool = True,
     ) -> None:
         """small_batch: beside oneDNN's layout, keep ours for steps of up to SMALL_BATCH_ROWS rows. amx_kernel: with

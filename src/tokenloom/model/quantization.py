@@ -180,8 +180,10 @@ def small_step_kernel_available() -> bool:
 
 
 def amx_kernel_available() -> bool:
-    return small_step_kernel_available() and cpu_kernel.has_operator("int8_amx_linear") and bool(
-        torch.ops.tokenloom.int8_amx_available()
+    return (
+        small_step_kernel_available()
+        and cpu_kernel.has_operator("int8_amx_linear")
+        and bool(torch.ops.tokenloom.int8_amx_available())
     )
 
 
