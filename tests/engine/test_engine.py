@@ -643,7 +643,8 @@ def test_a_streams_unread_deltas_are_joined_as_they_come_and_read_as_one_then_th
 def test_a_stream_wakes_its_reader_for_the_first_output_then_every_n_new_tokens_and_at_the_end():
     """With wake_every=3 (a stream interval) the reader gets the first output at once, then nothing until three new
     tokens are in (a step's several tokens count as several), joined; the last output and an error wake it at once.
-    wake_every=None (a reader that wants the whole response) is woken only by the last output or an error."""
+    wake_every=None (a reader that wants the whole response) is woken only by the first output (an n > 1 request's
+    other choices wait for it), the last, or an error."""
     from tokenloom.engine.async_engine import _Stream
     from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -675,17 +676,24 @@ def test_a_stream_wakes_its_reader_for_the_first_output_then_every_n_new_tokens_
             await woken(every_three, delta(8, finished=True)),  # the last: at once
         ]
         whole = _Stream(asyncio.get_running_loop(), delta=True, wake_every=None)
-        wholes = [await woken(whole, delta(0), delta(1, 2)), await woken(whole, delta(3, finished=True))]
+        wholes = [
+            await woken(whole, delta(0)),
+            await woken(whole, delta(1), delta(2, 3, 4)),
+            await woken(whole, delta(5, finished=True)),
+        ]
         cut = _Stream(asyncio.get_running_loop(), delta=True, wake_every=None)
         cut.put(delta(0))
+        await cut.get()
+        cut.put(delta(1))
         wholes.append(await woken(cut, RuntimeError("cut")))
         return reads, wholes
 
     reads, wholes = asyncio.run(run())
     assert [None if r is None else r.outputs[0].token_ids for r in reads] == [[0], None, [1, 2, 3], [4, 5, 6, 7], [8]]
     assert reads[2].outputs[0].text == "<1><2><3>" and reads[4].finished
-    assert wholes[0] is None and wholes[1].outputs[0].token_ids == [0, 1, 2, 3] and wholes[1].finished
-    assert wholes[2].outputs[0].token_ids == [0]  # what came before the error is read first, then the error
+    assert wholes[0].outputs[0].token_ids == [0] and wholes[1] is None
+    assert wholes[2].outputs[0].token_ids == [1, 2, 3, 4, 5] and wholes[2].finished
+    assert wholes[3].outputs[0].token_ids == [1]  # what came before the error is read first, then the error
 
 
 @pytest.mark.parametrize("overlap", ["async_output_proc", "async_scheduling"])

@@ -61,8 +61,9 @@ class _Stream:
 
     The reader is woken for its first output, its last, an error, and otherwise once ``wake_every`` new tokens are
     unread (vLLM's stream interval: a streamed response in fewer, larger chunks, each of which costs the server's
-    event loop a chunk's serialization and a socket write); ``wake_every`` None wakes it only for the last output
-    or an error (a reader that wants the whole response)."""
+    event loop a chunk's serialization and a socket write); ``wake_every`` None wakes it only for the first output,
+    the last and an error (a reader that wants the whole response, and the first token: an n > 1 request's other
+    choices are admitted when its first has one)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool, wake_every: int | None = 1) -> None:
         assert wake_every is None or wake_every >= 1, wake_every
@@ -99,11 +100,9 @@ class _Stream:
         if not self._items:
             return False
         last = self._items[-1]
-        if isinstance(last, Exception) or last.finished:
+        if isinstance(last, Exception) or last.finished or not self._read_any:
             return True
-        if self._wake_every is None:
-            return False
-        return not self._read_any or self._unread_tokens >= self._wake_every
+        return self._wake_every is not None and self._unread_tokens >= self._wake_every
 
     async def get(self) -> RequestOutput | Exception:
         while not self._readable():
@@ -187,7 +186,7 @@ class AsyncEngine:
         finished=True. If the caller stops iterating (a client disconnected), the request is aborted and its
         blocks freed within a step. ``arrival_time`` (monotonic; default now) is its place in an FCFS queue.
         ``wake_every`` n > 1 yields after the first output only once n new tokens are in (DELTA outputs joined),
-        or at the last; None yields the last output alone (with DELTA outputs, all of them joined).
+        or at the last; None yields the first output and then the last (with DELTA outputs, the rest joined).
         """
         if self.draining:
             raise RequestError(ErrorReason.SERVER_DRAINING, "the server is shutting down")
