@@ -322,9 +322,18 @@ class ServerConfig:
     """A streamed response's chunks after the first carry at least this many tokens (the last goes at once), as
     vLLM's flag: fewer, larger chunks cost the server less CPU a token (benchmarks/RESULTS.md); 1: every token as
     it comes. A request's own stream_interval may raise it, never lower it."""
-    core_process: bool = False
-    """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization; off by
-    default, where it measured no faster on two cores (benchmarks/RESULTS.md)."""
+    core_process: bool | None = None
+    """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization, so that the
+    event loop's work for each streamed token does not hold the engine's GIL. None: on for a --device other than the
+    CPU, where steps are fast and the one-process server streamed a third as many tokens (benchmarks/RESULTS.md); off
+    on the CPU, where steps are slow and it measured no faster on two cores; and off with --step-log or --ray."""
+
+    def runs_core_process(self, device: str) -> bool:
+        """Whether the engine core runs in a process of its own, for an engine on `device`."""
+        if self.core_process is not None:
+            return self.core_process
+        return not self.step_log and not self.ray and device.split(":", 1)[0].strip().lower() != "cpu"
+
     log_level: str = "info"
     """tokenloom's log level, and uvicorn's unless --uvicorn-log-level is given."""
     uvicorn_log_level: str | None = None

@@ -271,6 +271,24 @@ def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
         ServerConfig(stream_interval=0)
 
 
+def test_the_core_runs_in_its_own_process_on_an_accelerator_unless_told(tmp_path):
+    """--core-process unset: on for a device other than the CPU (the event loop would hold the engine's GIL), off on
+    the CPU and with --step-log or --ray; --core-process and --no-core-process decide outright, as vLLM's flags."""
+    from tokenloom.cli import build_parser, config_from_args
+    from tokenloom.config import ServerConfig
+
+    def parsed(*flags: str) -> ServerConfig:
+        return config_from_args(ServerConfig, build_parser().parse_args(["serve", "m", *flags]))
+
+    assert parsed().core_process is None
+    assert [parsed().runs_core_process(device) for device in ("cpu", "cuda", "cuda:1", "mps")] == [
+        False, True, True, True
+    ]  # fmt: skip
+    assert parsed("--core-process").runs_core_process("cpu") is True
+    assert parsed("--no-core-process").runs_core_process("cuda") is False
+    assert parsed("--step-log", str(tmp_path / "steps.jsonl")).runs_core_process("cuda") is False
+
+
 @pytest.fixture(scope="module")
 def flagged_server(tiny_chat_model):
     args = (

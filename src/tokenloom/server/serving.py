@@ -20,7 +20,6 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
-from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.protocol import (
     DetokenizeRequest,
     StreamOptions,
@@ -88,7 +87,7 @@ async def _admitted(
     the request ends: here for a plain response, or by the streaming response once the lease is transferred.
     """
     tenant: Tenant = raw.state.tenant
-    limiter, metrics, n = state.limiter, state.metrics, body.n
+    limiter, n = state.limiter, body.n
     sequences = len(prompts) * n
     params = _params_within_limits(state, tenant, body, prompts, logprobs, structured)
     if state.log_requests:
@@ -99,13 +98,12 @@ async def _admitted(
     lease = Lease(lambda: limiter.release(tenant, sequences))
     priority = _priority(body.priority, tenant)
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
-    wake_every = max(state.stream_interval, body.stream_interval or 1) if body.stream else None
     submitted: list[AsyncGenerator[RequestOutput]] = []
 
     async def submit(
         prompt: list[int], q: SamplingParams, rid: str, arrival: float | None = arrival_time
     ) -> AsyncGenerator[RequestOutput]:
-        stream = await _submit(state.engine, metrics, tenant, prompt, q, rid, priority, arrival, wake_every)
+        stream = await _submit(state, body, tenant, prompt, q, rid, priority, arrival)
         assert isinstance(stream, AsyncGenerator)  # the front's stream: closing it aborts the request
         submitted.append(stream)
         return stream
@@ -266,18 +264,25 @@ def _default_max_tokens(requested: int | None, tenant: Tenant, prompt_len: int, 
     return min(rest, tenant.max_tokens) if tenant.max_tokens is not None else rest
 
 
+def _wake_every(state: ServerState, body: _Common) -> int | None:
+    """How many new tokens a choice's stream holds before its reader is woken (AsyncEngine.submit): a streamed
+    response's interval, the server's or the request's if higher; a whole response's reader only at its ends."""
+    return max(state.stream_interval, body.stream_interval or 1) if body.stream else None
+
+
 async def _submit(
-    engine: AsyncEngine,
-    metrics: ServerMetrics,
+    state: ServerState,
+    body: _Common,
     tenant: Tenant,
     prompt_ids,
     params,
     request_id: str,
     priority: int,
     arrival_time: float | None,
-    wake_every: int | None,
 ):
+    engine, metrics = state.engine, state.metrics
     try:
+        wake_every = _wake_every(state, body)
         return await engine.submit(prompt_ids, params, request_id, priority, tenant.name, arrival_time, wake_every)
     except RequestError as error:
         metrics.rejected_request(error.reason.value, tenant.name)
