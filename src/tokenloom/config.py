@@ -325,7 +325,7 @@ class ServerConfig:
     core_process: bool | None = None
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization, so that the
     event loop's work for each streamed token does not hold the engine's GIL. None: on for a --device other than the
-    CPU, where steps are fast and the one-process server streamed a third as many tokens (benchmarks/RESULTS.md); off
+    CPU, where steps are fast and the one-process server streamed about half as many tokens (RESULTS.md); off
     on the CPU, where steps are slow and it measured no faster on two cores; and off with --step-log or --ray."""
 
     def runs_core_process(self, device: str) -> bool:
