@@ -326,13 +326,15 @@ class ServerConfig:
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization, so that the
     event loop's work for each streamed token does not hold the engine's GIL. None: on for a --device other than the
     CPU, where steps are fast and the one-process server streamed about half as many tokens (RESULTS.md); off
-    on the CPU, where steps are slow and it measured no faster on two cores; and off with --step-log or --ray."""
+    on the CPU, where steps are slow and it measured no faster on two cores; and off with --step-log, --ray or
+    tensor parallelism (which the core process does not run yet)."""
 
-    def runs_core_process(self, device: str) -> bool:
-        """Whether the engine core runs in a process of its own, for an engine on `device`."""
+    def runs_core_process(self, engine: EngineConfig) -> bool:
+        """Whether the engine core runs in a process of its own, for this engine."""
         if self.core_process is not None:
             return self.core_process
-        return not self.step_log and not self.ray and device.split(":", 1)[0].strip().lower() != "cpu"
+        on_cpu = engine.model.device.split(":", 1)[0].strip().lower() == "cpu"
+        return not (on_cpu or self.step_log or self.ray or engine.parallel.tensor_parallel_size > 1)
 
     log_level: str = "info"
     """tokenloom's log level, and uvicorn's unless --uvicorn-log-level is given."""

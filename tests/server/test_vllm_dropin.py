@@ -273,20 +273,20 @@ def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
 
 def test_the_core_runs_in_its_own_process_on_an_accelerator_unless_told(tmp_path):
     """--core-process unset: on for a device other than the CPU (the event loop would hold the engine's GIL), off on
-    the CPU and with --step-log or --ray; --core-process and --no-core-process decide outright, as vLLM's flags."""
-    from tokenloom.cli import build_parser, config_from_args
+    the CPU and with --step-log, --ray or tensor parallelism; --core-process and --no-core-process decide outright."""
+    from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
     from tokenloom.config import ServerConfig
 
-    def parsed(*flags: str) -> ServerConfig:
-        return config_from_args(ServerConfig, build_parser().parse_args(["serve", "m", *flags]))
+    def core_apart(*flags: str, device: str = "cuda") -> bool:
+        args = build_parser().parse_args(["serve", "m", "--device", device, *flags])
+        return config_from_args(ServerConfig, args).runs_core_process(engine_config_from_args(args))
 
-    assert parsed().core_process is None
-    assert [parsed().runs_core_process(device) for device in ("cpu", "cuda", "cuda:1", "mps")] == [
-        False, True, True, True
-    ]  # fmt: skip
-    assert parsed("--core-process").runs_core_process("cpu") is True
-    assert parsed("--no-core-process").runs_core_process("cuda") is False
-    assert parsed("--step-log", str(tmp_path / "steps.jsonl")).runs_core_process("cuda") is False
+    assert config_from_args(ServerConfig, build_parser().parse_args(["serve", "m"])).core_process is None
+    assert [core_apart(device=device) for device in ("cpu", "cuda", "cuda:1", "mps")] == [False, True, True, True]
+    assert core_apart("--core-process", device="cpu") is True
+    assert core_apart("--no-core-process") is False
+    assert core_apart("--step-log", str(tmp_path / "steps.jsonl")) is False
+    assert core_apart("--tensor-parallel-size", "2") is False
 
 
 @pytest.fixture(scope="module")
