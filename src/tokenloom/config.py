@@ -329,12 +329,11 @@ class ServerConfig:
     on the CPU, where steps are slow and it measured no faster on two cores; and off with --step-log, --ray or
     tensor parallelism (which the core process does not run yet)."""
 
-    def runs_core_process(self, engine: EngineConfig) -> bool:
-        """Whether the engine core runs in a process of its own, for this engine."""
+    def runs_core_process(self, device_type: str, tensor_parallel_size: int) -> bool:
+        """Whether the engine core runs in a process of its own, for an engine on a device of this type."""
         if self.core_process is not None:
             return self.core_process
-        on_cpu = engine.model.device.split(":", 1)[0].strip().lower() == "cpu"
-        return not (on_cpu or self.step_log or self.ray or engine.parallel.tensor_parallel_size > 1)
+        return device_type != "cpu" and not (self.step_log or self.ray or tensor_parallel_size > 1)
 
     log_level: str = "info"
     """tokenloom's log level, and uvicorn's unless --uvicorn-log-level is given."""

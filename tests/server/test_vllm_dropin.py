@@ -274,12 +274,16 @@ def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
 def test_the_core_runs_in_its_own_process_on_an_accelerator_unless_told(tmp_path):
     """--core-process unset: on for a device other than the CPU (the event loop would hold the engine's GIL), off on
     the CPU and with --step-log, --ray or tensor parallelism; --core-process and --no-core-process decide outright."""
+    import torch
+
     from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
     from tokenloom.config import ServerConfig
 
     def core_apart(*flags: str, device: str = "cuda") -> bool:
         args = build_parser().parse_args(["serve", "m", "--device", device, *flags])
-        return config_from_args(ServerConfig, args).runs_core_process(engine_config_from_args(args))
+        engine = engine_config_from_args(args)
+        device_type = torch.device(engine.model.device).type
+        return config_from_args(ServerConfig, args).runs_core_process(device_type, engine.parallel.tensor_parallel_size)
 
     assert config_from_args(ServerConfig, build_parser().parse_args(["serve", "m"])).core_process is None
     assert [core_apart(device=device) for device in ("cpu", "cuda", "cuda:1", "mps")] == [False, True, True, True]

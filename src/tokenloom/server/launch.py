@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from types import FrameType
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -73,7 +74,8 @@ def build_server(
     """The engine (in this process or with its core apart), the metrics, the async engine and the app; not started."""
     step_log = StepLog(server.step_log) if server.step_log else None  # opened first: a bad path fails at once
     engine: LLMEngine | CoreProcessEngine
-    core_process = server.runs_core_process(engine_config)
+    device_type = torch.device(engine_config.model.device).type
+    core_process = server.runs_core_process(device_type, engine_config.parallel.tensor_parallel_size)
     engine = CoreProcessEngine(engine_config) if core_process else LLMEngine(engine_config)
     if step_log is not None:
         assert isinstance(engine, LLMEngine), "ServerConfig refuses --step-log with --core-process"

@@ -280,9 +280,8 @@ async def _submit(
     priority: int,
     arrival_time: float | None,
 ):
-    engine, metrics = state.engine, state.metrics
+    engine, metrics, wake_every = state.engine, state.metrics, _wake_every(state, body)
     try:
-        wake_every = _wake_every(state, body)
         return await engine.submit(prompt_ids, params, request_id, priority, tenant.name, arrival_time, wake_every)
     except RequestError as error:
         metrics.rejected_request(error.reason.value, tenant.name)
