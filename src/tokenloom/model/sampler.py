@@ -153,6 +153,9 @@ class SeededGenerators:
     def drop(self, request_id: str) -> None:
         self._by_request.pop(request_id, None)
 
+    def __len__(self) -> int:  # live generators: none outlives its request (tests/engine/test_fault_isolation.py)
+        return len(self._by_request)
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
