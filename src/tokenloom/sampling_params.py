@@ -60,7 +60,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per generated token
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (computes the whole prompt)
-    min_tokens: int = 0
+    min_tokens: int = 0  # until the output has this many tokens, its stop tokens cannot be sampled
+    logit_bias: dict[int, float] | None = None  # added to these tokens' logits before sampling (OpenAI's)
     structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -91,6 +92,7 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (_valid_logit_bias(self.logit_bias), "logit_bias must map token ids (integers) to finite numbers"),
         ]
         for ok, message in checks:
             if not ok:
@@ -103,3 +105,7 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _valid_logit_bias(bias: dict[int, float] | None) -> bool:
+    return all(type(t) is int and isinstance(b, int | float) and math.isfinite(b) for t, b in (bias or {}).items())

@@ -47,6 +47,11 @@ FIELDS = {
     "repetition_penalty": unit_floats,
     "ignore_eos": st.booleans(),
     "min_tokens": small_ints,
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(min_value=-2, max_value=60000).map(str), st.text(max_size=4)),
+        st.floats(min_value=-120, max_value=120),
+        max_size=3,
+    ),
     "priority": st.integers(min_value=-(2**33), max_value=2**33),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),

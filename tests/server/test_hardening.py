@@ -581,6 +581,16 @@ def test_stop_checks_name_the_real_limit(server):
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": ["x"] * 64}).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "bias",
+    [{"1000000": 1}, {"abc": 1}, {"-3": 1}, {"5": 100.5}, {"5": -101}, {str(t): 1 for t in range(301)}],
+    ids=["out of the vocabulary", "not a token id", "negative", "over 100", "under -100", "301 tokens"],
+)
+def test_a_bad_logit_bias_is_a_400_naming_it(server, bias):
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": bias})
+    assert_openai_error(response, 400, "invalid_value", "logit_bias")
+
+
 def test_the_choices_of_an_n_stream_are_read_no_further_ahead_of_a_client_that_waits_than_a_few_chunks():
     """With n > 1 every choice's chunks pass through one queue to the client; while the client reads nothing, each
     choice's stream is read at most a chunk or two ahead (the rest stays in the engine's stream, which keeps only its

@@ -104,6 +104,27 @@ def test_chat_logprobs(client):
     assert all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
 
 
+def test_logit_bias_and_min_tokens_reach_every_choice_streamed_or_not(client, tiny_chat_model):
+    """OpenAI's logit_bias (token ids as strings, values in [-100, 100]): +100 makes a token every greedy choice,
+    -100 bans it; min_tokens keeps an answer going past an end-of-sequence it would choose at once."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    (paris,), (london,) = tokenizer.encode(" Paris"), tokenizer.encode(" London")
+    greedy = dict(model="tiny", max_tokens=3, temperature=0)
+    forced = client.completions.create(prompt="The capital is", n=2, logit_bias={str(paris): 100, str(london): 99},
+                                       **greedy)  # fmt: skip
+    assert [c.text for c in forced.choices] == [" Paris" * 3] * 2
+    chunks = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                            logit_bias={str(paris): -100, str(london): 99}, **greedy)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " London" * 3
+    eos = str(tokenizer.eos_token_id)
+    at_once = client.completions.create(prompt="hi", logit_bias={eos: 100}, **greedy)
+    assert at_once.usage.completion_tokens == 1 and at_once.choices[0].finish_reason == "stop"
+    later = client.completions.create(prompt="hi", logit_bias={eos: 100}, extra_body={"min_tokens": 2}, **greedy)
+    assert later.usage.completion_tokens == 3 and later.choices[0].finish_reason == "stop"
+
+
 def test_authentication(server):
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     missing = httpx.post(f"{server.url}/v1/completions", json=body)

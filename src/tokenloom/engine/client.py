@@ -116,8 +116,9 @@ class EngineClient(ABC):
         """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
         params = params or SamplingParams()
         vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in params.stop_token_ids):
-            raise InvalidField("stop_token_ids", f"stop_token_ids must be in [0, {vocab})")
+        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            if any(t < 0 or t >= vocab for t in tokens):
+                raise InvalidField(name, f"{name}: token ids must be in [0, {vocab})")
         prompt_text, token_ids = self.tokenize(prompt)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),

@@ -122,7 +122,7 @@ class ModelRunner:
             tuple(torch.empty(num_swap_blocks * block_size, row, dtype=cache_dtype, pin_memory=pin) for _ in range(2))
             for _ in range(cfg.num_layers if num_swap_blocks else 0)
         ]
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, cfg.eos_token_ids)
         self.inputs = StepInputBuilder(
             block_size=block_size,
             device=device,
@@ -414,7 +414,14 @@ class ModelRunner:
             generators=[self._generators.of(r.request_id, r.sampling_params.seed) for r in requests],
             token_counts=[self._seen.of(r) for r in requests],
             last_tokens=last_tokens,
+            output_index=[_sampled_output_index(item) for item in items],
         )
+
+
+def _sampled_output_index(item: ScheduledRequest) -> int:
+    """Where in its request's output the token sampled from the item's last-token row goes: the position after
+    that token, less the prompt (placeholders and recomputed outputs count as the positions they hold)."""
+    return item.start + item.num_tokens - len(item.draft_token_ids) - item.request.num_prompt_tokens
 
 
 def check_kv_format(fmt: KVFormat | None, backend: str, device: torch.device) -> None:

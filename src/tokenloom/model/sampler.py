@@ -1,7 +1,8 @@
 """Turns the logits of the sampled rows into tokens, vectorised over the batch.
 
-Order of operations, as in vLLM: penalties on the raw logits, then greedy rows take the argmax; the other rows
-are divided by their temperature, filtered by top-k, top-p and min-p, and drawn. A request with a seed draws
+Order of operations, as in vLLM: logit biases and min_tokens' banned stop tokens (token_bias.py), then penalties,
+then greedy rows take the argmax; the other rows are divided by their temperature, filtered by top-k, top-p and
+min-p, and drawn. A request with a seed draws
 from its own generator, so it gets the same text whatever else shares the batch. Logprobs are those of the
 raw model distribution.
 """
@@ -14,6 +15,7 @@ import torch
 
 from tokenloom.model.penalties import TokenCounts, apply_penalties
 from tokenloom.model.reductions import row_argmax
+from tokenloom.model.token_bias import apply_token_biases
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -26,6 +28,12 @@ class SamplingBatch:
     token_counts: list[TokenCounts | None]  # a row's seen tokens where its request has penalties (penalties.py)
     # Each row's input token (its request's last) on the device, where a step scheduled ahead holds placeholders.
     last_tokens: torch.Tensor | None = None
+    # The index in its request's output of the token each row samples (min_tokens bans stop tokens below it);
+    # None: every row samples its request's first output token.
+    output_index: list[int] | None = None
+
+    def output_indexes(self) -> list[int]:
+        return self.output_index if self.output_index is not None else [0] * len(self.params)
 
     @property
     def all_greedy(self) -> bool:
@@ -158,10 +166,11 @@ class SeededGenerators:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.eos_token_ids = eos_token_ids  # what min_tokens bans besides a request's stop_token_ids
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         return self.sample(logits, batch).tokens()
@@ -171,16 +180,17 @@ class Sampler:
         """Samples each row on the logits' device; the tokens come to the host when ``tokens()`` is read."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
-        penalized = any(p.uses_penalties for p in batch.params)
-        restore = apply_penalties(logits, batch.params, batch.token_counts, batch.last_tokens) if penalized else None
+        restores = [apply_token_biases(logits, batch.params, batch.output_indexes(), self.eos_token_ids)]
+        if any(p.uses_penalties for p in batch.params):
+            restores.append(apply_penalties(logits, batch.params, batch.token_counts, batch.last_tokens))
         try:
             tokens = row_argmax(logits)
             if not batch.all_greedy:
                 tokens = self._sample_random(logits, batch, tokens)
             return self._on_device(tokens, raw_logprobs, batch)
         except BaseException:
-            if restore is not None:  # the runner samples row by row after a failure: from the model's logits
-                restore()
+            for restore in reversed(restores):  # the runner samples row by row after a failure: from the model's
+                restore()  # logits
             raise
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor):
@@ -219,8 +229,8 @@ class Sampler:
         rejection sampling (Leviathan et al., 2023) with a draft distribution that is one point (the proposers are
         deterministic): draft d is accepted with probability p(d), and a rejected one is replaced by a draw from p
         without d, renormalised; so every kept token is distributed as p, the distribution plain sampling draws
-        from (temperature, top-k, top-p and min-p applied). Penalties are not applied here: requests that use them
-        get no drafts.
+        from (temperature, top-k, top-p and min-p applied), after each row's logit bias and min_tokens as in
+        plain sampling. Penalties are not applied here: requests that use them get no drafts.
         """
         counts = [len(d) + 1 for d in drafts]
         assert sum(counts) == logits.shape[0], "one row per draft token and one more per request"
@@ -228,6 +238,16 @@ class Sampler:
         rows = _expand_batch(batch, counts)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if rows.max_logprobs is not None else None
+        restore = apply_token_biases(logits, rows.params, rows.output_indexes(), self.eos_token_ids)
+        try:
+            return self._verified(logits, rows, drafts, raw_logprobs)
+        except BaseException:
+            restore()
+            raise
+
+    def _verified(
+        self, logits: torch.Tensor, rows: SamplingBatch, drafts: list[list[int]], raw_logprobs: torch.Tensor | None
+    ) -> list[list[SampledToken]]:
         row_drafts = [token for d in drafts for token in (*d, -1)]  # -1: the row after the last draft
         draft_ids = torch.tensor(row_drafts, device=logits.device)
         tokens = row_argmax(logits)
@@ -320,16 +340,20 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams])
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _select_rows(batch: SamplingBatch, rows: list[int]) -> SamplingBatch:
-    """The batch's settings of these rows (drafts' verification, where no row has penalties or placeholders)."""
+def _select_rows(batch: SamplingBatch, rows: list[int], steps: list[int] | None = None) -> SamplingBatch:
+    """The batch's settings of these rows (drafts' verification, where no row has penalties or placeholders); steps:
+    how many tokens past its row's each one samples (a draft's position after its request's last token)."""
+    index = batch.output_indexes()
     return SamplingBatch(
         [batch.params[row] for row in rows],
         [batch.generators[row] for row in rows],
         [batch.token_counts[row] for row in rows],
+        output_index=[index[row] + step for row, step in zip(rows, steps or [0] * len(rows), strict=True)],
     )
 
 
 def _expand_batch(batch: SamplingBatch, counts: list[int]) -> SamplingBatch:
-    """One entry per logits row: each request's settings repeated over its rows."""
+    """One entry per logits row: each request's settings repeated over its rows, each row a token further on."""
     rows = [row for row, count in enumerate(counts) for _ in range(count)]
-    return _select_rows(batch, rows)
+    steps = [step for count in counts for step in range(count)]
+    return _select_rows(batch, rows, steps)

@@ -27,6 +27,12 @@ def _valid_utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_utf8)]
 TokenId = Annotated[int, Field(ge=0)]
 MAX_CHOICES = 128  # prompts times n in one request, as OpenAI caps n
+MAX_LOGIT_BIAS = 300  # tokens one request may bias, as OpenAI caps logit_bias
+# Token id (as a JSON object's key) -> a value added to its logit, in OpenAI's range.
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100.0, le=100.0)]],
+    Field(max_length=MAX_LOGIT_BIAS),
+]
 
 
 class _Strict(BaseModel):
@@ -107,7 +113,7 @@ class _Common(_Body):
     stream_interval: Annotated[int, Field(ge=1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     best_of: Annotated[int, Field(ge=1)] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's older spellings of structured_outputs, still sent by many clients.
@@ -133,8 +139,6 @@ class _Common(_Body):
     def refuse_unsupported(self) -> None:
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", "best_of", "unsupported")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported")
         for name in UNSUPPORTED_FIELDS:
             value = getattr(self, name, None)
             if value not in (None, False, "", [], "none"):
@@ -195,6 +199,7 @@ class _Common(_Body):
                 repetition_penalty=defaults.get("repetition_penalty", self.repetition_penalty),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
+                logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs(logprobs),
                 structured_outputs=structured,
