@@ -127,3 +127,16 @@ def test_min_tokens_bans_the_stop_tokens_until_then_and_no_longer(tiny_llama):
     assert banned.token_ids[:3] == plain[:3] and banned.token_ids[3:] == [EOS] and banned.finish_reason == "stop"
     ignored = llm.generate(prompt, SamplingParams(**forced, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert ignored.token_ids == [EOS] * MAX_TOKENS
+
+
+@pytest.mark.parametrize(("min_tokens", "text"), [(0, " ti"), (1, " ti"), (2, " time ti"), (3, " time time ti")])
+def test_stop_strings_count_only_where_they_end_after_min_tokens(tiny_chat_model, min_tokens, text):
+    """vLLM's rule: no stop string is looked for while the output has min_tokens tokens or fewer, and one that
+    ended in that text is not found later; one that ends after it counts, wherever it starts. The tiny chat model
+    says " time" over and over, and "me t" spans each two of them: with min_tokens 1 the first still counts (it ends
+    in the second token's text), with 2 it does not."""
+    llm = LLM(str(tiny_chat_model))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["me t"], min_tokens=min_tokens)
+    (output,) = llm.generate("Once upon a time", params, use_tqdm=False)
+    assert output.outputs[0].text == text
+    assert output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason == "me t"

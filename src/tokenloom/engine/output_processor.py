@@ -40,6 +40,9 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] | None
     output_token_ids: list[int]
     stop_text: str | None = None  # the text up to a stop string, once one is found
+    # Characters of text made while the output was no longer than min_tokens: a stop string must end after them
+    # (vLLM's: none is looked for until then, and one that ended before is not found later).
+    stops_end_after: int = 0
     cumulative_logprob: float = 0.0  # of the tokens in logprobs, summed as they come (not over all at every step)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once the core sends them
     metrics: RequestMetrics | None = None  # the last the core sent (with the first output and the last)
@@ -76,6 +79,9 @@ class OutputProcessor:
                 state.logprobs.append(entry)
                 state.cumulative_logprob += entry[token.token_id].logprob
             if not output.finished and state.params.stop:
+                if len(state.output_token_ids) <= state.params.min_tokens:
+                    state.stops_end_after = len(state.detokenizer.pieces)
+                    continue
                 stop = self._completed_stop(state)
                 if stop is not None:
                     return stop
@@ -185,7 +191,10 @@ class OutputProcessor:
         # Only the tail can hold a new match: the last token's text plus the longest stop string.
         tail_start = max(0, len(pieces) - 2 * max(len(stop) for stop in stops) - 16)
         tail = pieces.between(tail_start)
-        hits = [(tail.find(stop), stop) for stop in stops if stop in tail]
+        # A match ending by stops_end_after does not count: each stop string is looked for from the first place
+        # where it would end after them.
+        found = [(tail.find(stop, max(0, state.stops_end_after - tail_start - len(stop) + 1)), stop) for stop in stops]
+        hits = [(index, stop) for index, stop in found if index >= 0]
         if not hits:
             return None
         index, stop = min(hits)
