@@ -39,6 +39,12 @@ class ScheduledRequest:
         self.num_tokens = len(self.token_ids)
         self.is_prefill = not self.sample or self.num_tokens > 1 + len(self.draft_token_ids)
 
+    @property
+    def sampled_output_index(self) -> int:
+        """Where in the request's output the token sampled from its last token's row goes: the position after that
+        token, less the prompt (placeholders and recomputed outputs count as the positions they hold)."""
+        return self.start + self.num_tokens - len(self.draft_token_ids) - self.request.num_prompt_tokens
+
 
 @dataclass
 class SchedulerOutput:

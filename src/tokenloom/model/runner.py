@@ -414,14 +414,8 @@ class ModelRunner:
             generators=[self._generators.of(r.request_id, r.sampling_params.seed) for r in requests],
             token_counts=[self._seen.of(r) for r in requests],
             last_tokens=last_tokens,
-            output_index=[_sampled_output_index(item) for item in items],
+            output_index=[item.sampled_output_index for item in items],
         )
-
-
-def _sampled_output_index(item: ScheduledRequest) -> int:
-    """Where in its request's output the token sampled from the item's last-token row goes: the position after
-    that token, less the prompt (placeholders and recomputed outputs count as the positions they hold)."""
-    return item.start + item.num_tokens - len(item.draft_token_ids) - item.request.num_prompt_tokens
 
 
 def check_kv_format(fmt: KVFormat | None, backend: str, device: torch.device) -> None:

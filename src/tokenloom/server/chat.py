@@ -14,10 +14,10 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.errors import APIError
 from tokenloom.server.logprobs import TokenLogprobs, chat_logprobs_body, chat_logprobs_of, generated_logprobs
-from tokenloom.server.protocol import (
+from tokenloom.server.protocol import ChatCompletionRequest
+from tokenloom.server.responses import (
     AssistantMessage,
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatStreamChoice,

@@ -12,14 +12,8 @@ from pydantic import BaseModel
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.logprobs import completion_logprobs_body, prompt_logprobs_body
-from tokenloom.server.protocol import (
-    ChunkObject,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionStreamChoice,
-    Usage,
-)
+from tokenloom.server.protocol import CompletionRequest
+from tokenloom.server.responses import ChunkObject, CompletionChoice, CompletionResponse, CompletionStreamChoice, Usage
 from tokenloom.server.serving import check_model, serve_generation, tokenized
 from tokenloom.server.state import ERROR_RESPONSES, server_state
 from tokenloom.server.streaming import text_deltas

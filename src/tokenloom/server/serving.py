@@ -20,12 +20,7 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
-from tokenloom.server.protocol import (
-    DetokenizeRequest,
-    StreamOptions,
-    TokenizeRequest,
-    _Common,
-)
+from tokenloom.server.protocol import DetokenizeRequest, StreamOptions, TokenizeRequest, _Common
 from tokenloom.server.state import ServerState, logger
 from tokenloom.server.streaming import (
     Lease,

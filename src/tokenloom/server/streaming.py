@@ -16,14 +16,8 @@ from tokenloom.engine.async_engine import ErrorReason, RequestError
 from tokenloom.outputs import JoinedDeltas, RequestOutput
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Receive, until_disconnected
-from tokenloom.server.protocol import (
-    ChatStreamChoice,
-    ChunkObject,
-    CompletionStreamChoice,
-    StreamChunk,
-    StreamOptions,
-    Usage,
-)
+from tokenloom.server.protocol import StreamOptions
+from tokenloom.server.responses import ChatStreamChoice, ChunkObject, CompletionStreamChoice, StreamChunk, Usage
 
 T = TypeVar("T")
 StreamChoice = CompletionStreamChoice | ChatStreamChoice

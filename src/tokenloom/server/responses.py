@@ -1,0 +1,134 @@
+"""The OpenAI API's bodies as tokenloom writes them: responses, stream chunks and the error body (the requests it
+reads are protocol.py's)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from tokenloom.server.protocol import ToolCall
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tokenloom"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """What a chat stream chunk adds to the message: only the fields given are sent (the role with the first, content
+    or tool-call deltas after, nothing with the finish reason), as OpenAI and vLLM send them."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # deltas: index, then id, type and name with a call's first
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+ChunkObject = Literal["text_completion", "chat.completion.chunk"]
+
+
+class StreamChunk(BaseModel):
+    """One Server-Sent Event of a stream: a choice's chunk, or (choices empty) the usage at the end. Sent as
+    ``model_dump(exclude_unset=True)``: usage only where a chunk carries it, a delta only with its fields."""
+
+    id: str
+    object: ChunkObject
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice | ChatStreamChoice]
+    usage: Usage | None = None
+
+    def sent(self) -> str:
+        """The event's JSON, by pydantic's serializer: a third of json.dumps over model_dump's dict (3 against 8 us a
+        chunk), which a server streaming tens of thousands of tokens a second pays for each."""
+        return self.model_dump_json(exclude_unset=True)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error tokenloom sends has this body, as OpenAI's API does."""
+
+    error: ErrorDetail
