@@ -56,12 +56,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the text ends after the stop string instead of before it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return per generated token
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (computes the whole prompt)
     min_tokens: int = 0  # until the output has this many tokens, its stop tokens cannot be sampled
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits before sampling (OpenAI's)
+    skip_special_tokens: bool = True  # special tokens' text left out of the output's
     structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 

@@ -140,3 +140,32 @@ def test_stop_strings_count_only_where_they_end_after_min_tokens(tiny_chat_model
     (output,) = llm.generate("Once upon a time", params, use_tqdm=False)
     assert output.outputs[0].text == text
     assert output.outputs[0].finish_reason == "stop" and output.outputs[0].stop_reason == "me t"
+
+
+def test_a_stop_string_stays_in_the_text_when_asked_and_is_then_not_held_back(tiny_chat_model):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string, and while the request runs no
+    characters are held back as a stop string's possible start (they stay in the text whatever comes)."""
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tiny_chat_model)))
+    for i, include in enumerate((False, True)):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["e ti"],
+                                include_stop_str_in_output=include)  # fmt: skip
+        engine.add_request("Once upon a time", params, request_id=str(i))
+    texts: dict[str, list[str]] = {"0": [], "1": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            texts[output.request_id].append(output.outputs[0].text)
+    assert texts["0"][-1] == " tim" and texts["1"][-1] == " time ti"
+    assert texts["0"][0] == " t" and texts["1"][0] == " time"  # " time" less the 3 characters "e ti" could start
+
+
+def test_special_tokens_are_in_the_text_only_when_asked(tiny_chat_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    eos = tokenizer.eos_token_id
+    llm = LLM(str(tiny_chat_model))
+    forced = dict(temperature=0, max_tokens=2, ignore_eos=True, logit_bias={eos: 100.0})
+    (shown,) = llm.generate("Hello", SamplingParams(**forced, skip_special_tokens=False), use_tqdm=False)
+    (skipped,) = llm.generate("Hello", SamplingParams(**forced), use_tqdm=False)
+    assert shown.outputs[0].token_ids == skipped.outputs[0].token_ids == [eos, eos]
+    assert shown.outputs[0].text == tokenizer.eos_token * 2 and skipped.outputs[0].text == ""

@@ -60,6 +60,13 @@ FIELDS = {
     "top_logprobs": st.integers(min_value=-1, max_value=22),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])}),
     "echo": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["enable_thinking", "tokenize", "messages", "x"]), json_values, max_size=2
+    ),
     "structured_outputs": st.one_of(
         st.fixed_dictionaries({"regex": st.text(max_size=8)}),
         st.fixed_dictionaries({"choice": st.lists(st.text(max_size=4), max_size=3)}),

@@ -125,6 +125,21 @@ def test_logit_bias_and_min_tokens_reach_every_choice_streamed_or_not(client, ti
     assert later.usage.completion_tokens == 3 and later.choices[0].finish_reason == "stop"
 
 
+def test_vllms_text_fields_reach_the_output(client, tiny_chat_model):
+    """include_stop_str_in_output and skip_special_tokens, as a vLLM client sends them (extra_body)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    greedy = dict(model="tiny", temperature=0, max_tokens=12)
+    stopped = client.completions.create(prompt="Once upon a time", stop=["e ti"], **greedy,
+                                        extra_body={"include_stop_str_in_output": True})  # fmt: skip
+    assert stopped.choices[0].text == " time ti" and stopped.choices[0].finish_reason == "stop"
+    eos = str(tokenizer.eos_token_id)
+    shown = client.completions.create(prompt="hi", logit_bias={eos: 100}, **{**greedy, "max_tokens": 2},
+                                      extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
+    assert shown.choices[0].text == tokenizer.eos_token * 2
+
+
 def test_authentication(server):
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     missing = httpx.post(f"{server.url}/v1/completions", json=body)

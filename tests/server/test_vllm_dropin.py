@@ -224,12 +224,17 @@ def test_chat_template_and_generation_config_flags(tiny_chat_model, tmp_path, mo
     shutil.copytree(tiny_chat_model, model)
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "top_p": 0.9, "do_sample": False}))
     template = tmp_path / "template.jinja"
-    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    template.write_text(
+        "{% if not (enable_thinking | default(true)) %}/no_think {% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     with ServerProcess(str(model), "--served-model-name", "tiny", "--chat-template", str(template)) as proc:
         messages = [{"role": "user", "content": "Hello there"}]
         tokens = httpx.post(f"{proc.url}/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
         tokenizer = AutoTokenizer.from_pretrained(str(model))
-        assert tokens == tokenizer.encode("[user] Hello there\n", add_special_tokens=False)
+        assert tokens == tokenizer.encode("[user] Hello there\n[assistant]", add_special_tokens=False)
+        check_template_options(proc.url, tokenizer, messages)
 
         def texts(**extra) -> list[str]:
             body = {"prompt": "Once upon a time", "max_tokens": 8, "n": 3, **extra}
@@ -239,6 +244,35 @@ def test_chat_template_and_generation_config_flags(tiny_chat_model, tmp_path, mo
         left_out = texts()  # the checkpoint's temperature 0: greedy, so the three choices agree
         assert len(set(left_out)) == 1 and left_out == texts(temperature=0)
         assert len(set(texts(temperature=1.0, seed=3))) > 1  # what a request sets wins over the default
+
+
+def check_template_options(url: str, tokenizer, messages: list[dict]) -> None:
+    """vLLM's chat_template_kwargs (the template's variables), add_generation_prompt and continue_final_message, in
+    /tokenize and in chat completions alike; a template argument of the server's own is not the client's to set."""
+
+    def rendered(path: str = "/tokenize", **options) -> httpx.Response:
+        body = {"model": "tiny", "messages": options.pop("messages", messages), "max_tokens": 1, **options}
+        if path == "/tokenize":
+            body.pop("max_tokens")
+        return httpx.post(f"{url}{path}", json=body, timeout=30)
+
+    def encoded(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    no_think = rendered(chat_template_kwargs={"enable_thinking": False}).json()["tokens"]
+    assert no_think == encoded("/no_think [user] Hello there\n[assistant]")
+    chat = rendered("/v1/chat/completions", chat_template_kwargs={"enable_thinking": False}).json()
+    assert chat["usage"]["prompt_tokens"] == len(no_think)
+    assert rendered(add_generation_prompt=False).json()["tokens"] == encoded("[user] Hello there\n")
+    opened = [*messages, {"role": "assistant", "content": "Once upon"}]
+    continued = rendered(messages=opened, add_generation_prompt=False, continue_final_message=True).json()["tokens"]
+    assert continued == encoded("[user] Hello there\n[assistant] Once upon")
+    for path in ("/tokenize", "/v1/chat/completions"):
+        both = rendered(path, messages=opened, continue_final_message=True)
+        assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+        own = rendered(path, chat_template_kwargs={"chat_template": "{{ 7 * 7 }}"})
+        assert own.status_code == 400 and own.json()["error"]["param"] == "chat_template_kwargs"
+        assert "chat_template" in own.json()["error"]["message"]
 
 
 def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):

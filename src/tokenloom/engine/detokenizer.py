@@ -79,14 +79,17 @@ class Text:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.pieces = Text()
         self._prefix_offset = 0  # window start: decoded only as context
         self._read_offset = 0  # tokens before this are already in self.text
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None and DecodeStream else None
+        self._stream = None
+        if self._backend is not None and DecodeStream is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Appends a token; returns the text it completes (often "", for a partial character)."""
@@ -123,4 +126,4 @@ class IncrementalDetokenizer:
         return str(self.pieces)
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens) if token_ids else ""

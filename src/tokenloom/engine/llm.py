@@ -91,17 +91,29 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Applies the model's chat template to each conversation, then generates. As vLLM's: the assistant's turn
+        opened after the messages (add_generation_prompt) or the last message left open for the reply to continue
+        (continue_final_message), and chat_template_kwargs the variables the template reads."""
         one = bool(messages) and isinstance(messages[0], dict)
         conversations = [cast(Conversation, messages)] if one else list(cast(Sequence[Conversation], messages))
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        options = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message)  # fmt: skip
+        prompts = [self.apply_chat_template(c, **options) for c in conversations]
         return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: Conversation) -> list[int]:
+    def apply_chat_template(self, conversation: Conversation, **options: Any) -> list[int]:
+        """The conversation's token ids through the model's chat template; options: apply_chat_template's keyword
+        arguments (add_generation_prompt, True unless given) and the template's variables."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        options.setdefault("add_generation_prompt", True)
+        ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, **options)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

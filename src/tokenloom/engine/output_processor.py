@@ -59,7 +59,8 @@ class OutputProcessor:
     def new_state(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
         """A request's state, made on any thread before the request is queued."""
         logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-        return RequestState(prompt, prompt_token_ids, params, IncrementalDetokenizer(self.tokenizer), logprobs, [])
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        return RequestState(prompt, prompt_token_ids, params, detokenizer, logprobs, [])
 
     def add(self, request_id: str, state: RequestState) -> None:
         self._states[request_id] = state
@@ -177,11 +178,12 @@ class OutputProcessor:
         if finished:
             # A reply cut inside a multi-byte character ends without its partial bytes, as vLLM's, instead of in
             # U+FFFD (the incremental text never ends in one unless the model wrote one).
-            text = self.decode(state.output_token_ids)
+            text = self.decode(state.output_token_ids, state.params.skip_special_tokens)
             whole = text if pieces.between(len(pieces) - 1).endswith("\ufffd") else text.rstrip("\ufffd")
             return whole[start:]
-        # While a stop string may still complete, hold back the characters it could start with.
-        held = max((len(stop) - 1 for stop in state.params.stop), default=0)
+        # While a stop string may still complete, hold back the characters it could start with (text that a stop
+        # string would not cut, where it stays in the output, is shown at once).
+        held = 0 if state.params.include_stop_str_in_output else max((len(s) - 1 for s in state.params.stop), default=0)
         return pieces.between(start, len(pieces) - held)
 
     @staticmethod
@@ -198,13 +200,14 @@ class OutputProcessor:
         if not hits:
             return None
         index, stop = min(hits)
-        state.stop_text = pieces.between(0, tail_start + index)
+        end = tail_start + index + (len(stop) if state.params.include_stop_str_in_output else 0)
+        state.stop_text = pieces.between(0, end)
         return stop
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
 def _logprob_entry(token: SampledToken) -> dict[int, Logprob]:

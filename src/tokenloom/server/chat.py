@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.errors import APIError
 from tokenloom.server.logprobs import TokenLogprobs, chat_logprobs_body, chat_logprobs_of, generated_logprobs
-from tokenloom.server.protocol import ChatCompletionRequest
+from tokenloom.server.protocol import ChatCompletionRequest, ChatTemplateOptions
 from tokenloom.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -46,7 +47,7 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     structured = forced.spec if forced is not None else body.structured_output()
     conversation = [m.for_template() for m in body.messages]
     tools = [tool.model_dump() for tool in body.tools] if body.tools and body.tool_choice != "none" else None
-    prompt_ids = await templated(tokenizer, conversation, tools=tools)
+    prompt_ids = await templated(tokenizer, conversation, body, tools=tools)
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
     return await serve_generation(
@@ -170,11 +171,19 @@ def _required_delta(tool: ForcedTool, text: str) -> dict[str, Any]:
 async def templated(
     tokenizer: Tokenizer,
     conversation: list[dict[str, Any]],
-    generation_prompt: bool = True,
+    options: ChatTemplateOptions,
     tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    options.check_template_options()
+    template_kwargs = options.chat_template_kwargs or {}
+    # Template variables only: apply_chat_template's own arguments (chat_template above all) are not the client's.
+    taken = sorted(set(template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
+    if taken:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+    arguments = dict(template_kwargs, add_generation_prompt=options.add_generation_prompt,
+                     continue_final_message=options.continue_final_message, tools=tools)  # fmt: skip
     try:
-        ids = await asyncio.to_thread(_template_ids, tokenizer, conversation, generation_prompt, tools)
+        ids = await asyncio.to_thread(_template_ids, tokenizer, conversation, arguments)
     except Exception as error:  # the template itself refuses a conversation (roles out of order, ...)
         raise APIError(400, f"the chat template could not render these messages: {error}", "messages") from error
     prompt_ids = list(ids)
@@ -183,13 +192,6 @@ async def templated(
     return prompt_ids
 
 
-def _template_ids(
-    tokenizer: Tokenizer,
-    conversation: list[dict[str, Any]],
-    generation_prompt: bool = True,
-    tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        conversation, tools=tools, add_generation_prompt=generation_prompt, tokenize=True
-    )
+def _template_ids(tokenizer: Tokenizer, conversation: list[dict[str, Any]], arguments: dict[str, Any]) -> list[int]:
+    ids = tokenizer.apply_chat_template(conversation, tokenize=True, **arguments)
     return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids

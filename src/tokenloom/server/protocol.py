@@ -105,6 +105,8 @@ class _Common(_Body):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
     # Lower runs first. A request may lower its own priority below its tenant's, never raise it above.
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
     stream: bool = False
@@ -199,6 +201,8 @@ class _Common(_Body):
                 repetition_penalty=defaults.get("repetition_penalty", self.repetition_penalty),
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
                 logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs(logprobs),
@@ -294,7 +298,19 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_Common):
+class ChatTemplateOptions(BaseModel):
+    """vLLM's fields for how a conversation goes through the chat template (chat completions and /tokenize)."""
+
+    add_generation_prompt: bool = True  # the assistant's turn opened after the messages
+    continue_final_message: bool = False  # the last message left open: the reply continues it
+    chat_template_kwargs: dict[str, Any] | None = None  # variables the template reads (Qwen3's enable_thinking, ...)
+
+    def check_template_options(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message needs add_generation_prompt false", "continue_final_message")
+
+
+class ChatCompletionRequest(_Common, ChatTemplateOptions):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -309,14 +325,13 @@ class ChatCompletionRequest(_Common):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Body, ChatTemplateOptions):
     """vLLM's /tokenize: a prompt (completions form) or messages (chat form, through the chat template)."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 

@@ -26,7 +26,7 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
         raise APIError(400, "send exactly one of prompt and messages", "prompt", "invalid_value")
     if body.messages is not None:
         conversation = [m.for_template() for m in body.messages]
-        ids = await templated(tokenizer, conversation, body.add_generation_prompt)
+        ids = await templated(tokenizer, conversation, body)
     else:
         ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens))
     strs = [tokenizer.convert_ids_to_tokens(i) for i in ids] if body.return_token_strs else None
