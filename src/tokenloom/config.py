@@ -294,6 +294,12 @@ class ServerConfig:
     checkpoint's name."""
     max_body_bytes: int = 1 << 20
     """Request bodies over this many bytes get 413, counted on the byte stream (chunked bodies too)."""
+    max_inflight_body_bytes: int = 128 << 20
+    """The bytes of request bodies all requests in flight hold (from their first byte read until their response
+    ends); a request that would go over gets 429 (Retry-After): what keeps the server's memory bounded however many
+    connections clients open."""
+    body_timeout: float = 30.0
+    """Seconds a request has to send its whole body once its headers are in; then 408 and the connection closes."""
     tenants: str | None = None
     """A TOML file of tenants: keys, caps, priorities, rates."""
     max_num_queued_requests: int | None = None
@@ -389,7 +395,10 @@ class ServerConfig:
         _require_server(self.max_log_len is None or self.max_log_len >= 0, "max_log_len must be >= 0")
         for name in ("max_body_bytes", "max_header_bytes", "max_header_count", "stream_interval"):
             _require_server(getattr(self, name) > 0, f"{name} must be positive")
-        for name in ("drain_timeout", "header_timeout", "keep_alive_timeout"):
+        _require_server(
+            self.max_inflight_body_bytes >= self.max_body_bytes, "max_inflight_body_bytes must be >= max_body_bytes"
+        )
+        for name in ("drain_timeout", "header_timeout", "keep_alive_timeout", "body_timeout"):
             _require_server(getattr(self, name) > 0, f"{name} must be positive")
         _require_server(self.num_replicas >= 0 and self.max_replicas >= 1, "num_replicas >= 0 and max_replicas >= 1")
         _require_server(

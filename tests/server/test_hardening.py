@@ -488,6 +488,40 @@ def test_a_request_with_both_content_length_and_transfer_encoding_is_refused(ser
         assert _raw_exchange(server.port, alone).startswith(b"HTTP/1.1 200"), framing
 
 
+def _response_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_bodies_in_flight_are_bounded_and_a_stalled_body_times_out(tiny_chat_model):
+    """Two connections each send 90 KB of a 100 KB body and stall (180 KB held of 250): a third whose body would take
+    the bytes in flight past 250 KB gets 429 at once and its connection closed, while a small request is served
+    beside them; at the body timeout the stalled ones get 408 and their bytes come back, so a body of that size is
+    read again. Before the budget, a thousand such connections held ~0.8 MB of server memory each."""
+    limits = ("--max-body-bytes", "100000", "--max-inflight-body-bytes", "250000", "--body-timeout", "2")
+    with ServerProcess(str(tiny_chat_model), "--served-model-name", "tiny", *limits) as proc:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: 100000\r\n\r\n")  # fmt: skip
+        stalled = [socket.create_connection(("127.0.0.1", proc.port), timeout=15) for _ in range(2)]
+        for sock in stalled:
+            sock.sendall(head + b"x" * 90_000)
+        time.sleep(0.5)  # read by the server: 180 KB held
+        status, error = _status_and_error(_raw_exchange(proc.port, head + b"x" * 90_000))
+        assert status == 429 and error["code"] == "server_busy", error
+        small = httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
+        assert small.status_code == 200
+        for sock in stalled:
+            status, error = _status_and_error(_response_until_closed(sock))
+            assert status == 408 and error["code"] == "body_timeout", error
+            sock.close()
+        status, error = _status_and_error(_raw_exchange(proc.port, head + b"x" * 100_000))
+        assert status == 400 and error["code"] == "invalid_json", error  # read whole: not JSON
+        assert proc.metric('tokenloom:requests_rejected_total{reason="server_busy"}') == 1
+        assert proc.metric('tokenloom:requests_rejected_total{reason="body_timeout"}') == 2
+
+
 @pytest.mark.parametrize(
     "headers",
     [

@@ -46,6 +46,8 @@ def build_app(
     max_log_len: int | None = None,
     root_path: str = "",
     stream_interval: int = ServerConfig.stream_interval,
+    max_inflight_body_bytes: int = ServerConfig.max_inflight_body_bytes,
+    body_timeout: float = ServerConfig.body_timeout,
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__, root_path=root_path)
@@ -77,6 +79,8 @@ def build_app(
         on_reject=lambda reason: metrics.rejected_request(reason, ""),
         on_response=metrics.http_request,
         handler_of=lambda path: path if path in route_paths else "none",
+        max_inflight_body_bytes=max_inflight_body_bytes,
+        body_timeout=body_timeout,
     )
     for router in routers:
         app.include_router(router)

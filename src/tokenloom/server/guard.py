@@ -1,4 +1,10 @@
-"""What stands in front of every endpoint, as plain ASGI: the bearer key, the body limit, and the last resort.
+"""What stands in front of every endpoint, as plain ASGI: the bearer key, the body limits, and the last resort.
+
+A body is bounded three ways: its own size (413), the time it takes to arrive (408: a body sent a byte at a time
+holds its connection and its bytes no longer than that), and the bytes of all bodies held by requests in flight, from
+the first byte read until the response ends (429 at once past it). Without the last, a client opening thousands of
+connections, each sending most of a 1 MB body, held ~0.8 MB of the server's memory per connection for as long as it
+liked (benchmarks/RESULTS.md): connections cost no more than the file descriptor limit allowed.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides the client's disconnect from the endpoint: here
 the body is read once (counted as its bytes arrive, so a chunked body cannot slip past the limit), handed on, and
@@ -7,6 +13,7 @@ every later ``receive()`` reaches the server itself, where a hang-up shows as ``
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -29,8 +36,27 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
 
 
+class BodyBudget:
+    """The bytes of request bodies held by requests in flight, against a limit (one event loop: no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
+        assert self.held >= 0, "a request gave back more body bytes than it took"
+
+
 class Guard:
-    """Authenticates (401), bounds the body (413), and turns any unhandled exception into an OpenAI-style 500.
+    """Authenticates (401), bounds the body (413, 408, 429), and turns any unhandled exception into an OpenAI-style
+    500.
 
     The tenant a key belongs to is put in ``scope["state"]["tenant"]``, and the monotonic time the request was read
     whole in ``scope["state"]["arrival_time"]``; ``on_reject(reason)`` counts refusals.
@@ -45,8 +71,12 @@ class Guard:
         on_reject: Callable[[str], None],
         on_response: Callable[[str, str, int, float], None] | None = None,
         handler_of: Callable[[str], str] = lambda path: path,
+        max_inflight_body_bytes: int | None = None,
+        body_timeout: float = 30.0,
     ) -> None:
         self.app = app
+        self.bodies = BodyBudget(max_inflight_body_bytes if max_inflight_body_bytes is not None else 2**62)
+        self.body_timeout = body_timeout
         self.on_response = on_response  # (handler, method, status, seconds) of each answered request
         self.handler_of = handler_of  # a path as a bounded label: the route, or "none" for any unknown path
         self.max_body_bytes = max_body_bytes
@@ -90,29 +120,49 @@ class Guard:
             self.on_reject("unauthorized")
             raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", None, "invalid_api_key")
         scope.setdefault("state", {})["tenant"] = tenant
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            body = await self._read_body(receive)
-            if body is None:
-                return  # the client left before sending its body
-            receive = _replay(body, receive)
-        # A request arrives when it has been read whole; FCFS order and TTFT count from here, not from when its
-        # handler got past tokenization (worker threads finish a burst's requests in any order).
-        scope["state"]["arrival_time"] = time.monotonic()
-        await self.app(scope, receive, send)
+        held = [0]  # the body bytes this request holds of the budget, given back when it ends
+        try:
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                body = await self._read_body(receive, held)
+                if body is None:
+                    return  # the client left before sending its body
+                receive = _replay(body, receive)
+            # A request arrives when it has been read whole; FCFS order and TTFT count from here, not from when its
+            # handler got past tokenization (worker threads finish a burst's requests in any order).
+            scope["state"]["arrival_time"] = time.monotonic()
+            await self.app(scope, receive, send)
+        finally:
+            self.bodies.give_back(held[0])
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        chunks, size = [], 0
+    async def _read_body(self, receive: Receive, held: list[int]) -> bytes | None:
+        """The whole body (None if the client left first), its bytes taken from the budget into held[0] as they
+        arrive."""
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + self.body_timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise self._refused(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                                    "body_timeout") from None  # fmt: skip
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
+            if held[0] + len(chunk) > self.max_body_bytes:
                 raise self._body_too_large()
+            if not self.bodies.take(len(chunk)):
+                busy = f"the server holds {self.bodies.limit} bytes of request bodies in flight; retry shortly"
+                raise self._refused(429, busy, "server_busy", {"Retry-After": "1"})
+            held[0] += len(chunk)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    def _refused(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> APIError:
+        """A refusal while the body arrives: counted, and the connection closed after it (the rest of the body is
+        not read)."""
+        self.on_reject(code)
+        return APIError(status, message, None, code, headers={**(headers or {}), "Connection": "close"})
 
     def _body_too_large(self) -> APIError:
         self.on_reject("body_too_large")

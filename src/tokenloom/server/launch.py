@@ -110,6 +110,8 @@ def build_server(
         max_log_len=server.max_log_len,
         root_path=server.root_path,
         stream_interval=server.stream_interval,
+        max_inflight_body_bytes=server.max_inflight_body_bytes,
+        body_timeout=server.body_timeout,
     )
     if server.allowed_origins:
         app.add_middleware(
