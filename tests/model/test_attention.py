@@ -289,18 +289,24 @@ def test_split_keys_must_be_whole_blocks():
 
 
 def scheduled_blocks(request_id: str, block_ids: list[int], epoch: int | None) -> ScheduledRequest:
-    return ScheduledRequest(SimpleNamespace(request_id=request_id), 0, [1], block_ids, True, block_epoch=epoch)
+    return ScheduledRequest(
+        SimpleNamespace(request_id=request_id, prompt_token_ids=[]), 0, [1], block_ids, True, block_epoch=epoch
+    )
 
 
 def test_block_table_rows_read_a_scheduled_list_only_as_far_as_it_was_when_scheduled():
     """The scheduler hands over the KV manager's own list, which the next schedule may extend before this step's
     inputs are built (scheduling ahead): a row holds the ids the step was given, and the next step's tail after."""
     table, ids = BlockTableRows(), [7, 9]
-    first = ScheduledRequest(SimpleNamespace(request_id="a"), 0, [1], ids, True, block_epoch=0, num_blocks=2)
+    first = ScheduledRequest(
+        SimpleNamespace(request_id="a", prompt_token_ids=[]), 0, [1], ids, True, block_epoch=0, num_blocks=2
+    )
     ids.append(5)  # the next step's block, given before this step is prepared
     rows = table.rows([first])
     assert table.ids[rows[0], :3].tolist() == [7, 9, 0]
-    second = ScheduledRequest(SimpleNamespace(request_id="a"), 8, [1], ids, True, block_epoch=0, num_blocks=3)
+    second = ScheduledRequest(
+        SimpleNamespace(request_id="a", prompt_token_ids=[]), 8, [1], ids, True, block_epoch=0, num_blocks=3
+    )
     rows = table.rows([second])
     assert table.tables(rows, np.array([9]), 4).tolist() == [[7, 9, 5]]
 

@@ -32,18 +32,18 @@ class ScheduledRequest:
     # The chunk computes prompt (or recomputed) tokens: more than the last token and its drafts, or not up to the
     # last token.
     is_prefill: bool = field(init=False)
+    # Where in the request's output the token sampled from its last token's row goes: the position after that token,
+    # less the prompt (placeholders and recomputed outputs count as the positions they hold). Read by min_tokens.
+    sampled_output_index: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.num_blocks is None:
             self.num_blocks = len(self.block_ids)
         self.num_tokens = len(self.token_ids)
         self.is_prefill = not self.sample or self.num_tokens > 1 + len(self.draft_token_ids)
-
-    @property
-    def sampled_output_index(self) -> int:
-        """Where in the request's output the token sampled from its last token's row goes: the position after that
-        token, less the prompt (placeholders and recomputed outputs count as the positions they hold)."""
-        return self.start + self.num_tokens - len(self.draft_token_ids) - self.request.num_prompt_tokens
+        self.sampled_output_index = (
+            self.start + self.num_tokens - len(self.draft_token_ids) - len(self.request.prompt_token_ids)
+        )
 
 
 @dataclass

@@ -20,8 +20,9 @@ from tokenloom.sampling_params import SamplingParams
 def biased_rows(params: Sequence[SamplingParams], output_index: Sequence[int]) -> list[int]:
     """The rows whose logits this module changes: a logit bias, or an output still short of its min_tokens (row
     r samples its request's output token output_index[r])."""
-    return [row for row, (p, index) in enumerate(zip(params, output_index, strict=True))
-            if p.logit_bias or index < p.min_tokens]  # fmt: skip
+    assert len(params) == len(output_index), "an output index a row"
+    # min_tokens is 0 for nearly every request: the index is read only where it is not (a step's host time)
+    return [row for row, p in enumerate(params) if p.logit_bias or (p.min_tokens and output_index[row] < p.min_tokens)]
 
 
 def apply_token_biases(
