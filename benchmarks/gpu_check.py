@@ -173,6 +173,7 @@ def check_correctness(root: Path, device: str, backends: list[str], lines: list[
                     all_ok &= tokens_row(lines, row, path, device, prompts, expected, engine)
         if arch == "llama" and "triton" in backends:
             all_ok &= penalties_row(lines, path, device, prompts)
+            all_ok &= token_bias_row(lines, path, device, prompts, expected)
     return all_ok
 
 
@@ -191,6 +192,24 @@ def penalties_row(lines, path: Path, device: str, prompts) -> bool:
     if expected is None:
         return False
     return tokens_row(lines, row, path, device, prompts, expected, dict(knobs, async_scheduling=True), params)
+
+
+def token_bias_row(lines, path: Path, device: str, prompts, plain: list[list[int]]) -> bool:
+    """min_tokens and logit_bias (model/token_bias.py: a few logits changed in place from pinned host arrays), steps
+    scheduled ahead on the device, against the same requests on the host's CPU, whose float32 tokens equal
+    transformers' (tests/engine/test_min_tokens_and_logit_bias.py). Each prompt's plain third token is made a stop
+    token that min_tokens bans there, and its plain first token banned by a bias."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[tokens[2]], min_tokens=6,
+                       logit_bias={tokens[0]: -100.0, (tokens[0] + 7) % 511: 2.5})
+        for tokens in plain
+    ]  # fmt: skip
+    row = "llama | min_tokens + logit_bias, async scheduling, against the CPU | triton | the default step"
+    expected = guarded(lines, row + " (CPU)", functools.partial(greedy_tokens, path, "cpu", prompts, {}, params))
+    if expected is None:
+        return False
+    knobs = {"attention_backend": "triton", "async_scheduling": True}
+    return tokens_row(lines, row, path, device, prompts, expected, knobs, params)
 
 
 def tokens_row(lines, row: str, path: Path, device: str, prompts, expected, knobs: dict, params=None) -> bool:
