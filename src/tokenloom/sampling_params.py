@@ -63,6 +63,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (computes the whole prompt)
     min_tokens: int = 0  # until the output has this many tokens, its stop tokens cannot be sampled
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits before sampling (OpenAI's)
+    allowed_token_ids: list[int] | None = None  # only these can be sampled (vLLM's)
     skip_special_tokens: bool = True  # special tokens' text left out of the output's
     structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -95,6 +96,11 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (_valid_logit_bias(self.logit_bias), "logit_bias must map token ids (integers) to finite numbers"),
+            (
+                self.allowed_token_ids is None
+                or (bool(self.allowed_token_ids) and all(type(t) is int for t in self.allowed_token_ids)),
+                "allowed_token_ids must be a non-empty list of token ids",
+            ),
         ]
         for ok, message in checks:
             if not ok:

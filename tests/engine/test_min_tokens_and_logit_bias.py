@@ -60,19 +60,21 @@ def cases(tiny_llama):
     for prompt, output in zip(prompts, plain, strict=True):
         first = output.outputs[0].token_ids[0]
         bias = {first: -100.0, (first + 7) % EOS: 4.0, (first + 11) % EOS: 2.5}
-        stop = oracle_tokens(oracle, prompt, bias)[1]
+        stop = oracle_tokens(oracle, prompt, AddBias(bias))[1]
         stopping = dict(stop_token_ids=[stop], min_tokens=MIN_TOKENS)
         params.append(SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logit_bias=bias, **stopping))
-        expected.append(oracle_tokens(oracle, prompt, bias, min_new_tokens=MIN_TOKENS, eos_token_id=[stop, EOS]))
+        expected.append(
+            oracle_tokens(oracle, prompt, AddBias(bias), min_new_tokens=MIN_TOKENS, eos_token_id=[stop, EOS])
+        )
         assert expected[-1][0] != first and expected[-1][1] != stop
     return [{"prompt_token_ids": p} for p in prompts], params, expected
 
 
-def oracle_tokens(oracle, prompt: list[int], bias: dict[int, float], **stopping) -> list[int]:
+def oracle_tokens(oracle, prompt: list[int], *processors: LogitsProcessor, **stopping) -> list[int]:
     with torch.no_grad():
         tokens = oracle.generate(
             torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0,
-            logits_processor=LogitsProcessorList([AddBias(bias)]), **stopping,
+            logits_processor=LogitsProcessorList(processors), **stopping,
         )  # fmt: skip
     return tokens[0, len(prompt) :].tolist()
 
@@ -169,3 +171,33 @@ def test_special_tokens_are_in_the_text_only_when_asked(tiny_chat_model):
     (skipped,) = llm.generate("Hello", SamplingParams(**forced), use_tqdm=False)
     assert shown.outputs[0].token_ids == skipped.outputs[0].token_ids == [eos, eos]
     assert shown.outputs[0].text == tokenizer.eos_token * 2 and skipped.outputs[0].text == ""
+
+
+class KeepOnly(LogitsProcessor):
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = allowed
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        kept = torch.full_like(scores, float("-inf"))
+        kept[:, self.allowed] = scores[:, self.allowed]
+        return kept
+
+
+@pytest.mark.parametrize(
+    "knobs", [{}, {**UNDER_PRESSURE, "async_scheduling": True}], ids=["roomy", "ahead + preempted"]
+)
+def test_allowed_token_ids_give_transformers_greedy_tokens(tiny_llama, knobs):
+    """vLLM's allowed_token_ids: every other token's logit -inf, here 24 tokens that leave out each prompt's plain
+    greedy first token, so every output takes another path."""
+    prompts = work()
+    oracle = hf_oracle(tiny_llama)
+    greedy = dict(temperature=0, max_tokens=MAX_TOKENS)
+    plain = LLM(str(tiny_llama)).generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**greedy),
+                                          use_tqdm=False)  # fmt: skip
+    firsts = {o.outputs[0].token_ids[0] for o in plain}
+    allowed = sorted(random.Random(7).sample(sorted(set(range(EOS)) - firsts), 24))
+    params = SamplingParams(**greedy, allowed_token_ids=allowed)
+    expected = [oracle_tokens(oracle, prompt, KeepOnly(allowed)) for prompt in prompts]
+    outputs = LLM(str(tiny_llama), **knobs).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert token_ids(outputs) == expected
+    assert all(set(tokens) <= set(allowed) for tokens in expected)

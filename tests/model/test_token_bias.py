@@ -65,3 +65,22 @@ def test_each_verification_row_is_banned_as_the_output_index_it_samples():
     batch = SamplingBatch([params], [None], [None], output_index=[3])
     (kept,) = Sampler(torch.device("cpu"), 0, (EOS,)).verify(logits, batch, [[1, 2, 4]])
     assert [t.token_id for t in kept] == [1, 2, EOS]
+
+
+def test_only_allowed_tokens_keep_their_logits_with_biases_and_bans_on_top_and_all_is_undone():
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    params = [
+        SamplingParams(allowed_token_ids=[1, 4, EOS], logit_bias={4: 2.0, 6: 3.0}, min_tokens=2),
+        SamplingParams(),
+        SamplingParams(allowed_token_ids=[0]),
+    ]
+    restore = apply_token_biases(logits, params, [1, 0, 5], (EOS,))
+    expected = torch.full_like(before, -math.inf)
+    expected[0, 1] = before[0, 1]
+    expected[0, 4] = before[0, 4] + 2.0  # allowed and biased; 6 is biased but not allowed; EOS allowed but banned
+    expected[1] = before[1]
+    expected[2, 0] = before[2, 0]
+    assert torch.equal(logits, expected)
+    restore()
+    assert torch.equal(logits, before)

@@ -625,6 +625,12 @@ def test_a_bad_logit_bias_is_a_400_naming_it(server, bias):
     assert_openai_error(response, 400, "invalid_value", "logit_bias")
 
 
+@pytest.mark.parametrize("allowed", [[10**6], []], ids=["out of the vocabulary", "empty"])
+def test_bad_allowed_token_ids_are_a_400_naming_them(server, allowed):
+    response = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "allowed_token_ids": allowed})
+    assert_openai_error(response, 400, "invalid_value", "allowed_token_ids")
+
+
 def test_the_choices_of_an_n_stream_are_read_no_further_ahead_of_a_client_that_waits_than_a_few_chunks():
     """With n > 1 every choice's chunks pass through one queue to the client; while the client reads nothing, each
     choice's stream is read at most a chunk or two ahead (the rest stays in the engine's stream, which keeps only its

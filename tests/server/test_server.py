@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -126,7 +127,8 @@ def test_logit_bias_and_min_tokens_reach_every_choice_streamed_or_not(client, ti
 
 
 def test_vllms_text_fields_reach_the_output(client, tiny_chat_model):
-    """include_stop_str_in_output and skip_special_tokens, as a vLLM client sends them (extra_body)."""
+    """include_stop_str_in_output, skip_special_tokens and allowed_token_ids, as a vLLM client sends them
+    (extra_body)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
@@ -138,6 +140,10 @@ def test_vllms_text_fields_reach_the_output(client, tiny_chat_model):
     shown = client.completions.create(prompt="hi", logit_bias={eos: 100}, **{**greedy, "max_tokens": 2},
                                       extra_body={"ignore_eos": True, "skip_special_tokens": False})  # fmt: skip
     assert shown.choices[0].text == tokenizer.eos_token * 2
+    (paris,), (london,) = tokenizer.encode(" Paris"), tokenizer.encode(" London")
+    sampled = client.completions.create(prompt="hi", n=3, seed=1, **{**greedy, "temperature": 1.0},
+                                        extra_body={"allowed_token_ids": [paris, london]})  # fmt: skip
+    assert all(re.fullmatch("( Paris| London)+", c.text) for c in sampled.choices), [c.text for c in sampled.choices]
 
 
 def test_authentication(server):

@@ -116,7 +116,9 @@ class EngineClient(ABC):
         """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
         params = params or SamplingParams()
         vocab = self.model_config.vocab_size
-        for name, tokens in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+        checked = (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
+                   ("allowed_token_ids", params.allowed_token_ids or []))  # fmt: skip
+        for name, tokens in checked:
             if any(t < 0 or t >= vocab for t in tokens):
                 raise InvalidField(name, f"{name}: token ids must be in [0, {vocab})")
         prompt_text, token_ids = self.tokenize(prompt)

@@ -116,6 +116,7 @@ class _Common(_Body):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     best_of: Annotated[int, Field(ge=1)] | None = None
     logit_bias: LogitBias | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's older spellings of structured_outputs, still sent by many clients.
@@ -204,6 +205,7 @@ class _Common(_Body):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
+                allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs(logprobs),
                 structured_outputs=structured,
