@@ -146,6 +146,24 @@ def test_vllms_text_fields_reach_the_output(client, tiny_chat_model):
     assert all(re.fullmatch("( Paris| London)+", c.text) for c in sampled.choices), [c.text for c in sampled.choices]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, client, tiny_chat_model):
+    """vLLM's truncate_prompt_tokens: the last k tokens of the prompt (-1: the context's worth), counted and echoed
+    as what the model read; 0 or more than the context is a 400."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog again and again")
+    cut = client.completions.create(model="tiny", prompt=ids, max_tokens=1, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 5})  # fmt: skip
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text.startswith(tokenizer.decode(ids[-5:]))
+    whole = client.completions.create(model="tiny", prompt=ids, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+    for keep in (0, 513):  # the server's context is 512
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": keep}
+        response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=30, json=body)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_authentication(server):
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     missing = httpx.post(f"{server.url}/v1/completions", json=body)

@@ -47,6 +47,7 @@ async def serve_generation(
 
     Each prompt gets body.n choices, numbered prompt by prompt; usage counts each prompt once, as OpenAI does.
     """
+    prompts = _truncated(prompts, body.truncate_prompt_tokens, state.engine.max_model_len)
     request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
     created = int(time.time())
     prompt_tokens = sum(len(p) for p in prompts)
@@ -231,6 +232,17 @@ async def tokenized(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
     return prompt_ids
+
+
+def _truncated(prompts: list[list[int]], keep: int | None, max_model_len: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: max_model_len's worth)."""
+    if keep is None:
+        return prompts
+    keep = max_model_len if keep == -1 else keep
+    if not 1 <= keep <= max_model_len:
+        message = f"truncate_prompt_tokens must be -1 or in [1, {max_model_len}] (the model's context length)"
+        raise APIError(400, message, "truncate_prompt_tokens", "invalid_value")
+    return [prompt[-keep:] for prompt in prompts]
 
 
 def require_tokenizer(engine: AsyncEngine) -> Tokenizer:
