@@ -1,10 +1,9 @@
 """Turns the logits of the sampled rows into tokens, vectorised over the batch.
 
-Order of operations, as in vLLM: logit biases and min_tokens' banned stop tokens (token_bias.py), then penalties,
-then greedy rows take the argmax; the other rows are divided by their temperature, filtered by top-k, top-p and
-min-p, and drawn. A request with a seed draws
-from its own generator, so it gets the same text whatever else shares the batch. Logprobs are those of the
-raw model distribution.
+Order of operations, as in vLLM: allowed tokens, logit biases and min_tokens' banned stop tokens (token_bias.py),
+then penalties, then greedy rows take the argmax; the other rows are divided by their temperature, filtered by
+top-k, top-p and min-p, and drawn. A request with a seed draws from its own generator, so it gets the same text
+whatever else shares the batch. Logprobs are those of the raw model distribution.
 """
 
 from __future__ import annotations
@@ -189,8 +188,9 @@ class Sampler:
                 tokens = self._sample_random(logits, batch, tokens)
             return self._on_device(tokens, raw_logprobs, batch)
         except BaseException:
-            for restore in reversed(restores):  # the runner samples row by row after a failure: from the model's
-                restore()  # logits
+            # The runner samples row by row after a failure: from the model's logits.
+            for restore in reversed(restores):
+                restore()
             raise
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor):
