@@ -8,6 +8,7 @@ import json
 import logging
 import random
 import socket
+import time
 
 import httpx
 import openai
@@ -107,8 +108,9 @@ def deploy(model, port: int, router: str) -> str:
     from ray import serve
 
     server = ServerConfig(
-        port=port, ray=True, num_replicas=2, request_router=router, served_model_name="tiny", log_level="warning"
-    )
+        port=port, ray=True, num_replicas=2, request_router=router, served_model_name="tiny", log_level="warning",
+        max_body_bytes=100_000, max_inflight_body_bytes=250_000, body_timeout=3.0,
+    )  # fmt: skip
     engine = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=8, block_size=16)
     start_ray(server)
     serve.run(build_ray_app(server, engine), name=APP_NAME, route_prefix="/")
@@ -200,6 +202,33 @@ def running_requests(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     families = [f for f in text_string_to_metric_families(text) if f.name == "tokenloom:num_requests_running"]
     return sum(sample.value for family in families for sample in family.samples)
+
+
+def test_the_ingress_bounds_the_bodies_in_flight_and_the_time_they_take(tiny_chat_model, ray_port):
+    """As a single server's guard: two stalled 90 KB bodies of a 250 KB budget, a third refused at once (429), a
+    small request served beside them, the stalled ones 408 at the 3 s deadline."""
+    url = deploy(tiny_chat_model, ray_port, "prefix")
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: 100000\r\n\r\n")  # fmt: skip
+    stalled = [socket.create_connection(("127.0.0.1", ray_port), timeout=30) for _ in range(3)]
+    for sock in stalled[:2]:
+        sock.sendall(head + b"x" * 90_000)
+    time.sleep(1.0)  # read by the ingress: 180 KB held
+    stalled[2].sendall(head + b"x" * 90_000)
+    assert _status_of(stalled[2]) == 429
+    small = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert small.status_code == 200, small.text
+    assert [_status_of(sock) for sock in stalled[:2]] == [408, 408]
+    for sock in stalled:
+        sock.close()
+
+
+def _status_of(sock) -> int:
+    """The status of the response the server sends on this connection (read until it closes)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return int(received.split(b" ", 2)[1])
 
 
 def test_requests_in_flight_on_a_replica_that_dies_hear_why(tiny_chat_model, ray_port):

@@ -6,9 +6,9 @@ Two deployments, as Ray Serve LLM splits them:
 
     Ray's HTTP proxy -> Ingress (one replica; FastAPI) --handle, routed--> EngineReplica x N (each a whole server)
 
-The ingress reads a request's body (capped at max_body_bytes) and hands method, path, headers and body to an
-engine replica through a deployment handle; the handle's request router sees the body, so it can route by the
-prompt. Each replica runs tokenloom's own FastAPI app in process (the same validation, errors, streaming and
+The ingress reads a request's body (within max_body_bytes, body_timeout and max_inflight_body_bytes, as a single
+server does) and hands method, path, headers and body to an engine replica through a deployment handle; the
+handle's request router sees the body, so it can route by the prompt. Each replica runs tokenloom's own FastAPI app in process (the same validation, errors, streaming and
 limits as `tokenloom serve`) and streams the ASGI messages back; the ingress replays them. A client that hangs up
 cancels the handle's stream, which cancels the app's request in the replica and aborts it.
 
@@ -39,6 +39,7 @@ from ray.serve.config import AutoscalingConfig, HTTPOptions, RequestRouterConfig
 
 from tokenloom.config import EngineConfig, ServerConfig
 from tokenloom.server.errors import APIError
+from tokenloom.server.guard import BodyReader
 from tokenloom.server.launch import build_server
 from tokenloom.server.metrics import escape_label_value
 
@@ -68,7 +69,8 @@ def build_ray_app(server: ServerConfig, engine: EngineConfig) -> Any:
     engines = EngineReplica.options(**replica_options(server, engine))
     # The ingress only forwards: it must never be what limits the requests in flight (Ray's default is 5).
     ingress = Ingress.options(max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
-    return ingress.bind(engines.bind(server, engine), server.max_body_bytes)
+    limits = (server.max_body_bytes, server.max_inflight_body_bytes, server.body_timeout)
+    return ingress.bind(engines.bind(server, engine), limits)
 
 
 def replica_options(server: ServerConfig, engine: EngineConfig) -> dict[str, Any]:
@@ -294,9 +296,12 @@ ingress_app = FastAPI(title="tokenloom (Ray Serve ingress)")
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(ingress_app)
 class Ingress:
-    def __init__(self, engine: Any, max_body_bytes: int) -> None:
+    def __init__(self, engine: Any, limits: tuple[int, int, float]) -> None:
+        """limits: the server's max_body_bytes, max_inflight_body_bytes and body_timeout, as a single server reads
+        bodies (guard.py); a replica's own app applies them again to what it is handed."""
         self.engine = engine.options(stream=True)
-        self.max_body_bytes = max_body_bytes
+        max_body_bytes, max_inflight_body_bytes, body_timeout = limits
+        self.bodies = BodyReader(max_body_bytes, lambda reason: None, max_inflight_body_bytes, body_timeout)
         self.board = metrics_board()
 
     @ingress_app.get("/metrics")
@@ -306,25 +311,29 @@ class Ingress:
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request) -> Response:
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                error = APIError(413, f"the request body is over {self.max_body_bytes} bytes", None, "body_too_large")
-                return JSONResponse(error.body(), status_code=413)
-        forwarded = {
-            "method": request.method,
-            "path": "/" + path,
-            "query_string": request.url.query.encode(),
-            "headers": [(k.encode(), v.encode()) for k, v in request.headers.items()],
-            "body": bytes(body),
-        }
-        messages = self.engine.remote(forwarded)
+        held = [0]  # the body's bytes of the ingress's budget: given back once a replica has it
         try:
-            start = await messages.__anext__()
-        except Exception as error:  # the replica died (or could not be reached) before the response began
-            logger.error("replica failed before responding to %s /%s: %r", request.method, path, error)
-            return JSONResponse(REPLICA_LOST, status_code=REPLICA_LOST_STATUS)
+            try:
+                body = await self.bodies.read(request.receive, held)
+            except APIError as error:
+                return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+            if body is None:
+                return Response(status_code=400)  # the client left before its body was whole: no one reads this
+            forwarded = {
+                "method": request.method,
+                "path": "/" + path,
+                "query_string": request.url.query.encode(),
+                "headers": [(k.encode(), v.encode()) for k, v in request.headers.items()],
+                "body": body,
+            }
+            messages = self.engine.remote(forwarded)
+            try:
+                start = await messages.__anext__()
+            except Exception as error:  # the replica died (or could not be reached) before the response began
+                logger.error("replica failed before responding to %s /%s: %r", request.method, path, error)
+                return JSONResponse(REPLICA_LOST, status_code=REPLICA_LOST_STATUS)
+        finally:
+            self.bodies.budget.give_back(held[0])
         headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
         event_stream = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_relayed(messages, event_stream), status_code=start["status"], headers=headers)

@@ -54,6 +54,57 @@ class BodyBudget:
         assert self.held >= 0, "a request gave back more body bytes than it took"
 
 
+class BodyReader:
+    """Reads a request's body within its limits: its size (413), its deadline (408) and the bytes of bodies in
+    flight (429); ``on_reject(code)`` counts refusals. Used by the guard and by the Ray Serve ingress."""
+
+    def __init__(
+        self,
+        max_body_bytes: int,
+        on_reject: Callable[[str], None],
+        max_inflight_body_bytes: int | None = None,
+        body_timeout: float = 30.0,
+    ) -> None:
+        self.max_body_bytes = max_body_bytes
+        self.on_reject = on_reject
+        self.budget = BodyBudget(max_inflight_body_bytes if max_inflight_body_bytes is not None else 2**62)
+        self.body_timeout = body_timeout
+
+    async def read(self, receive: Receive, held: list[int]) -> bytes | None:
+        """The whole body (None if the client left first), its bytes taken from the budget into held[0] as they
+        arrive: the caller gives them back (budget.give_back) when the request ends, whatever happened."""
+        chunks: list[bytes] = []
+        deadline = time.monotonic() + self.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise self._refused(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                                    "body_timeout") from None  # fmt: skip
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            if held[0] + len(chunk) > self.max_body_bytes:
+                raise self.too_large()
+            if not self.budget.take(len(chunk)):
+                busy = f"the server holds {self.budget.limit} bytes of request bodies in flight; retry shortly"
+                raise self._refused(429, busy, "server_busy", {"Retry-After": "1"})
+            held[0] += len(chunk)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def too_large(self) -> APIError:
+        self.on_reject("body_too_large")
+        return APIError(413, f"request body over {self.max_body_bytes} bytes", None, "body_too_large")
+
+    def _refused(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> APIError:
+        """A refusal while the body arrives: counted, and the connection closed after it (the rest of the body is
+        not read)."""
+        self.on_reject(code)
+        return APIError(status, message, None, code, headers={**(headers or {}), "Connection": "close"})
+
+
 class Guard:
     """Authenticates (401), bounds the body (413, 408, 429), and turns any unhandled exception into an OpenAI-style
     500.
@@ -75,11 +126,9 @@ class Guard:
         body_timeout: float = 30.0,
     ) -> None:
         self.app = app
-        self.bodies = BodyBudget(max_inflight_body_bytes if max_inflight_body_bytes is not None else 2**62)
-        self.body_timeout = body_timeout
+        self.bodies = BodyReader(max_body_bytes, on_reject, max_inflight_body_bytes, body_timeout)
         self.on_response = on_response  # (handler, method, status, seconds) of each answered request
         self.handler_of = handler_of  # a path as a bounded label: the route, or "none" for any unknown path
-        self.max_body_bytes = max_body_bytes
         self.key_owners = key_owners
         self.default_tenant = default_tenant
         self.on_reject = on_reject
@@ -113,8 +162,8 @@ class Guard:
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            raise self._body_too_large()
+        if length.isdigit() and int(length) > self.bodies.max_body_bytes:
+            raise self.bodies.too_large()
         tenant = self._tenant_of(headers.get("authorization", "")) if self.key_owners else self.default_tenant
         if tenant is None and scope["path"] not in PUBLIC_PATHS:
             self.on_reject("unauthorized")
@@ -123,7 +172,7 @@ class Guard:
         held = [0]  # the body bytes this request holds of the budget, given back when it ends
         try:
             if scope["method"] in ("POST", "PUT", "PATCH"):
-                body = await self._read_body(receive, held)
+                body = await self.bodies.read(receive, held)
                 if body is None:
                     return  # the client left before sending its body
                 receive = _replay(body, receive)
@@ -132,41 +181,7 @@ class Guard:
             scope["state"]["arrival_time"] = time.monotonic()
             await self.app(scope, receive, send)
         finally:
-            self.bodies.give_back(held[0])
-
-    async def _read_body(self, receive: Receive, held: list[int]) -> bytes | None:
-        """The whole body (None if the client left first), its bytes taken from the budget into held[0] as they
-        arrive."""
-        chunks: list[bytes] = []
-        deadline = time.monotonic() + self.body_timeout
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise self._refused(408, f"the request body did not arrive within {self.body_timeout:g} s",
-                                    "body_timeout") from None  # fmt: skip
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            if held[0] + len(chunk) > self.max_body_bytes:
-                raise self._body_too_large()
-            if not self.bodies.take(len(chunk)):
-                busy = f"the server holds {self.bodies.limit} bytes of request bodies in flight; retry shortly"
-                raise self._refused(429, busy, "server_busy", {"Retry-After": "1"})
-            held[0] += len(chunk)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-    def _refused(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> APIError:
-        """A refusal while the body arrives: counted, and the connection closed after it (the rest of the body is
-        not read)."""
-        self.on_reject(code)
-        return APIError(status, message, None, code, headers={**(headers or {}), "Connection": "close"})
-
-    def _body_too_large(self) -> APIError:
-        self.on_reject("body_too_large")
-        return APIError(413, f"request body over {self.max_body_bytes} bytes", None, "body_too_large")
+            self.bodies.budget.give_back(held[0])
 
     def _tenant_of(self, header: str) -> Tenant | None:
         scheme, _, token = header.partition(" ")
