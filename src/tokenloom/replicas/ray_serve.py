@@ -8,9 +8,10 @@ Two deployments, as Ray Serve LLM splits them:
 
 The ingress reads a request's body (within max_body_bytes, body_timeout and max_inflight_body_bytes, as a single
 server does) and hands method, path, headers and body to an engine replica through a deployment handle; the
-handle's request router sees the body, so it can route by the prompt. Each replica runs tokenloom's own FastAPI app in process (the same validation, errors, streaming and
-limits as `tokenloom serve`) and streams the ASGI messages back; the ingress replays them. A client that hangs up
-cancels the handle's stream, which cancels the app's request in the replica and aborts it.
+handle's request router sees the body, so it can route by the prompt. Each replica runs tokenloom's own FastAPI
+app in process (the same validation, errors, streaming and limits as `tokenloom serve`) and streams the ASGI
+messages back; the ingress replays them. A client that hangs up cancels the handle's stream, which cancels the
+app's request in the replica and aborts it.
 
 `/metrics` at the ingress is every replica's exposition merged, each sample with a `replica` label; replicas
 push theirs to a small actor once a second. Autoscaling (`--num-replicas 0`) is Ray Serve's own, on ongoing
