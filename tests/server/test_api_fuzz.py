@@ -62,6 +62,7 @@ FIELDS = {
     "echo": st.booleans(),
     "allowed_token_ids": st.lists(st.integers(min_value=-2, max_value=60000), max_size=3),
     "truncate_prompt_tokens": small_ints,
+    "return_tokens_as_token_ids": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "add_generation_prompt": st.booleans(),

@@ -631,6 +631,19 @@ def test_bad_allowed_token_ids_are_a_400_naming_them(server, allowed):
     assert_openai_error(response, 400, "invalid_value", "allowed_token_ids")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_a_grammar_rules_out_are_shown_as_vllm_shows_them(server, stream):
+    """A grammar that allows only the end of the text leaves every alternative at -inf, which JSON cannot carry (it
+    was a 500): shown as -9999.0, vLLM's floor."""
+    body = {"prompt": "00000000", "max_tokens": 3, "logprobs": 2, "structured_outputs": {"regex": ""}, "stream": stream}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    logprobs = [c["choices"][0]["logprobs"] for c in chunks] if stream else [response.json()["choices"][0]["logprobs"]]
+    values = [v for lp in logprobs if lp for top in lp["top_logprobs"] for v in top.values()]
+    assert values and min(values) == -9999.0
+
+
 def test_the_choices_of_an_n_stream_are_read_no_further_ahead_of_a_client_that_waits_than_a_few_chunks():
     """With n > 1 every choice's chunks pass through one queue to the client; while the client reads nothing, each
     choice's stream is read at most a chunk or two ahead (the rest stays in the engine's stream, which keeps only its

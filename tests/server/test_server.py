@@ -164,6 +164,27 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, client, ti
         assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_logprobs_name_their_tokens_by_id_when_asked(client, tiny_chat_model):
+    """vLLM's return_tokens_as_token_ids: "token_id:N" for each token and alternative of the logprobs, streamed or
+    not, N the token the text was made of."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    as_ids = {"return_tokens_as_token_ids": True}
+    whole = client.completions.create(model="tiny", prompt="Once upon a", max_tokens=4, temperature=0, logprobs=2,
+                                       extra_body=as_ids)  # fmt: skip
+    tokens = whole.choices[0].logprobs.tokens
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert all(t.startswith("token_id:") for t in tokens) and tokenizer.decode(ids) == whole.choices[0].text
+    assert all(key.startswith("token_id:") for top in whole.choices[0].logprobs.top_logprobs for key in top)
+    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                            temperature=0, logprobs=True, top_logprobs=1, stream=True,
+                                            extra_body=as_ids)  # fmt: skip
+    content = [item for c in chunks if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    assert content and all(item.token.startswith("token_id:") for item in content)
+    assert all(alt.token.startswith("token_id:") for item in content for alt in item.top_logprobs)
+
+
 def test_authentication(server):
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
     missing = httpx.post(f"{server.url}/v1/completions", json=body)

@@ -14,7 +14,13 @@ from pydantic import BaseModel
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.errors import APIError
-from tokenloom.server.logprobs import TokenLogprobs, chat_logprobs_body, chat_logprobs_of, generated_logprobs
+from tokenloom.server.logprobs import (
+    TokenLogprobs,
+    chat_logprobs_body,
+    chat_logprobs_of,
+    generated_logprobs,
+    logprob_namer,
+)
 from tokenloom.server.protocol import ChatCompletionRequest, ChatTemplateOptions
 from tokenloom.server.responses import (
     AssistantMessage,
@@ -51,7 +57,13 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
     return await serve_generation(
-        state, raw, body, [prompt_ids], logprobs, ChatShape(tokenizer, forced, parser), structured
+        state,
+        raw,
+        body,
+        [prompt_ids],
+        logprobs,
+        ChatShape(tokenizer, forced, parser, body.return_tokens_as_token_ids),
+        structured,
     )
 
 
@@ -66,9 +78,13 @@ class ChatShape:
     id_prefix = "chatcmpl"
 
     def __init__(
-        self, tokenizer: Tokenizer | None, tool: ForcedTool | None = None, parser: ToolCallParser | None = None
+        self,
+        tokenizer: Tokenizer | None,
+        tool: ForcedTool | None = None,
+        parser: ToolCallParser | None = None,
+        token_ids_as_text: bool = False,
     ) -> None:
-        self.tokenizer = tokenizer
+        self.namer = logprob_namer(tokenizer, token_ids_as_text)  # names the logprobs' tokens
         self.tool = tool
         self.parser = parser  # tool_choice "auto": calls are read out of the reply
 
@@ -88,7 +104,7 @@ class ChatShape:
                 if parsed.calls:
                     message = AssistantMessage(content=parsed.content, tool_calls=parsed.calls)
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-            lp = chat_logprobs_body(final, self.tokenizer) if logprobs else None
+            lp = chat_logprobs_body(final, self.namer) if logprobs else None
             choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish_reason))
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
@@ -110,7 +126,7 @@ class ChatShape:
         async for delta, finish_reason, output in text_deltas(stream):
             if logprobs:
                 completion = output.outputs[0]
-                unsent += generated_logprobs(completion.token_ids, completion.logprobs or [], self.tokenizer)
+                unsent += generated_logprobs(completion.token_ids, completion.logprobs or [], self.namer)
             if parser is not None or tool is not None:
                 text += delta  # what these read whole: the reply so far
             if parser is not None:  # content as far as it cannot begin a call; the calls once the reply is whole

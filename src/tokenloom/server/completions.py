@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
-from tokenloom.server.logprobs import completion_logprobs_body, prompt_logprobs_body
+from tokenloom.server.logprobs import completion_logprobs_body, logprob_namer, prompt_logprobs_body
 from tokenloom.server.protocol import CompletionRequest
 from tokenloom.server.responses import ChunkObject, CompletionChoice, CompletionResponse, CompletionStreamChoice, Usage
 from tokenloom.server.serving import check_model, serve_generation, tokenized
@@ -28,7 +28,7 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     body.refuse_unsupported()
     structured = body.structured_output()
     prompts = [await tokenized(state.engine, prompt) for prompt in body.prompts()]
-    shape = CompletionShape(state.engine.tokenizer, body.echo)
+    shape = CompletionShape(state.engine.tokenizer, body.echo, body.return_tokens_as_token_ids)
     return await serve_generation(state, raw, body, prompts, body.logprobs, shape, structured)
 
 
@@ -39,9 +39,10 @@ class CompletionShape:
     chunk_object: ChunkObject = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, tokenizer: Tokenizer | None, echo: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, echo: bool = False, token_ids_as_text: bool = False) -> None:
         self.tokenizer = tokenizer
         self.echo = echo
+        self.namer = logprob_namer(tokenizer, token_ids_as_text)  # names the logprobs' tokens
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
@@ -51,7 +52,7 @@ class CompletionShape:
             completion = final.outputs[0]
             prefix, lp, offset = self._echoed(final, logprobs)
             if logprobs:
-                lp = _joined(lp, completion_logprobs_body(final, self.tokenizer, 0, offset)[0])
+                lp = _joined(lp, completion_logprobs_body(final, self.namer, 0, offset)[0])
             choices.append(
                 CompletionChoice(
                     index=index, text=prefix + completion.text, logprobs=lp, finish_reason=completion.finish_reason
@@ -72,7 +73,7 @@ class CompletionShape:
                 prefix, lp, text_offset = self._echoed(output, logprobs)
                 first = False
             if logprobs:
-                new, text_offset = completion_logprobs_body(output, self.tokenizer, 0, text_offset)
+                new, text_offset = completion_logprobs_body(output, self.namer, 0, text_offset)
                 lp = _joined(lp, new)
             choice = CompletionStreamChoice(index=0, text=prefix + delta, logprobs=lp, finish_reason=finish_reason)
             yield choice, output
@@ -84,7 +85,7 @@ class CompletionShape:
         prompt = output.prompt if output.prompt is not None else _decoded(self.tokenizer, output.prompt_token_ids)
         if not logprobs:
             return prompt, None, len(prompt)
-        body, offset = prompt_logprobs_body(output, self.tokenizer)
+        body, offset = prompt_logprobs_body(output, self.namer)
         return prompt, body, offset
 
 

@@ -13,6 +13,21 @@ from typing import Any
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import Logprob, RequestOutput
 
+LOWEST_LOGPROB = -9999.0  # vLLM's floor for the logprobs it returns (-inf is not JSON)
+
+
+class TokenIdsAsText:
+    """vLLM's return_tokens_as_token_ids: each token of the logprobs named "token_id:N" instead of its text (a client
+    that trains on the tokens reads them back exactly, where a token's text may not re-encode to it)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(f"token_id:{token_id}" for token_id in token_ids)
+
+
+def logprob_namer(tokenizer: Tokenizer | None, token_ids_as_text: bool) -> Tokenizer | None:
+    """What names the tokens of a response's logprobs: the tokenizer (their text), or their ids."""
+    return TokenIdsAsText() if token_ids_as_text else tokenizer
+
 
 @dataclass
 class TokenLogprobs:
@@ -34,9 +49,14 @@ def ranked(
             tokens.append(TokenLogprobs(_token_text(tokenizer, token_id), None, None))
             continue
         alternatives = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank is not None)
-        top = [(_token_text(tokenizer, t), logprob) for _, t, logprob in alternatives]
-        tokens.append(TokenLogprobs(_token_text(tokenizer, token_id), entry[token_id].logprob, top))
+        top = [(_token_text(tokenizer, t), _shown(logprob)) for _, t, logprob in alternatives]
+        tokens.append(TokenLogprobs(_token_text(tokenizer, token_id), _shown(entry[token_id].logprob), top))
     return tokens
+
+
+def _shown(logprob: float) -> float:
+    """A logprob as JSON can carry it: a token a grammar ruled out has -inf, shown as vLLM shows it (-9999.0)."""
+    return max(logprob, LOWEST_LOGPROB)
 
 
 def chat_logprobs_body(output: RequestOutput, tokenizer: Tokenizer | None, start: int = 0) -> dict[str, Any]:
