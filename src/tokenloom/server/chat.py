@@ -56,15 +56,8 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     prompt_ids = await templated(tokenizer, conversation, body, tools=tools)
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
-    return await serve_generation(
-        state,
-        raw,
-        body,
-        [prompt_ids],
-        logprobs,
-        ChatShape(tokenizer, forced, parser, body.return_tokens_as_token_ids),
-        structured,
-    )
+    shape = ChatShape(tokenizer, forced, parser, body.return_tokens_as_token_ids)
+    return await serve_generation(state, raw, body, [prompt_ids], logprobs, shape, structured)
 
 
 class ChatShape:
