@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import httpx
 import pytest
-from server_process import HeldRequest, ServerProcess
+from server_process import HeldRequest, ServerProcess, poll_until
 
 from tokenloom.server.errors import APIError
 from tokenloom.server.tenants import Tenant, TenantLimiter
@@ -495,6 +495,11 @@ def _response_until_closed(sock: socket.socket) -> bytes:
     return received
 
 
+# A whole body of 90 KB, not JSON: read whole it is a 400, refused for the budget a 429.
+WHOLE_90KB = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+              b"Content-Length: 90000\r\n\r\n" + b"x" * 90_000)  # fmt: skip
+
+
 def test_bodies_in_flight_are_bounded_and_a_stalled_body_times_out(tiny_chat_model):
     """Two connections each send 90 KB of a 100 KB body and stall (180 KB held of 250): a third whose body would take
     the bytes in flight past 250 KB gets 429 at once and its connection closed, while a small request is served
@@ -507,8 +512,9 @@ def test_bodies_in_flight_are_bounded_and_a_stalled_body_times_out(tiny_chat_mod
         stalled = [socket.create_connection(("127.0.0.1", proc.port), timeout=15) for _ in range(2)]
         for sock in stalled:
             sock.sendall(head + b"x" * 90_000)
-        time.sleep(0.5)  # read by the server: 180 KB held
-        status, error = _status_and_error(_raw_exchange(proc.port, head + b"x" * 90_000))
+        # A whole 90 KB body is read (400: not JSON) until the server holds both stalled ones, then refused at once.
+        probe = lambda: _status_and_error(_raw_exchange(proc.port, WHOLE_90KB))  # noqa: E731
+        status, error = poll_until(probe, lambda reply: reply[0] == 429, timeout=10)
         assert status == 429 and error["code"] == "server_busy", error
         small = httpx.post(f"{proc.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
         assert small.status_code == 200

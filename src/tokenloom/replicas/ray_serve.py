@@ -312,14 +312,13 @@ class Ingress:
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(self, path: str, request: Request) -> Response:
-        held = [0]  # the body's bytes of the ingress's budget: given back once a replica has it
         try:
-            try:
-                body = await self.bodies.read(request.receive, held)
-            except APIError as error:
-                return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-            if body is None:
-                return Response(status_code=400)  # the client left before its body was whole: no one reads this
+            body = await self.bodies.read(request.receive)
+        except APIError as error:
+            return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        if body is None:
+            return Response(status_code=400)  # the client left before its body was whole: no one reads this
+        try:  # the body's bytes of the ingress's budget, given back once a replica has the request
             forwarded = {
                 "method": request.method,
                 "path": "/" + path,
@@ -334,7 +333,7 @@ class Ingress:
                 logger.error("replica failed before responding to %s /%s: %r", request.method, path, error)
                 return JSONResponse(REPLICA_LOST, status_code=REPLICA_LOST_STATUS)
         finally:
-            self.bodies.budget.give_back(held[0])
+            self.bodies.budget.give_back(len(body))
         headers = {k.decode(): v.decode() for k, v in start.get("headers", []) if k.lower() != b"content-length"}
         event_stream = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_relayed(messages, event_stream), status_code=start["status"], headers=headers)

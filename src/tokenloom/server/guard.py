@@ -70,29 +70,36 @@ class BodyReader:
         self.budget = BodyBudget(max_inflight_body_bytes if max_inflight_body_bytes is not None else 2**62)
         self.body_timeout = body_timeout
 
-    async def read(self, receive: Receive, held: list[int]) -> bytes | None:
-        """The whole body (None if the client left first), its bytes taken from the budget into held[0] as they
-        arrive: the caller gives them back (budget.give_back) when the request ends, whatever happened."""
+    async def read(self, receive: Receive) -> bytes | None:
+        """The whole body (None if the client left first). Its bytes are taken from the budget as they arrive: a
+        body read whole holds len(body) of it, which the caller gives back (budget.give_back) when the request
+        ends; one that is not (a refusal, a hang-up) gives back what it took here."""
         chunks: list[bytes] = []
+        size = 0
         deadline = time.monotonic() + self.body_timeout
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                raise self._refused(408, f"the request body did not arrive within {self.body_timeout:g} s",
-                                    "body_timeout") from None  # fmt: skip
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            if held[0] + len(chunk) > self.max_body_bytes:
-                raise self.too_large()
-            if not self.budget.take(len(chunk)):
-                busy = f"the server holds {self.budget.limit} bytes of request bodies in flight; retry shortly"
-                raise self._refused(429, busy, "server_busy", {"Retry-After": "1"})
-            held[0] += len(chunk)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise self._refused(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                                        "body_timeout") from None  # fmt: skip
+                if message["type"] == "http.disconnect":
+                    self.budget.give_back(size)
+                    return None
+                chunk = message.get("body", b"")
+                if size + len(chunk) > self.max_body_bytes:
+                    raise self.too_large()
+                if not self.budget.take(len(chunk)):
+                    busy = f"the server holds {self.budget.limit} bytes of request bodies in flight; retry shortly"
+                    raise self._refused(429, busy, "server_busy", {"Retry-After": "1"})
+                size += len(chunk)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        except BaseException:
+            self.budget.give_back(size)
+            raise
 
     def too_large(self) -> APIError:
         self.on_reject("body_too_large")
@@ -169,19 +176,20 @@ class Guard:
             self.on_reject("unauthorized")
             raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", None, "invalid_api_key")
         scope.setdefault("state", {})["tenant"] = tenant
-        held = [0]  # the body bytes this request holds of the budget, given back when it ends
+        body = b""  # its bytes are held of the body budget until the request ends
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            read = await self.bodies.read(receive)
+            if read is None:
+                return  # the client left before sending its body
+            body = read
+            receive = _replay(body, receive)
         try:
-            if scope["method"] in ("POST", "PUT", "PATCH"):
-                body = await self.bodies.read(receive, held)
-                if body is None:
-                    return  # the client left before sending its body
-                receive = _replay(body, receive)
             # A request arrives when it has been read whole; FCFS order and TTFT count from here, not from when its
             # handler got past tokenization (worker threads finish a burst's requests in any order).
             scope["state"]["arrival_time"] = time.monotonic()
             await self.app(scope, receive, send)
         finally:
-            self.bodies.budget.give_back(held[0])
+            self.bodies.budget.give_back(len(body))
 
     def _tenant_of(self, header: str) -> Tenant | None:
         scheme, _, token = header.partition(" ")
