@@ -656,7 +656,7 @@ def test_the_choices_of_an_n_stream_are_read_no_further_ahead_of_a_client_that_w
     latest output), never one per step."""
     import asyncio
 
-    from tokenloom.server.responses import CompletionStreamChoice
+    from tokenloom.server.response_models import CompletionStreamChoice
     from tokenloom.server.streaming import _merged
 
     pulled = [0, 0]

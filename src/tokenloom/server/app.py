@@ -1,6 +1,6 @@
-"""The FastAPI application: the routers of the endpoint modules (completions.py, chat.py, tokenization.py,
-health.py: models, health, readiness, metrics, version) over the shared serving base (serving.py, streaming.py),
-behind the guard (guard.py: body size, keys, tenants) and the error handlers here.
+"""The FastAPI application: the routers of the endpoint modules (completions.py, chat.py, responses_api.py,
+tokenization.py, health.py: models, health, readiness, metrics, version) over the shared serving base
+(serving.py, streaming.py), behind the guard (guard.py: body size, keys, tenants) and the error handlers here.
 
 Every error leaves as OpenAI's body, {"error": {"message", "type", "param", "code"}}, whatever raised it. A
 request's failure is its own: the engine fails it alone, the others go on.
@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 import tokenloom
 from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
-from tokenloom.server import chat, completions, health, tokenization
+from tokenloom.server import chat, completions, health, responses_api, tokenization
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
@@ -66,7 +66,7 @@ def build_app(
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
-    routers = [health.router, completions.router, chat.router, tokenization.router]
+    routers = [health.router, completions.router, chat.router, responses_api.router, tokenization.router]
     route_paths = frozenset(getattr(route, "path", "") for router in routers for route in router.routes)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]

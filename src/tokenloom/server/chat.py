@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,6 +14,7 @@ from pydantic import BaseModel
 
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
+from tokenloom.sampling_params import StructuredOutputsParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.logprobs import (
     TokenLogprobs,
@@ -22,7 +24,7 @@ from tokenloom.server.logprobs import (
     logprob_namer,
 )
 from tokenloom.server.protocol import ChatCompletionRequest, ChatTemplateOptions
-from tokenloom.server.responses import (
+from tokenloom.server.response_models import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionResponse,
@@ -32,8 +34,8 @@ from tokenloom.server.responses import (
     Usage,
 )
 from tokenloom.server.serving import check_model, serve_generation
-from tokenloom.server.state import ERROR_RESPONSES, server_state
-from tokenloom.server.streaming import text_deltas
+from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
+from tokenloom.server.streaming import ChoiceChunks, text_deltas
 from tokenloom.server.tool_calls import ForcedTool, forced_tool, new_call_id
 from tokenloom.server.tool_parsers import ToolCallParser
 
@@ -45,6 +47,28 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     state = server_state(raw)
     check_model(body, state)
     body.refuse_unsupported()
+    prepared = await prepared_chat(state, body)
+    top = body.top_logprobs if body.top_logprobs is not None else 0
+    logprobs = top if body.logprobs else None
+    shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, body.return_tokens_as_token_ids)
+    return await serve_generation(state, raw, body, [prepared.prompt_ids], logprobs, shape, prepared.structured)
+
+
+@dataclass
+class PreparedChat:
+    """A chat request made ready to generate: its prompt through the template, and how its output is read."""
+
+    tokenizer: Tokenizer
+    prompt_ids: list[int]
+    forced: ForcedTool | None  # tool_choice "required" or a named function: the output is the call
+    parser: ToolCallParser | None  # tool_choice "auto" with a parser: calls are read out of the reply
+    structured: StructuredOutputsParams | None
+
+
+async def prepared_chat(state: ServerState, body: ChatCompletionRequest) -> PreparedChat:
+    """The chat template applied to the conversation and its tools, the output's grammar (a forced tool call's, or
+    the response format's), and the parser of calls in a free reply. Shared by /v1/chat/completions and
+    /v1/responses."""
     tokenizer = state.engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -54,13 +78,10 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     conversation = [m.for_template() for m in body.messages]
     tools = [tool.model_dump() for tool in body.tools] if body.tools and body.tool_choice != "none" else None
     prompt_ids = await templated(tokenizer, conversation, body, tools=tools)
-    top = body.top_logprobs if body.top_logprobs is not None else 0
-    logprobs = top if body.logprobs else None
-    shape = ChatShape(tokenizer, forced, parser, body.return_tokens_as_token_ids)
-    return await serve_generation(state, raw, body, [prompt_ids], logprobs, shape, structured)
+    return PreparedChat(tokenizer, prompt_ids, forced, parser, structured)
 
 
-class ChatShape:
+class ChatShape(ChoiceChunks):
     """How /v1/chat/completions words a request's outputs: whole, and as stream chunks (role with the first).
 
     Under a forced tool choice the output is the call: a named function's arguments stream as tool-call deltas;
@@ -68,7 +89,7 @@ class ChatShape:
     """
 
     chunk_object: ChunkObject = "chat.completion.chunk"
-    id_prefix = "chatcmpl"
+    id_prefix = "chatcmpl-"
 
     def __init__(
         self,

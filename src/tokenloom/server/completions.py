@@ -13,10 +13,16 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.logprobs import completion_logprobs_body, logprob_namer, prompt_logprobs_body
 from tokenloom.server.protocol import CompletionRequest
-from tokenloom.server.responses import ChunkObject, CompletionChoice, CompletionResponse, CompletionStreamChoice, Usage
+from tokenloom.server.response_models import (
+    ChunkObject,
+    CompletionChoice,
+    CompletionResponse,
+    CompletionStreamChoice,
+    Usage,
+)
 from tokenloom.server.serving import check_model, serve_generation, tokenized
 from tokenloom.server.state import ERROR_RESPONSES, server_state
-from tokenloom.server.streaming import text_deltas
+from tokenloom.server.streaming import ChoiceChunks, text_deltas
 
 router = APIRouter()
 
@@ -32,12 +38,12 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     return await serve_generation(state, raw, body, prompts, body.logprobs, shape, structured)
 
 
-class CompletionShape:
+class CompletionShape(ChoiceChunks):
     """How /v1/completions words a request's outputs: whole, and as stream chunks. With ``echo`` the prompt comes
     first (in the first chunk of a stream), with its tokens' logprobs when logprobs are asked for."""
 
     chunk_object: ChunkObject = "text_completion"
-    id_prefix = "cmpl"
+    id_prefix = "cmpl-"
 
     def __init__(self, tokenizer: Tokenizer | None, echo: bool = False, token_ids_as_text: bool = False) -> None:
         self.tokenizer = tokenizer

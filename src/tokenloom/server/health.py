@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import tokenloom
 from tokenloom.server.metrics import escape_label_value
-from tokenloom.server.responses import ModelCard, ModelList
+from tokenloom.server.response_models import ModelCard, ModelList
 from tokenloom.server.state import server_state
 from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant

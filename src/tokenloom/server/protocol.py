@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies as tokenloom reads them (its responses, stream chunks and error body are
-responses.py's).
+response_models.py's).
 
 The request models are strict: a field gets the JSON type OpenAI documents or a 400 (no "10" for 10, no true for 1), and
 numbers stay within OpenAI's documented bounds (finite, so no Infinity).

@@ -27,7 +27,6 @@ from tokenloom.server.streaming import (
     ResponseShape,
     api_error_of,
     collect_finals,
-    envelopes,
     sse_response,
     usage_of,
 )
@@ -48,16 +47,16 @@ async def serve_generation(
     Each prompt gets body.n choices, numbered prompt by prompt; usage counts each prompt once, as OpenAI does.
     """
     prompts = _truncated(prompts, body.truncate_prompt_tokens, state.engine.max_model_len)
-    request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+    request_id = f"{shape.id_prefix}{uuid.uuid4().hex}"
     created = int(time.time())
     prompt_tokens = sum(len(p) for p in prompts)
     async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, lease):
         if body.stream:
             options = body.stream_options or StreamOptions()
-            chunks = envelopes(
-                shape, streams, logprobs is not None, request_id, created, state.model_name, prompt_tokens, options
+            frames = shape.sse_frames(
+                streams, logprobs is not None, request_id, created, state.model_name, prompt_tokens, options
             )
-            return await sse_response(chunks, lease.transfer(), raw.receive)
+            return await sse_response(shape, frames, lease.transfer(), raw.receive)
         finals = await collect_finals(streams, raw.receive)
     usage_body = usage_of(prompt_tokens, sum(len(final.outputs[0].token_ids) for final in finals))
     response = shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage_body)

@@ -11,7 +11,7 @@ from fastapi import Request
 
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.server.metrics import ServerMetrics
-from tokenloom.server.responses import ErrorResponse
+from tokenloom.server.response_models import ErrorResponse
 from tokenloom.server.tenants import TenantLimiter
 from tokenloom.server.tool_parsers import ToolCallParser
 

@@ -5,6 +5,7 @@ that a client's disconnect cancels."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
@@ -17,29 +18,63 @@ from tokenloom.outputs import JoinedDeltas, RequestOutput
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Receive, until_disconnected
 from tokenloom.server.protocol import StreamOptions
-from tokenloom.server.responses import ChatStreamChoice, ChunkObject, CompletionStreamChoice, StreamChunk, Usage
+from tokenloom.server.response_models import ChatStreamChoice, ChunkObject, CompletionStreamChoice, StreamChunk, Usage
 
 T = TypeVar("T")
 StreamChoice = CompletionStreamChoice | ChatStreamChoice
 
 
 class ResponseShape(Protocol):
-    """How an endpoint words its outputs: the whole response, and the chunks of a stream."""
+    """How an endpoint words its outputs: the whole response, and a stream as Server-Sent Events."""
 
-    chunk_object: ChunkObject
-    id_prefix: str
+    id_prefix: str  # the response id's, with its separator ("chatcmpl-", "resp_")
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
     ) -> BaseModel: ...
+
+    def sse_frames(
+        self, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int, model: str,
+        prompt_tokens: int, options: StreamOptions,
+    ) -> AsyncGenerator[str]: ...  # fmt: skip
+
+    def error_frame(self, error: APIError) -> str:
+        """The event that tells a client why its stream was cut after it began."""
+        ...
+
+    end_frame: str | None  # sent after the last event, if the API has one ("data: [DONE]")
+
+
+class ChoiceShape(Protocol):
+    """A shape whose stream is OpenAI's chunks of choices (completions and chat completions)."""
+
+    chunk_object: ChunkObject
 
     def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
     ) -> AsyncIterator[tuple[StreamChoice, RequestOutput]]: ...
 
 
+class ChoiceChunks:
+    """The stream of completions and chat completions: `data: {chunk}` events, errors as the error body, [DONE]."""
+
+    end_frame: str | None = "data: [DONE]\n\n"
+
+    async def sse_frames(
+        self: ChoiceShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int,
+        model: str, prompt_tokens: int, options: StreamOptions,
+    ) -> AsyncGenerator[str]:  # fmt: skip
+        chunks = envelopes(self, streams, logprobs, request_id, created, model, prompt_tokens, options)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield f"data: {chunk.sent()}\n\n"
+
+    def error_frame(self, error: APIError) -> str:
+        return f"data: {json.dumps(error.body())}\n\n"
+
+
 async def envelopes(
-    shape: ResponseShape,
+    shape: ChoiceShape,
     streams: list[AsyncIterator[RequestOutput]],
     logprobs: bool,
     request_id: str,
@@ -66,7 +101,7 @@ async def envelopes(
 
 
 async def _merged(
-    shape: ResponseShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool
+    shape: ChoiceShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool
 ) -> AsyncIterator[tuple[int, StreamChoice, RequestOutput]]:
     """(choice index, chunk, output) of every choice, interleaved as they come; the first failure ends them all."""
     if len(streams) == 1:  # the common case needs no tasks
@@ -184,30 +219,33 @@ def usage_of(prompt_tokens: int, completion: int) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
 
 
-async def sse_response(chunks: AsyncGenerator[StreamChunk], lease: Lease, receive: Receive) -> StreamingResponse:
+async def sse_response(
+    shape: ResponseShape, frames: AsyncGenerator[str], lease: Lease, receive: Receive
+) -> StreamingResponse:
     """Commits to 200 only once the request has its first output: a queue timeout before it is a real 503."""
     try:
-        first = [await unless_disconnected(anext(chunks), receive)]
+        first = [await unless_disconnected(anext(frames), receive)]
     except StopAsyncIteration:
         first = []
     except (APIError, RequestError) as error:
         lease.release()
-        await chunks.aclose()
+        await frames.aclose()
         if isinstance(error, RequestError):
             raise api_error_of(error) from error
         raise
 
     async def events() -> AsyncIterator[str]:
         try:
-            for chunk in first:
-                yield f"data: {chunk.sent()}\n\n"
-            async for chunk in chunks:
-                yield f"data: {chunk.sent()}\n\n"
+            for frame in first:
+                yield frame
+            async for frame in frames:
+                yield frame
         except RequestError as error:  # failed or cut after the stream began: the client still hears why
-            yield f"data: {json.dumps(api_error_of(error).body())}\n\n"
+            yield shape.error_frame(api_error_of(error))
         finally:
             lease.release()
-        yield "data: [DONE]\n\n"
+        if shape.end_frame is not None:
+            yield shape.end_frame
 
     return StreamingResponse(events(), media_type="text/event-stream")
 

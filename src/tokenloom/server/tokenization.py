@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from tokenloom.server.chat import templated
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import DetokenizeRequest, TokenizeRequest
-from tokenloom.server.responses import DetokenizeResponse, TokenizeResponse
+from tokenloom.server.response_models import DetokenizeResponse, TokenizeResponse
 from tokenloom.server.serving import check_model, require_tokenizer
 from tokenloom.server.state import ERROR_RESPONSES, server_state
 

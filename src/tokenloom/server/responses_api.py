@@ -1,0 +1,229 @@
+"""``POST /v1/responses``: OpenAI's Responses API over the chat path (responses_api_protocol.py reads the request as
+the chat completion it amounts to), its output items whole, or streamed as OpenAI's typed events:
+``response.created``, ``response.in_progress``, then for each output item ``response.output_item.added``, its text
+or arguments in deltas, its ``.done`` events, and last ``response.completed`` (``response.incomplete`` when
+``max_output_tokens`` cut it), each with a ``sequence_number``."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from tokenloom.outputs import RequestOutput
+from tokenloom.server.chat import PreparedChat, prepared_chat
+from tokenloom.server.errors import APIError
+from tokenloom.server.protocol import StreamOptions, ToolCall
+from tokenloom.server.response_models import Usage
+from tokenloom.server.responses_api_protocol import (
+    IncompleteDetails,
+    InputTokensDetails,
+    ItemStatus,
+    OutputFunctionCall,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStatus,
+    ResponseUsage,
+    response_settings,
+)
+from tokenloom.server.serving import check_model, serve_generation
+from tokenloom.server.state import ERROR_RESPONSES, server_state
+from tokenloom.server.streaming import text_deltas
+
+router = APIRouter()
+
+
+@router.post("/v1/responses", responses={200: {"model": ResponseObject}, **ERROR_RESPONSES})
+async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+    state = server_state(raw)
+    body.refuse_unsupported()
+    try:
+        chat = body.chat_request()
+    except ValidationError as error:  # a part that passed as Responses input but not as chat (a schema's name)
+        raise APIError(400, f"invalid request: {error.errors()[0]['msg']}", "input", "invalid_value") from None
+    check_model(chat, state)
+    prepared = await prepared_chat(state, chat)
+    shape = ResponsesShape(body, prepared)
+    return await serve_generation(state, raw, chat, [prepared.prompt_ids], None, shape, prepared.structured)
+
+
+class ResponsesShape:
+    """How /v1/responses words a request's output: a message item for the reply's text, a function_call item for
+    each call (a forced tool's, or one the parser reads out of a free reply), in the response object."""
+
+    id_prefix = "resp_"
+    end_frame: str | None = None  # the last event is response.completed (or .incomplete); no [DONE]
+
+    def __init__(self, request: ResponsesRequest, prepared: PreparedChat) -> None:
+        self.settings = response_settings(request)
+        self.tool, self.parser = prepared.forced, prepared.parser
+        self._sequence = 0  # the stream's events are numbered from 0
+        self._item_ids = uuid.uuid4().hex
+
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> ResponseObject:
+        (final,) = finals
+        completion = final.outputs[0]
+        cut = completion.finish_reason == "length"
+        items = self._items(completion.text, cut)
+        return self._object(request_id, created, model, items, cut, _usage(usage, final))
+
+    def _items(self, text: str, cut: bool, message_opened: bool = False) -> list[OutputItem]:
+        """The output items of a whole reply: its text (if any, if there is nothing else, or if a stream has opened
+        its message), then its calls."""
+        content, calls = self._reply(text)
+        status: ItemStatus = "incomplete" if cut else "completed"
+        items: list[OutputItem] = []
+        if content or not calls or message_opened:
+            message = OutputMessage(id=self._message_id, status=status, content=[OutputText(text=content or "")])
+            items.append(message)
+        for call in calls:
+            items.append(self._call_item(call.function.name, call.function.arguments, len(items), status))
+        return items
+
+    def _reply(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The reply's content and its calls, read as /v1/chat/completions reads them."""
+        if self.tool is not None:
+            calls = self.tool.calls(text)
+            return (text, []) if calls is None else (None, calls)
+        if self.parser is not None:
+            parsed = self.parser.parse(text)
+            if parsed.calls:
+                return parsed.content, parsed.calls
+        return text, []
+
+    @property
+    def _message_id(self) -> str:
+        return f"msg_{self._item_ids}"
+
+    def _call_item(self, name: str, arguments: str, index: int, status: ItemStatus) -> OutputFunctionCall:
+        """A call as an output item; its ids follow from its place, so the streamed item and the final one agree."""
+        return OutputFunctionCall(id=f"fc_{self._item_ids}_{index}", call_id=f"call_{self._item_ids[:16]}_{index}",
+                                  name=name, arguments=arguments, status=status)  # fmt: skip
+
+    def _object(
+        self, request_id: str, created: int, model: str, items: list[OutputItem], cut: bool,
+        usage: ResponseUsage | None, status: ResponseStatus | None = None,
+    ) -> ResponseObject:  # fmt: skip
+        status = status or ("incomplete" if cut else "completed")
+        details = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+        return ResponseObject(id=request_id, created_at=created, status=status, model=model, output=items,
+                              usage=usage, incomplete_details=details, **self.settings)  # fmt: skip
+
+    # The stream.
+
+    async def sse_frames(
+        self, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int, model: str,
+        prompt_tokens: int, options: StreamOptions,
+    ) -> AsyncGenerator[str]:  # fmt: skip
+        """The reply's text (or a named tool's arguments) streams as it comes; a parser's calls, a required call's
+        array and the items' final forms go out once the reply is whole."""
+        (stream,) = streams
+        text, shown, live = "", 0, None  # live: the item streamed as it is written, once opened
+        generated = 0
+        async for delta, finish_reason, output in text_deltas(stream):
+            generated += len(output.outputs[0].token_ids)
+            if self._sequence == 0:
+                started = self._object(request_id, created, model, [], False, None, status="in_progress")
+                yield self._event("response.created", response=started)
+                yield self._event("response.in_progress", response=started)
+            text += delta
+            end = self._streamable_end(text)
+            if end > shown:
+                if live is None:
+                    live = self._live_item()
+                    for frame in self._opened(live):
+                        yield frame
+                yield self._delta(live, text[shown:end])
+                shown = end
+            if finish_reason is not None:
+                cut = finish_reason == "length"
+                items = self._items(text, cut, message_opened=isinstance(live, OutputMessage))
+                for index, item in enumerate(items):
+                    opened = live is not None and index == 0
+                    for frame in self._closed(item, index, opened):
+                        yield frame
+                usage = _usage(Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
+                                     total_tokens=prompt_tokens + generated), output)  # fmt: skip
+                final = self._object(request_id, created, model, items, cut, usage)
+                yield self._event(f"response.{final.status}", response=final)
+
+    def _streamable_end(self, text: str) -> int:
+        """How much of the reply so far can go out live: all of a plain reply or a named tool's arguments; of a
+        free reply with tools, what cannot begin a call; nothing of a required call's array."""
+        if self.tool is not None:
+            return len(text) if self.tool.mode == "named" else 0
+        return self.parser.streamable_end(text) if self.parser is not None else len(text)
+
+    def _live_item(self) -> OutputItem:
+        if self.tool is not None:  # a named tool's call, its arguments streamed
+            assert self.tool.name is not None, "only a named tool's call streams live"
+            return self._call_item(self.tool.name, "", 0, "in_progress")
+        return OutputMessage(id=self._message_id, status="in_progress", content=[])
+
+    def _opened(self, item: OutputItem) -> list[str]:
+        frames = [self._event("response.output_item.added", output_index=0, item=item)]
+        if isinstance(item, OutputMessage):
+            part = OutputText(text="")
+            frames.append(self._event("response.content_part.added", item_id=item.id, output_index=0,
+                                      content_index=0, part=part))  # fmt: skip
+        return frames
+
+    def _delta(self, item: OutputItem, delta: str) -> str:
+        if isinstance(item, OutputMessage):
+            return self._event("response.output_text.delta", item_id=item.id, output_index=0, content_index=0,
+                               delta=delta, logprobs=[])  # fmt: skip
+        return self._event("response.function_call_arguments.delta", item_id=item.id, output_index=0, delta=delta)
+
+    def _closed(self, item: OutputItem, index: int, opened: bool) -> list[str]:
+        """An item's closing events; one not streamed live is opened first, its whole text one delta."""
+        frames: list[str] = []
+        if not opened:
+            shell = item.model_copy(update={"status": "in_progress"})
+            if isinstance(shell, OutputMessage):
+                shell.content = []
+            elif isinstance(shell, OutputFunctionCall):
+                shell.arguments = ""
+            frames.append(self._event("response.output_item.added", output_index=index, item=shell))
+        if isinstance(item, OutputMessage):
+            text = item.content[0].text
+            place = {"item_id": item.id, "output_index": index, "content_index": 0}
+            if not opened:
+                frames.append(self._event("response.content_part.added", **place, part=OutputText(text="")))
+                if text:
+                    frames.append(self._event("response.output_text.delta", **place, delta=text, logprobs=[]))
+            frames.append(self._event("response.output_text.done", **place, text=text, logprobs=[]))
+            frames.append(self._event("response.content_part.done", **place, part=item.content[0]))
+        else:
+            if not opened and item.arguments:
+                frames.append(self._event("response.function_call_arguments.delta", item_id=item.id,
+                                          output_index=index, delta=item.arguments))  # fmt: skip
+            frames.append(self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                      name=item.name, arguments=item.arguments))  # fmt: skip
+        frames.append(self._event("response.output_item.done", output_index=index, item=item))
+        return frames
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        sequence, self._sequence = self._sequence, self._sequence + 1
+        body = {"type": kind, "sequence_number": sequence}
+        body.update({k: v.model_dump(mode="json") if hasattr(v, "model_dump") else v for k, v in fields.items()})
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def error_frame(self, error: APIError) -> str:
+        detail = error.body()["error"]
+        return self._event("error", code=detail.get("code"), message=detail.get("message"), param=detail.get("param"))
+
+
+def _usage(usage: Usage, final: RequestOutput) -> ResponseUsage:
+    details = InputTokensDetails(cached_tokens=final.metrics.num_cached_tokens)
+    return ResponseUsage(input_tokens=usage.prompt_tokens, input_tokens_details=details,
+                         output_tokens=usage.completion_tokens, total_tokens=usage.total_tokens)  # fmt: skip

@@ -1,0 +1,337 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as tokenloom reads and writes it: the request, read as the chat
+completion it amounts to (instructions a system message first, input items as messages, function calls and their
+outputs as an assistant's tool calls and tool messages), and the response object with its output items.
+
+Stateless, as vLLM serves it by default: nothing is stored, so ``previous_response_id`` is refused (send the
+conversation in ``input``) and ``store`` changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Discriminator, Field, Tag
+
+from tokenloom.server.errors import APIError
+from tokenloom.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    JSONSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Text,
+    Tool,
+    ToolCall,
+    _Body,
+    _Strict,
+)
+
+
+class ContentPart(_Strict):
+    type: Text  # input_text (what clients send), output_text (an earlier reply sent back)
+    text: Text | None = None
+
+
+class MessageItem(_Strict):
+    """A message (``type`` may be left out, as OpenAI's "easy" input messages do)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if any(part.type not in ("input_text", "output_text", "text") or part.text is None for part in self.content):
+            raise APIError(400, "only text content parts (input_text, output_text) are supported", "input",
+                           "unsupported")  # fmt: skip
+        return "".join(part.text or "" for part in self.content)
+
+
+class FunctionCallItem(_Strict):
+    """A call the model made earlier, sent back with the conversation."""
+
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Text
+
+
+class FunctionCallOutputItem(_Strict):
+    """What a call returned."""
+
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.output, str):
+            return self.output
+        return MessageItem(role="user", content=self.output).text()
+
+
+def _item_kind(item: Any) -> str:
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    return kind if kind in ("message", "function_call", "function_call_output") else "unsupported"
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind, custom_error_type="unsupported_item",
+                  custom_error_message="input items are messages, function_call and function_call_output"),
+]  # fmt: skip
+
+
+class FunctionTool(_Strict):
+    """A function tool, in the Responses API's flat shape (chat completions nest it under ``function``)."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+def _tool_kind(tool: Any) -> str:
+    kind = tool.get("type") if isinstance(tool, dict) else getattr(tool, "type", None)
+    return "function" if kind == "function" else "unsupported"
+
+
+# OpenAI's built-in tools (web_search, file_search, mcp, ...) run on OpenAI's side; a model server has none of them.
+_ONLY_FUNCTIONS = Discriminator(
+    _tool_kind,
+    custom_error_type="unsupported_tool",
+    custom_error_message="only function tools are supported (not OpenAI's built-in tools)",
+)
+Tools = Annotated[list[Annotated[Annotated[FunctionTool, Tag("function")], _ONLY_FUNCTIONS]], Field(max_length=128)]
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: Text
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")] | None = None
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat = Field(default_factory=TextFormat)
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
+# Fields OpenAI's Responses API has that tokenloom does not implement: refused by name when set, never dropped.
+UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "reasoning", "background", "include", "top_logprobs",
+               "max_tool_calls", "context_management")  # fmt: skip
+
+
+class ResponsesRequest(_Body):
+    model: Text | None = None
+    input: Text | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: Text | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stream: bool = False
+    tools: Tools | None = None
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    truncation: Literal["disabled"] | None = None
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None  # vLLM's: lower runs first
+    # Accepted and ignored, as chat completions ignore them.
+    store: bool | None = None
+    metadata: dict[str, Text] | None = None
+    user: Text | None = None
+    service_tier: Text | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
+    stream_options: dict[str, Any] | None = None  # OpenAI's include_obfuscation: no obfuscation is ever added
+    # Refused when set (UNSUPPORTED).
+    previous_response_id: Text | None = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    background: bool | None = None
+    include: list[Text] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    context_management: Any = None
+
+    def refuse_unsupported(self) -> None:
+        if self.previous_response_id is not None:
+            message = "this server stores no responses (as vLLM by default): send the conversation in `input`"
+            raise APIError(400, message, "previous_response_id", "unsupported")
+        for name in UNSUPPORTED:
+            if getattr(self, name) not in (None, False, [], 0):
+                raise APIError(400, f"{name} is not supported by tokenloom's /v1/responses", name, "unsupported")
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat completion this request amounts to: the same sampling, tools and output format."""
+        sampling = {name: getattr(self, name) for name in ("temperature", "top_p") if getattr(self, name) is not None}
+        tools = [_chat_tool(tool) for tool in self.tools] if self.tools else None
+        return ChatCompletionRequest(
+            model=self.model,
+            messages=self.messages(),
+            max_completion_tokens=self.max_output_tokens,
+            stream=self.stream,
+            tools=tools,
+            tool_choice=_chat_tool_choice(self.tool_choice) if tools else None,
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self._response_format(),
+            priority=self.priority,
+            **sampling,
+        )
+
+    def messages(self) -> list[ChatMessage]:
+        messages = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, MessageItem):
+                messages.append(ChatMessage(role=item.role, content=item.text()))
+            elif isinstance(item, FunctionCallOutputItem):
+                messages.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
+            else:  # an earlier call joins the assistant's turn it belongs to
+                call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments))
+                last = messages[-1] if messages else None
+                if last is not None and last.role == "assistant":
+                    last.tool_calls = [*(last.tool_calls or []), call]
+                else:
+                    messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        if not messages:
+            raise APIError(400, "the input holds no message", "input", "invalid_value")
+        return messages
+
+    def _response_format(self) -> ResponseFormat | None:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return ResponseFormat(type="json_object")
+        if fmt.name is None or fmt.json_schema is None:
+            raise APIError(400, "a json_schema text format needs a name and a schema", "text.format", "invalid_value")
+        schema = JSONSchemaFormat.model_validate(
+            {"name": fmt.name, "description": fmt.description, "schema": fmt.json_schema, "strict": fmt.strict}
+        )
+        return ResponseFormat(type="json_schema", json_schema=schema)
+
+
+def _chat_tool(tool: FunctionTool) -> Tool:
+    function = FunctionDefinition(name=tool.name, description=tool.description, parameters=tool.parameters,
+                                  strict=tool.strict)  # fmt: skip
+    return Tool(type="function", function=function)
+
+
+def _chat_tool_choice(choice: ToolChoice) -> Literal["none", "auto", "required"] | NamedToolChoice:
+    if isinstance(choice, str):
+        return choice
+    return NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+
+
+# The response object.
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class OutputFunctionCall(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: ResponseStatus
+    model: str
+    output: list[OutputItem]
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: dict[str, Any] | None = None
+    # The request's settings, echoed as OpenAI echoes them.
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: str = "disabled"
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    store: bool = False  # nothing is kept (see the module's docstring)
+    previous_response_id: None = None
+    background: bool = False
+    reasoning: None = None
+
+
+def response_settings(request: ResponsesRequest) -> dict[str, Any]:
+    """What a response echoes of its request."""
+    text = request.text.model_dump(by_alias=True, exclude_none=True) if request.text is not None else None
+    choice = request.tool_choice
+    echoed = {
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or []],
+        "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "metadata": request.metadata,
+        "user": request.user,
+    }
+    return echoed if text is None else {**echoed, "text": text}
