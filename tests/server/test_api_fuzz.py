@@ -91,6 +91,44 @@ FIELDS = {
     ),
 }
 texts = st.text(max_size=40)  # any code point, lone surrogates included
+# /v1/responses: its own fields, and input items of every kind (and of no known kind).
+RESPONSES_FIELDS = {
+    "model": st.sampled_from(["tiny", "other"]),
+    "instructions": texts,
+    "max_output_tokens": small_ints,
+    "temperature": unit_floats,
+    "top_p": unit_floats,
+    "stream": st.booleans(),
+    "store": st.booleans(),
+    "previous_response_id": st.text(max_size=6),
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["function", "web_search"]), "name": st.sampled_from(["f", "g"])}
+        ),
+        max_size=2,
+    ),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required"]),
+        st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["f", "h"])}),
+    ),
+    "text": st.fixed_dictionaries(
+        {"format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])})}
+    ),
+    "truncation": st.sampled_from(["auto", "disabled"]),
+    "metadata": st.dictionaries(st.text(max_size=4), texts, max_size=2),
+}
+response_items = st.lists(
+    st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "tool"]),
+                               "content": st.one_of(texts, st.lists(st.fixed_dictionaries(
+                                   {"type": st.sampled_from(["input_text", "input_image"]), "text": texts}),
+                                   max_size=2))}),
+        st.fixed_dictionaries({"type": st.just("function_call"), "call_id": texts, "name": texts, "arguments": texts}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": texts, "output": texts}),
+        st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "message"])}),
+    ),
+    max_size=3,
+)  # fmt: skip
 prompts = st.one_of(
     texts,
     st.lists(st.integers(min_value=-2, max_value=50000), max_size=20),
@@ -113,12 +151,18 @@ messages = st.lists(
 
 @st.composite
 def request_bodies(draw) -> tuple[str, object]:
-    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]))
     if draw(st.integers(0, 19)) == 0:
         return path, draw(json_values)  # not even an object
-    body = {"prompt": draw(prompts)} if path == "/v1/completions" else {"messages": draw(messages)}
-    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=6, unique=True)):
-        body[name] = draw(st.one_of(FIELDS[name], json_values) if draw(st.booleans()) else FIELDS[name])
+    fields = RESPONSES_FIELDS if path == "/v1/responses" else FIELDS
+    if path == "/v1/completions":
+        body = {"prompt": draw(prompts)}
+    elif path == "/v1/chat/completions":
+        body = {"messages": draw(messages)}
+    else:
+        body = {"input": draw(st.one_of(texts, response_items))}
+    for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=6, unique=True)):
+        body[name] = draw(st.one_of(fields[name], json_values) if draw(st.booleans()) else fields[name])
     return path, body
 
 
@@ -132,7 +176,7 @@ def server(tiny_chat_model):
 
 
 @settings(
-    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(request=request_bodies(), hang_up=st.integers(0, 9))
 def test_no_body_gets_a_5xx(server, request, hang_up):
@@ -150,6 +194,9 @@ def test_no_body_gets_a_5xx(server, request, hang_up):
     if r.status_code >= 400:
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, r.text
+    elif r.headers["content-type"].startswith("text/event-stream") and path == "/v1/responses":
+        last = r.text.rstrip().rsplit("\n\n", 1)[-1]  # the final event: the response, or why it failed
+        assert last.split("\n")[0] in ("event: response.completed", "event: response.incomplete", "event: error"), last
     elif r.headers["content-type"].startswith("text/event-stream"):
         assert r.text.rstrip().endswith("data: [DONE]")
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200

@@ -94,6 +94,8 @@ def test_the_stream_is_openais_typed_events_numbered_in_order(client):
     final = events[-1].response
     assert final.id == events[0].response.id and final.usage.output_tokens == 10
     assert final.usage.input_tokens == whole.usage.input_tokens
+    # The same prompt a second time: its full blocks came from the prefix cache, and usage says so.
+    assert final.usage.input_tokens_details.cached_tokens >= 16
     assert {e.item_id for e in deltas} == {final.output[0].id}
 
 
