@@ -38,6 +38,9 @@ def test_the_key_is_the_prompts_leading_text_and_picks_a_stable_replica():
     assert prefix_key(body(prompt=["first", "second"])) == "first"
     chat = prefix_key(body(messages=[{"role": "system", "content": long}, {"role": "user", "content": "hi"}]))
     assert chat is not None and chat.startswith("system:xxx") and len(chat) == PREFIX_CHARS
+    # A Responses API request's instructions are its system message: the same conversation, the same key.
+    assert prefix_key(body(instructions=long, input="hi")) == chat
+    assert prefix_key(body(input=[{"role": "system", "content": long}, {"role": "user", "content": "hi"}])) == chat
     assert prefix_key({"body": b""}) is None and prefix_key({"body": b"[1]"}) is None
     replicas = ["a1", "b2", "c3"]
     first = rendezvous_order("some prefix", replicas)[0]

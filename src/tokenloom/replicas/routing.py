@@ -25,7 +25,8 @@ PREFIX_CHARS = 256  # ~64 tokens of English text: the first four 16-token KV blo
 
 
 def prefix_key(request: dict[str, Any]) -> str | None:
-    """The leading text of a forwarded HTTP request's prompt (completions) or conversation (chat); None if none."""
+    """The leading text of a forwarded HTTP request's prompt (completions) or conversation (chat, responses); None
+    if none."""
     try:
         body = json.loads(request.get("body") or b"")
     except ValueError:
@@ -39,9 +40,20 @@ def prefix_key(request: dict[str, Any]) -> str | None:
         return str(prompt)[:PREFIX_CHARS]
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts = [f"{m.get('role')}:{m.get('content')}" for m in messages if isinstance(m, dict)]
-        return "\n".join(parts)[:PREFIX_CHARS]
+        return _conversation_key(messages)
+    conversation = body.get("input")  # /v1/responses: its instructions come first, as the system message
+    if isinstance(conversation, str):
+        conversation = [{"role": "user", "content": conversation}]
+    if isinstance(conversation, list):
+        instructions = body.get("instructions")
+        first = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+        return _conversation_key(first + conversation)
     return None
+
+
+def _conversation_key(messages: list[Any]) -> str:
+    parts = [f"{m.get('role')}:{m.get('content')}" for m in messages if isinstance(m, dict)]
+    return "\n".join(parts)[:PREFIX_CHARS]
 
 
 def rendezvous_order(key: str, replica_ids: list[str]) -> list[str]:
