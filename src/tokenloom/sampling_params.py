@@ -64,6 +64,12 @@ class SamplingParams:
     min_tokens: int = 0  # until the output has this many tokens, its stop tokens cannot be sampled
     logit_bias: dict[int, float] | None = None  # added to these tokens' logits before sampling (OpenAI's)
     allowed_token_ids: list[int] | None = None  # only these can be sampled (vLLM's)
+    # vLLM's: no word of these is completed in the output (its last token is banned where the output ends with the
+    # tokens before it). Tokenized by the engine into bad_words_token_ids: each word alone, and after a space.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
+    # A bad word of several tokens: its last is banned only after the others, so sampling reads the output.
+    bad_words_read_the_output: bool = field(init=False, repr=False, compare=False)
     skip_special_tokens: bool = True  # special tokens' text left out of the output's
     structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -73,6 +79,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         checks = [
@@ -101,10 +108,13 @@ class SamplingParams:
                 or (bool(self.allowed_token_ids) and all(type(t) is int for t in self.allowed_token_ids)),
                 "allowed_token_ids must be a non-empty list of token ids",
             ),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be words, not blanks"),
+            (_valid_token_sequences(self.bad_words_token_ids), "bad_words_token_ids must be non-empty id lists"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"SamplingParams: {message}")
+        self.bad_words_read_the_output = any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
 
     @property
     def greedy(self) -> bool:
@@ -113,6 +123,10 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _valid_token_sequences(sequences: list[list[int]] | None) -> bool:
+    return sequences is None or all(isinstance(s, list) and s and all(type(t) is int for t in s) for s in sequences)
 
 
 def _valid_logit_bias(bias: dict[int, float] | None) -> bool:

@@ -61,6 +61,7 @@ FIELDS = {
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "xml"])}),
     "echo": st.booleans(),
     "allowed_token_ids": st.lists(st.integers(min_value=-2, max_value=60000), max_size=3),
+    "bad_words": st.lists(st.text(max_size=4), max_size=3),
     "truncate_prompt_tokens": small_ints,
     "return_tokens_as_token_ids": st.booleans(),
     "include_stop_str_in_output": st.booleans(),

@@ -46,6 +46,15 @@ class ScheduledRequest:
         )
 
 
+def bad_words_histories(items: list[ScheduledRequest]) -> list[list[int] | None] | None:
+    """Each row's request's output tokens and then its drafts, where its bad words read them (a bad word of several
+    tokens); None where no row's do."""
+    if not any(s.request.sampling_params.bad_words_read_the_output for s in items):
+        return None
+    return [s.request.output_token_ids + s.draft_token_ids if s.request.sampling_params.bad_words_read_the_output
+            else None for s in items]  # fmt: skip
+
+
 @dataclass
 class SchedulerOutput:
     """A step's schedule. Requests join it through ``add``, which keeps its token counts."""

@@ -7,6 +7,7 @@ request (on any thread), and the output processor's state. ``LLMEngine`` runs th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from tokenloom.engine.structured_output import GrammarCompiler
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
+from tokenloom.model.token_bias import bad_word_sequences
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams
 
@@ -114,10 +116,11 @@ class EngineClient(ABC):
         tenant: str = "default",
     ) -> PreparedRequest:
         """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
-        params = params or SamplingParams()
+        params = self._with_bad_words_tokenized(params or SamplingParams())
         vocab = self.model_config.vocab_size
         checked = (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
-                   ("allowed_token_ids", params.allowed_token_ids or []))  # fmt: skip
+                   ("allowed_token_ids", params.allowed_token_ids or []),
+                   ("bad_words", [t for ids in params.bad_words_token_ids or [] for t in ids]))  # fmt: skip
         for name, tokens in checked:
             if any(t < 0 or t >= vocab for t in tokens):
                 raise InvalidField(name, f"{name}: token ids must be in [0, {vocab})")
@@ -135,6 +138,14 @@ class EngineClient(ABC):
         if params.structured_outputs is not None:
             self._grammars.compile(params.structured_outputs)  # a bad schema is the caller's error, found here
         return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
+
+    def _with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's bad words as token sequences (token_bias.py), made once here."""
+        if not params.bad_words or params.bad_words_token_ids is not None:
+            return params
+        if self.tokenizer is None:
+            raise InvalidField("bad_words", "bad_words need a tokenizer; this checkpoint has none")
+        return dataclasses.replace(params, bad_words_token_ids=bad_word_sequences(self.tokenizer, params.bad_words))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.processor.decode(token_ids)

@@ -104,6 +104,7 @@ class EngineCore:
         self.schedules_ahead = config.scheduler.async_scheduling
         self._in_flight: _InFlight | None = None  # the step launched by the last call, when outputs overlap
         self._reported: set[str] = set()  # live requests whose metrics went out with an output
+        self._reading_output: set[str] = set()  # live requests whose bad words read their output (no step ahead)
 
     @property
     def healthy(self) -> bool:
@@ -167,6 +168,8 @@ class EngineCore:
         """Queues a request. One whose grammar does not compile here fails in the next step, alone (the client
         compiles every grammar before a request gets here, so this is the last resort, not the check)."""
         self.scheduler.add_request(request)
+        if request.sampling_params.bad_words_read_the_output:
+            self._reading_output.add(request.request_id)
         spec = request.sampling_params.structured_outputs
         if spec is not None:
             try:
@@ -257,8 +260,9 @@ class EngineCore:
 
     def _may_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is read: asked for, and no live request
-        needs its tokens on the host first (a grammar's mask). Penalties count a placeholder's token on the device."""
-        return self.schedules_ahead and not self.structured
+        needs its tokens on the host first (a grammar's mask, bad words of several tokens). Penalties count a
+        placeholder's token on the device."""
+        return self.schedules_ahead and not self.structured and not self._reading_output
 
     def _take_in_flight(self) -> _InFlight:
         in_flight, self._in_flight = self._in_flight, None
@@ -341,6 +345,7 @@ class EngineCore:
         request_id = request.request_id
         self.runner.release(request_id)
         self.structured.remove(request_id)
+        self._reading_output.discard(request_id)
         self._reported.discard(request_id)
         self._prompt_logprobs.pop(request_id, None)
         self.speculator.release(request)

@@ -61,6 +61,10 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Tokenizer | None:
+        """vLLM's spelling of ``tokenizer``."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

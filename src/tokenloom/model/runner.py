@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenloom.core.scheduler_output import ScheduledRequest
+from tokenloom.core.scheduler_output import ScheduledRequest, bad_words_histories
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, resolve_backend
 from tokenloom.model.compiled import CompiledForward, compile_model
@@ -415,6 +415,7 @@ class ModelRunner:
             token_counts=[self._seen.of(r) for r in requests],
             last_tokens=last_tokens,
             output_index=[item.sampled_output_index for item in items],
+            histories=bad_words_histories(items),
         )
 
 

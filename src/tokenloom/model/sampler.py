@@ -30,6 +30,8 @@ class SamplingBatch:
     # The index in its request's output of the token each row samples (min_tokens bans stop tokens below it);
     # None: every row samples its request's first output token.
     output_index: list[int] | None = None
+    # Each row's request's output tokens and then its drafts, where its bad words read them (token_bias.py).
+    histories: list[list[int] | None] | None = None
 
     def output_indexes(self) -> list[int]:
         return self.output_index if self.output_index is not None else [0] * len(self.params)
@@ -179,7 +181,9 @@ class Sampler:
         """Samples each row on the logits' device; the tokens come to the host when ``tokens()`` is read."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
-        restores = [apply_token_biases(logits, batch.params, batch.output_indexes(), self.eos_token_ids)]
+        restores = [
+            apply_token_biases(logits, batch.params, batch.output_indexes(), self.eos_token_ids, batch.histories)
+        ]
         if any(p.uses_penalties for p in batch.params):
             restores.append(apply_penalties(logits, batch.params, batch.token_counts, batch.last_tokens))
         try:
@@ -238,7 +242,7 @@ class Sampler:
         rows = _expand_batch(batch, counts)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if rows.max_logprobs is not None else None
-        restore = apply_token_biases(logits, rows.params, rows.output_indexes(), self.eos_token_ids)
+        restore = apply_token_biases(logits, rows.params, rows.output_indexes(), self.eos_token_ids, rows.histories)
         try:
             return self._verified(logits, rows, drafts, raw_logprobs)
         except BaseException:
@@ -349,6 +353,7 @@ def _select_rows(batch: SamplingBatch, rows: list[int], steps: list[int] | None 
         [batch.generators[row] for row in rows],
         [batch.token_counts[row] for row in rows],
         output_index=[index[row] + step for row, step in zip(rows, steps or [0] * len(rows), strict=True)],
+        histories=[batch.histories[row] for row in rows] if batch.histories else None,
     )
 
 

@@ -1,7 +1,8 @@
-"""A request's fixed changes to chosen logits before sampling: its ``allowed_token_ids`` (vLLM's: every other
-token banned, -inf), its ``logit_bias`` (OpenAI's: a value added to a token's logit) and, while its output is
-shorter than ``min_tokens``, its stop tokens banned so that they cannot be sampled, as vLLM's
-MinTokensLogitsProcessor and transformers' ``min_new_tokens`` do.
+"""A request's changes to chosen logits before sampling: its ``allowed_token_ids`` (vLLM's: every other token
+banned, -inf), its ``logit_bias`` (OpenAI's: a value added to a token's logit), while its output is shorter than
+``min_tokens`` its stop tokens banned so that they cannot be sampled, as vLLM's MinTokensLogitsProcessor and
+transformers' ``min_new_tokens`` do, and the last token of each of its ``bad_words`` where the output ends with the
+word's other tokens (vLLM's bad words; transformers' ``bad_words_ids`` over the output).
 
 They touch a few rows (the biases a few logits of each), so they are applied where they are, in place, as the
 penalties are (penalties.py), and before them, in vLLM's order. Raw logprobs are taken before any.
@@ -14,17 +15,33 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from tokenloom.core.request import PLACEHOLDER_TOKEN
+from tokenloom.model.loader import Tokenizer
 from tokenloom.model.step_inputs import to_device
 from tokenloom.sampling_params import SamplingParams
 
 
+def bad_word_sequences(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """vLLM's token sequences of bad words: each word (its leading spaces stripped) alone, and after a space where
+    that is another first token and as many tokens (a word inside a text)."""
+    sequences = []
+    for word in words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return sequences
+
+
 def changed_rows(params: Sequence[SamplingParams], output_index: Sequence[int]) -> list[int]:
-    """The rows whose logits this module changes: allowed tokens, a logit bias, or an output still short of its
-    min_tokens (row r samples its request's output token output_index[r])."""
+    """The rows whose logits this module changes: allowed tokens, a logit bias, bad words, or an output still short
+    of its min_tokens (row r samples its request's output token output_index[r])."""
     assert len(params) == len(output_index), "an output index a row"
     # min_tokens is 0 for nearly every request: the index is read only where it is not (a step's host time)
     return [row for row, p in enumerate(params)
-            if p.logit_bias or p.allowed_token_ids or (p.min_tokens and output_index[row] < p.min_tokens)]  # fmt: skip
+            if p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids
+            or (p.min_tokens and output_index[row] < p.min_tokens)]  # fmt: skip
 
 
 def apply_token_biases(
@@ -32,17 +49,22 @@ def apply_token_biases(
     params: Sequence[SamplingParams],
     output_index: Sequence[int],
     eos_token_ids: Sequence[int],
+    histories: Sequence[Sequence[int] | None] | None = None,
 ) -> Callable[[], None]:
     """Bans every token but a row's allowed ones, adds its logit bias to its logits and, where its output index is
     below its min_tokens, -inf to its stop tokens (its stop_token_ids, and the model's end-of-sequence ids unless it
-    ignores them), in place; returns what puts the changed logits back (the runner samples row by row from the
-    model's logits after a failure)."""
+    ignores them), and to its bad words' last tokens where due, in place; returns what puts the changed logits back
+    (the runner samples row by row from the model's logits after a failure). histories: each row's request's output
+    tokens and then its drafts, where its bad words read them (row r's output so far is its first output_index[r])."""
     rows = changed_rows(params, output_index)
     if not rows:
         return lambda: None
     allowed = [row for row in rows if params[row].allowed_token_ids]
     restore_rows = _keep_only_allowed(logits, allowed, [params[row].allowed_token_ids or [] for row in allowed])
-    entries = {row: _row_entries(params[row], output_index[row], eos_token_ids) for row in rows}
+    entries = {
+        row: _row_entries(params[row], output_index[row], eos_token_ids, histories[row] if histories else None)
+        for row in rows
+    }
     restore_entries = _add_biases(logits, {row: entry for row, entry in entries.items() if len(entry[0])})
 
     def restore() -> None:
@@ -94,14 +116,34 @@ def _add_biases(logits: torch.Tensor, entries: dict[int, tuple[np.ndarray, np.nd
 
 
 def _row_entries(
-    params: SamplingParams, output_index: int, eos_token_ids: Sequence[int]
+    params: SamplingParams, output_index: int, eos_token_ids: Sequence[int], history: Sequence[int] | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, values to add) of one row."""
     bias = params.logit_bias or {}
     tokens = list(bias)
     values = list(bias.values())
+    banned = _bad_words_due(params.bad_words_token_ids or [], history, output_index)
     if output_index < params.min_tokens:
-        banned = [*params.stop_token_ids, *([] if params.ignore_eos else eos_token_ids)]
-        tokens += banned
-        values += [float("-inf")] * len(banned)
+        banned += [*params.stop_token_ids, *([] if params.ignore_eos else eos_token_ids)]
+    tokens += banned
+    values += [float("-inf")] * len(banned)
     return np.asarray(tokens, dtype=np.int64), np.asarray(values, dtype=np.float32)
+
+
+def _bad_words_due(words: Sequence[Sequence[int]], history: Sequence[int] | None, output_index: int) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far (the output only, as vLLM reads it,
+    not the prompt)."""
+    banned = []
+    for word in words:
+        before = len(word) - 1
+        if before == 0:
+            banned.append(word[0])
+            continue
+        if before > output_index:
+            continue
+        assert history is not None and len(history) >= output_index, "a row whose bad words read its output has it"
+        tail = history[output_index - before : output_index]
+        assert PLACEHOLDER_TOKEN not in tail, "bad words read settled tokens: no step is scheduled ahead of them"
+        if list(tail) == list(word[:-1]):
+            banned.append(word[-1])
+    return banned

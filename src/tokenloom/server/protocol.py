@@ -119,6 +119,7 @@ class _Common(_Body):
     best_of: Annotated[int, Field(ge=1)] | None = None
     logit_bias: LogitBias | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
+    bad_words: Annotated[list[Text], Field(max_length=64)] | None = None  # vLLM's: words the output never completes
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM's older spellings of structured_outputs, still sent by many clients.
@@ -208,6 +209,7 @@ class _Common(_Body):
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias else None,
                 allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
+                bad_words=list(self.bad_words or []),
                 logprobs=logprobs,
                 prompt_logprobs=self.prompt_logprobs(logprobs),
                 structured_outputs=structured,
