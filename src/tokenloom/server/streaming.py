@@ -5,7 +5,6 @@ that a client's disconnect cancels."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Protocol, TypeVar
@@ -60,14 +59,11 @@ class ChoiceChunks:
 
     end_frame: str | None = "data: [DONE]\n\n"
 
-    async def sse_frames(
+    def sse_frames(
         self: ChoiceShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int,
         model: str, prompt_tokens: int, options: StreamOptions,
     ) -> AsyncGenerator[str]:  # fmt: skip
-        chunks = envelopes(self, streams, logprobs, request_id, created, model, prompt_tokens, options)
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield f"data: {chunk.sent()}\n\n"
+        return envelopes(self, streams, logprobs, request_id, created, model, prompt_tokens, options)
 
     def error_frame(self, error: APIError) -> str:
         return f"data: {json.dumps(error.body())}\n\n"
@@ -82,9 +78,9 @@ async def envelopes(
     model: str,
     prompt_tokens: int,
     options: StreamOptions,
-) -> AsyncGenerator[StreamChunk]:
+) -> AsyncGenerator[str]:
     """Each chunk of every choice as it comes (with the usage so far, under continuous_usage_stats); then, if asked,
-    the usage of all of them."""
+    the usage of all of them: as Server-Sent Events, ``data: {chunk}``."""
     generated: dict[int, int] = {}  # each choice's tokens so far
     last: dict[int, RequestOutput] = {}  # each choice's last output (one output may yield several chunks)
     async for index, choice, output in _merged(shape, streams, logprobs):
@@ -94,10 +90,10 @@ async def envelopes(
         usage = usage_of(prompt_tokens, sum(generated.values())) if options.continuous_usage_stats else None
         if choice.index != index:
             choice = choice.model_copy(update={"index": index})
-        yield _envelope(request_id, shape.chunk_object, created, model, [choice], usage)
+        yield f"data: {_envelope(request_id, shape.chunk_object, created, model, [choice], usage).sent()}\n\n"
     if options.include_usage and last:
         usage = usage_of(prompt_tokens, sum(generated.values()))
-        yield _envelope(request_id, shape.chunk_object, created, model, [], usage)
+        yield f"data: {_envelope(request_id, shape.chunk_object, created, model, [], usage).sent()}\n\n"
 
 
 async def _merged(
