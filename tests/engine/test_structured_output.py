@@ -363,3 +363,23 @@ def test_langchains_with_structured_output_works_in_all_three_modes(real_server)
         assert isinstance(person, Person), method
     anything = chat.with_structured_output(None, method="json_mode").invoke(ask)
     assert isinstance(anything, dict)
+
+
+@pytest.mark.real_model
+def test_the_real_model_answers_through_the_responses_api_and_langchain_on_it(real_server):
+    from langchain_openai import ChatOpenAI
+
+    client = openai.OpenAI(base_url=f"{real_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    response = client.responses.create(
+        model="smol", input="What is the capital of France?", max_output_tokens=40, temperature=0
+    )
+    assert response.status == "completed" and "Paris" in response.output_text
+    ask = "Describe a person with a name and an age, as JSON."
+    parsed = client.responses.parse(model="smol", input=ask, text_format=Person, max_output_tokens=100)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
+    chat = ChatOpenAI(model="smol", base_url=f"{real_server.url}/v1", api_key="none", temperature=0, max_tokens=40,
+                      max_retries=0, use_responses_api=True)  # fmt: skip
+    assert "Paris" in chat.invoke("What is the capital of France?").text
+    for method in ("json_schema", "function_calling"):  # a text format; a function tool called by name
+        person = chat.with_structured_output(Person, method=method).invoke(ask)
+        assert isinstance(person, Person), method
