@@ -145,12 +145,35 @@ def test_earlier_calls_and_their_outputs_are_the_chat_conversation_they_stand_fo
     assert response.output_text == chat.choices[0].message.content
 
 
+LOGPROBS = "message.output_text.logprobs"
+
+
+def test_output_logprobs_are_chats_for_the_same_tokens_whole_and_streamed(client):
+    ask = dict(model="tiny", input="Say something.", max_output_tokens=8, temperature=0)
+    whole = client.responses.create(**ask, include=[LOGPROBS], top_logprobs=2)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say something."}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    logprobs = whole.output[0].content[0].logprobs
+    expected = chat.choices[0].logprobs.content
+    assert [(lp.token, lp.bytes) for lp in logprobs] == [(lp.token, lp.bytes) for lp in expected] and len(logprobs) == 8
+    assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in expected], abs=1e-4)
+    assert all(len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.logprob for lp in logprobs)
+    events = list(client.responses.create(**ask, include=[LOGPROBS], top_logprobs=2, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert len(done.logprobs) == 8 and events[-1].response.output[0].content[0].logprobs == logprobs
+    plain = client.responses.create(**ask)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == whole.output_text
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
         ({"input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
         ({"input": "hi", "background": True}, 400, "background"),
-        ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({"input": "hi", "include": ["file_search_call.results"]}, 400, "include"),
+        ({"input": "hi", "include": [LOGPROBS], "tools": [{"type": "function", "name": "f"}]}, 400, "include"),
         ({"input": "hi", "frequency": 1}, 400, "frequency"),
         ({"input": []}, 400, "input"),
         ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),

@@ -18,6 +18,13 @@ from pydantic import ValidationError
 from tokenloom.outputs import RequestOutput
 from tokenloom.server.chat import PreparedChat, prepared_chat
 from tokenloom.server.errors import APIError
+from tokenloom.server.logprobs import (
+    TokenLogprobs,
+    chat_logprobs_body,
+    chat_logprobs_of,
+    generated_logprobs,
+    logprob_namer,
+)
 from tokenloom.server.protocol import StreamOptions, ToolCall
 from tokenloom.server.response_models import Usage
 from tokenloom.server.responses_api_protocol import (
@@ -52,7 +59,8 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     check_model(chat, state)
     prepared = await prepared_chat(state, chat)
     shape = ResponsesShape(body, prepared)
-    return await serve_generation(state, raw, chat, [prepared.prompt_ids], None, shape, prepared.structured)
+    logprobs = body.logprobs()
+    return await serve_generation(state, raw, chat, [prepared.prompt_ids], logprobs, shape, prepared.structured)
 
 
 class ResponsesShape:
@@ -65,6 +73,7 @@ class ResponsesShape:
     def __init__(self, request: ResponsesRequest, prepared: PreparedChat) -> None:
         self.settings = response_settings(request)
         self.tool, self.parser = prepared.forced, prepared.parser
+        self.namer = logprob_namer(prepared.tokenizer, token_ids_as_text=False)  # names the logprobs' tokens
         self._sequence = 0  # the stream's events are numbered from 0
         self._item_ids = uuid.uuid4().hex
 
@@ -74,18 +83,21 @@ class ResponsesShape:
         (final,) = finals
         completion = final.outputs[0]
         cut = completion.finish_reason == "length"
-        items = self._items(completion.text, cut)
+        token_logprobs = chat_logprobs_body(final, self.namer)["content"] if logprobs else []
+        items = self._items(completion.text, cut, token_logprobs)
         return self._object(request_id, created, model, items, cut, _usage(usage, final))
 
-    def _items(self, text: str, cut: bool, message_opened: bool = False) -> list[OutputItem]:
+    def _items(
+        self, text: str, cut: bool, logprobs: list[dict[str, Any]], message_opened: bool = False
+    ) -> list[OutputItem]:
         """The output items of a whole reply: its text (if any, if there is nothing else, or if a stream has opened
-        its message), then its calls."""
+        its message) with its tokens' logprobs (asked for only without tools), then its calls."""
         content, calls = self._reply(text)
         status: ItemStatus = "incomplete" if cut else "completed"
         items: list[OutputItem] = []
         if content or not calls or message_opened:
-            message = OutputMessage(id=self._message_id, status=status, content=[OutputText(text=content or "")])
-            items.append(message)
+            part = OutputText(text=content or "", logprobs=logprobs)
+            items.append(OutputMessage(id=self._message_id, status=status, content=[part]))
         for call in calls:
             items.append(self._call_item(call.function.name, call.function.arguments, len(items), status))
         return items
@@ -130,8 +142,13 @@ class ResponsesShape:
         (stream,) = streams
         text, shown, live = "", 0, None  # live: the item streamed as it is written, once opened
         generated = 0
+        sent: list[dict[str, Any]] = []  # the logprobs of the tokens whose text went out
+        unsent: list[TokenLogprobs] = []  # of those that came since the last delta
         async for delta, finish_reason, output in text_deltas(stream):
-            generated += len(output.outputs[0].token_ids)
+            completion = output.outputs[0]
+            generated += len(completion.token_ids)
+            if logprobs:
+                unsent += generated_logprobs(completion.token_ids, completion.logprobs or [], self.namer)
             if self._sequence == 0:
                 started = self._object(request_id, created, model, [], False, None, status="in_progress")
                 yield self._event("response.created", response=started)
@@ -143,11 +160,15 @@ class ResponsesShape:
                     live = self._live_item()
                     for frame in self._opened(live):
                         yield frame
-                yield self._delta(live, text[shown:end])
+                new_logprobs = chat_logprobs_of(unsent)["content"]
+                unsent.clear()
+                sent += new_logprobs
+                yield self._delta(live, text[shown:end], new_logprobs)
                 shown = end
             if finish_reason is not None:
                 cut = finish_reason == "length"
-                items = self._items(text, cut, message_opened=isinstance(live, OutputMessage))
+                every = sent + chat_logprobs_of(unsent)["content"]
+                items = self._items(text, cut, every, message_opened=isinstance(live, OutputMessage))
                 for index, item in enumerate(items):
                     opened = live is not None and index == 0
                     for frame in self._closed(item, index, opened):
@@ -178,10 +199,10 @@ class ResponsesShape:
                                       content_index=0, part=part))  # fmt: skip
         return frames
 
-    def _delta(self, item: OutputItem, delta: str) -> str:
+    def _delta(self, item: OutputItem, delta: str, logprobs: list[dict[str, Any]]) -> str:
         if isinstance(item, OutputMessage):
             return self._event("response.output_text.delta", item_id=item.id, output_index=0, content_index=0,
-                               delta=delta, logprobs=[])  # fmt: skip
+                               delta=delta, logprobs=logprobs)  # fmt: skip
         return self._event("response.function_call_arguments.delta", item_id=item.id, output_index=0, delta=delta)
 
     def _closed(self, item: OutputItem, index: int, opened: bool) -> list[str]:
@@ -195,13 +216,13 @@ class ResponsesShape:
                 shell.arguments = ""
             frames.append(self._event("response.output_item.added", output_index=index, item=shell))
         if isinstance(item, OutputMessage):
-            text = item.content[0].text
+            text, logprobs = item.content[0].text, item.content[0].logprobs
             place = {"item_id": item.id, "output_index": index, "content_index": 0}
             if not opened:
                 frames.append(self._event("response.content_part.added", **place, part=OutputText(text="")))
                 if text:
-                    frames.append(self._event("response.output_text.delta", **place, delta=text, logprobs=[]))
-            frames.append(self._event("response.output_text.done", **place, text=text, logprobs=[]))
+                    frames.append(self._event("response.output_text.delta", **place, delta=text, logprobs=logprobs))
+            frames.append(self._event("response.output_text.done", **place, text=text, logprobs=logprobs))
             frames.append(self._event("response.content_part.done", **place, part=item.content[0]))
         else:
             if not opened and item.arguments:

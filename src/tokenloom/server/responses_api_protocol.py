@@ -131,8 +131,9 @@ class TextConfig(_Strict):
 
 ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
 # Fields OpenAI's Responses API has that tokenloom does not implement: refused by name when set, never dropped.
-UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "reasoning", "background", "include", "top_logprobs",
-               "max_tool_calls", "context_management")  # fmt: skip
+UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "reasoning", "background", "max_tool_calls",
+               "context_management")  # fmt: skip
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` a model server can honour
 
 
 class ResponsesRequest(_Body):
@@ -157,14 +158,14 @@ class ResponsesRequest(_Body):
     prompt_cache_key: Text | None = None
     safety_identifier: Text | None = None
     stream_options: dict[str, Any] | None = None  # OpenAI's include_obfuscation: no obfuscation is ever added
+    include: list[Text] | None = None  # OUTPUT_LOGPROBS only
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # alternatives per token, with OUTPUT_LOGPROBS
     # Refused when set (UNSUPPORTED).
     previous_response_id: Text | None = None
     conversation: Any = None
     prompt: Any = None
     reasoning: Any = None
     background: bool | None = None
-    include: list[Text] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     context_management: Any = None
 
@@ -175,6 +176,16 @@ class ResponsesRequest(_Body):
         for name in UNSUPPORTED:
             if getattr(self, name) not in (None, False, [], 0):
                 raise APIError(400, f"{name} is not supported by tokenloom's /v1/responses", name, "unsupported")
+        for item in self.include or []:
+            if item != OUTPUT_LOGPROBS:
+                raise APIError(400, f"include {item!r} is not supported (only {OUTPUT_LOGPROBS!r})", "include",
+                               "unsupported")  # fmt: skip
+        if self.logprobs() is not None and self.tools and self.tool_choice != "none":
+            raise APIError(400, "output logprobs with tools are not supported", "include", "unsupported")
+
+    def logprobs(self) -> int | None:
+        """How many alternatives each output token's logprobs carry, if the output's logprobs are asked for."""
+        return (self.top_logprobs or 0) if OUTPUT_LOGPROBS in (self.include or []) else None
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completion this request amounts to: the same sampling, tools and output format."""
