@@ -328,6 +328,10 @@ class ServerConfig:
     """A streamed response's chunks after the first carry at least this many tokens (the last goes at once), as
     vLLM's flag: fewer, larger chunks cost the server less CPU a token (benchmarks/RESULTS.md); 1: every token as
     it comes. A request's own stream_interval may raise it, never lower it."""
+    responses_store_bytes: int = 32 << 20
+    """/v1/responses keeps the latest responses and their conversations (previous_response_id continues one, GET
+    /v1/responses/{id} reads it back, as OpenAI's store), up to this many bytes of JSON, the least recently used
+    dropped first; each is its tenant's alone. 0: none are kept (vLLM's default)."""
     core_process: bool | None = None
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization, so that the
     event loop's work for each streamed token does not hold the engine's GIL. None: on for a --device other than the
@@ -393,6 +397,7 @@ class ServerConfig:
             (self.ssl_keyfile is None) == (self.ssl_certfile is None), "give both --ssl-keyfile and --ssl-certfile"
         )
         _require_server(self.max_log_len is None or self.max_log_len >= 0, "max_log_len must be >= 0")
+        _require_server(self.responses_store_bytes >= 0, "responses_store_bytes must be >= 0")
         for name in ("max_body_bytes", "max_header_bytes", "max_header_count", "stream_interval"):
             _require_server(getattr(self, name) > 0, f"{name} must be positive")
         _require_server(

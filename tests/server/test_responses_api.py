@@ -17,8 +17,9 @@ from server_process import ServerProcess
 from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenloom.server.chat import PreparedChat
 from tokenloom.server.protocol import StreamOptions
+from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.responses_api import ResponsesShape
-from tokenloom.server.responses_api_protocol import ResponsesRequest
+from tokenloom.server.responses_api_protocol import MessageItem, ResponsesRequest
 from tokenloom.server.streaming import usage_of
 from tokenloom.server.tool_parsers import tool_parser
 
@@ -170,7 +171,7 @@ def test_output_logprobs_are_chats_for_the_same_tokens_whole_and_streamed(client
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
-        ({"input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
+        ({"input": "hi", "previous_response_id": "resp_1"}, 404, "previous_response_id"),
         ({"input": "hi", "background": True}, 400, "background"),
         ({"input": "hi", "include": ["file_search_call.results"]}, 400, "include"),
         ({"input": "hi", "include": [LOGPROBS], "tools": [{"type": "function", "name": "f"}]}, 400, "include"),
@@ -184,12 +185,58 @@ def test_output_logprobs_are_chats_for_the_same_tokens_whole_and_streamed(client
         ({"input": "x " * 600}, 400, "messages"),
     ],
 )
-def test_what_a_stateless_server_cannot_do_is_refused_by_name(server, body, status, param):
+def test_what_a_model_server_cannot_do_is_refused_by_name(server, body, status, param):
     reply = httpx.post(f"{server.url}/v1/responses", json=body, timeout=30)
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_a_previous_response_continues_its_conversation_and_is_read_back(client):
+    """The earlier turn's input and output come first, its instructions do not (OpenAI's rule); a kept response
+    reads back whole until deleted, streamed or not."""
+    ask = dict(model="tiny", max_output_tokens=6, temperature=0)
+    first = client.responses.create(**ask, instructions="Be brief.", input="My name is Ada.")
+    second = client.responses.create(**ask, previous_response_id=first.id, input="What is my name?")
+    chat = chat_reply(client, [{"role": "user", "content": "My name is Ada."},
+                               {"role": "assistant", "content": first.output_text},
+                               {"role": "user", "content": "What is my name?"}], 6)  # fmt: skip
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.output_text == chat.choices[0].message.content
+    assert (first.store, second.previous_response_id) == (True, first.id)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    streamed = list(client.responses.create(**ask, previous_response_id=second.id, input="And?", stream=True))
+    kept = client.responses.retrieve(streamed[-1].response.id)
+    assert kept.output_text == streamed[-1].response.output_text and kept.previous_response_id == second.id
+    client.responses.delete(first.id)
+    for gone in (lambda: client.responses.retrieve(first.id),
+                 lambda: client.responses.create(**ask, previous_response_id=first.id, input="Hi")):  # fmt: skip
+        with pytest.raises(openai.NotFoundError, match="no response with id"):
+            gone()
+    unkept = client.responses.create(**ask, input="Hi", store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unkept.id)
+
+
+def test_the_store_keeps_the_latest_within_its_bytes_and_each_tenants_own():
+    item = MessageItem(role="user", content="x" * 100)
+    one = ResponseStore(max_bytes=10_000)
+    one.put("r0", "a", [item], {"id": "r0"})
+    size = one.get("r0", "a").size
+    store = ResponseStore(max_bytes=4 * size + size // 2)  # room for four
+    for i in range(6):
+        assert store.put(f"r{i}", "a", [item], {"id": f"r{i}"})
+        assert store.bytes <= store.max_bytes
+    kept = [f"r{i}" for i in range(6) if store.get(f"r{i}", "a") is not None]
+    assert kept == ["r2", "r3", "r4", "r5"] and store.bytes == 4 * store.get("r5", "a").size
+    assert store.get("r5", "b") is None and not store.delete("r5", "b")  # another tenant's id is not found
+    store.get("r2", "a")  # used: the least recently used is now r3
+    store.put("r6", "a", [item], {"id": "r6"})
+    assert store.get("r3", "a") is None and store.get("r2", "a") is not None
+    assert not store.put("big", "a", [MessageItem(role="user", content="x" * 5 * size)], {})  # alone over budget
+    assert store.delete("r2", "a") and store.get("r2", "a") is None and store.bytes == 3 * store.get("r6", "a").size
 
 
 # ---- the shape, on outputs made by hand: what a tool-call parser reads out of a free reply ---------------------

@@ -23,6 +23,7 @@ from tokenloom.server import chat, completions, health, responses_api, tokenizat
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.state import ServerState
 from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant, TenantLimiter
@@ -48,6 +49,7 @@ def build_app(
     stream_interval: int = ServerConfig.stream_interval,
     max_inflight_body_bytes: int = ServerConfig.max_inflight_body_bytes,
     body_timeout: float = ServerConfig.body_timeout,
+    responses_store_bytes: int = ServerConfig.responses_store_bytes,
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__, root_path=root_path)
@@ -63,6 +65,7 @@ def build_app(
         log_requests,
         max_log_len,
         stream_interval,
+        ResponseStore(responses_store_bytes) if responses_store_bytes else None,
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]

@@ -112,6 +112,7 @@ def build_server(
         stream_interval=server.stream_interval,
         max_inflight_body_bytes=server.max_inflight_body_bytes,
         body_timeout=server.body_timeout,
+        responses_store_bytes=server.responses_store_bytes,
     )
     if server.allowed_origins:
         app.add_middleware(

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from tokenloom.outputs import RequestOutput
@@ -27,7 +27,9 @@ from tokenloom.server.logprobs import (
 )
 from tokenloom.server.protocol import StreamOptions, ToolCall
 from tokenloom.server.response_models import Usage
+from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses_api_protocol import (
+    ConversationItem,
     IncompleteDetails,
     InputTokensDetails,
     ItemStatus,
@@ -39,10 +41,11 @@ from tokenloom.server.responses_api_protocol import (
     ResponsesRequest,
     ResponseStatus,
     ResponseUsage,
+    output_as_input,
     response_settings,
 )
 from tokenloom.server.serving import check_model, serve_generation
-from tokenloom.server.state import ERROR_RESPONSES, server_state
+from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
 from tokenloom.server.streaming import text_deltas
 
 router = APIRouter()
@@ -52,15 +55,63 @@ router = APIRouter()
 async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     state = server_state(raw)
     body.refuse_unsupported()
+    tenant: str = raw.state.tenant.name
+    earlier = _earlier_conversation(state, body, tenant)
     try:
-        chat = body.chat_request()
+        chat = body.chat_request(earlier)
     except ValidationError as error:  # a part that passed as Responses input but not as chat (a schema's name)
         raise APIError(400, f"invalid request: {error.errors()[0]['msg']}", "input", "invalid_value") from None
     check_model(chat, state)
     prepared = await prepared_chat(state, chat)
-    shape = ResponsesShape(body, prepared)
+    store = state.response_store if body.store is not False else None
+    conversation = [*earlier, *body.input_items()]
+    keep = None if store is None else lambda response: _keep(store, tenant, conversation, response)
+    shape = ResponsesShape(body, prepared, keep)
     logprobs = body.logprobs()
     return await serve_generation(state, raw, chat, [prepared.prompt_ids], logprobs, shape, prepared.structured)
+
+
+@router.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **ERROR_RESPONSES})
+async def retrieve_response(response_id: str, raw: Request) -> Response:
+    state = server_state(raw)
+    return JSONResponse(_stored(state, response_id, raw.state.tenant.name).body)
+
+
+@router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
+async def delete_response(response_id: str, raw: Request) -> Response:
+    state = server_state(raw)
+    store = state.response_store
+    if store is None or not store.delete(response_id, raw.state.tenant.name):
+        raise _not_found(state, response_id, "response_id")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _earlier_conversation(state: ServerState, body: ResponsesRequest, tenant: str) -> list[ConversationItem]:
+    """The conversation a request continues: its previous response's, whole (input and output items)."""
+    if body.previous_response_id is None:
+        return []
+    return list(_stored(state, body.previous_response_id, tenant, "previous_response_id").conversation)
+
+
+def _stored(state: ServerState, response_id: str, tenant: str, param: str = "response_id") -> StoredResponse:
+    entry = state.response_store.get(response_id, tenant) if state.response_store is not None else None
+    if entry is None:
+        raise _not_found(state, response_id, param)
+    return entry
+
+
+def _not_found(state: ServerState, response_id: str, param: str) -> APIError:
+    if state.response_store is None:
+        why = "this server keeps no responses (--responses-store-bytes 0): send the whole conversation in `input`"
+    else:
+        why = "it was not kept (store false), was deleted, or made room for newer ones (--responses-store-bytes)"
+    return APIError(404, f"no response with id {response_id!r}: {why}", param, "not_found")
+
+
+def _keep(store: ResponseStore, tenant: str, conversation: list[ConversationItem], response: ResponseObject) -> bool:
+    """Keeps a finished response with its conversation, which its output continues."""
+    whole = [*conversation, *output_as_input(response.output)]
+    return store.put(response.id, tenant, list(whole), response.model_dump(mode="json"))
 
 
 class ResponsesShape:
@@ -70,8 +121,11 @@ class ResponsesShape:
     id_prefix = "resp_"
     end_frame: str | None = None  # the last event is response.completed (or .incomplete); no [DONE]
 
-    def __init__(self, request: ResponsesRequest, prepared: PreparedChat) -> None:
-        self.settings = response_settings(request)
+    def __init__(
+        self, request: ResponsesRequest, prepared: PreparedChat, keep: Callable[[ResponseObject], bool] | None = None
+    ) -> None:
+        self.settings = {**response_settings(request), "store": keep is not None}
+        self._keep = keep  # what keeps the finished response, if it is kept
         self.tool, self.parser = prepared.forced, prepared.parser
         self.namer = logprob_namer(prepared.tokenizer, token_ids_as_text=False)  # names the logprobs' tokens
         self._sequence = 0  # the stream's events are numbered from 0
@@ -85,7 +139,12 @@ class ResponsesShape:
         cut = completion.finish_reason == "length"
         token_logprobs = chat_logprobs_body(final, self.namer)["content"] if logprobs else []
         items = self._items(completion.text, cut, token_logprobs)
-        return self._object(request_id, created, model, items, cut, _usage(usage, final))
+        return self._kept(self._object(request_id, created, model, items, cut, _usage(usage, final)))
+
+    def _kept(self, response: ResponseObject) -> ResponseObject:
+        if self._keep is not None:
+            self._keep(response)
+        return response
 
     def _items(
         self, text: str, cut: bool, logprobs: list[dict[str, Any]], message_opened: bool = False
@@ -175,7 +234,7 @@ class ResponsesShape:
                         yield frame
                 usage = _usage(Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
                                      total_tokens=prompt_tokens + generated), output)  # fmt: skip
-                final = self._object(request_id, created, model, items, cut, usage)
+                final = self._kept(self._object(request_id, created, model, items, cut, usage))
                 yield self._event(f"response.{final.status}", response=final)
 
     def _streamable_end(self, text: str) -> int:

@@ -2,12 +2,13 @@
 completion it amounts to (instructions a system message first, input items as messages, function calls and their
 outputs as an assistant's tool calls and tool messages), and the response object with its output items.
 
-Stateless, as vLLM serves it by default: nothing is stored, so ``previous_response_id`` is refused (send the
-conversation in ``input``) and ``store`` changes nothing.
+A response is kept (response_store.py) unless its request says ``store: false`` or the server keeps none; then
+``previous_response_id`` continues its conversation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag
@@ -78,6 +79,7 @@ def _item_kind(item: Any) -> str:
     return kind if kind in ("message", "function_call", "function_call_output") else "unsupported"
 
 
+ConversationItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
@@ -131,7 +133,7 @@ class TextConfig(_Strict):
 
 ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
 # Fields OpenAI's Responses API has that tokenloom does not implement: refused by name when set, never dropped.
-UNSUPPORTED = ("previous_response_id", "conversation", "prompt", "reasoning", "background", "max_tool_calls",
+UNSUPPORTED = ("conversation", "prompt", "reasoning", "background", "max_tool_calls",
                "context_management")  # fmt: skip
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` a model server can honour
 
@@ -150,8 +152,8 @@ class ResponsesRequest(_Body):
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None  # vLLM's: lower runs first
+    store: bool | None = None  # false: the response is not kept (response_store.py)
     # Accepted and ignored, as chat completions ignore them.
-    store: bool | None = None
     metadata: dict[str, Text] | None = None
     user: Text | None = None
     service_tier: Text | None = None
@@ -160,8 +162,8 @@ class ResponsesRequest(_Body):
     stream_options: dict[str, Any] | None = None  # OpenAI's include_obfuscation: no obfuscation is ever added
     include: list[Text] | None = None  # OUTPUT_LOGPROBS only
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # alternatives per token, with OUTPUT_LOGPROBS
+    previous_response_id: Text | None = None  # the kept response whose conversation this continues
     # Refused when set (UNSUPPORTED).
-    previous_response_id: Text | None = None
     conversation: Any = None
     prompt: Any = None
     reasoning: Any = None
@@ -170,9 +172,6 @@ class ResponsesRequest(_Body):
     context_management: Any = None
 
     def refuse_unsupported(self) -> None:
-        if self.previous_response_id is not None:
-            message = "this server stores no responses (as vLLM by default): send the conversation in `input`"
-            raise APIError(400, message, "previous_response_id", "unsupported")
         for name in UNSUPPORTED:
             if getattr(self, name) not in (None, False, [], 0):
                 raise APIError(400, f"{name} is not supported by tokenloom's /v1/responses", name, "unsupported")
@@ -187,13 +186,17 @@ class ResponsesRequest(_Body):
         """How many alternatives each output token's logprobs carry, if the output's logprobs are asked for."""
         return (self.top_logprobs or 0) if OUTPUT_LOGPROBS in (self.include or []) else None
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The chat completion this request amounts to: the same sampling, tools and output format."""
+    def input_items(self) -> list[ConversationItem]:
+        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+
+    def chat_request(self, earlier: Sequence[ConversationItem] = ()) -> ChatCompletionRequest:
+        """The chat completion this request amounts to, after the earlier conversation it continues (that of its
+        previous_response_id): the same sampling, tools and output format."""
         sampling = {name: getattr(self, name) for name in ("temperature", "top_p") if getattr(self, name) is not None}
         tools = [_chat_tool(tool) for tool in self.tools] if self.tools else None
         return ChatCompletionRequest(
             model=self.model,
-            messages=self.messages(),
+            messages=self.messages(earlier),
             max_completion_tokens=self.max_output_tokens,
             stream=self.stream,
             tools=tools,
@@ -204,10 +207,10 @@ class ResponsesRequest(_Body):
             **sampling,
         )
 
-    def messages(self) -> list[ChatMessage]:
+    def messages(self, earlier: Sequence[ConversationItem] = ()) -> list[ChatMessage]:
+        """Its instructions (an earlier response's are not carried over, as OpenAI's), then the conversation."""
         messages = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
-        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        for item in items:
+        for item in [*earlier, *self.input_items()]:
             if isinstance(item, MessageItem):
                 messages.append(ChatMessage(role=item.role, content=item.text()))
             elif isinstance(item, FunctionCallOutputItem):
@@ -324,8 +327,8 @@ class ResponseObject(BaseModel):
     truncation: str = "disabled"
     metadata: dict[str, str] | None = None
     user: str | None = None
-    store: bool = False  # nothing is kept (see the module's docstring)
-    previous_response_id: None = None
+    store: bool = False  # whether it was kept (response_store.py)
+    previous_response_id: str | None = None
     background: bool = False
     reasoning: None = None
 
@@ -344,5 +347,15 @@ def response_settings(request: ResponsesRequest) -> dict[str, Any]:
         "parallel_tool_calls": request.parallel_tool_calls,
         "metadata": request.metadata,
         "user": request.user,
+        "previous_response_id": request.previous_response_id,
     }
     return echoed if text is None else {**echoed, "text": text}
+
+
+def output_as_input(items: Sequence[OutputItem]) -> list[ConversationItem]:
+    """A response's output as the input items that continue its conversation."""
+    return [
+        MessageItem(role="assistant", content=item.content[0].text) if isinstance(item, OutputMessage)
+        else FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name, arguments=item.arguments)
+        for item in items
+    ]  # fmt: skip

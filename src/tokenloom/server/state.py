@@ -12,6 +12,7 @@ from fastapi import Request
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.response_models import ErrorResponse
+from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.tenants import TenantLimiter
 from tokenloom.server.tool_parsers import ToolCallParser
 
@@ -46,6 +47,7 @@ class ServerState:
     log_requests: bool = False
     max_log_len: int | None = None
     stream_interval: int = 1  # the fewest tokens a streamed chunk after the first carries (--stream-interval)
+    response_store: ResponseStore | None = None  # the Responses API's kept responses (--responses-store-bytes)
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
 
