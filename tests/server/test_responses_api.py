@@ -193,7 +193,7 @@ def test_what_a_model_server_cannot_do_is_refused_by_name(server, body, status, 
     assert error["param"] is not None and error["param"].startswith(param), error
 
 
-def test_a_previous_response_continues_its_conversation_and_is_read_back(client):
+def test_a_previous_response_continues_its_conversation_and_is_read_back(server, client):
     """The earlier turn's input and output come first, its instructions do not (OpenAI's rule); a kept response
     reads back whole until deleted, streamed or not."""
     ask = dict(model="tiny", max_output_tokens=6, temperature=0)
@@ -210,6 +210,9 @@ def test_a_previous_response_continues_its_conversation_and_is_read_back(client)
     kept = client.responses.retrieve(streamed[-1].response.id)
     assert kept.output_text == streamed[-1].response.output_text and kept.previous_response_id == second.id
     client.responses.delete(first.id)
+    # /metrics labels a kept response's reads by their route, not by each id
+    handler = 'http_requests_total{handler="/v1/responses/{response_id}",method="GET"}'
+    assert server.metric(handler) == 2 and 'handler="none"' not in httpx.get(f"{server.url}/metrics").text
     for gone in (lambda: client.responses.retrieve(first.id),
                  lambda: client.responses.create(**ask, previous_response_id=first.id, input="Hi")):  # fmt: skip
         with pytest.raises(openai.NotFoundError, match="no response with id"):

@@ -8,6 +8,7 @@ request's failure is its own: the engine fails it alone, the others go on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -70,7 +71,6 @@ def build_app(
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
     routers = [health.router, completions.router, chat.router, responses_api.router, tokenization.router]
-    route_paths = frozenset(getattr(route, "path", "") for router in routers for route in router.routes)
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
@@ -81,7 +81,7 @@ def build_app(
         default_tenant=default_tenant,
         on_reject=lambda reason: metrics.rejected_request(reason, ""),
         on_response=metrics.http_request,
-        handler_of=lambda path: path if path in route_paths else "none",
+        handler_of=_handler_of([route for router in routers for route in router.routes]),
         max_inflight_body_bytes=max_inflight_body_bytes,
         body_timeout=body_timeout,
     )
@@ -93,6 +93,20 @@ def build_app(
 
 async def _api_error(_: Request, error: APIError) -> JSONResponse:
     return _error_response(error)
+
+
+def _handler_of(routes: list[Any]) -> Callable[[str], str]:
+    """A path as a bounded metrics label: its route's path (a template's, for /v1/responses/{response_id}), or
+    "none" for any unknown path."""
+    exact = frozenset(route.path for route in routes if "{" not in route.path)
+    templates = [(route.path_regex, route.path) for route in routes if "{" in route.path]
+
+    def handler_of(path: str) -> str:
+        if path in exact:
+            return path
+        return next((template for regex, template in templates if regex.match(path)), "none")
+
+    return handler_of
 
 
 async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
