@@ -313,11 +313,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compiles the step before the first request: one forward per size class (one token, more than one).
-
-        The scratch tokens are written into block 0's slots, which any request that gets block 0 overwrites
-        before it reads them.
-        """
+        """Compiles the step before the first request: one forward per size class (one token, more than one). The
+        scratch tokens are written into block 0's slots, which any request that gets block 0 overwrites before it
+        reads them."""
         started = time.monotonic()
         for num_tokens in (1, 2):
             assert num_tokens <= self.block_size
@@ -409,13 +407,14 @@ class ModelRunner:
 
     def _sampling_batch(self, items: list[ScheduledRequest], last_tokens: torch.Tensor | None) -> SamplingBatch:
         requests = [s.request for s in items]
+        params = [r.sampling_params for r in requests]
         return SamplingBatch(
-            params=[r.sampling_params for r in requests],
+            params=params,
             generators=[self._generators.of(r.request_id, r.sampling_params.seed) for r in requests],
             token_counts=[self._seen.of(r) for r in requests],
             last_tokens=last_tokens,
             output_index=[item.sampled_output_index for item in items],
-            histories=bad_words_histories(items),
+            histories=bad_words_histories(items, params),
         )
 
 
