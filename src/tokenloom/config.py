@@ -330,8 +330,9 @@ class ServerConfig:
     it comes. A request's own stream_interval may raise it, never lower it."""
     responses_store_bytes: int = 32 << 20
     """/v1/responses keeps the latest responses and their conversations (previous_response_id continues one, GET
-    /v1/responses/{id} reads it back, as OpenAI's store), up to this many bytes of JSON, the least recently used
-    dropped first; each is its tenant's alone. 0: none are kept (vLLM's default)."""
+    /v1/responses/{id} reads it back, as OpenAI's store), up to this many bytes (their JSON and their objects'
+    overhead), the least recently used dropped first; each is its tenant's alone. 0: none are kept (vLLM's
+    default)."""
     core_process: bool | None = None
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization, so that the
     event loop's work for each streamed token does not hold the engine's GIL. None: on for a --device other than the
