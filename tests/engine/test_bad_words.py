@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import hf_oracle
 from server_process import ServerProcess
-from test_min_tokens_and_logit_bias import MAX_TOKENS, NGRAM, UNDER_PRESSURE, work
+from test_min_tokens_and_logit_bias import BATCHING_MODES, MAX_TOKENS, work
 from test_spec_decode import KnowingProposer
 
 from tokenloom import LLM, SamplingParams
@@ -57,12 +57,7 @@ def cases(tiny_llama):
     return prompts, params, expected
 
 
-@pytest.mark.parametrize(
-    "knobs",
-    [{}, UNDER_PRESSURE, {"async_scheduling": True}, {**UNDER_PRESSURE, "async_scheduling": True},
-     {"speculative_config": NGRAM}],
-    ids=["roomy", "chunked + preempted", "scheduled ahead", "scheduled ahead + preempted", "drafts verified"],
-)  # fmt: skip
+@BATCHING_MODES
 def test_bad_words_give_transformers_greedy_tokens(tiny_llama, cases, knobs):
     """With drafts, verification row j reads the output and the first j drafts: a draft that completes a bad word
     is rejected there (the drafts are the expected answer, three in ten of them wrong)."""

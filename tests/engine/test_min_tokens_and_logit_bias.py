@@ -83,12 +83,16 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize(
+# Each way a batch may be formed and read: the engine's tokens must not depend on it.
+BATCHING_MODES = pytest.mark.parametrize(
     "knobs",
     [{}, UNDER_PRESSURE, {"async_scheduling": True}, {**UNDER_PRESSURE, "async_scheduling": True},
      {"speculative_config": NGRAM}],
     ids=["roomy", "chunked + preempted", "scheduled ahead", "scheduled ahead + preempted", "drafts verified"],
 )  # fmt: skip
+
+
+@BATCHING_MODES
 def test_min_tokens_and_logit_bias_give_transformers_greedy_tokens(tiny_llama, cases, knobs):
     """With drafts, each row of a request's verification is a token further on: its min_tokens ban and its bias
     hold there as in plain decoding (drafts of the expected answer, three in ten of them wrong)."""
