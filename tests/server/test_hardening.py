@@ -399,17 +399,27 @@ def test_streaming_queue_timeout_is_a_503_not_a_200(tiny_chat_model):
 
 
 def test_drain_timeout_ends_streams_with_an_error_event(tiny_chat_model):
+    """Each API's own: the error body and [DONE] for completions, an `error` event, numbered on, for responses."""
     proc = ServerProcess("--model", str(tiny_chat_model), "--drain-timeout", "1")
     try:
         body = {"prompt": "Never done", "max_tokens": 1800, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as response:
-            lines = response.iter_lines()
+        asked = {"input": "Never done", "max_output_tokens": 1800, "stream": True}
+        with (
+            httpx.stream("POST", f"{proc.url}/v1/completions", json=body, timeout=120) as response,
+            httpx.stream("POST", f"{proc.url}/v1/responses", json=asked, timeout=120) as responses,
+        ):
+            lines, events = response.iter_lines(), responses.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
+            assert next(line for line in events if line.startswith("data:"))
             proc.process.send_signal(15)
             rest = [line for line in lines if line.startswith("data:")]
+            event_rest = [json.loads(line[5:]) for line in events if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2][5:])["error"]
         assert error["code"] == "server_shutdown" and error["type"] == "server_error"
+        last = event_rest[-1]
+        assert last["type"] == "error" and last["code"] == "server_shutdown"
+        assert last["sequence_number"] == event_rest[-2]["sequence_number"] + 1
         assert proc.process.wait(timeout=60) == 0
     finally:
         proc.stop()
@@ -417,7 +427,7 @@ def test_drain_timeout_ends_streams_with_an_error_event(tiny_chat_model):
 
 def test_openapi_documents_400_not_422_and_metrics_as_text(server):
     schema = httpx.get(f"{server.url}/openapi.json", headers=OPEN).json()
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         responses = schema["paths"][path]["post"]["responses"]
         assert "422" not in responses and {"400", "401", "404", "413", "429", "503"} <= set(responses)
     assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
