@@ -16,7 +16,7 @@ from server_process import poll_until
 
 from tokenloom.config import EngineConfig, ServerConfig
 from tokenloom.replicas.ray_serve import APP_NAME, build_ray_app, merge_expositions, start_ray
-from tokenloom.replicas.routing import PREFIX_CHARS, prefix_key, rendezvous_order
+from tokenloom.replicas.routing import PREFIX_CHARS, prefix_key, rendezvous_order, replica_keeping
 
 WORDS = ["river", "stone", "maple", "copper", "lantern", "meadow", "harbor", "velvet", "orbit", "willow", "amber"]
 
@@ -41,6 +41,10 @@ def test_the_key_is_the_prompts_leading_text_and_picks_a_stable_replica():
     # A Responses API request's instructions are its system message: the same conversation, the same key.
     assert prefix_key(body(instructions=long, input="hi")) == chat
     assert prefix_key(body(input=[{"role": "system", "content": long}, {"role": "user", "content": "hi"}])) == chat
+    # A request that continues a kept response goes to the replica named in its id, whatever its key.
+    continuing = json.loads(body(previous_response_id="resp_b2_0f3a", input="hi")["body"])
+    assert replica_keeping(continuing, ["a1", "b2"]) == "b2" and replica_keeping(continuing, ["a1"]) is None
+    assert replica_keeping({"previous_response_id": 7}, ["a1"]) is None and replica_keeping({}, ["a1"]) is None
     assert prefix_key({"body": b""}) is None and prefix_key({"body": b"[1]"}) is None
     replicas = ["a1", "b2", "c3"]
     first = rendezvous_order("some prefix", replicas)[0]
@@ -172,6 +176,14 @@ def test_prefix_aware_routing_keeps_more_cache_hits_than_rays_default(tiny_chat_
         model="tiny", prompt="Hello", max_tokens=3, stream=True
     )
     assert sum(1 for chunk in stream if chunk.choices) >= 1  # streams pass through the proxy and the ingress
+    # A conversation kept turn by turn (/v1/responses): each turn reaches the replica that keeps the one before.
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    previous, replicas = None, set(prefix)
+    for turn in range(6):
+        kept = client.responses.create(model="tiny", input=f"Turn {turn}.", previous_response_id=previous,
+                                       max_output_tokens=2)  # fmt: skip
+        assert any(kept.id.startswith(f"resp_{replica}_") for replica in replicas), kept.id
+        previous = kept.id
     bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own errors
     url = deploy(tiny_chat_model, ray_port, "power_of_two")

@@ -264,7 +264,7 @@ class EngineReplica:
 
     def __init__(self, server: ServerConfig, engine: EngineConfig) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.app, self.async_engine = build_server(server, engine, metric_labels={"replica": self.replica_id})
+        self.app, self.async_engine = build_server(server, engine, replica_id=self.replica_id)
         self.block_size = engine.cache.block_size
         self.async_engine.start()
         self.board = metrics_board()

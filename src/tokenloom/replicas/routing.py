@@ -11,6 +11,9 @@ the least loaded.
 
 The key is text, not tokens: the router runs in Ray's proxy and handles and should not tokenize; a prompt's
 leading characters determine its leading tokens for the same chat template and tokenizer.
+
+A /v1/responses request that continues a kept response (``previous_response_id``) goes to the replica that keeps it,
+named in the response's id (responses_api_protocol.response_id_prefix): no other replica has its conversation.
 """
 
 from __future__ import annotations
@@ -21,18 +24,36 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from tokenloom.server.responses_api_protocol import response_id_prefix
+
 PREFIX_CHARS = 256  # ~64 tokens of English text: the first four 16-token KV blocks
+
+
+def json_body(request: dict[str, Any]) -> dict[str, Any] | None:
+    """A forwarded HTTP request's body, if it is a JSON object."""
+    try:
+        body = json.loads(request.get("body") or b"")
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def prefix_key(request: dict[str, Any]) -> str | None:
     """The leading text of a forwarded HTTP request's prompt (completions) or conversation (chat, responses); None
     if none."""
-    try:
-        body = json.loads(request.get("body") or b"")
-    except ValueError:
+    body = json_body(request)
+    return None if body is None else _key_of(body)
+
+
+def replica_keeping(body: dict[str, Any], replica_ids: list[str]) -> str | None:
+    """The replica that keeps the response a /v1/responses request continues, if it is one of these."""
+    previous = body.get("previous_response_id")
+    if not isinstance(previous, str):
         return None
-    if not isinstance(body, dict):
-        return None
+    return next((rid for rid in replica_ids if previous.startswith(response_id_prefix(rid))), None)
+
+
+def _key_of(body: dict[str, Any]) -> str | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]
@@ -68,11 +89,13 @@ class PrefixAwareRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         by_load = sorted(candidate_replicas, key=_outstanding_tokens)
-        key = prefix_key(pending_request.args[0]) if pending_request and pending_request.args else None
+        body = json_body(pending_request.args[0]) if pending_request and pending_request.args else None
+        key = None if body is None else _key_of(body)
         if key is None:
             return [by_load]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        preferred = by_id[rendezvous_order(key, list(by_id))[0]]
+        keeping = replica_keeping(body, list(by_id)) if body is not None else None
+        preferred = by_id[keeping or rendezvous_order(key, list(by_id))[0]]
         return [[preferred], [r for r in by_load if r is not preferred]]
 
 

@@ -51,6 +51,7 @@ def build_app(
     max_inflight_body_bytes: int = ServerConfig.max_inflight_body_bytes,
     body_timeout: float = ServerConfig.body_timeout,
     responses_store_bytes: int = ServerConfig.responses_store_bytes,
+    replica_id: str | None = None,
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__, root_path=root_path)
@@ -67,6 +68,7 @@ def build_app(
         max_log_len,
         stream_interval,
         ResponseStore(responses_store_bytes) if responses_store_bytes else None,
+        replica_id,
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]

@@ -69,9 +69,10 @@ def generation_defaults(choice: str, checkpoint: Path) -> dict[str, float]:
 
 
 def build_server(
-    server: ServerConfig, engine_config: EngineConfig, metric_labels: dict[str, str] | None = None
+    server: ServerConfig, engine_config: EngineConfig, replica_id: str | None = None
 ) -> tuple[FastAPI, AsyncEngine]:
-    """The engine (in this process or with its core apart), the metrics, the async engine and the app; not started."""
+    """The engine (in this process or with its core apart), the metrics, the async engine and the app; not started.
+    replica_id: the Ray Serve replica this server is (its metrics' label, and in the ids of the responses it keeps)."""
     step_log = StepLog(server.step_log) if server.step_log else None  # opened first: a bad path fails at once
     engine: LLMEngine | CoreProcessEngine
     device_type = torch.device(engine_config.model.device).type
@@ -83,7 +84,7 @@ def build_server(
     model_name, *aliases = server.served_model_name or (engine.model_name,)
     if server.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(server.chat_template)
-    metrics = ServerMetrics(engine, model_name, labels=metric_labels)
+    metrics = ServerMetrics(engine, model_name, labels=None if replica_id is None else {"replica": replica_id})
     tenants = load_tenants(server.tenants) if server.tenants else None
     if tenants:
         engine.set_tenant_weights({t.name: t.weight for t in tenants})
@@ -113,6 +114,7 @@ def build_server(
         max_inflight_body_bytes=server.max_inflight_body_bytes,
         body_timeout=server.body_timeout,
         responses_store_bytes=server.responses_store_bytes,
+        replica_id=replica_id,
     )
     if server.allowed_origins:
         app.add_middleware(

@@ -4,7 +4,8 @@ earlier responses' it continued, and its own output as items), so that ``previou
 
 Bounded: the entries' bytes (their JSON's, and an estimate of their objects') stay under the store's budget
 (``--responses-store-bytes``), the least recently used going first; an entry is its tenant's alone (another
-tenant's id reads as not found). In memory, per server: under ``--ray`` each replica keeps its own.
+tenant's id reads as not found). In memory, per server: under ``--ray`` each replica keeps its own, and the
+prefix router sends a continuation to the replica named in the id (replicas/routing.py).
 """
 
 from __future__ import annotations

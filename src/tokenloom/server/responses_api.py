@@ -42,6 +42,7 @@ from tokenloom.server.responses_api_protocol import (
     ResponseStatus,
     ResponseUsage,
     output_as_input,
+    response_id_prefix,
     response_settings,
 )
 from tokenloom.server.serving import check_model, serve_generation
@@ -66,7 +67,7 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     store = state.response_store if body.store is not False else None
     conversation = [*earlier, *body.input_items()]
     keep = None if store is None else lambda response: _keep(store, tenant, conversation, response)
-    shape = ResponsesShape(body, prepared, keep)
+    shape = ResponsesShape(body, prepared, keep, state.replica_id)
     logprobs = body.logprobs()
     return await serve_generation(state, raw, chat, [prepared.prompt_ids], logprobs, shape, prepared.structured)
 
@@ -118,12 +119,17 @@ class ResponsesShape:
     """How /v1/responses words a request's output: a message item for the reply's text, a function_call item for
     each call (a forced tool's, or one the parser reads out of a free reply), in the response object."""
 
-    id_prefix = "resp_"
     end_frame: str | None = None  # the last event is response.completed (or .incomplete); no [DONE]
 
     def __init__(
-        self, request: ResponsesRequest, prepared: PreparedChat, keep: Callable[[ResponseObject], bool] | None = None
+        self,
+        request: ResponsesRequest,
+        prepared: PreparedChat,
+        keep: Callable[[ResponseObject], bool] | None = None,
+        replica_id: str | None = None,
     ) -> None:
+        # Under --ray the id names the replica that keeps the response: its continuations are routed there.
+        self.id_prefix = response_id_prefix(replica_id)
         self.settings = {**response_settings(request), "store": keep is not None}
         self._keep = keep  # what keeps the finished response, if it is kept
         self.tool, self.parser = prepared.forced, prepared.parser

@@ -359,3 +359,8 @@ def output_as_input(items: Sequence[OutputItem]) -> list[ConversationItem]:
         else FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name, arguments=item.arguments)
         for item in items
     ]  # fmt: skip
+
+
+def response_id_prefix(replica_id: str | None) -> str:
+    """What a response's id begins with: the replica's id under Ray Serve (replicas/routing.py reads it)."""
+    return "resp_" if replica_id is None else f"resp_{replica_id}_"
