@@ -333,6 +333,9 @@ class ServerConfig:
     /v1/responses/{id} reads it back, as OpenAI's store), up to this many bytes (their JSON and their objects'
     overhead), the least recently used dropped first; each is its tenant's alone. 0: none are kept (vLLM's
     default)."""
+    enable_prompt_tokens_details: bool = False
+    """Chat and completion usage says how many prompt tokens the prefix cache served
+    (prompt_tokens_details.cached_tokens), as vLLM's flag; /v1/responses always says it."""
     core_process: bool | None = None
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization, so that the
     event loop's work for each streamed token does not hold the engine's GIL. None: on for a --device other than the

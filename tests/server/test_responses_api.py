@@ -20,7 +20,7 @@ from tokenloom.server.protocol import StreamOptions
 from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.responses_api import ResponsesShape
 from tokenloom.server.responses_api_protocol import MessageItem, ResponsesRequest
-from tokenloom.server.streaming import usage_of
+from tokenloom.server.streaming import UsageCount, usage_of
 from tokenloom.server.tool_parsers import tool_parser
 
 
@@ -270,8 +270,8 @@ CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
 
 def test_a_parsed_call_follows_the_text_streamed_before_it():
     async def events():
-        frames = hermes_shape().sse_frames([outputs(["Let me ", "look.", CALL])], False, "resp_1", 0, "m", 3,
-                                           StreamOptions())  # fmt: skip
+        frames = hermes_shape().sse_frames([outputs(["Let me ", "look.", CALL])], False, "resp_1", 0, "m",
+                                           UsageCount(prompt_tokens=3), StreamOptions())  # fmt: skip
         return [json.loads(frame.split("data: ", 1)[1]) async for frame in frames]
 
     sent = asyncio.run(events())

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -284,6 +285,7 @@ def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
         "warning", "--enable-log-requests", "--max-log-len", "20", "--root-path", "/llm", "--allowed-origins",
         "https://app.example", "--ssl-keyfile", "key.pem", "--ssl-certfile", "cert.pem", "--dtype", "half",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--stream-interval", "4",
+        "--enable-prompt-tokens-details",
     ]  # fmt: skip
     args = build_parser().parse_args(argv)
     assert args.model_tag == "some-model"
@@ -292,7 +294,7 @@ def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
     assert (server.uvicorn_log_level, server.enable_log_requests, server.max_log_len) == ("warning", True, 20)
     assert (server.root_path, server.allowed_origins) == ("/llm", ("https://app.example",))
     assert (server.ssl_keyfile, server.ssl_certfile, server.tool_call_parser) == ("key.pem", "cert.pem", "hermes")
-    assert server.stream_interval == 4
+    assert server.stream_interval == 4 and server.enable_prompt_tokens_details
     import torch
 
     from tokenloom.model.platform import resolve_dtype
@@ -332,6 +334,7 @@ def flagged_server(tiny_chat_model):
     args = (
         "--served-model-name", "first", "second", "--api-key", "k1", "k2", "--allowed-origins", "https://app.example",
         "--enable-log-requests", "--max-log-len", "3", "--uvicorn-log-level", "warning", "--stream-interval", "3",
+        "--enable-prompt-tokens-details",
     )  # fmt: skip
     proc = ServerProcess(str(tiny_chat_model), *args, log_level="info")
     yield proc
@@ -348,6 +351,32 @@ def test_every_served_name_and_every_key_is_accepted(flagged_server):
             headers={"Authorization": f"Bearer {key}"}, timeout=30,
         )  # fmt: skip
         assert reply.status_code == 200 and reply.json()["model"] == "first", reply.text
+
+
+def test_usage_says_the_prompt_tokens_the_prefix_cache_served_when_asked(flagged_server, server):
+    """vLLM's --enable-prompt-tokens-details: a prompt sent again is served from the cache, and usage says how much
+    (each prompt once, with n choices and streamed too); without the flag usage has no details."""
+    prompt = "The same long prompt, word after word, " * 4
+    body = {"model": "first", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def usage(url: str, key: str, **extra) -> dict:
+        reply = httpx.post(f"{url}/v1/completions", json={**body, **extra}, headers={"Authorization": f"Bearer {key}"},
+                           timeout=30)  # fmt: skip
+        if not extra.get("stream"):
+            return reply.json()["usage"]
+        chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        return chunks[-1]["usage"]
+
+    first = usage(flagged_server.url, "k1")
+    again = usage(flagged_server.url, "k1")
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0 and first["prompt_tokens"] > 32
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    # every full 16-token block of the prompt but one that holds its last token (which is computed again)
+    assert cached >= 32 and cached == (first["prompt_tokens"] - 1) // 16 * 16
+    streamed = usage(flagged_server.url, "k1", n=3, stream=True, stream_options={"include_usage": True})
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": cached} and streamed["completion_tokens"] == 6
+    plain = usage(server.url, KEY, model="tiny")
+    assert plain.get("prompt_tokens_details") is None
 
 
 def test_cors_answers_the_allowed_origin_only(flagged_server):

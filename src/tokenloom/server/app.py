@@ -52,6 +52,7 @@ def build_app(
     body_timeout: float = ServerConfig.body_timeout,
     responses_store_bytes: int = ServerConfig.responses_store_bytes,
     replica_id: str | None = None,
+    prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
     app = FastAPI(title="tokenloom", version=tokenloom.__version__, root_path=root_path)
@@ -68,6 +69,7 @@ def build_app(
         max_log_len,
         stream_interval,
         ResponseStore(responses_store_bytes) if responses_store_bytes else None,
+        prompt_tokens_details,
         replica_id,
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))

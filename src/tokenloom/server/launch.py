@@ -115,6 +115,7 @@ def build_server(
         body_timeout=server.body_timeout,
         responses_store_bytes=server.responses_store_bytes,
         replica_id=replica_id,
+        prompt_tokens_details=server.enable_prompt_tokens_details,
     )
     if server.allowed_origins:
         app.add_middleware(

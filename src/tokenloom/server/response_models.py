@@ -21,10 +21,15 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens the prefix cache served
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # vLLM's --enable-prompt-tokens-details
 
 
 class ModelCard(BaseModel):

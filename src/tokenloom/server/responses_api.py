@@ -47,7 +47,7 @@ from tokenloom.server.responses_api_protocol import (
 )
 from tokenloom.server.serving import check_model, serve_generation
 from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
-from tokenloom.server.streaming import text_deltas
+from tokenloom.server.streaming import UsageCount, text_deltas, usage_of
 
 router = APIRouter()
 
@@ -200,7 +200,7 @@ class ResponsesShape:
 
     async def sse_frames(
         self, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int, model: str,
-        prompt_tokens: int, options: StreamOptions,
+        counting: UsageCount, options: StreamOptions,
     ) -> AsyncGenerator[str]:  # fmt: skip
         """The reply's text (or a named tool's arguments) streams as it comes; a parser's calls, a required call's
         array and the items' final forms go out once the reply is whole."""
@@ -238,8 +238,7 @@ class ResponsesShape:
                     opened = live is not None and index == 0
                     for frame in self._closed(item, index, opened):
                         yield frame
-                usage = _usage(Usage(prompt_tokens=prompt_tokens, completion_tokens=generated,
-                                     total_tokens=prompt_tokens + generated), output)  # fmt: skip
+                usage = _usage(usage_of(counting.prompt_tokens, generated), output)
                 final = self._kept(self._object(request_id, created, model, items, cut, usage))
                 yield self._event(f"response.{final.status}", response=final)
 

@@ -25,10 +25,10 @@ from tokenloom.server.state import ServerState, logger
 from tokenloom.server.streaming import (
     Lease,
     ResponseShape,
+    UsageCount,
     api_error_of,
     collect_finals,
     sse_response,
-    usage_of,
 )
 from tokenloom.server.tenants import Tenant
 
@@ -49,16 +49,16 @@ async def serve_generation(
     prompts = _truncated(prompts, body.truncate_prompt_tokens, state.engine.max_model_len)
     request_id = f"{shape.id_prefix}{uuid.uuid4().hex}"
     created = int(time.time())
-    prompt_tokens = sum(len(p) for p in prompts)
+    counting = UsageCount(sum(len(p) for p in prompts), body.n, state.prompt_tokens_details)
     async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, lease):
         if body.stream:
             options = body.stream_options or StreamOptions()
             frames = shape.sse_frames(
-                streams, logprobs is not None, request_id, created, state.model_name, prompt_tokens, options
+                streams, logprobs is not None, request_id, created, state.model_name, counting, options
             )
             return await sse_response(shape, frames, lease.transfer(), raw.receive)
         finals = await collect_finals(streams, raw.receive)
-    usage_body = usage_of(prompt_tokens, sum(len(final.outputs[0].token_ids) for final in finals))
+    usage_body = counting.of(sum(len(final.outputs[0].token_ids) for final in finals), dict(enumerate(finals)))
     response = shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage_body)
     return JSONResponse(response.model_dump())
 

@@ -48,6 +48,7 @@ class ServerState:
     max_log_len: int | None = None
     stream_interval: int = 1  # the fewest tokens a streamed chunk after the first carries (--stream-interval)
     response_store: ResponseStore | None = None  # the Responses API's kept responses (--responses-store-bytes)
+    prompt_tokens_details: bool = False  # usage says the prompt tokens the prefix cache served (vLLM's flag)
     replica_id: str | None = None  # the Ray Serve replica this server is, named in the ids of the responses it keeps
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from fastapi.responses import StreamingResponse
@@ -17,7 +18,14 @@ from tokenloom.outputs import JoinedDeltas, RequestOutput
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Receive, until_disconnected
 from tokenloom.server.protocol import StreamOptions
-from tokenloom.server.response_models import ChatStreamChoice, ChunkObject, CompletionStreamChoice, StreamChunk, Usage
+from tokenloom.server.response_models import (
+    ChatStreamChoice,
+    ChunkObject,
+    CompletionStreamChoice,
+    PromptTokensDetails,
+    StreamChunk,
+    Usage,
+)
 
 T = TypeVar("T")
 StreamChoice = CompletionStreamChoice | ChatStreamChoice
@@ -34,7 +42,7 @@ class ResponseShape(Protocol):
 
     def sse_frames(
         self, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int, model: str,
-        prompt_tokens: int, options: StreamOptions,
+        counting: UsageCount, options: StreamOptions,
     ) -> AsyncGenerator[str]: ...  # fmt: skip
 
     def error_frame(self, error: APIError) -> str:
@@ -61,9 +69,9 @@ class ChoiceChunks:
 
     def sse_frames(
         self: ChoiceShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int,
-        model: str, prompt_tokens: int, options: StreamOptions,
+        model: str, counting: UsageCount, options: StreamOptions,
     ) -> AsyncGenerator[str]:  # fmt: skip
-        return envelopes(self, streams, logprobs, request_id, created, model, prompt_tokens, options)
+        return envelopes(self, streams, logprobs, request_id, created, model, counting, options)
 
     def error_frame(self, error: APIError) -> str:
         return f"data: {json.dumps(error.body())}\n\n"
@@ -76,7 +84,7 @@ async def envelopes(
     request_id: str,
     created: int,
     model: str,
-    prompt_tokens: int,
+    counting: UsageCount,
     options: StreamOptions,
 ) -> AsyncGenerator[str]:
     """Each chunk of every choice as it comes (with the usage so far, under continuous_usage_stats); then, if asked,
@@ -87,12 +95,12 @@ async def envelopes(
         if last.get(index) is not output:
             last[index] = output
             generated[index] = generated.get(index, 0) + len(output.outputs[0].token_ids)
-        usage = usage_of(prompt_tokens, sum(generated.values())) if options.continuous_usage_stats else None
+        usage = counting.of(sum(generated.values()), last) if options.continuous_usage_stats else None
         if choice.index != index:
             choice = choice.model_copy(update={"index": index})
         yield f"data: {_envelope(request_id, shape.chunk_object, created, model, [choice], usage).sent()}\n\n"
     if options.include_usage and last:
-        usage = usage_of(prompt_tokens, sum(generated.values()))
+        usage = counting.of(sum(generated.values()), last)
         yield f"data: {_envelope(request_id, shape.chunk_object, created, model, [], usage).sent()}\n\n"
 
 
@@ -213,6 +221,25 @@ class Lease:
 def usage_of(prompt_tokens: int, completion: int) -> Usage:
     """OpenAI's count: each prompt once, every choice's completion tokens."""
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+
+
+@dataclass(frozen=True)
+class UsageCount:
+    """How a response counts its usage (usage_of); with vLLM's --enable-prompt-tokens-details also the prompt tokens
+    the prefix cache served, each prompt's once (its first choice's: the others share its blocks)."""
+
+    prompt_tokens: int
+    choices_per_prompt: int = 1
+    details: bool = False
+
+    def of(self, completion: int, outputs: Mapping[int, RequestOutput]) -> Usage:
+        """The usage of these choices' outputs (by choice index) with `completion` tokens generated in all."""
+        usage = usage_of(self.prompt_tokens, completion)
+        if not self.details:
+            return usage
+        firsts = [o for index, o in outputs.items() if index % self.choices_per_prompt == 0]
+        cached = PromptTokensDetails(cached_tokens=sum(o.metrics.num_cached_tokens for o in firsts))
+        return usage.model_copy(update={"prompt_tokens_details": cached})
 
 
 async def sse_response(
