@@ -259,10 +259,10 @@ def outputs(texts: list[str], finish_reason: str = "stop"):
     return stream()
 
 
-def hermes_shape() -> ResponsesShape:
+def hermes_shape(keep=None) -> ResponsesShape:
     request = ResponsesRequest(input="hi", tools=[{"type": "function", "name": "lookup"}])
     prepared = PreparedChat(tokenizer=None, prompt_ids=[1], forced=None, parser=tool_parser("hermes"), structured=None)
-    return ResponsesShape(request, prepared)
+    return ResponsesShape(request, prepared, keep)
 
 
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
@@ -299,3 +299,15 @@ def test_a_reply_that_only_calls_has_no_message_item():
     response = asyncio.run(finals())
     (call,) = response.output
     assert call.type == "function_call" and call.status == "completed" and response.status == "completed"
+
+
+def test_a_response_says_whether_it_was_kept():
+    """`store` is true only where the store took it: one larger than the whole store is not kept, and says so."""
+
+    async def stored(keep) -> bool:
+        whole = [output async for output in outputs(["Hi."])]
+        return hermes_shape(keep).response("resp_1", 0, "m", whole, False, usage_of(3, 1)).store
+
+    assert asyncio.run(stored(lambda response: True)) is True
+    assert asyncio.run(stored(lambda response: False)) is False
+    assert asyncio.run(stored(None)) is False

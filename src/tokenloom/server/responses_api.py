@@ -148,8 +148,9 @@ class ResponsesShape:
         return self._kept(self._object(request_id, created, model, items, cut, _usage(usage, final)))
 
     def _kept(self, response: ResponseObject) -> ResponseObject:
-        if self._keep is not None:
-            self._keep(response)
+        """The finished response, kept if it is to be; one larger than the whole store says it was not."""
+        if self._keep is not None and not self._keep(response):
+            response.store = False
         return response
 
     def _items(
