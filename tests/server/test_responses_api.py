@@ -223,6 +223,36 @@ def test_a_previous_response_continues_its_conversation_and_is_read_back(server,
         client.responses.retrieve(unkept.id)
 
 
+def test_truncation_auto_drops_the_fewest_earliest_items_that_make_it_fit(server, client):
+    """OpenAI's truncation "auto": the conversation (over the 512-token context) less its earliest items, as few as
+    fit with max_output_tokens; the default refuses it as too long."""
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"Turn {i}: " + "word " * 90} for i in range(9)]
+    too_long = httpx.post(f"{server.url}/v1/responses", json={"input": turns, "max_output_tokens": 8}, timeout=30)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    response = client.responses.create(model="tiny", input=turns, max_output_tokens=8, truncation="auto",
+                                       temperature=0)  # fmt: skip
+    lengths = [
+        httpx.post(f"{server.url}/tokenize", json={"messages": turns[drop:]}, timeout=30).json()["count"]
+        for drop in range(len(turns))
+    ]
+    fewest = next(drop for drop, length in enumerate(lengths) if length + 8 <= 512)
+    assert 0 < fewest < len(turns) - 1 and response.usage.input_tokens == lengths[fewest]
+    assert response.truncation == "auto" and response.status == "incomplete"
+
+
+def test_a_truncated_conversation_never_begins_with_a_calls_output():
+    items = [
+        {"role": "user", "content": "Book it."},
+        {"type": "function_call", "call_id": "c1", "name": "book", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "booked"},
+        {"role": "user", "content": "Thanks."},
+    ]
+    request = ResponsesRequest(input=items, instructions="Be brief.")
+    assert [m.role for m in request.messages()] == ["system", "user", "assistant", "tool", "user"]
+    assert [m.role for m in request.messages(drop=1)] == ["system", "assistant", "tool", "user"]
+    assert [m.role for m in request.messages(drop=2)] == ["system", "user"]  # its call dropped, the output goes too
+
+
 def test_the_store_keeps_the_latest_within_its_bytes_and_each_tenants_own():
     item = MessageItem(role="user", content="x" * 100)
     one = ResponseStore(max_bytes=10_000)

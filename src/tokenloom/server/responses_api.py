@@ -25,7 +25,7 @@ from tokenloom.server.logprobs import (
     generated_logprobs,
     logprob_namer,
 )
-from tokenloom.server.protocol import StreamOptions, ToolCall
+from tokenloom.server.protocol import ChatCompletionRequest, StreamOptions, ToolCall
 from tokenloom.server.response_models import Usage
 from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses_api_protocol import (
@@ -58,12 +58,11 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     body.refuse_unsupported()
     tenant: str = raw.state.tenant.name
     earlier = _earlier_conversation(state, body, tenant)
-    try:
-        chat = body.chat_request(earlier)
-    except ValidationError as error:  # a part that passed as Responses input but not as chat (a schema's name)
-        raise APIError(400, f"invalid request: {error.errors()[0]['msg']}", "input", "invalid_value") from None
+    chat = _chat_request(body, earlier)
     check_model(chat, state)
     prepared = await prepared_chat(state, chat)
+    if body.truncation == "auto" and not _fits(state, body, prepared):
+        chat, prepared = await _truncated(state, body, earlier, (chat, prepared))
     store = state.response_store if body.store is not False else None
     conversation = [*earlier, *body.input_items()]
     keep = None if store is None else lambda response: _keep(store, tenant, conversation, response)
@@ -85,6 +84,37 @@ async def delete_response(response_id: str, raw: Request) -> Response:
     if store is None or not store.delete(response_id, raw.state.tenant.name):
         raise _not_found(state, response_id, "response_id")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _chat_request(body: ResponsesRequest, earlier: list[ConversationItem], drop: int = 0) -> ChatCompletionRequest:
+    try:
+        return body.chat_request(earlier, drop)
+    except ValidationError as error:  # a part that passed as Responses input but not as chat (a schema's name)
+        raise APIError(400, f"invalid request: {error.errors()[0]['msg']}", "input", "invalid_value") from None
+
+
+def _fits(state: ServerState, body: ResponsesRequest, prepared: PreparedChat) -> bool:
+    return len(prepared.prompt_ids) + (body.max_output_tokens or 1) <= state.engine.max_model_len
+
+
+async def _truncated(
+    state: ServerState,
+    body: ResponsesRequest,
+    earlier: list[ConversationItem],
+    whole: tuple[ChatCompletionRequest, PreparedChat],
+) -> tuple[ChatCompletionRequest, PreparedChat]:
+    """truncation "auto": the conversation less the fewest earliest items that makes it fit (the last item always
+    stays; a binary search, a template rendering a step); the whole one if nothing does (the context check says)."""
+    best, low, high = whole, 1, len(earlier) + len(body.input_items()) - 1
+    while low <= high:
+        drop = (low + high) // 2
+        chat = _chat_request(body, earlier, drop)
+        prepared = await prepared_chat(state, chat)
+        if _fits(state, body, prepared):
+            best, high = (chat, prepared), drop - 1
+        else:
+            low = drop + 1
+    return best
 
 
 def _earlier_conversation(state: ServerState, body: ResponsesRequest, tenant: str) -> list[ConversationItem]:

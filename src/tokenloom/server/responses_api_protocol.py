@@ -150,7 +150,8 @@ class ResponsesRequest(_Body):
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    truncation: Literal["disabled"] | None = None
+    # "auto": the conversation's earliest items dropped until it fits the context (OpenAI's); the default refuses.
+    truncation: Literal["auto", "disabled"] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None  # vLLM's: lower runs first
     store: bool | None = None  # false: the response is not kept (response_store.py)
     # Accepted and ignored, as chat completions ignore them.
@@ -189,14 +190,14 @@ class ResponsesRequest(_Body):
     def input_items(self) -> list[ConversationItem]:
         return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
 
-    def chat_request(self, earlier: Sequence[ConversationItem] = ()) -> ChatCompletionRequest:
+    def chat_request(self, earlier: Sequence[ConversationItem] = (), drop: int = 0) -> ChatCompletionRequest:
         """The chat completion this request amounts to, after the earlier conversation it continues (that of its
-        previous_response_id): the same sampling, tools and output format."""
+        previous_response_id), less its first `drop` items: the same sampling, tools and output format."""
         sampling = {name: getattr(self, name) for name in ("temperature", "top_p") if getattr(self, name) is not None}
         tools = [_chat_tool(tool) for tool in self.tools] if self.tools else None
         return ChatCompletionRequest(
             model=self.model,
-            messages=self.messages(earlier),
+            messages=self.messages(earlier, drop),
             max_completion_tokens=self.max_output_tokens,
             stream=self.stream,
             tools=tools,
@@ -207,10 +208,14 @@ class ResponsesRequest(_Body):
             **sampling,
         )
 
-    def messages(self, earlier: Sequence[ConversationItem] = ()) -> list[ChatMessage]:
-        """Its instructions (an earlier response's are not carried over, as OpenAI's), then the conversation."""
+    def messages(self, earlier: Sequence[ConversationItem] = (), drop: int = 0) -> list[ChatMessage]:
+        """Its instructions (an earlier response's are not carried over, as OpenAI's), then the conversation less
+        its first `drop` items (and the calls' outputs that would then lead it, their calls gone)."""
         messages = [] if self.instructions is None else [ChatMessage(role="system", content=self.instructions)]
-        for item in [*earlier, *self.input_items()]:
+        items = [*earlier, *self.input_items()][drop:]
+        while drop and items and isinstance(items[0], FunctionCallOutputItem):
+            items.pop(0)
+        for item in items:
             if isinstance(item, MessageItem):
                 messages.append(ChatMessage(role=item.role, content=item.text()))
             elif isinstance(item, FunctionCallOutputItem):
@@ -348,6 +353,7 @@ def response_settings(request: ResponsesRequest) -> dict[str, Any]:
         "metadata": request.metadata,
         "user": request.user,
         "previous_response_id": request.previous_response_id,
+        "truncation": request.truncation or "disabled",
     }
     return echoed if text is None else {**echoed, "text": text}
 
