@@ -206,6 +206,16 @@ def test_a_previous_response_continues_its_conversation_and_is_read_back(server,
     assert second.output_text == chat.choices[0].message.content
     assert (first.store, second.previous_response_id) == (True, first.id)
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # its input, listed as OpenAI lists it: the whole conversation it was given, newest first, a page at a time
+    listed = client.responses.input_items.list(second.id)
+    assert [(i.type, i.role, i.content[0].text) for i in listed.data] == [
+        ("message", "user", "What is my name?"), ("message", "assistant", first.output_text),
+        ("message", "user", "My name is Ada."),
+    ] and not listed.has_more  # fmt: skip
+    page = client.responses.input_items.list(second.id, limit=2, order="asc")
+    assert [i.content[0].text for i in page.data] == ["My name is Ada.", first.output_text] and page.has_more
+    rest = client.responses.input_items.list(second.id, limit=2, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["What is my name?"] and not rest.has_more
     streamed = list(client.responses.create(**ask, previous_response_id=second.id, input="And?", stream=True))
     kept = client.responses.retrieve(streamed[-1].response.id)
     assert kept.output_text == streamed[-1].response.output_text and kept.previous_response_id == second.id

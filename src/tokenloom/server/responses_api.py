@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -41,6 +41,7 @@ from tokenloom.server.responses_api_protocol import (
     ResponsesRequest,
     ResponseStatus,
     ResponseUsage,
+    input_item_body,
     output_as_input,
     response_id_prefix,
     response_settings,
@@ -115,6 +116,33 @@ async def _truncated(
         else:
             low = drop + 1
     return best
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=ERROR_RESPONSES)
+async def list_input_items(
+    response_id: str,
+    raw: Request,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> Response:
+    """OpenAI's list of a kept response's input items: the whole conversation it was given (the earlier responses'
+    it continued too), each item with an id, a page at a time."""
+    state = server_state(raw)
+    entry = _stored(state, response_id, raw.state.tenant.name)
+    given = entry.conversation[: len(entry.conversation) - len(entry.body["output"])]
+    items = [input_item_body(item, f"{response_id.removeprefix('resp_')}_{i}") for i, item in enumerate(given)]
+    if order == "desc":
+        items.reverse()
+    ids = [item["id"] for item in items]
+    if after is not None:
+        if after not in ids:
+            raise APIError(400, f"no input item {after!r} in this response", "after", "invalid_value")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+    return JSONResponse({"object": "list", "data": page, "first_id": first, "last_id": last,
+                         "has_more": len(items) > limit})  # fmt: skip
 
 
 def _earlier_conversation(state: ServerState, body: ResponsesRequest, tenant: str) -> list[ConversationItem]:

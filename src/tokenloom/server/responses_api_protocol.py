@@ -370,3 +370,17 @@ def output_as_input(items: Sequence[OutputItem]) -> list[ConversationItem]:
 def response_id_prefix(replica_id: str | None) -> str:
     """What a response's id begins with: the replica's id under Ray Serve (replicas/routing.py reads it)."""
     return "resp_" if replica_id is None else f"resp_{replica_id}_"
+
+
+def input_item_body(item: ConversationItem, suffix: str) -> dict[str, Any]:
+    """An input item as OpenAI lists a response's input: with an id (its kind's prefix and `suffix`), a status, and
+    a message's text as a content part."""
+    if isinstance(item, MessageItem):
+        part = "output_text" if item.role == "assistant" else "input_text"
+        return {"id": f"msg_{suffix}", "type": "message", "role": item.role, "status": "completed",
+                "content": [{"type": part, "text": item.text()}]}  # fmt: skip
+    if isinstance(item, FunctionCallItem):
+        return {"id": f"fc_{suffix}", "type": "function_call", "call_id": item.call_id, "name": item.name,
+                "arguments": item.arguments, "status": "completed"}  # fmt: skip
+    return {"id": f"fco_{suffix}", "type": "function_call_output", "call_id": item.call_id, "output": item.text(),
+            "status": "completed"}  # fmt: skip
