@@ -28,8 +28,10 @@ def bad_word_sequences(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[
     for word in words:
         bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
         spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not bare:  # a word of characters the tokenizer drops: nothing to ban
+            continue
         sequences.append(bare)
-        if spaced[0] != bare[0] and len(spaced) == len(bare):
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
             sequences.append(spaced)
     return sequences
 
