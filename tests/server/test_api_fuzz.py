@@ -62,6 +62,7 @@ FIELDS = {
     "echo": st.booleans(),
     "allowed_token_ids": st.lists(st.integers(min_value=-2, max_value=60000), max_size=3),
     "bad_words": st.lists(st.text(max_size=4), max_size=3),
+    "prompt_logprobs": st.integers(min_value=-1, max_value=22),
     "truncate_prompt_tokens": small_ints,
     "return_tokens_as_token_ids": st.booleans(),
     "include_stop_str_in_output": st.booleans(),

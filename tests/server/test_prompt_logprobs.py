@@ -75,3 +75,33 @@ def test_echo_returns_the_prompt_and_its_logprobs_before_the_completion(client, 
     assert chunks[0].text.startswith(prompt)
     assert "".join(c.text for c in chunks) == choice.text
     assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == lp.token_logprobs
+
+
+def test_vllms_prompt_logprobs_field_in_completions_and_chat(client, tiny_chat_model):
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), by token id, the prompt's own token with
+    transformers' logprob and the ranked alternatives; a choice's in completions, the response's in chat; not
+    streamed (a 400)."""
+    from transformers import AutoTokenizer
+
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = AutoTokenizer.from_pretrained(str(tiny_chat_model)).encode(prompt)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    entries = reply.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    own = [entry[str(token)]["logprob"] for entry, token in zip(entries[1:], ids[1:], strict=True)]
+    assert own == pytest.approx(oracle_prompt_logprobs(hf_oracle(tiny_chat_model), ids), abs=1e-4)
+    for entry in entries[1:]:
+        ranked = sorted((e["rank"], e["logprob"]) for e in entry.values() if e["rank"] is not None)
+        assert [rank for rank, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=2).choices[0].model_extra.get(
+        "prompt_logprobs"
+    ) is None  # fmt: skip
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                          extra_body={"prompt_logprobs": 1})  # fmt: skip
+    chat_entries = chat.model_extra["prompt_logprobs"]
+    assert len(chat_entries) == chat.usage.prompt_tokens and chat_entries[0] is None
+    assert all(1 <= len(entry) <= 2 for entry in chat_entries[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 2})  # fmt: skip

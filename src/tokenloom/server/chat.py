@@ -22,6 +22,7 @@ from tokenloom.server.logprobs import (
     chat_logprobs_of,
     generated_logprobs,
     logprob_namer,
+    vllm_prompt_logprobs,
 )
 from tokenloom.server.protocol import ChatCompletionRequest, ChatTemplateOptions
 from tokenloom.server.response_models import (
@@ -50,7 +51,8 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     prepared = await prepared_chat(state, body)
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
-    shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, body.return_tokens_as_token_ids)
+    shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, body.return_tokens_as_token_ids,
+                      body.prompt_logprobs is not None)  # fmt: skip
     return await serve_generation(state, raw, body, [prepared.prompt_ids], logprobs, shape, prepared.structured)
 
 
@@ -97,8 +99,10 @@ class ChatShape(ChoiceChunks):
         tool: ForcedTool | None = None,
         parser: ToolCallParser | None = None,
         token_ids_as_text: bool = False,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.namer = logprob_namer(tokenizer, token_ids_as_text)  # names the logprobs' tokens
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field: the response carries the prompt's
         self.tool = tool
         self.parser = parser  # tool_choice "auto": calls are read out of the reply
 
@@ -120,7 +124,9 @@ class ChatShape(ChoiceChunks):
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
             lp = chat_logprobs_body(final, self.namer) if logprobs else None
             choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish_reason))
-        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        prompt_lp = vllm_prompt_logprobs(finals[0], self.namer) if self.prompt_logprobs else None
+        return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
+                                      prompt_logprobs=prompt_lp)  # fmt: skip
 
     async def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool

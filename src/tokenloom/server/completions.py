@@ -11,7 +11,12 @@ from pydantic import BaseModel
 
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
-from tokenloom.server.logprobs import completion_logprobs_body, logprob_namer, prompt_logprobs_body
+from tokenloom.server.logprobs import (
+    completion_logprobs_body,
+    logprob_namer,
+    prompt_logprobs_body,
+    vllm_prompt_logprobs,
+)
 from tokenloom.server.protocol import CompletionRequest
 from tokenloom.server.response_models import (
     ChunkObject,
@@ -34,7 +39,9 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     body.refuse_unsupported()
     structured = body.structured_output()
     prompts = [await tokenized(state.engine, prompt) for prompt in body.prompts()]
-    shape = CompletionShape(state.engine.tokenizer, body.echo, body.return_tokens_as_token_ids)
+    shape = CompletionShape(
+        state.engine.tokenizer, body.echo, body.return_tokens_as_token_ids, body.prompt_logprobs is not None
+    )
     return await serve_generation(state, raw, body, prompts, body.logprobs, shape, structured)
 
 
@@ -45,9 +52,13 @@ class CompletionShape(ChoiceChunks):
     chunk_object: ChunkObject = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, tokenizer: Tokenizer | None, echo: bool = False, token_ids_as_text: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, echo: bool = False, token_ids_as_text: bool = False,
+        prompt_logprobs: bool = False,
+    ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.echo = echo
+        self.prompt_logprobs = prompt_logprobs  # vLLM's field: each choice carries its prompt's
         self.namer = logprob_namer(tokenizer, token_ids_as_text)  # names the logprobs' tokens
 
     def response(
@@ -59,11 +70,13 @@ class CompletionShape(ChoiceChunks):
             prefix, lp, offset = self._echoed(final, logprobs)
             if logprobs:
                 lp = _joined(lp, completion_logprobs_body(final, self.namer, 0, offset)[0])
+            prompt_lp = vllm_prompt_logprobs(final, self.namer) if self.prompt_logprobs else None
             choices.append(
                 CompletionChoice(
-                    index=index, text=prefix + completion.text, logprobs=lp, finish_reason=completion.finish_reason
+                    index=index, text=prefix + completion.text, logprobs=lp, finish_reason=completion.finish_reason,
+                    prompt_logprobs=prompt_lp,
                 )
-            )
+            )  # fmt: skip
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
     async def chunks(

@@ -94,6 +94,18 @@ def prompt_logprobs_body(output: RequestOutput, tokenizer: Tokenizer | None) -> 
     return _parallel_arrays(ranked(output.prompt_token_ids, entries, tokenizer), 0)
 
 
+def vllm_prompt_logprobs(output: RequestOutput, tokenizer: Tokenizer | None) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per prompt token, by token id, the token itself and the ranked alternatives."""
+    entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+    return [None if entry is None else {str(t): _vllm_entry(t, lp, tokenizer) for t, lp in entry.items()}
+            for entry in entries]  # fmt: skip
+
+
+def _vllm_entry(token_id: int, logprob: Logprob, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """vLLM's Logprob as JSON: the rank is None for the prompt's token where it was not among the top."""
+    return {"logprob": _shown(logprob.logprob), "rank": logprob.rank, "decoded_token": _token_text(tokenizer, token_id)}
+
+
 def _generated(output: RequestOutput, tokenizer: Tokenizer | None, start: int) -> list[TokenLogprobs]:
     """The first choice's tokens from `start` on that have logprobs."""
     completion = output.outputs[0]

@@ -119,6 +119,7 @@ class _Common(_Body):
     best_of: Annotated[int, Field(ge=1)] | None = None
     logit_bias: LogitBias | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # vLLM's: each prompt token's, in the response
     bad_words: Annotated[list[Text], Field(max_length=64)] | None = None  # vLLM's: words the output never completes
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -143,6 +144,8 @@ class _Common(_Body):
     web_search_options: Any = None
 
     def refuse_unsupported(self) -> None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs are not streamed (as vLLM's)", "prompt_logprobs", "unsupported")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", "best_of", "unsupported")
         for name in UNSUPPORTED_FIELDS:
@@ -176,9 +179,9 @@ class _Common(_Body):
         """The output length the client asked for, if it asked."""
         return self.max_tokens
 
-    def prompt_logprobs(self, logprobs: int | None) -> int | None:
+    def prompt_logprobs_wanted(self, logprobs: int | None) -> int | None:
         """How many alternatives to return per prompt token, if the prompt's logprobs are wanted."""
-        return None
+        return self.prompt_logprobs
 
     def sampling_params(
         self,
@@ -211,7 +214,7 @@ class _Common(_Body):
                 allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
                 bad_words=list(self.bad_words or []),
                 logprobs=logprobs,
-                prompt_logprobs=self.prompt_logprobs(logprobs),
+                prompt_logprobs=self.prompt_logprobs_wanted(logprobs),
                 structured_outputs=structured,
                 # each output only what its step added: the server joins them (O(1) a step, not O(length))
                 output_kind=RequestOutputKind.DELTA,
@@ -226,7 +229,10 @@ class CompletionRequest(_Common):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False  # the prompt before the completion, with its tokens' logprobs when logprobs are asked for
 
-    def prompt_logprobs(self, logprobs: int | None) -> int | None:
+    def prompt_logprobs_wanted(self, logprobs: int | None) -> int | None:
+        # vLLM's order: its own field first; echo shows the prompt's logprobs with as many alternatives as logprobs
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:

@@ -45,11 +45,17 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# vLLM's prompt_logprobs: per prompt token (None for the first, which nothing predicts), by token id, the prompt's
+# token and the top alternatives: {"logprob", "rank", "decoded_token"}.
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -81,6 +87,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(BaseModel):
