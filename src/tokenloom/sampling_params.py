@@ -68,8 +68,6 @@ class SamplingParams:
     # tokens before it). Tokenized by the engine into bad_words_token_ids: each word alone, and after a space.
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
-    # A bad word of several tokens: its last is banned only after the others, so sampling reads the output.
-    bad_words_read_the_output: bool = field(init=False, repr=False, compare=False)
     skip_special_tokens: bool = True  # special tokens' text left out of the output's
     structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -114,11 +112,15 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"SamplingParams: {message}")
-        self.bad_words_read_the_output = any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def bad_words_read_the_output(self) -> bool:
+        """A bad word of several tokens: its last is banned only after the others, so sampling reads the output."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids or [])
 
     @property
     def uses_penalties(self) -> bool:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenloom.core.scheduler_output import ScheduledRequest, bad_words_histories
+from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, resolve_backend
 from tokenloom.model.compiled import CompiledForward, compile_model
@@ -407,14 +407,13 @@ class ModelRunner:
 
     def _sampling_batch(self, items: list[ScheduledRequest], last_tokens: torch.Tensor | None) -> SamplingBatch:
         requests = [s.request for s in items]
-        params = [r.sampling_params for r in requests]
         return SamplingBatch(
-            params=params,
+            params=[r.sampling_params for r in requests],
             generators=[self._generators.of(r.request_id, r.sampling_params.seed) for r in requests],
             token_counts=[self._seen.of(r) for r in requests],
             last_tokens=last_tokens,
             output_index=[item.sampled_output_index for item in items],
-            histories=bad_words_histories(items, params),
+            history_of=lambda row: items[row].request.output_token_ids + items[row].draft_token_ids,
         )
 
 

@@ -8,6 +8,7 @@ whatever else shares the batch. Logprobs are those of the raw model distribution
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +31,9 @@ class SamplingBatch:
     # The index in its request's output of the token each row samples (min_tokens bans stop tokens below it);
     # None: every row samples its request's first output token.
     output_index: list[int] | None = None
-    # Each row's request's output tokens and then its drafts, where its bad words read them (token_bias.py).
-    histories: list[list[int] | None] | None = None
+    # A row's request's output tokens and then its drafts, which its bad words read (token_bias.py): asked only for
+    # the rows whose bad words have several tokens, so a step builds none of these lists for the others.
+    history_of: Callable[[int], Sequence[int]] | None = None
 
     def output_indexes(self) -> list[int]:
         return self.output_index if self.output_index is not None else [0] * len(self.params)
@@ -182,7 +184,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
         restores = [
-            apply_token_biases(logits, batch.params, batch.output_indexes(), self.eos_token_ids, batch.histories)
+            apply_token_biases(logits, batch.params, batch.output_indexes(), self.eos_token_ids, batch.history_of)
         ]
         if any(p.uses_penalties for p in batch.params):
             restores.append(apply_penalties(logits, batch.params, batch.token_counts, batch.last_tokens))
@@ -242,7 +244,7 @@ class Sampler:
         rows = _expand_batch(batch, counts)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if rows.max_logprobs is not None else None
-        restore = apply_token_biases(logits, rows.params, rows.output_indexes(), self.eos_token_ids, rows.histories)
+        restore = apply_token_biases(logits, rows.params, rows.output_indexes(), self.eos_token_ids, rows.history_of)
         try:
             return self._verified(logits, rows, drafts, raw_logprobs)
         except BaseException:
@@ -348,12 +350,18 @@ def _select_rows(batch: SamplingBatch, rows: list[int], steps: list[int] | None 
     """The batch's settings of these rows (drafts' verification, where no row has penalties or placeholders); steps:
     how many tokens past its row's each one samples (a draft's position after its request's last token)."""
     index = batch.output_indexes()
+    history_of = batch.history_of
+
+    def selected_history(row: int) -> Sequence[int]:
+        assert history_of is not None
+        return history_of(rows[row])
+
     return SamplingBatch(
         [batch.params[row] for row in rows],
         [batch.generators[row] for row in rows],
         [batch.token_counts[row] for row in rows],
         output_index=[index[row] + step for row, step in zip(rows, steps or [0] * len(rows), strict=True)],
-        histories=[batch.histories[row] for row in rows] if batch.histories else None,
+        history_of=None if history_of is None else selected_history,
     )
 
 

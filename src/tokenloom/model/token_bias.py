@@ -51,22 +51,24 @@ def apply_token_biases(
     params: Sequence[SamplingParams],
     output_index: Sequence[int],
     eos_token_ids: Sequence[int],
-    histories: Sequence[Sequence[int] | None] | None = None,
+    history_of: Callable[[int], Sequence[int]] | None = None,
 ) -> Callable[[], None]:
     """Bans every token but a row's allowed ones, adds its logit bias to its logits and, where its output index is
     below its min_tokens, -inf to its stop tokens (its stop_token_ids, and the model's end-of-sequence ids unless it
     ignores them), and to its bad words' last tokens where due, in place; returns what puts the changed logits back
-    (the runner samples row by row from the model's logits after a failure). histories: each row's request's output
-    tokens and then its drafts, where its bad words read them (row r's output so far is its first output_index[r])."""
+    (the runner samples row by row from the model's logits after a failure). history_of(row): the row's request's
+    output tokens and then its drafts (row r's output so far is its first output_index[r]), read only for a row
+    whose bad words have several tokens."""
     rows = changed_rows(params, output_index)
     if not rows:
         return lambda: None
     allowed = [row for row in rows if params[row].allowed_token_ids]
     restore_rows = _keep_only_allowed(logits, allowed, [params[row].allowed_token_ids or [] for row in allowed])
-    entries = {
-        row: _row_entries(params[row], output_index[row], eos_token_ids, histories[row] if histories else None)
-        for row in rows
-    }
+
+    def history(row: int) -> Sequence[int] | None:
+        return history_of(row) if history_of is not None and params[row].bad_words_read_the_output else None
+
+    entries = {row: _row_entries(params[row], output_index[row], eos_token_ids, history(row)) for row in rows}
     restore_entries = _add_biases(logits, {row: entry for row, entry in entries.items() if len(entry[0])})
 
     def restore() -> None:

@@ -38,7 +38,7 @@ from tokenloom.server.serving import check_model, serve_generation
 from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
 from tokenloom.server.streaming import ChoiceChunks, text_deltas
 from tokenloom.server.tool_calls import ForcedTool, forced_tool, new_call_id
-from tokenloom.server.tool_parsers import ToolCallParser
+from tokenloom.server.tool_parsers import ToolCallParser, reply_calls
 
 router = APIRouter()
 
@@ -112,16 +112,10 @@ class ChatShape(ChoiceChunks):
         choices = []
         for index, final in enumerate(finals):
             completion = final.outputs[0]
-            message, finish_reason = AssistantMessage(content=completion.text), completion.finish_reason
-            calls = self.tool.calls(completion.text) if self.tool is not None else None
-            if calls is not None:
-                message = AssistantMessage(content=None, tool_calls=calls)
-                finish_reason = self.tool.finish_reason if self.tool and finish_reason == "stop" else finish_reason
-            elif self.parser is not None:
-                parsed = self.parser.parse(completion.text)
-                if parsed.calls:
-                    message = AssistantMessage(content=parsed.content, tool_calls=parsed.calls)
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            content, calls = reply_calls(completion.text, self.tool, self.parser)
+            message, finish_reason = AssistantMessage(content=content, tool_calls=calls or []), completion.finish_reason
+            if calls is not None and finish_reason == "stop":
+                finish_reason = self.tool.finish_reason if self.tool is not None else "tool_calls"
             lp = chat_logprobs_body(final, self.namer) if logprobs else None
             choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish_reason))
         prompt_lp = vllm_prompt_logprobs(finals[0], self.namer) if self.prompt_logprobs else None

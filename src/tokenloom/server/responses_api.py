@@ -25,7 +25,7 @@ from tokenloom.server.logprobs import (
     generated_logprobs,
     logprob_namer,
 )
-from tokenloom.server.protocol import ChatCompletionRequest, StreamOptions, ToolCall
+from tokenloom.server.protocol import ChatCompletionRequest, StreamOptions
 from tokenloom.server.response_models import Usage
 from tokenloom.server.response_store import ResponseStore, StoredResponse
 from tokenloom.server.responses_api_protocol import (
@@ -49,6 +49,7 @@ from tokenloom.server.responses_api_protocol import (
 from tokenloom.server.serving import check_model, serve_generation
 from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
 from tokenloom.server.streaming import UsageCount, text_deltas, usage_of
+from tokenloom.server.tool_parsers import reply_calls
 
 router = APIRouter()
 
@@ -63,7 +64,7 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     check_model(chat, state)
     prepared = await prepared_chat(state, chat)
     if body.truncation == "auto" and not _fits(state, body, prepared):
-        chat, prepared = await _truncated(state, body, earlier, (chat, prepared))
+        chat, prepared = await _fitted_to_context(state, body, earlier, (chat, prepared))
     store = state.response_store if body.store is not False else None
     conversation = [*earlier, *body.input_items()]
     keep = None if store is None else lambda response: _keep(store, tenant, conversation, response)
@@ -98,7 +99,7 @@ def _fits(state: ServerState, body: ResponsesRequest, prepared: PreparedChat) ->
     return len(prepared.prompt_ids) + (body.max_output_tokens or 1) <= state.engine.max_model_len
 
 
-async def _truncated(
+async def _fitted_to_context(
     state: ServerState,
     body: ResponsesRequest,
     earlier: list[ConversationItem],
@@ -170,7 +171,7 @@ def _not_found(state: ServerState, response_id: str, param: str) -> APIError:
 def _keep(store: ResponseStore, tenant: str, conversation: list[ConversationItem], response: ResponseObject) -> bool:
     """Keeps a finished response with its conversation, which its output continues."""
     whole = [*conversation, *output_as_input(response.output)]
-    return store.put(response.id, tenant, list(whole), response.model_dump(mode="json"))
+    return store.put(response.id, tenant, whole, response.model_dump(mode="json"))
 
 
 class ResponsesShape:
@@ -216,26 +217,15 @@ class ResponsesShape:
     ) -> list[OutputItem]:
         """The output items of a whole reply: its text (if any, if there is nothing else, or if a stream has opened
         its message) with its tokens' logprobs (asked for only without tools), then its calls."""
-        content, calls = self._reply(text)
+        content, calls = reply_calls(text, self.tool, self.parser)
         status: ItemStatus = "incomplete" if cut else "completed"
         items: list[OutputItem] = []
         if content or not calls or message_opened:
             part = OutputText(text=content or "", logprobs=logprobs)
             items.append(OutputMessage(id=self._message_id, status=status, content=[part]))
-        for call in calls:
+        for call in calls or []:
             items.append(self._call_item(call.function.name, call.function.arguments, len(items), status))
         return items
-
-    def _reply(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The reply's content and its calls, read as /v1/chat/completions reads them."""
-        if self.tool is not None:
-            calls = self.tool.calls(text)
-            return (text, []) if calls is None else (None, calls)
-        if self.parser is not None:
-            parsed = self.parser.parse(text)
-            if parsed.calls:
-                return parsed.content, parsed.calls
-        return text, []
 
     @property
     def _message_id(self) -> str:
@@ -314,43 +304,38 @@ class ResponsesShape:
             return self._call_item(self.tool.name, "", 0, "in_progress")
         return OutputMessage(id=self._message_id, status="in_progress", content=[])
 
-    def _opened(self, item: OutputItem) -> list[str]:
-        frames = [self._event("response.output_item.added", output_index=0, item=item)]
+    def _opened(self, item: OutputItem, index: int = 0) -> list[str]:
+        frames = [self._event("response.output_item.added", output_index=index, item=item)]
         if isinstance(item, OutputMessage):
             part = OutputText(text="")
-            frames.append(self._event("response.content_part.added", item_id=item.id, output_index=0,
+            frames.append(self._event("response.content_part.added", item_id=item.id, output_index=index,
                                       content_index=0, part=part))  # fmt: skip
         return frames
 
-    def _delta(self, item: OutputItem, delta: str, logprobs: list[dict[str, Any]]) -> str:
+    def _delta(self, item: OutputItem, delta: str, logprobs: list[dict[str, Any]], index: int = 0) -> str:
         if isinstance(item, OutputMessage):
-            return self._event("response.output_text.delta", item_id=item.id, output_index=0, content_index=0,
+            return self._event("response.output_text.delta", item_id=item.id, output_index=index, content_index=0,
                                delta=delta, logprobs=logprobs)  # fmt: skip
-        return self._event("response.function_call_arguments.delta", item_id=item.id, output_index=0, delta=delta)
+        return self._event("response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=delta)
 
     def _closed(self, item: OutputItem, index: int, opened: bool) -> list[str]:
-        """An item's closing events; one not streamed live is opened first, its whole text one delta."""
+        """An item's closing events; one not streamed live is opened first, its whole text (or arguments) one
+        delta."""
         frames: list[str] = []
-        if not opened:
-            shell = item.model_copy(update={"status": "in_progress"})
-            if isinstance(shell, OutputMessage):
-                shell.content = []
-            elif isinstance(shell, OutputFunctionCall):
-                shell.arguments = ""
-            frames.append(self._event("response.output_item.added", output_index=index, item=shell))
+        empty: dict[str, Any]  # the item as it was opened: nothing written yet
         if isinstance(item, OutputMessage):
-            text, logprobs = item.content[0].text, item.content[0].logprobs
+            whole, logprobs, empty = item.content[0].text, item.content[0].logprobs, {"content": []}
+        else:
+            whole, logprobs, empty = item.arguments, [], {"arguments": ""}
+        if not opened:
+            frames += self._opened(item.model_copy(update={"status": "in_progress", **empty}), index)
+            if whole:
+                frames.append(self._delta(item, whole, logprobs, index))
+        if isinstance(item, OutputMessage):
             place = {"item_id": item.id, "output_index": index, "content_index": 0}
-            if not opened:
-                frames.append(self._event("response.content_part.added", **place, part=OutputText(text="")))
-                if text:
-                    frames.append(self._event("response.output_text.delta", **place, delta=text, logprobs=logprobs))
-            frames.append(self._event("response.output_text.done", **place, text=text, logprobs=logprobs))
+            frames.append(self._event("response.output_text.done", **place, text=whole, logprobs=logprobs))
             frames.append(self._event("response.content_part.done", **place, part=item.content[0]))
         else:
-            if not opened and item.arguments:
-                frames.append(self._event("response.function_call_arguments.delta", item_id=item.id,
-                                          output_index=index, delta=item.arguments))  # fmt: skip
             frames.append(self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                       name=item.name, arguments=item.arguments))  # fmt: skip
         frames.append(self._event("response.output_item.done", output_index=index, item=item))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloom.server.protocol import FunctionCall, ToolCall
-from tokenloom.server.tool_calls import new_call_id
+from tokenloom.server.tool_calls import ForcedTool, new_call_id
 
 
 @dataclass
@@ -128,3 +128,18 @@ def _held_back(text: str, marker: str) -> int:
         if text.endswith(marker[:size]):
             return size
     return 0
+
+
+def reply_calls(
+    text: str, tool: ForcedTool | None, parser: ToolCallParser | None
+) -> tuple[str | None, list[ToolCall] | None]:
+    """A finished reply as its content and its calls (None: a plain reply): a forced tool's calls (its text if cut
+    short of them), or those a parser reads out of a free reply. Chat completions and /v1/responses read it so."""
+    if tool is not None:
+        calls = tool.calls(text)
+        return (text, None) if calls is None else (None, calls)
+    if parser is not None:
+        parsed = parser.parse(text)
+        if parsed.calls:
+            return parsed.content, parsed.calls
+    return text, None
