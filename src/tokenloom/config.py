@@ -298,6 +298,11 @@ class ServerConfig:
     """The bytes of request bodies all requests in flight hold (from their first byte read until their response
     ends); a request that would go over gets 429 (Retry-After): what keeps the server's memory bounded however many
     connections clients open."""
+    max_inflight_response_bytes: int = 2 << 30
+    """What requests in flight may hold of the server's memory for their responses, each charged at admission the
+    most it can hold (a fixed cost, each choice's, each logprob's, and the tokens of several choices: see
+    server/response_budget.py); a request that would go over gets 429 (Retry-After), one over it alone 400: what
+    keeps the server's memory bounded whatever n, max_tokens and logprobs clients ask for, and however many queue."""
     body_timeout: float = 30.0
     """Seconds a request has to send its whole body once its headers are in; then 408 and the connection closes."""
     tenants: str | None = None
@@ -402,6 +407,7 @@ class ServerConfig:
         )
         _require_server(self.max_log_len is None or self.max_log_len >= 0, "max_log_len must be >= 0")
         _require_server(self.responses_store_bytes >= 0, "responses_store_bytes must be >= 0")
+        _require_server(self.max_inflight_response_bytes > 0, "max_inflight_response_bytes must be positive")
         for name in ("max_body_bytes", "max_header_bytes", "max_header_count", "stream_interval"):
             _require_server(getattr(self, name) > 0, f"{name} must be positive")
         _require_server(

@@ -24,6 +24,7 @@ from tokenloom.server import chat, completions, health, responses_api, tokenizat
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.response_budget import ResponseBudget
 from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.state import ServerState
 from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
@@ -49,6 +50,7 @@ def build_app(
     root_path: str = "",
     stream_interval: int = ServerConfig.stream_interval,
     max_inflight_body_bytes: int = ServerConfig.max_inflight_body_bytes,
+    max_inflight_response_bytes: int = ServerConfig.max_inflight_response_bytes,
     body_timeout: float = ServerConfig.body_timeout,
     responses_store_bytes: int = ServerConfig.responses_store_bytes,
     replica_id: str | None = None,
@@ -71,6 +73,7 @@ def build_app(
         ResponseStore(responses_store_bytes) if responses_store_bytes else None,
         prompt_tokens_details,
         replica_id,
+        ResponseBudget(max_inflight_response_bytes),
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]

@@ -112,6 +112,7 @@ def build_server(
         root_path=server.root_path,
         stream_interval=server.stream_interval,
         max_inflight_body_bytes=server.max_inflight_body_bytes,
+        max_inflight_response_bytes=server.max_inflight_response_bytes,
         body_timeout=server.body_timeout,
         responses_store_bytes=server.responses_store_bytes,
         replica_id=replica_id,

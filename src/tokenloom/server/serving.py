@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
 from tokenloom.engine.structured_output import InvalidGrammar
@@ -21,6 +21,7 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import DetokenizeRequest, StreamOptions, TokenizeRequest, _Common
+from tokenloom.server.response_budget import response_charge
 from tokenloom.server.state import ServerState, logger
 from tokenloom.server.streaming import (
     Lease,
@@ -60,7 +61,8 @@ async def serve_generation(
         finals = await collect_finals(streams, raw.receive)
     usage_body = counting.of(sum(len(final.outputs[0].token_ids) for final in finals), dict(enumerate(finals)))
     response = shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage_body)
-    return JSONResponse(response.model_dump())
+    # Straight to JSON bytes: model_dump() then json.dumps held a third copy of a response (its logprobs, mostly).
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
 @asynccontextmanager
@@ -84,13 +86,18 @@ async def _admitted(
     tenant: Tenant = raw.state.tenant
     limiter, n = state.limiter, body.n
     sequences = len(prompts) * n
-    params = _params_within_limits(state, tenant, body, prompts, logprobs, structured)
+    params, charge = _params_within_limits(state, tenant, body, prompts, logprobs, structured)
     if state.log_requests:
         for prompt, q in zip(prompts, params, strict=True):
             shown = prompt if state.max_log_len is None else prompt[: state.max_log_len]
             logger.info("Received request %s (tenant %s, n=%d): prompt_token_ids: %s, params: %s",
                         request_id, tenant.name, n, shown, q)  # fmt: skip
-    lease = Lease(lambda: limiter.release(tenant, sequences))
+
+    def release() -> None:
+        limiter.release(tenant, sequences)
+        state.response_budget.give_back(charge)
+
+    lease = Lease(release)
     priority = _priority(body.priority, tenant)
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
     submitted: list[AsyncGenerator[RequestOutput]] = []
@@ -133,9 +140,10 @@ def _params_within_limits(
     prompts: list[list[int]],
     logprobs: int | None,
     structured: StructuredOutputsParams | None,
-) -> list[SamplingParams]:
-    """Each prompt's sampling parameters, after the context check and the tenant's caps, with the tenant's tokens
-    and sequences taken from its limits (given back by the request's lease); a refusal is counted and raised."""
+) -> tuple[list[SamplingParams], int]:
+    """Each prompt's sampling parameters, after the context check and the tenant's caps, and the request's charge of
+    the response budget; the charge, the tenant's tokens and its sequences are taken (given back by the request's
+    lease). A refusal is counted and raised."""
     max_model_len, limiter, metrics, n = state.engine.max_model_len, state.limiter, state.metrics, body.n
     requested = body.requested_max_tokens()
     for prompt in prompts:
@@ -148,13 +156,19 @@ def _params_within_limits(
             max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
             params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
         tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
-        limiter.acquire(tenant, tokens, sequences)
+        charge = response_charge([len(p) for p in prompts], params, n)
+        state.response_budget.take(charge)
+        try:
+            limiter.acquire(tenant, tokens, sequences)
+        except APIError:
+            state.response_budget.give_back(charge)
+            raise
     except APIError as error:
         metrics.rejected_request(error.code or "invalid", tenant.name)
         raise
     for q in params:
         metrics.admitted_request(q.max_tokens, n)
-    return params
+    return params, charge
 
 
 def _choice_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -9,8 +9,10 @@ from typing import Any
 
 from fastapi import Request
 
+from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.response_budget import ResponseBudget
 from tokenloom.server.response_models import ErrorResponse
 from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.tenants import TenantLimiter
@@ -50,6 +52,9 @@ class ServerState:
     response_store: ResponseStore | None = None  # the Responses API's kept responses (--responses-store-bytes)
     prompt_tokens_details: bool = False  # usage says the prompt tokens the prefix cache served (vLLM's flag)
     replica_id: str | None = None  # the Ray Serve replica this server is, named in the ids of the responses it keeps
+    response_budget: ResponseBudget = field(
+        default_factory=lambda: ResponseBudget(ServerConfig.max_inflight_response_bytes)
+    )
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
 

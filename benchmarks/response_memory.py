@@ -1,0 +1,171 @@
+"""What a request's response holds of the server's memory, against what --max-inflight-response-bytes charges it.
+
+    .venv/bin/python benchmarks/response_memory.py [--part charges|flood|both]
+
+A tiny random Llama with SmolLM2's tokenizer (the tests' tiny chat model: fast steps, real text), ignore_eos.
+
+charges: one request of each kind at a time, served in this process (httpx over ASGI) under tracemalloc: its traced
+    peak against the charge the server took for it (read from the budget while it ran). The budget bounds what
+    requests hold when peak / charge stays under 1 for every kind.
+flood: a real server (uvicorn), and CLIENTS requests at once, each a ~200-byte chat body asking for n = 8, 1,500
+    tokens and top_logprobs 20; the server's resident memory at its peak, with the default budget made small
+    (512 MiB) and with it out of the way (1 TiB): what one client could take before, and what it can now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import shutil
+import tempfile
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import httpx
+import torch
+import transformers
+
+from tokenloom.bench.local_server import LocalServer
+from tokenloom.bench.provenance import cpu_flags
+from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
+from tokenloom.config import ServerConfig
+from tokenloom.model.loader import resolve_checkpoint_dir
+from tokenloom.server.launch import build_server
+
+CHAT = [{"role": "user", "content": "hi"}]
+PROMPT = " ".join(f"w{i}" for i in range(1000))  # ~4,000 tokens
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "completions, n=128, 1 token": ("/v1/completions", {"prompt": "hi", "n": 128, "max_tokens": 1}),
+    "completions, n=128, 200 tokens": ("/v1/completions", {"prompt": "hi", "n": 128, "max_tokens": 200}),
+    "completions, n=8, 300 tokens, logprobs 20": (
+        "/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 300, "logprobs": 20}),
+    "completions, n=8, 300 tokens, logprobs 0": (
+        "/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 300, "logprobs": 0}),
+    "completions, echo, logprobs 20 (~4k-token prompt)": (
+        "/v1/completions", {"prompt": PROMPT, "echo": True, "max_tokens": 1, "logprobs": 20}),
+    "completions, prompt_logprobs 20 (~4k-token prompt)": (
+        "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 20}),
+    "completions streamed, n=8, 300 tokens, logprobs 20": (
+        "/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": 300, "logprobs": 20, "stream": True}),
+    "chat, n=8, 300 tokens, top_logprobs 20": (
+        "/v1/chat/completions", {"messages": CHAT, "n": 8, "max_tokens": 300, "logprobs": True, "top_logprobs": 20}),
+    "chat, n=8, 300 tokens, top_logprobs 0": (
+        "/v1/chat/completions", {"messages": CHAT, "n": 8, "max_tokens": 300, "logprobs": True}),
+    "chat streamed, n=8, 300 tokens, top_logprobs 20": ("/v1/chat/completions", {
+        "messages": CHAT, "n": 8, "max_tokens": 300, "logprobs": True, "top_logprobs": 20, "stream": True}),
+    "responses, 2,000 tokens, top_logprobs 20, store false": ("/v1/responses", {
+        "input": "hi", "max_output_tokens": 2000, "include": ["message.output_text.logprobs"], "top_logprobs": 20,
+        "store": False}),
+}  # fmt: skip
+
+
+def tiny_chat_model(directory: Path) -> Path:
+    """The tests' tiny chat model: a random 2-layer Llama with the embedded SmolLM2's tokenizer and template."""
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    real = resolve_checkpoint_dir(None)[1]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real / name).exists():
+            shutil.copy(real / name, directory / name)
+    return directory
+
+
+async def charges(model: Path) -> None:
+    args = build_parser().parse_args(["serve", str(model), "--max-num-seqs", "256", "--max-model-len", "8192"])
+    args.model = args.model_tag
+    app, engine = build_server(config_from_args(ServerConfig, args), engine_config_from_args(args))
+    budget = app.state.tokenloom.response_budget
+    engine.start()
+    print("\n| request | traced peak | charged | peak / charge |\n|---|---:|---:|---:|")
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            for name, (path, body) in CASES.items():
+                extra = {} if path == "/v1/responses" else {"ignore_eos": True}
+                gc.collect()
+                tracemalloc.start()
+                before = tracemalloc.get_traced_memory()[0]
+                request = asyncio.create_task(
+                    client.post(path, json={"model": model.name, **extra, **body}, timeout=3000)
+                )
+                charged = 0
+                while not request.done():
+                    charged = max(charged, budget.held)
+                    await asyncio.sleep(0.01)
+                response = await request
+                assert response.status_code == 200, response.text[:300]
+                del response
+                peak = tracemalloc.get_traced_memory()[1] - before
+                tracemalloc.stop()
+                print(
+                    f"| {name} | {peak / 2**20:.1f} MiB | {charged / 2**20:.1f} MiB | {peak / charged:.2f} |",
+                    flush=True,
+                )
+    finally:
+        engine.shutdown()
+
+
+def rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError("no VmRSS")
+
+
+def flood(model: Path, budget: str, clients: int) -> None:
+    flags = ("--max-num-seqs", "256", "--max-model-len", "8192", "--max-inflight-response-bytes", budget)
+    with LocalServer(str(model), *flags) as server:
+        pid = server.process.pid
+        base = peak = rss_mib(pid)
+        body = {"model": model.name, "messages": CHAT, "n": 8, "max_tokens": 1500, "logprobs": True,
+                "top_logprobs": 20, "ignore_eos": True}  # fmt: skip
+        statuses: list[int] = []
+
+        def ask() -> None:
+            statuses.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=3000).status_code)
+
+        threads = [threading.Thread(target=ask) for _ in range(clients)]
+        start = time.monotonic()
+        for thread in threads:
+            thread.start()
+        while any(thread.is_alive() for thread in threads):
+            peak = max(peak, rss_mib(pid))
+            time.sleep(0.2)
+        counts = {code: statuses.count(code) for code in sorted(set(statuses))}
+        print(
+            f"| {budget} | {clients} x {len(httpx.Request('POST', '/', json=body).content)} B | {counts} | "
+            f"{base:,} MiB | {peak:,} MiB | +{peak - base:,} MiB | {time.monotonic() - start:.0f} s |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=["charges", "flood", "both"], default="both")
+    parser.add_argument("--clients", type=int, default=6)
+    args = parser.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f}; CPU flags: {cpu_flags()}")
+    with tempfile.TemporaryDirectory() as scratch:
+        model = tiny_chat_model(Path(scratch) / "tiny-chat")
+        if args.part in ("charges", "both"):
+            asyncio.run(charges(model))
+        if args.part in ("flood", "both"):
+            print("\n| --max-inflight-response-bytes | requests | statuses | RSS before | RSS peak | grew | wall |")
+            print("|---|---:|---|---:|---:|---:|---:|")
+            for budget in (str(1 << 40), str(512 << 20)):
+                flood(model, budget, args.clients)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

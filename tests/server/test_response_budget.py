@@ -1,0 +1,133 @@
+"""The response budget (--max-inflight-response-bytes): what a request may make the server hold is charged at
+admission, and all requests in flight stay within the budget, whatever n, max_tokens and logprobs they ask for."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import tracemalloc
+
+import httpx
+import openai
+import pytest
+from server_process import HeldRequest, ServerProcess, poll_until
+
+from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
+from tokenloom.config import ServerConfig
+from tokenloom.sampling_params import SamplingParams
+from tokenloom.server.errors import APIError
+from tokenloom.server.launch import build_server
+from tokenloom.server.response_budget import ResponseBudget, response_charge
+
+KIB = 1024
+
+
+def test_a_request_is_charged_its_fixed_cost_its_held_tokens_and_its_logprobs():
+    plain = SamplingParams(max_tokens=100)
+    assert response_charge([7], [plain], n=1) == 64 * KIB + 16 * KIB  # a lone sequence's tokens: bounded by the KV
+    # Two choices: each one's tokens wait for the other's, 256 B each.
+    assert response_charge([7], [plain], n=2) == 64 * KIB + 2 * 16 * KIB + 2 * 100 * 256
+    assert response_charge([7, 9], [plain, plain], n=1) == 64 * KIB + 2 * 16 * KIB + 2 * 100 * 256
+    # Logprobs 5: each token's own, five alternatives and the entry, 1,280 B each.
+    assert response_charge([7], [SamplingParams(max_tokens=100, logprobs=5)], n=1) == 80 * KIB + 100 * 7 * 1280
+    # The prompt's logprobs: per prompt token, whatever the output.
+    echo = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    assert response_charge([10], [echo], n=1) == 80 * KIB + 10 * 2 * 1280
+
+
+def test_the_budget_refuses_what_can_never_fit_and_what_does_not_fit_now():
+    budget = ResponseBudget(1000)
+    with pytest.raises(APIError) as alone:
+        budget.take(1001)
+    assert alone.value.status == 400 and alone.value.code == "response_too_large"
+    budget.take(600)
+    with pytest.raises(APIError) as now:
+        budget.take(500)
+    assert now.value.status == 429 and now.value.headers["Retry-After"] == "1"
+    budget.take(400)
+    budget.give_back(600)
+    budget.take(500)
+    assert budget.held == 900
+
+
+HOLD = {"model": "tiny", "prompt": "hold", "max_tokens": 1900, "logprobs": 5, "ignore_eos": True}
+HOLD_CHARGE = 80 * KIB + 1900 * 7 * 1280  # 17.1 MB
+
+
+def test_requests_in_flight_stay_within_the_budget_and_give_it_back_when_they_end(tiny_chat_model):
+    """A 24 MiB budget: a streamed request with logprobs holds 17 MB of it; the same request beside it gets 429 (a
+    plain request beside it is served), two choices of it can never fit (400, through the official client), and once
+    the first hangs up its charge comes back and the same request is served."""
+    budget = 24 << 20
+    assert HOLD_CHARGE < budget < 2 * HOLD_CHARGE
+    limit = ("--max-inflight-response-bytes", str(budget), "--max-model-len", "2048")
+    with ServerProcess(str(tiny_chat_model), "--served-model-name", "tiny", *limit) as proc:
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as alone:
+            client.completions.create(model="tiny", prompt="hold", max_tokens=1900, logprobs=5, n=2)
+        assert alone.value.code == "response_too_large" and "--max-inflight-response-bytes" in alone.value.message
+        held = HeldRequest(f"{proc.url}/v1/completions", HOLD)
+        try:
+            assert poll_until(lambda: held.status, lambda status: status is not None) == 200  # admitted
+            beside = httpx.post(f"{proc.url}/v1/completions", json=HOLD, timeout=60)
+            assert beside.status_code == 429 and beside.headers["Retry-After"] == "1", beside.text
+            assert beside.json()["error"]["code"] == "response_budget_full"
+            plain = client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
+            assert plain.choices[0].finish_reason == "length"
+        finally:
+            held.release()
+        served = poll_until(
+            lambda: httpx.post(f"{proc.url}/v1/completions", json={**HOLD, "max_tokens": 20}, timeout=60).status_code,
+            lambda status: status == 200,
+        )
+        assert served == 200
+        assert proc.metric('tokenloom:requests_rejected_total{reason="response_too_large"}') == 1
+        assert proc.metric('tokenloom:requests_rejected_total{reason="response_budget_full"}') >= 1
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": CHAT, "n": 4, "max_tokens": 100, "logprobs": True, "top_logprobs": 20}),
+        ("/v1/completions", {"prompt": "one two three " * 60, "echo": True, "max_tokens": 1, "logprobs": 20}),
+        ("/v1/completions", {"prompt": "hi", "n": 64, "max_tokens": 50}),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 128, "max_tokens": 1}),
+    ],
+    ids=["chat-top-logprobs", "completions-echo", "completions-n", "chat-n-one-token"],
+)
+def test_what_a_request_holds_stays_under_its_charge(tiny_chat_model, path, body):
+    """Traced in one process, a request's memory at its peak (held outputs, the rendered response) is under what
+    the budget charged it: the charge's figures are upper bounds (benchmarks/response_memory.py, every kind)."""
+    args = build_parser().parse_args(["serve", str(tiny_chat_model), "--served-model-name", "tiny"])
+    args.model = args.model_tag
+    app, engine = build_server(config_from_args(ServerConfig, args), engine_config_from_args(args))
+    budget = app.state.tokenloom.response_budget
+
+    async def traced_peak_and_charge() -> tuple[int, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            gc.collect()
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            try:
+                request = asyncio.create_task(client.post(path, json={"model": "tiny", "ignore_eos": True, **body}))
+                charged = 0
+                while not request.done():
+                    charged = max(charged, budget.held)
+                    await asyncio.sleep(0.005)
+                response = await request
+                assert response.status_code == 200, response.text
+                del response
+                return tracemalloc.get_traced_memory()[1] - before, charged
+            finally:
+                tracemalloc.stop()
+
+    engine.start()
+    try:
+        peak, charged = asyncio.run(traced_peak_and_charge())
+    finally:
+        engine.shutdown()
+    assert budget.held == 0, "the charge came back"
+    assert 0 < peak < charged, (peak, charged)
