@@ -69,6 +69,7 @@ def test_requests_in_flight_stay_within_the_budget_and_give_it_back_when_they_en
         held = HeldRequest(f"{proc.url}/v1/completions", HOLD)
         try:
             assert poll_until(lambda: held.status, lambda status: status is not None) == 200  # admitted
+            assert proc.metric("tokenloom:inflight_response_bytes") == HOLD_CHARGE
             beside = httpx.post(f"{proc.url}/v1/completions", json=HOLD, timeout=60)
             assert beside.status_code == 429 and beside.headers["Retry-After"] == "1", beside.text
             assert beside.json()["error"]["code"] == "response_budget_full"
@@ -81,6 +82,7 @@ def test_requests_in_flight_stay_within_the_budget_and_give_it_back_when_they_en
             lambda status: status == 200,
         )
         assert served == 200
+        assert proc.wait_for_metric("tokenloom:inflight_response_bytes", lambda held: held == 0) == 0
         assert proc.metric('tokenloom:requests_rejected_total{reason="response_too_large"}') == 1
         assert proc.metric('tokenloom:requests_rejected_total{reason="response_budget_full"}') >= 1
 

@@ -75,6 +75,8 @@ def build_app(
         replica_id,
         ResponseBudget(max_inflight_response_bytes),
     )
+    budget = app.state.tokenloom.response_budget
+    metrics.response_bytes.set_function(lambda: budget.held)
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
     routers = [health.router, completions.router, chat.router, responses_api.router, tokenization.router]

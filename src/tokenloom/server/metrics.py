@@ -129,6 +129,9 @@ class ServerMetrics:
         """Per request, as each finishes or is refused: its latencies, its tokens and its parameters."""
         self.success = f.counter("request_success", "Finished requests.", ("finished_reason",))
         self.rejected = f.counter("requests_rejected", "Requests refused at admission.", ("reason", "tenant"))
+        self.response_bytes = f.gauge(
+            "inflight_response_bytes", "Of --max-inflight-response-bytes, the bytes charged to requests in flight."
+        )
         self.ttft = f.histogram("time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS)
         self.itl = f.histogram("inter_token_latency_seconds", "Time between two tokens of a request.", _ITL_BUCKETS)
         self.tpot = f.histogram(
