@@ -1,6 +1,7 @@
-"""What a request's response holds of the server's memory, against what --max-inflight-response-bytes charges it.
+"""What a request's response holds of the server's memory, against what --max-inflight-response-bytes charges it;
+and what tokenizing large prompts holds, within the server's text budget.
 
-    .venv/bin/python benchmarks/response_memory.py [--part charges|flood|both]
+    .venv/bin/python benchmarks/response_memory.py [--part charges|flood|prompts|all] [--source CHECKOUT]
 
 A tiny random Llama with SmolLM2's tokenizer (the tests' tiny chat model: fast steps, real text), ignore_eos.
 
@@ -10,6 +11,9 @@ charges: one request of each kind at a time, served in this process (httpx over 
 flood: a real server (uvicorn), and CLIENTS requests at once, each a ~200-byte chat body asking for n = 8, 1,500
     tokens and top_logprobs 20; the server's resident memory at its peak, with the default budget made small
     (512 MiB) and with it out of the way (1 TiB): what one client could take before, and what it can now.
+prompts: a real server, CLIENTS completions at once (three rounds), each a 1 MB prompt of numbers (one token a digit:
+    ~960,000 tokens, refused after tokenizing as over the context); the server's resident memory at its peak. With
+    --source, the server runs that checkout's code (PYTHONPATH), to compare with a commit before the text budget.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import os
+import random
 import shutil
 import tempfile
 import threading
@@ -149,21 +154,55 @@ def flood(model: Path, budget: str, clients: int) -> None:
         )
 
 
+def big_prompts(model: Path, clients: int, source: str | None) -> None:
+    rng = random.Random(0)
+    text = " ".join(str(rng.randrange(10**6)) for _ in range(140_000))[:1_000_000]
+    env = None if source is None else {"PYTHONPATH": str(Path(source) / "src")}
+    with LocalServer(str(model), "--max-model-len", "8192", env=env) as server:
+        pid = server.process.pid
+        base = peak = rss_mib(pid)
+        statuses: list[int] = []
+
+        def ask() -> None:
+            body = {"model": model.name, "prompt": text, "max_tokens": 1}
+            statuses.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).status_code)
+
+        start = time.monotonic()
+        for _ in range(3):
+            threads = [threading.Thread(target=ask) for _ in range(clients)]
+            for thread in threads:
+                thread.start()
+            while any(thread.is_alive() for thread in threads):
+                peak = max(peak, rss_mib(pid))
+                time.sleep(0.05)
+        counts = {code: statuses.count(code) for code in sorted(set(statuses))}
+        print(
+            f"| {source or 'this checkout'} | 3 x {clients} x 1 MB | {counts} | {base:,} MiB | {peak:,} MiB | "
+            f"+{peak - base:,} MiB | {time.monotonic() - start:.0f} s |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["charges", "flood", "both"], default="both")
+    parser.add_argument("--part", choices=["charges", "flood", "prompts", "all"], default="all")
     parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--source", help="another checkout whose server the prompts part runs (PYTHONPATH)")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}; CPU flags: {cpu_flags()}")
     with tempfile.TemporaryDirectory() as scratch:
         model = tiny_chat_model(Path(scratch) / "tiny-chat")
-        if args.part in ("charges", "both"):
+        if args.part in ("charges", "all"):
             asyncio.run(charges(model))
-        if args.part in ("flood", "both"):
+        if args.part in ("flood", "all"):
             print("\n| --max-inflight-response-bytes | requests | statuses | RSS before | RSS peak | grew | wall |")
             print("|---|---:|---|---:|---:|---:|---:|")
             for budget in (str(1 << 40), str(512 << 20)):
                 flood(model, budget, args.clients)
+        if args.part in ("prompts", "all"):
+            print("\n| server | requests | statuses | RSS before | RSS peak | grew | wall |")
+            print("|---|---:|---|---:|---:|---:|---:|")
+            big_prompts(model, args.clients, args.source)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -1,10 +1,12 @@
 """The response budget (--max-inflight-response-bytes): what a request may make the server hold is charged at
-admission, and all requests in flight stay within the budget, whatever n, max_tokens and logprobs they ask for."""
+admission, and all requests in flight stay within the budget, whatever n, max_tokens and logprobs they ask for. And
+the text budget: how much text is tokenized at once."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import tracemalloc
 
 import httpx
@@ -18,6 +20,7 @@ from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.launch import build_server
 from tokenloom.server.response_budget import ResponseBudget, response_charge
+from tokenloom.server.text_budget import TextBudget
 
 KIB = 1024
 
@@ -133,3 +136,51 @@ def test_what_a_request_holds_stays_under_its_charge(tiny_chat_model, path, body
         engine.shutdown()
     assert budget.held == 0, "the charge came back"
     assert 0 < peak < charged, (peak, charged)
+
+
+def test_text_past_the_budget_waits_for_the_tokenizing_before_it_and_a_cancelled_one_holds_until_its_thread_ends():
+    """A budget of 10 characters: two texts of 8 run one after the other, never at once; a text of 50 runs alone
+    (it still runs); a request cancelled while its thread tokenizes keeps its characters until the thread ends."""
+    budget = TextBudget(10)
+    started: list[str] = []
+    gates = {name: threading.Event() for name in ("a", "b", "big", "cancelled")}
+
+    def tokenize(name: str) -> str:
+        started.append(name)
+        assert gates[name].wait(timeout=30)
+        return name
+
+    async def scenario() -> None:
+        first = asyncio.create_task(budget.run(8, tokenize, "a"))
+        second = asyncio.create_task(budget.run(8, tokenize, "b"))
+        await _until(lambda: started == ["a"])
+        await asyncio.sleep(0.05)  # the second has had its chances to start, and waits
+        assert started == ["a"] and budget.held == 8
+        gates["a"].set()
+        assert await first == "a"
+        await _until(lambda: started == ["a", "b"])
+        big = asyncio.create_task(budget.run(50, tokenize, "big"))  # clamped to the limit: waits for b
+        await asyncio.sleep(0.05)
+        assert started == ["a", "b"]
+        gates["b"].set()
+        assert await second == "b"
+        await _until(lambda: started[-1] == "big")
+        gates["big"].set()
+        assert await big == "big" and budget.held == 0
+        cancelled = asyncio.create_task(budget.run(10, tokenize, "cancelled"))
+        await _until(lambda: started[-1] == "cancelled")
+        cancelled.cancel()
+        await asyncio.sleep(0.05)
+        assert budget.held == 10  # the thread still tokenizes
+        gates["cancelled"].set()
+        await _until(lambda: budget.held == 0)
+
+    asyncio.run(scenario())
+
+
+async def _until(condition) -> None:
+    for _ in range(3000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")

@@ -29,6 +29,7 @@ from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.state import ServerState
 from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant, TenantLimiter
+from tokenloom.server.text_budget import TextBudget
 from tokenloom.server.tool_parsers import tool_parser
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_body"}
@@ -73,6 +74,7 @@ def build_app(
         ResponseStore(responses_store_bytes) if responses_store_bytes else None,
         prompt_tokens_details,
         replica_id,
+        TextBudget(2 * max_body_bytes),  # a body of the largest size the guard lets in always fits, two at once
         ResponseBudget(max_inflight_response_bytes),
     )
     budget = app.state.tokenloom.response_budget

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from tokenloom.server.response_models import (
 from tokenloom.server.serving import check_model, serve_generation
 from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
 from tokenloom.server.streaming import ChoiceChunks, text_deltas
+from tokenloom.server.text_budget import TextBudget
 from tokenloom.server.tool_calls import ForcedTool, forced_tool, new_call_id
 from tokenloom.server.tool_parsers import ToolCallParser, reply_calls
 
@@ -79,7 +79,7 @@ async def prepared_chat(state: ServerState, body: ChatCompletionRequest) -> Prep
     structured = forced.spec if forced is not None else body.structured_output()
     conversation = [m.for_template() for m in body.messages]
     tools = [tool.model_dump() for tool in body.tools] if body.tools and body.tool_choice != "none" else None
-    prompt_ids = await templated(tokenizer, conversation, body, tools=tools)
+    prompt_ids = await templated(state.text_budget, tokenizer, conversation, body, tools=tools)
     return PreparedChat(tokenizer, prompt_ids, forced, parser, structured)
 
 
@@ -199,6 +199,7 @@ def _required_delta(tool: ForcedTool, text: str) -> dict[str, Any]:
 
 
 async def templated(
+    budget: TextBudget,
     tokenizer: Tokenizer,
     conversation: list[dict[str, Any]],
     options: ChatTemplateOptions,
@@ -213,13 +214,18 @@ async def templated(
     arguments = dict(template_kwargs, add_generation_prompt=options.add_generation_prompt,
                      continue_final_message=options.continue_final_message, tools=tools)  # fmt: skip
     try:
-        ids = await asyncio.to_thread(_template_ids, tokenizer, conversation, arguments)
+        ids = await budget.run(_text_size(conversation, tools), _template_ids, tokenizer, conversation, arguments)
     except Exception as error:  # the template itself refuses a conversation (roles out of order, ...)
         raise APIError(400, f"the chat template could not render these messages: {error}", "messages") from error
     prompt_ids = list(ids)
     if not prompt_ids:
         raise APIError(400, "the prompt is empty", "messages", "invalid_value")
     return prompt_ids
+
+
+def _text_size(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """About the characters a conversation and its tools put through the template (what the text budget counts)."""
+    return sum(len(str(value)) for message in conversation for value in message.values()) + len(str(tools or ""))
 
 
 def _template_ids(tokenizer: Tokenizer, conversation: list[dict[str, Any]], arguments: dict[str, Any]) -> list[int]:

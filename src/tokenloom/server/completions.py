@@ -38,7 +38,7 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     check_model(body, state)
     body.refuse_unsupported()
     structured = body.structured_output()
-    prompts = [await tokenized(state.engine, prompt) for prompt in body.prompts()]
+    prompts = [await tokenized(state, prompt) for prompt in body.prompts()]
     shape = CompletionShape(
         state.engine.tokenizer, body.echo, body.return_tokens_as_token_ids, body.prompt_logprobs is not None
     )

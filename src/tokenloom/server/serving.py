@@ -236,10 +236,12 @@ def _priority(requested: int | None, tenant: Tenant) -> int:
     return tenant.priority if requested is None else max(requested, tenant.priority)
 
 
-async def tokenized(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
-    """Tokenizes in a worker thread, so a long prompt never stalls the event loop (and /health with it)."""
+async def tokenized(state: ServerState, prompt: str | list[int]) -> list[int]:
+    """Tokenizes in a worker thread, so a long prompt never stalls the event loop (and /health with it), within the
+    server's text budget."""
     try:
-        prompt_ids = await asyncio.to_thread(engine.tokenize, prompt)
+        size = len(prompt) if isinstance(prompt, str) else 0
+        prompt_ids = await state.text_budget.run(size, state.engine.tokenize, prompt)
     except ValueError as error:
         raise APIError(400, str(error), "prompt", "invalid_value") from error
     if not prompt_ids:

@@ -16,6 +16,7 @@ from tokenloom.server.response_budget import ResponseBudget
 from tokenloom.server.response_models import ErrorResponse
 from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.tenants import TenantLimiter
+from tokenloom.server.text_budget import TextBudget
 from tokenloom.server.tool_parsers import ToolCallParser
 
 logger = logging.getLogger("tokenloom.requests")
@@ -52,6 +53,7 @@ class ServerState:
     response_store: ResponseStore | None = None  # the Responses API's kept responses (--responses-store-bytes)
     prompt_tokens_details: bool = False  # usage says the prompt tokens the prefix cache served (vLLM's flag)
     replica_id: str | None = None  # the Ray Serve replica this server is, named in the ids of the responses it keeps
+    text_budget: TextBudget = field(default_factory=lambda: TextBudget(2 * ServerConfig.max_body_bytes))
     response_budget: ResponseBudget = field(
         default_factory=lambda: ResponseBudget(ServerConfig.max_inflight_response_bytes)
     )

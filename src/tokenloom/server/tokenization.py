@@ -26,9 +26,11 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> TokenizeResponse:
         raise APIError(400, "send exactly one of prompt and messages", "prompt", "invalid_value")
     if body.messages is not None:
         conversation = [m.for_template() for m in body.messages]
-        ids = await templated(tokenizer, conversation, body)
+        ids = await templated(state.text_budget, tokenizer, conversation, body)
     else:
-        ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens))
+        prompt, special = body.prompt, body.add_special_tokens
+        assert prompt is not None  # exactly one of the two, checked above
+        ids = list(await state.text_budget.run(len(prompt), tokenizer.encode, prompt, add_special_tokens=special))
     strs = [tokenizer.convert_ids_to_tokens(i) for i in ids] if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids, token_strs=strs)
 
