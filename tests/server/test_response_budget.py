@@ -36,6 +36,9 @@ def test_a_request_is_charged_its_fixed_cost_its_held_tokens_and_its_logprobs():
     # The prompt's logprobs: per prompt token, whatever the output.
     echo = SamplingParams(max_tokens=1, prompt_logprobs=0)
     assert response_charge([10], [echo], n=1) == 80 * KIB + 10 * 2 * 1280
+    # Streamed, a logprob is what the output side keeps of it (each chunk is rendered alone): 384 B.
+    streamed = SamplingParams(max_tokens=100, logprobs=5)
+    assert response_charge([7], [streamed], n=1, streamed=True) == 80 * KIB + 100 * 7 * 384
 
 
 def test_the_budget_refuses_what_can_never_fit_and_what_does_not_fit_now():
@@ -53,27 +56,29 @@ def test_the_budget_refuses_what_can_never_fit_and_what_does_not_fit_now():
     assert budget.held == 900
 
 
-HOLD = {"model": "tiny", "prompt": "hold", "max_tokens": 1900, "logprobs": 5, "ignore_eos": True}
-HOLD_CHARGE = 80 * KIB + 1900 * 7 * 1280  # 17.1 MB
+HELD = {"model": "tiny", "prompt": "hold", "max_tokens": 1900, "logprobs": 5, "ignore_eos": True}
+HELD_CHARGE = 80 * KIB + 1900 * 7 * 384  # streamed: 5.2 MB
+BESIDE = {"model": "tiny", "prompt": "beside", "max_tokens": 600, "logprobs": 20, "ignore_eos": True}
+BESIDE_CHARGE = 80 * KIB + 600 * 22 * 1280  # whole: 17.0 MB
 
 
 def test_requests_in_flight_stay_within_the_budget_and_give_it_back_when_they_end(tiny_chat_model):
-    """A 24 MiB budget: a streamed request with logprobs holds 17 MB of it; the same request beside it gets 429 (a
-    plain request beside it is served), two choices of it can never fit (400, through the official client), and once
-    the first hangs up its charge comes back and the same request is served."""
-    budget = 24 << 20
-    assert HOLD_CHARGE < budget < 2 * HOLD_CHARGE
+    """A 20 MiB budget: a stream with logprobs holds 5.2 MB of it; a request charged 17 MB beside it gets 429 (a plain
+    request beside it is served), two choices of that one can never fit (400, through the official client), and
+    once the stream hangs up its charge comes back and the 17 MB request is served."""
+    budget = 20 << 20
+    assert BESIDE_CHARGE < budget < HELD_CHARGE + BESIDE_CHARGE
     limit = ("--max-inflight-response-bytes", str(budget), "--max-model-len", "2048")
     with ServerProcess(str(tiny_chat_model), "--served-model-name", "tiny", *limit) as proc:
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError) as alone:
-            client.completions.create(model="tiny", prompt="hold", max_tokens=1900, logprobs=5, n=2)
+            client.completions.create(model="tiny", prompt="beside", max_tokens=600, logprobs=20, n=2)
         assert alone.value.code == "response_too_large" and "--max-inflight-response-bytes" in alone.value.message
-        held = HeldRequest(f"{proc.url}/v1/completions", HOLD)
+        held = HeldRequest(f"{proc.url}/v1/completions", HELD)
         try:
             assert poll_until(lambda: held.status, lambda status: status is not None) == 200  # admitted
-            assert proc.metric("tokenloom:inflight_response_bytes") == HOLD_CHARGE
-            beside = httpx.post(f"{proc.url}/v1/completions", json=HOLD, timeout=60)
+            assert proc.metric("tokenloom:inflight_response_bytes") == HELD_CHARGE
+            beside = httpx.post(f"{proc.url}/v1/completions", json=BESIDE, timeout=60)
             assert beside.status_code == 429 and beside.headers["Retry-After"] == "1", beside.text
             assert beside.json()["error"]["code"] == "response_budget_full"
             plain = client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
@@ -81,7 +86,7 @@ def test_requests_in_flight_stay_within_the_budget_and_give_it_back_when_they_en
         finally:
             held.release()
         served = poll_until(
-            lambda: httpx.post(f"{proc.url}/v1/completions", json={**HOLD, "max_tokens": 20}, timeout=60).status_code,
+            lambda: httpx.post(f"{proc.url}/v1/completions", json=BESIDE, timeout=60).status_code,
             lambda status: status == 200,
         )
         assert served == 200
@@ -100,8 +105,12 @@ CHAT = [{"role": "user", "content": "hi"}]
         ("/v1/completions", {"prompt": "one two three " * 60, "echo": True, "max_tokens": 1, "logprobs": 20}),
         ("/v1/completions", {"prompt": "hi", "n": 64, "max_tokens": 50}),
         ("/v1/chat/completions", {"messages": CHAT, "n": 128, "max_tokens": 1}),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "n": 4, "max_tokens": 100, "logprobs": True, "top_logprobs": 20, "stream": True},
+        ),
     ],
-    ids=["chat-top-logprobs", "completions-echo", "completions-n", "chat-n-one-token"],
+    ids=["chat-top-logprobs", "completions-echo", "completions-n", "chat-n-one-token", "chat-streamed-top-logprobs"],
 )
 def test_what_a_request_holds_stays_under_its_charge(tiny_chat_model, path, body):
     """Traced in one process, a request's memory at its peak (held outputs, the rendered response) is under what

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
@@ -77,14 +77,9 @@ def build_app(
         TextBudget(2 * max_body_bytes),  # a body of the largest size the guard lets in always fits, two at once
         ResponseBudget(max_inflight_response_bytes),
     )
-    budget = app.state.tokenloom.response_budget
-    metrics.response_bytes.set_function(lambda: budget.held)
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
     routers = [health.router, completions.router, chat.router, responses_api.router, tokenization.router]
-    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
-    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_middleware(
         Guard,
         max_body_bytes=max_body_bytes,
@@ -96,10 +91,18 @@ def build_app(
         max_inflight_body_bytes=max_inflight_body_bytes,
         body_timeout=body_timeout,
     )
+    _add_routes(app, routers)
+    return app
+
+
+def _add_routes(app: FastAPI, routers: list[APIRouter]) -> None:
+    """The endpoints, the handlers that word every error as OpenAI does, and the schema that says so."""
     for router in routers:
         app.include_router(router)
+    app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.openapi = lambda: _openapi_with_our_errors(app)  # type: ignore[method-assign]
-    return app
 
 
 async def _api_error(_: Request, error: APIError) -> JSONResponse:

@@ -28,21 +28,25 @@ REQUEST_BYTES = 64 << 10  # a queued request measured ~50 KiB of a real server's
 SEQUENCE_BYTES = 16 << 10  # a sequence's state in the core, the output side and the front: 7-15 KiB traced
 HELD_TOKEN_BYTES = 256  # a token of a finished choice, held and then rendered: 130-290 B traced
 LOGPROB_BYTES = 1280  # one logprob while held and rendered, the heaviest endpoint's: ~1,030 B traced (Responses API)
+STREAMED_LOGPROB_BYTES = 384  # one logprob of a stream: held as it comes, each chunk's rendered alone: ~280 B traced
 
 
-def response_charge(prompt_lengths: Sequence[int], params: Sequence[SamplingParams], n: int) -> int:
+def response_charge(
+    prompt_lengths: Sequence[int], params: Sequence[SamplingParams], n: int, streamed: bool = False
+) -> int:
     """The most a request's response can hold of the server's memory, in bytes (each prompt's params have their
-    max_tokens filled in)."""
+    max_tokens filled in). A stream's logprobs are never rendered all at once: they cost what the output side keeps."""
     sequences = len(prompt_lengths) * n
     charge = REQUEST_BYTES + sequences * SEQUENCE_BYTES
+    logprob_bytes = STREAMED_LOGPROB_BYTES if streamed else LOGPROB_BYTES
     for length, q in zip(prompt_lengths, params, strict=True):
         assert q.max_tokens is not None, "charged after the defaults are filled in"
         if sequences > 1:
             charge += n * q.max_tokens * HELD_TOKEN_BYTES
         if q.logprobs is not None:  # the token's own, its alternatives, and the entry that holds them
-            charge += n * q.max_tokens * (q.logprobs + 2) * LOGPROB_BYTES
+            charge += n * q.max_tokens * (q.logprobs + 2) * logprob_bytes
         if q.prompt_logprobs is not None:
-            charge += n * length * (q.prompt_logprobs + 2) * LOGPROB_BYTES
+            charge += n * length * (q.prompt_logprobs + 2) * logprob_bytes
     return charge
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -84,7 +85,7 @@ async def _admitted(
     the request ends: here for a plain response, or by the streaming response once the lease is transferred.
     """
     tenant: Tenant = raw.state.tenant
-    limiter, n = state.limiter, body.n
+    n = body.n
     sequences = len(prompts) * n
     params, charge = _params_within_limits(state, tenant, body, prompts, logprobs, structured)
     if state.log_requests:
@@ -92,12 +93,7 @@ async def _admitted(
             shown = prompt if state.max_log_len is None else prompt[: state.max_log_len]
             logger.info("Received request %s (tenant %s, n=%d): prompt_token_ids: %s, params: %s",
                         request_id, tenant.name, n, shown, q)  # fmt: skip
-
-    def release() -> None:
-        limiter.release(tenant, sequences)
-        state.response_budget.give_back(charge)
-
-    lease = Lease(release)
+    lease = Lease(functools.partial(_give_back, state, tenant, sequences, charge))
     priority = _priority(body.priority, tenant)
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
     submitted: list[AsyncGenerator[RequestOutput]] = []
@@ -156,7 +152,7 @@ def _params_within_limits(
             max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
             params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
         tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
-        charge = response_charge([len(p) for p in prompts], params, n)
+        charge = response_charge([len(p) for p in prompts], params, n, streamed=bool(body.stream))
         state.response_budget.take(charge)
         try:
             limiter.acquire(tenant, tokens, sequences)
@@ -169,6 +165,12 @@ def _params_within_limits(
     for q in params:
         metrics.admitted_request(q.max_tokens, n)
     return params, charge
+
+
+def _give_back(state: ServerState, tenant: Tenant, sequences: int, charge: int) -> None:
+    """What an admitted request took: its tenant's sequences and its charge of the response budget."""
+    state.limiter.release(tenant, sequences)
+    state.response_budget.give_back(charge)
 
 
 def _choice_params(params: SamplingParams, j: int) -> SamplingParams:

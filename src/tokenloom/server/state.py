@@ -59,6 +59,9 @@ class ServerState:
     )
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
+    def __post_init__(self) -> None:
+        self.metrics.response_bytes.set_function(lambda: self.response_budget.held)
+
 
 def server_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.tokenloom
