@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +128,23 @@ def rss_mib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+def peak_rss_while_asking(pid: int, ask: Callable[[], None], clients: int, rounds: int) -> tuple[int, float]:
+    """Rounds of `clients` threads each calling ask() once; the server's peak resident memory (MiB), the wall time."""
+    peak, start = rss_mib(pid), time.monotonic()
+    for _ in range(rounds):
+        threads = [threading.Thread(target=ask) for _ in range(clients)]
+        for thread in threads:
+            thread.start()
+        while any(thread.is_alive() for thread in threads):
+            peak = max(peak, rss_mib(pid))
+            time.sleep(0.05)
+    return peak, time.monotonic() - start
+
+
 def flood(model: Path, budget: str, clients: int) -> None:
     flags = ("--max-num-seqs", "256", "--max-model-len", "8192", "--max-inflight-response-bytes", budget)
     with LocalServer(str(model), *flags) as server:
-        pid = server.process.pid
-        base = peak = rss_mib(pid)
+        base = rss_mib(server.process.pid)
         body = {"model": model.name, "messages": CHAT, "n": 8, "max_tokens": 1500, "logprobs": True,
                 "top_logprobs": 20, "ignore_eos": True}  # fmt: skip
         statuses: list[int] = []
@@ -139,19 +152,10 @@ def flood(model: Path, budget: str, clients: int) -> None:
         def ask() -> None:
             statuses.append(httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=3000).status_code)
 
-        threads = [threading.Thread(target=ask) for _ in range(clients)]
-        start = time.monotonic()
-        for thread in threads:
-            thread.start()
-        while any(thread.is_alive() for thread in threads):
-            peak = max(peak, rss_mib(pid))
-            time.sleep(0.2)
-        counts = {code: statuses.count(code) for code in sorted(set(statuses))}
-        print(
-            f"| {budget} | {clients} x {len(httpx.Request('POST', '/', json=body).content)} B | {counts} | "
-            f"{base:,} MiB | {peak:,} MiB | +{peak - base:,} MiB | {time.monotonic() - start:.0f} s |",
-            flush=True,
-        )
+        peak, wall = peak_rss_while_asking(server.process.pid, ask, clients, rounds=1)
+        size = len(httpx.Request("POST", "/", json=body).content)
+        print(f"| {budget} | {clients} x {size} B | {counted(statuses)} | {base:,} MiB | {peak:,} MiB | "
+              f"+{peak - base:,} MiB | {wall:.0f} s |", flush=True)  # fmt: skip
 
 
 def big_prompts(model: Path, clients: int, source: str | None) -> None:
@@ -159,28 +163,20 @@ def big_prompts(model: Path, clients: int, source: str | None) -> None:
     text = " ".join(str(rng.randrange(10**6)) for _ in range(140_000))[:1_000_000]
     env = None if source is None else {"PYTHONPATH": str(Path(source) / "src")}
     with LocalServer(str(model), "--max-model-len", "8192", env=env) as server:
-        pid = server.process.pid
-        base = peak = rss_mib(pid)
+        base = rss_mib(server.process.pid)
         statuses: list[int] = []
 
         def ask() -> None:
             body = {"model": model.name, "prompt": text, "max_tokens": 1}
             statuses.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).status_code)
 
-        start = time.monotonic()
-        for _ in range(3):
-            threads = [threading.Thread(target=ask) for _ in range(clients)]
-            for thread in threads:
-                thread.start()
-            while any(thread.is_alive() for thread in threads):
-                peak = max(peak, rss_mib(pid))
-                time.sleep(0.05)
-        counts = {code: statuses.count(code) for code in sorted(set(statuses))}
-        print(
-            f"| {source or 'this checkout'} | 3 x {clients} x 1 MB | {counts} | {base:,} MiB | {peak:,} MiB | "
-            f"+{peak - base:,} MiB | {time.monotonic() - start:.0f} s |",
-            flush=True,
-        )
+        peak, wall = peak_rss_while_asking(server.process.pid, ask, clients, rounds=3)
+        print(f"| {source or 'this checkout'} | 3 x {clients} x 1 MB | {counted(statuses)} | {base:,} MiB | "
+              f"{peak:,} MiB | +{peak - base:,} MiB | {wall:.0f} s |", flush=True)  # fmt: skip
+
+
+def counted(statuses: list[int]) -> dict[int, int]:
+    return {code: statuses.count(code) for code in sorted(set(statuses))}
 
 
 def main() -> None:
