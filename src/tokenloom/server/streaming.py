@@ -203,7 +203,8 @@ async def collect_finals(streams: list[AsyncIterator[RequestOutput]], receive: R
 
 
 class Lease:
-    """A tenant's concurrency slot, released exactly once, by whoever holds it last."""
+    """What an admitted request holds (its tenant's concurrency slot, its charge of the response budget), released
+    exactly once, by whoever holds it last."""
 
     def __init__(self, release: Callable[[], None] | None) -> None:
         self._release = release
