@@ -29,7 +29,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (401, "Missing or wrong API key"),
         (404, "Unknown model"),
         (413, "Request body too large"),
-        (429, "Over a rate, concurrency or queue limit (see Retry-After)"),
+        (429, "Over a rate, concurrency, queue or memory limit (see Retry-After)"),
         (503, "Waited too long in the queue, or the server is shutting down"),
     )
 }
