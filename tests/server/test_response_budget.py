@@ -44,15 +44,15 @@ def test_a_request_is_charged_its_fixed_cost_its_held_tokens_and_its_logprobs():
 def test_the_budget_refuses_what_can_never_fit_and_what_does_not_fit_now():
     budget = ResponseBudget(1000)
     with pytest.raises(APIError) as alone:
-        budget.take(1001)
+        budget.take_or_refuse(1001)
     assert alone.value.status == 400 and alone.value.code == "response_too_large"
-    budget.take(600)
+    budget.take_or_refuse(600)
     with pytest.raises(APIError) as now:
-        budget.take(500)
+        budget.take_or_refuse(500)
     assert now.value.status == 429 and now.value.headers["Retry-After"] == "1"
-    budget.take(400)
+    budget.take_or_refuse(400)
     budget.give_back(600)
-    budget.take(500)
+    budget.take_or_refuse(500)
     assert budget.held == 900
 
 
@@ -164,7 +164,7 @@ def test_text_past_the_budget_waits_for_the_tokenizing_before_it_and_a_cancelled
         second = asyncio.create_task(budget.run(8, tokenize, "b"))
         await _until(lambda: started == ["a"])
         await asyncio.sleep(0.05)  # the second has had its chances to start, and waits
-        assert started == ["a"] and budget.held == 8
+        assert started == ["a"] and budget.chars.held == 8
         gates["a"].set()
         assert await first == "a"
         await _until(lambda: started == ["a", "b"])
@@ -175,14 +175,14 @@ def test_text_past_the_budget_waits_for_the_tokenizing_before_it_and_a_cancelled
         assert await second == "b"
         await _until(lambda: started[-1] == "big")
         gates["big"].set()
-        assert await big == "big" and budget.held == 0
+        assert await big == "big" and budget.chars.held == 0
         cancelled = asyncio.create_task(budget.run(10, tokenize, "cancelled"))
         await _until(lambda: started[-1] == "cancelled")
         cancelled.cancel()
         await asyncio.sleep(0.05)
-        assert budget.held == 10  # the thread still tokenizes
+        assert budget.chars.held == 10  # the thread still tokenizes
         gates["cancelled"].set()
-        await _until(lambda: budget.held == 0)
+        await _until(lambda: budget.chars.held == 0)
 
     asyncio.run(scenario())
 

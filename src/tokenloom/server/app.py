@@ -74,7 +74,7 @@ def build_app(
         ResponseStore(responses_store_bytes) if responses_store_bytes else None,
         prompt_tokens_details,
         replica_id,
-        TextBudget(2 * max_body_bytes),  # a body of the largest size the guard lets in always fits, two at once
+        TextBudget.for_bodies_up_to(max_body_bytes),
         ResponseBudget(max_inflight_response_bytes),
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))

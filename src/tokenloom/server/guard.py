@@ -36,8 +36,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
 
 
-class BodyBudget:
-    """The bytes of request bodies held by requests in flight, against a limit (one event loop: no lock)."""
+class ByteBudget:
+    """Bytes (or characters) held by requests in flight, against a limit, taken and given back on one event loop (no
+    lock): the bodies read (here), what responses may hold (response_budget.py), the text being tokenized
+    (text_budget.py)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -51,7 +53,7 @@ class BodyBudget:
 
     def give_back(self, size: int) -> None:
         self.held -= size
-        assert self.held >= 0, "a request gave back more body bytes than it took"
+        assert self.held >= 0, "a request gave back more than it took"
 
 
 class BodyReader:
@@ -67,7 +69,7 @@ class BodyReader:
     ) -> None:
         self.max_body_bytes = max_body_bytes
         self.on_reject = on_reject
-        self.budget = BodyBudget(max_inflight_body_bytes if max_inflight_body_bytes is not None else 2**62)
+        self.budget = ByteBudget(max_inflight_body_bytes if max_inflight_body_bytes is not None else 2**62)
         self.body_timeout = body_timeout
 
     async def read(self, receive: Receive) -> bytes | None:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.errors import APIError
+from tokenloom.server.guard import ByteBudget
 
 REQUEST_BYTES = 64 << 10  # a queued request measured ~50 KiB of a real server's RSS, connection included
 SEQUENCE_BYTES = 16 << 10  # a sequence's state in the core, the output side and the front: 7-15 KiB traced
@@ -50,15 +51,10 @@ def response_charge(
     return charge
 
 
-class ResponseBudget:
-    """The bytes charged to requests in flight, against a limit (taken and given back on the event loop)."""
+class ResponseBudget(ByteBudget):
+    """The bytes charged to requests in flight, against a limit; a refusal is an API error."""
 
-    def __init__(self, limit: int) -> None:
-        assert limit > 0
-        self.limit = limit
-        self.held = 0
-
-    def take(self, charge: int) -> None:
+    def take_or_refuse(self, charge: int) -> None:
         """Takes a request's charge, or raises 400 (over the whole budget) or 429 (over what is left)."""
         if charge > self.limit:
             raise APIError(
@@ -69,7 +65,7 @@ class ResponseBudget:
                 None,
                 "response_too_large",
             )
-        if self.held + charge > self.limit:
+        if not self.take(charge):
             raise APIError(
                 429,
                 f"requests in flight hold {_mib(self.held)} of the server's {_mib(self.limit)} for responses "
@@ -78,11 +74,6 @@ class ResponseBudget:
                 "response_budget_full",
                 headers={"Retry-After": "1"},
             )
-        self.held += charge
-
-    def give_back(self, charge: int) -> None:
-        self.held -= charge
-        assert self.held >= 0, "a request gave back more than it was charged"
 
 
 def _mib(size: int) -> str:

@@ -153,7 +153,7 @@ def _params_within_limits(
             params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
         tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
         charge = response_charge([len(p) for p in prompts], params, n, streamed=bool(body.stream))
-        state.response_budget.take(charge)
+        state.response_budget.take_or_refuse(charge)
         try:
             limiter.acquire(tenant, tokens, sequences)
         except APIError:

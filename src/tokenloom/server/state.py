@@ -53,7 +53,7 @@ class ServerState:
     response_store: ResponseStore | None = None  # the Responses API's kept responses (--responses-store-bytes)
     prompt_tokens_details: bool = False  # usage says the prompt tokens the prefix cache served (vLLM's flag)
     replica_id: str | None = None  # the Ray Serve replica this server is, named in the ids of the responses it keeps
-    text_budget: TextBudget = field(default_factory=lambda: TextBudget(2 * ServerConfig.max_body_bytes))
+    text_budget: TextBudget = field(default_factory=lambda: TextBudget.for_bodies_up_to(ServerConfig.max_body_bytes))
     response_budget: ResponseBudget = field(
         default_factory=lambda: ResponseBudget(ServerConfig.max_inflight_response_bytes)
     )

@@ -15,6 +15,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tokenloom.server.guard import ByteBudget
+
 T = TypeVar("T")
 
 
@@ -23,23 +25,25 @@ class TextBudget:
 
     def __init__(self, limit: int) -> None:
         assert limit > 0
-        self.limit = limit
-        self.held = 0
+        self.chars = ByteBudget(limit)
         self._freed = asyncio.Event()
+
+    @classmethod
+    def for_bodies_up_to(cls, max_body_bytes: int) -> TextBudget:
+        """A budget where a body of the largest size the guard lets in always fits, two at once."""
+        return cls(2 * max_body_bytes)
 
     async def run(self, size: int, work: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """work(*args, **kwargs) in a worker thread once `size` characters fit; they are held until the thread
         ends, even if the request is cancelled before (a thread cannot be stopped)."""
-        size = min(size, self.limit)
-        while self.held + size > self.limit:
+        size = min(size, self.chars.limit)
+        while not self.chars.take(size):
             self._freed.clear()
             await self._freed.wait()
-        self.held += size
         future = asyncio.get_running_loop().run_in_executor(None, functools.partial(work, *args, **kwargs))
         future.add_done_callback(lambda _: self._give_back(size))
         return await asyncio.shield(future)
 
     def _give_back(self, size: int) -> None:
-        self.held -= size
-        assert self.held >= 0, "more characters given back than taken"
+        self.chars.give_back(size)
         self._freed.set()
