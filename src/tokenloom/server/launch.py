@@ -145,6 +145,7 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         with heap_frozen(collect_first=True):
             yield
         async_engine.draining = True
+        await app.state.tokenloom.background.stop()
         async_engine.shutdown()
 
     app.router.lifespan_context = lifespan

@@ -6,7 +6,9 @@ or arguments in deltas, its ``.done`` events, and last ``response.completed`` (`
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Annotated, Any, Literal
@@ -46,7 +48,8 @@ from tokenloom.server.responses_api_protocol import (
     response_id_prefix,
     response_settings,
 )
-from tokenloom.server.serving import check_model, serve_generation
+from tokenloom.server.responses_background import UNFINISHED
+from tokenloom.server.serving import check_model, generate_in_background, serve_generation
 from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
 from tokenloom.server.streaming import UsageCount, text_deltas, usage_of
 from tokenloom.server.tool_parsers import reply_calls
@@ -58,6 +61,7 @@ router = APIRouter()
 async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     state = server_state(raw)
     body.refuse_unsupported()
+    _check_background(state, body)
     tenant: str = raw.state.tenant.name
     earlier = _earlier_conversation(state, body, tenant)
     chat = _chat_request(body, earlier)
@@ -70,7 +74,47 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     keep = None if store is None else lambda response: _keep(store, tenant, conversation, response)
     shape = ResponsesShape(body, prepared, keep, state.replica_id)
     logprobs = body.logprobs()
+    if body.background:
+        return await _in_background(state, raw, (chat, prepared), shape, conversation, logprobs)
     return await serve_generation(state, raw, chat, [prepared.prompt_ids], logprobs, shape, prepared.structured)
+
+
+def _check_background(state: ServerState, body: ResponsesRequest) -> None:
+    if not body.background:
+        return
+    if body.store is False or state.response_store is None:
+        why = "store is false" if body.store is False else "this server keeps no responses (--responses-store-bytes 0)"
+        raise APIError(400, f"a background response is kept to be read back, but {why}", "background", "invalid_value")
+    if body.stream:
+        raise APIError(400, "background with stream is not supported: poll GET /v1/responses/{id}", "stream",
+                       "unsupported")  # fmt: skip
+
+
+async def _in_background(
+    state: ServerState,
+    raw: Request,
+    request: tuple[ChatCompletionRequest, PreparedChat],
+    shape: ResponsesShape,
+    conversation: list[ConversationItem],
+    logprobs: int | None,
+) -> Response:
+    """background: admitted now (a refusal is this request's answer), answered at once as queued; the reply is
+    generated in a task of its own and read back from the store (responses_background.py)."""
+    chat, prepared = request
+    background, tenant = state.background, raw.state.tenant.name
+    response_id, created = f"{shape.id_prefix}{uuid.uuid4().hex}", int(time.time())
+    queued = shape.queued(response_id, created, state.model_name)
+    background.begin(response_id, tenant, conversation, queued)
+    try:
+        task = await generate_in_background(
+            state, raw, chat, prepared.prompt_ids, logprobs, shape, prepared.structured, (response_id, created),
+            functools.partial(background.started, response_id), functools.partial(background.ended, response_id),
+        )  # fmt: skip
+    except BaseException:
+        background.forget(response_id)
+        raise
+    background.run(response_id, task)
+    return JSONResponse(queued.model_dump(mode="json"))
 
 
 @router.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **ERROR_RESPONSES})
@@ -81,11 +125,27 @@ async def retrieve_response(response_id: str, raw: Request) -> Response:
 
 @router.delete("/v1/responses/{response_id}", responses=ERROR_RESPONSES)
 async def delete_response(response_id: str, raw: Request) -> Response:
-    state = server_state(raw)
+    state, tenant = server_state(raw), raw.state.tenant.name
     store = state.response_store
-    if store is None or not store.delete(response_id, raw.state.tenant.name):
+    await state.background.cancel(response_id, tenant)  # a background response still running ends first
+    if store is None or not store.delete(response_id, tenant):
         raise _not_found(state, response_id, "response_id")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.post("/v1/responses/{response_id}/cancel", responses={200: {"model": ResponseObject}, **ERROR_RESPONSES})
+async def cancel_response(response_id: str, raw: Request) -> Response:
+    """Ends a background response still queued or in progress (its request aborted), as OpenAI's; cancelling it again
+    answers the same."""
+    state, tenant = server_state(raw), raw.state.tenant.name
+    cancelled = await state.background.cancel(response_id, tenant)
+    if cancelled is not None:
+        return JSONResponse(cancelled)
+    body = _stored(state, response_id, tenant).body
+    if body["status"] != "cancelled":
+        why = f"it has ended ({body['status']})" if body.get("background") else "only a background response can be"
+        raise APIError(400, f"response {response_id!r} cannot be cancelled: {why}", "response_id", "invalid_value")
+    return JSONResponse(body)
 
 
 def _chat_request(body: ResponsesRequest, earlier: list[ConversationItem], drop: int = 0) -> ChatCompletionRequest:
@@ -150,11 +210,18 @@ def _earlier_conversation(state: ServerState, body: ResponsesRequest, tenant: st
     """The conversation a request continues: its previous response's, whole (input and output items)."""
     if body.previous_response_id is None:
         return []
-    return list(_stored(state, body.previous_response_id, tenant, "previous_response_id").conversation)
+    previous = _stored(state, body.previous_response_id, tenant, "previous_response_id")
+    if previous.body["status"] in UNFINISHED:
+        raise APIError(400, f"response {body.previous_response_id!r} is still {previous.body['status']}: continue it "
+                       "once it has ended", "previous_response_id", "invalid_value")  # fmt: skip
+    return list(previous.conversation)
 
 
 def _stored(state: ServerState, response_id: str, tenant: str, param: str = "response_id") -> StoredResponse:
-    entry = state.response_store.get(response_id, tenant) if state.response_store is not None else None
+    """A kept response, or a background one still running."""
+    entry = state.background.get(response_id, tenant)
+    if entry is None and state.response_store is not None:
+        entry = state.response_store.get(response_id, tenant)
     if entry is None:
         raise _not_found(state, response_id, param)
     return entry
@@ -205,6 +272,10 @@ class ResponsesShape:
         token_logprobs = chat_logprobs_body(final, self.namer)["content"] if logprobs else []
         items = self._items(completion.text, cut, token_logprobs)
         return self._kept(self._object(request_id, created, model, items, cut, _usage(usage, final)))
+
+    def queued(self, request_id: str, created: int, model: str) -> ResponseObject:
+        """A background response as it is first answered."""
+        return self._object(request_id, created, model, [], False, None, status="queued")
 
     def _kept(self, response: ResponseObject) -> ResponseObject:
         """The finished response, kept if it is to be; one larger than the whole store says it was not."""

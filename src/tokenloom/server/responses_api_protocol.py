@@ -133,8 +133,7 @@ class TextConfig(_Strict):
 
 ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
 # Fields OpenAI's Responses API has that tokenloom does not implement: refused by name when set, never dropped.
-UNSUPPORTED = ("conversation", "prompt", "reasoning", "background", "max_tool_calls",
-               "context_management")  # fmt: skip
+UNSUPPORTED = ("conversation", "prompt", "reasoning", "max_tool_calls", "context_management")
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` a model server can honour
 
 
@@ -164,11 +163,11 @@ class ResponsesRequest(_Body):
     include: list[Text] | None = None  # OUTPUT_LOGPROBS only
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # alternatives per token, with OUTPUT_LOGPROBS
     previous_response_id: Text | None = None  # the kept response whose conversation this continues
+    background: bool | None = None  # generated apart from this request; polled, or cancelled (responses_background.py)
     # Refused when set (UNSUPPORTED).
     conversation: Any = None
     prompt: Any = None
     reasoning: Any = None
-    background: bool | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     context_management: Any = None
 
@@ -260,7 +259,7 @@ def _chat_tool_choice(choice: ToolChoice) -> Literal["none", "auto", "required"]
 # The response object.
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
-ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+ResponseStatus = Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
 
 
 class OutputText(BaseModel):
@@ -354,6 +353,7 @@ def response_settings(request: ResponsesRequest) -> dict[str, Any]:
         "user": request.user,
         "previous_response_id": request.previous_response_id,
         "truncation": request.truncation or "disabled",
+        "background": bool(request.background),
     }
     return echoed if text is None else {**echoed, "text": text}
 

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
 from tokenloom.engine.structured_output import InvalidGrammar
@@ -21,6 +22,7 @@ from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
+from tokenloom.server.guard import Message
 from tokenloom.server.protocol import DetokenizeRequest, StreamOptions, TokenizeRequest, _Common
 from tokenloom.server.response_budget import response_charge
 from tokenloom.server.state import ServerState, logger
@@ -60,10 +62,85 @@ async def serve_generation(
             )
             return await sse_response(shape, frames, lease.transfer(), raw.receive)
         finals = await collect_finals(streams, raw.receive)
-    usage_body = counting.of(sum(len(final.outputs[0].token_ids) for final in finals), dict(enumerate(finals)))
-    response = shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage_body)
+    response = _whole(state, shape, request_id, created, counting, finals, logprobs)
     # Straight to JSON bytes: model_dump() then json.dumps held a third copy of a response (its logprobs, mostly).
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def generate_in_background(
+    state: ServerState,
+    raw: Request,
+    body: _Common,
+    prompt: list[int],
+    logprobs: int | None,
+    shape: ResponseShape,
+    structured: StructuredOutputsParams | None,
+    named: tuple[str, int],
+    started: Callable[[], None],
+    ended: Callable[[BaseModel | APIError], None],
+) -> asyncio.Task[None]:
+    """serve_generation's whole response, generated in a task of its own that no hang-up cancels (the Responses API's
+    background mode). The request is admitted here, and a refusal raised to the caller; then the task holds its
+    lease, calls `started` at its first output and `ended` last, with the shape's whole response or the APIError
+    that cut it. Cancelling the task aborts the request. named: the response's id and creation time."""
+    request_id, created = named
+    prompts = _truncated([prompt], body.truncate_prompt_tokens, state.engine.max_model_len)
+    counting = UsageCount(len(prompts[0]), 1, state.prompt_tokens_details)
+    admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def generate() -> None:
+        try:
+            async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, _):
+                admitted.set_result(None)
+                finals = await collect_finals([_calling_at_first(s, started) for s in streams], _no_hang_up)
+            outcome: BaseModel | APIError = _whole(state, shape, request_id, created, counting, finals, logprobs)
+        except APIError as error:
+            if not admitted.done():
+                admitted.set_exception(error)
+                return
+            outcome = error
+        except Exception:
+            logger.exception("background request %s failed", request_id)
+            outcome = APIError(500, "the server failed while generating this response", None, "server_error")
+        except BaseException as error:  # cancelled: before admission, the caller hears it
+            if not admitted.done():
+                admitted.set_exception(error)
+            raise
+        ended(outcome)
+
+    task = asyncio.create_task(generate(), name=f"background {request_id}")
+    await admitted
+    return task
+
+
+def _whole(
+    state: ServerState,
+    shape: ResponseShape,
+    request_id: str,
+    created: int,
+    counting: UsageCount,
+    finals: list[RequestOutput],
+    logprobs: int | None,
+) -> BaseModel:
+    usage = counting.of(sum(len(final.outputs[0].token_ids) for final in finals), dict(enumerate(finals)))
+    return shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage)
+
+
+async def _calling_at_first(
+    stream: AsyncIterator[RequestOutput], call: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    first = True
+    async for output in stream:
+        if first:
+            call()
+            first = False
+        yield output
+
+
+async def _no_hang_up() -> Message:
+    """A background request's `receive`: no client waits on it, so none can hang up."""
+    await asyncio.get_running_loop().create_future()  # never done: cancelled when the outputs are whole
+    raise AssertionError("unreachable")
 
 
 @asynccontextmanager

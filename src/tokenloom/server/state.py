@@ -15,6 +15,7 @@ from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.response_budget import ResponseBudget
 from tokenloom.server.response_models import ErrorResponse
 from tokenloom.server.response_store import ResponseStore
+from tokenloom.server.responses_background import BackgroundResponses
 from tokenloom.server.tenants import TenantLimiter
 from tokenloom.server.text_budget import TextBudget
 from tokenloom.server.tool_parsers import ToolCallParser
@@ -59,8 +60,11 @@ class ServerState:
     )
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
+    background: BackgroundResponses = field(init=False)  # the Responses API's background responses still running
+
     def __post_init__(self) -> None:
         self.metrics.response_bytes.set_function(lambda: self.response_budget.held)
+        self.background = BackgroundResponses(self.response_store)
 
 
 def server_state(request: Request) -> ServerState:
