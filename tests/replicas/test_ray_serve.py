@@ -16,7 +16,13 @@ from server_process import poll_until
 
 from tokenloom.config import EngineConfig, ServerConfig
 from tokenloom.replicas.ray_serve import APP_NAME, build_ray_app, merge_expositions, start_ray
-from tokenloom.replicas.routing import PREFIX_CHARS, prefix_key, rendezvous_order, replica_keeping
+from tokenloom.replicas.routing import (
+    PREFIX_CHARS,
+    prefix_key,
+    rendezvous_order,
+    replica_keeping,
+    replica_named_in_path,
+)
 
 WORDS = ["river", "stone", "maple", "copper", "lantern", "meadow", "harbor", "velvet", "orbit", "willow", "amber"]
 
@@ -45,6 +51,15 @@ def test_the_key_is_the_prompts_leading_text_and_picks_a_stable_replica():
     continuing = json.loads(body(previous_response_id="resp_b2_0f3a", input="hi")["body"])
     assert replica_keeping(continuing, ["a1", "b2"]) == "b2" and replica_keeping(continuing, ["a1"]) is None
     assert replica_keeping({"previous_response_id": 7}, ["a1"]) is None and replica_keeping({}, ["a1"]) is None
+    # So does one whose path names a kept response: read, listed, cancelled or deleted.
+    for path in (
+        "/v1/responses/resp_b2_0f3a",
+        "/v1/responses/resp_b2_0f3a/input_items",
+        "/v1/responses/resp_b2_0f3a/cancel",
+    ):
+        assert replica_named_in_path({"path": path}, ["a1", "b2"]) == "b2"
+    assert replica_named_in_path({"path": "/v1/responses/resp_0f3a"}, ["a1", "b2"]) is None  # a single server's id
+    assert replica_named_in_path({"path": "/v1/models"}, ["a1"]) is None and replica_named_in_path({}, ["a1"]) is None
     assert prefix_key({"body": b""}) is None and prefix_key({"body": b"[1]"}) is None
     replicas = ["a1", "b2", "c3"]
     first = rendezvous_order("some prefix", replicas)[0]
@@ -184,6 +199,21 @@ def test_prefix_aware_routing_keeps_more_cache_hits_than_rays_default(tiny_chat_
                                        max_output_tokens=2)  # fmt: skip
         assert any(kept.id.startswith(f"resp_{replica}_") for replica in replicas), kept.id
         previous = kept.id
+    # Kept responses of many conversations (on both replicas) read back, and are deleted, wherever they are kept.
+    ids = [client.responses.create(model="tiny", input=f"Topic {n}: {document(n)}", max_output_tokens=2).id
+           for n in range(12)]  # fmt: skip
+    assert all(any(i.startswith(f"resp_{replica}_") for i in ids) for replica in replicas), ids
+    for response_id in ids:
+        assert client.responses.retrieve(response_id).id == response_id
+        assert client.responses.input_items.list(response_id).data
+        client.responses.delete(response_id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response_id)
+    background = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, background=True)
+    polled = poll_until(
+        lambda: client.responses.retrieve(background.id).status, lambda s: s in ("completed", "incomplete")
+    )
+    assert polled in ("completed", "incomplete")
     bad = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 0}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"  # the replica's own errors
     url = deploy(tiny_chat_model, ray_port, "power_of_two")

@@ -310,7 +310,7 @@ class Ingress:
         texts = await self.board.all.remote()
         return PlainTextResponse(merge_expositions(texts), media_type="text/plain; version=0.0.4")
 
-    @ingress_app.api_route("/{path:path}", methods=["GET", "POST"])
+    @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
         try:
             body = await self.bodies.read(request.receive)

@@ -12,8 +12,9 @@ the least loaded.
 The key is text, not tokens: the router runs in Ray's proxy and handles and should not tokenize; a prompt's
 leading characters determine its leading tokens for the same chat template and tokenizer.
 
-A /v1/responses request that continues a kept response (``previous_response_id``) goes to the replica that keeps it,
-named in the response's id (responses_api_protocol.response_id_prefix): no other replica has its conversation.
+A /v1/responses request that continues a kept response (``previous_response_id``), and one whose path names a
+response (reading, cancelling or deleting it), goes to the replica that keeps it, named in the response's id
+(responses_api_protocol.response_id_prefix), and to no other: no other replica has it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from tokenloom.server.responses_api_protocol import response_id_prefix
 
 PREFIX_CHARS = 256  # ~64 tokens of English text: the first four 16-token KV blocks
+RESPONSES_PATH = "/v1/responses/"
 
 
 def json_body(request: dict[str, Any]) -> dict[str, Any] | None:
@@ -48,9 +50,20 @@ def prefix_key(request: dict[str, Any]) -> str | None:
 def replica_keeping(body: dict[str, Any], replica_ids: list[str]) -> str | None:
     """The replica that keeps the response a /v1/responses request continues, if it is one of these."""
     previous = body.get("previous_response_id")
-    if not isinstance(previous, str):
+    return _replica_named(previous, replica_ids) if isinstance(previous, str) else None
+
+
+def replica_named_in_path(request: dict[str, Any], replica_ids: list[str]) -> str | None:
+    """The replica that keeps the response a forwarded request's path names (reading, listing its input items,
+    cancelling or deleting /v1/responses/{id}), if it is one of these."""
+    path = request.get("path")
+    if not isinstance(path, str) or not path.startswith(RESPONSES_PATH):
         return None
-    return next((rid for rid in replica_ids if previous.startswith(response_id_prefix(rid))), None)
+    return _replica_named(path.removeprefix(RESPONSES_PATH).split("/", 1)[0], replica_ids)
+
+
+def _replica_named(response_id: str, replica_ids: list[str]) -> str | None:
+    return next((rid for rid in replica_ids if response_id.startswith(response_id_prefix(rid))), None)
 
 
 def _key_of(body: dict[str, Any]) -> str | None:
@@ -89,13 +102,18 @@ class PrefixAwareRouter(RequestRouter):
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         by_load = sorted(candidate_replicas, key=_outstanding_tokens)
-        body = json_body(pending_request.args[0]) if pending_request and pending_request.args else None
+        request = pending_request.args[0] if pending_request and pending_request.args else {}
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        body = json_body(request)
+        keeping = replica_named_in_path(request, list(by_id))
+        if keeping is None and body is not None:
+            keeping = replica_keeping(body, list(by_id))
+        if keeping is not None:  # no other replica has that response: wait for this one, not a 404 from another
+            return [[by_id[keeping]]]
         key = None if body is None else _key_of(body)
         if key is None:
             return [by_load]
-        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        keeping = replica_keeping(body, list(by_id)) if body is not None else None
-        preferred = by_id[keeping or rendezvous_order(key, list(by_id))[0]]
+        preferred = by_id[rendezvous_order(key, list(by_id))[0]]
         return [[preferred], [r for r in by_load if r is not preferred]]
 
 
