@@ -380,6 +380,10 @@ class ServerConfig:
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
     """The model family's tool-call format: 'hermes' (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes) or
     'llama3_json' (a bare {"name", "parameters"} object: Llama 3.1, 3.2)."""
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    """A reasoning model's thought (<think>...</think>) apart from its answer, as vLLM's flag: the message's
+    `reasoning` (and `reasoning_content`), a reasoning item in /v1/responses. 'deepseek_r1': the reply thinks until
+    </think> (DeepSeek-R1, Qwen3's thinking-only models); 'qwen3': only a reply that opens with <think> thinks."""
     ray: bool = False
     """Serve num_replicas engine replicas behind Ray Serve's HTTP proxy (on host:port), each a whole tokenloom
     server; requests are routed by their prompt's leading text (replicas/routing.py)."""

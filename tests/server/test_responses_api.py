@@ -18,8 +18,8 @@ from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenloom.server.chat import PreparedChat
 from tokenloom.server.protocol import StreamOptions
 from tokenloom.server.response_store import ResponseStore
-from tokenloom.server.responses_api import ResponsesShape
 from tokenloom.server.responses_api_protocol import MessageItem, ResponsesRequest
+from tokenloom.server.responses_shape import ResponsesShape
 from tokenloom.server.streaming import UsageCount, usage_of
 from tokenloom.server.tool_parsers import tool_parser
 

@@ -24,6 +24,7 @@ from tokenloom.server import chat, completions, health, responses_api, tokenizat
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.reasoning import reasoning_parser
 from tokenloom.server.response_budget import ResponseBudget
 from tokenloom.server.response_store import ResponseStore
 from tokenloom.server.state import ServerState
@@ -46,6 +47,7 @@ def build_app(
     sampling_defaults: dict[str, float] | None = None,
     aliases: tuple[str, ...] = (),
     tool_call_parser: str | None = None,
+    reasoning_parser_name: str | None = None,
     log_requests: bool = False,
     max_log_len: int | None = None,
     root_path: str = "",
@@ -76,6 +78,7 @@ def build_app(
         replica_id,
         TextBudget.for_bodies_up_to(max_body_bytes),
         ResponseBudget(max_inflight_response_bytes),
+        reasoning_parser=reasoning_parser(reasoning_parser_name),
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]

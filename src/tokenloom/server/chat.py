@@ -24,6 +24,7 @@ from tokenloom.server.logprobs import (
     vllm_prompt_logprobs,
 )
 from tokenloom.server.protocol import ChatCompletionRequest, ChatTemplateOptions
+from tokenloom.server.reasoning import ReasoningParser, ReasoningStream
 from tokenloom.server.response_models import (
     AssistantMessage,
     ChatChoice,
@@ -52,7 +53,7 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
     shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, body.return_tokens_as_token_ids,
-                      body.prompt_logprobs is not None)  # fmt: skip
+                      body.prompt_logprobs is not None, prepared.reasoning)  # fmt: skip
     return await serve_generation(state, raw, body, [prepared.prompt_ids], logprobs, shape, prepared.structured)
 
 
@@ -65,6 +66,7 @@ class PreparedChat:
     forced: ForcedTool | None  # tool_choice "required" or a named function: the output is the call
     parser: ToolCallParser | None  # tool_choice "auto" with a parser: calls are read out of the reply
     structured: StructuredOutputsParams | None
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: the reply's thought apart from its answer
 
 
 async def prepared_chat(state: ServerState, body: ChatCompletionRequest) -> PreparedChat:
@@ -80,7 +82,10 @@ async def prepared_chat(state: ServerState, body: ChatCompletionRequest) -> Prep
     conversation = [m.for_template() for m in body.messages]
     tools = [tool.model_dump() for tool in body.tools] if body.tools and body.tool_choice != "none" else None
     prompt_ids = await templated(state.text_budget, tokenizer, conversation, body, tools=tools)
-    return PreparedChat(tokenizer, prompt_ids, forced, parser, structured)
+    reasoning = state.reasoning_parser
+    if reasoning is not None and structured is not None:  # a grammar holds from the first token: a thought only
+        reasoning = ReasoningParser("qwen3")  # where the reply opens one, never JSON read as an unclosed thought
+    return PreparedChat(tokenizer, prompt_ids, forced, parser, structured, reasoning)
 
 
 class ChatShape(ChoiceChunks):
@@ -100,11 +105,13 @@ class ChatShape(ChoiceChunks):
         parser: ToolCallParser | None = None,
         token_ids_as_text: bool = False,
         prompt_logprobs: bool = False,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         self.namer = logprob_namer(tokenizer, token_ids_as_text)  # names the logprobs' tokens
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: the response carries the prompt's
         self.tool = tool
         self.parser = parser  # tool_choice "auto": calls are read out of the reply
+        self.reasoning = reasoning  # the thought is the message's reasoning; calls are read from the answer
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
@@ -112,8 +119,11 @@ class ChatShape(ChoiceChunks):
         choices = []
         for index, final in enumerate(finals):
             completion = final.outputs[0]
-            content, calls = reply_calls(completion.text, self.tool, self.parser)
-            message, finish_reason = AssistantMessage(content=content, tool_calls=calls or []), completion.finish_reason
+            thought, answer = self.reasoning.split(completion.text) if self.reasoning else (None, completion.text)
+            content, calls = reply_calls(answer, self.tool, self.parser)
+            message = AssistantMessage(content=content if content or not thought else None, tool_calls=calls or [],
+                                       reasoning=thought, reasoning_content=thought)  # fmt: skip
+            finish_reason = completion.finish_reason
             if calls is not None and finish_reason == "stop":
                 finish_reason = self.tool.finish_reason if self.tool is not None else "tool_calls"
             lp = chat_logprobs_body(final, self.namer) if logprobs else None
@@ -137,10 +147,17 @@ class ChatShape(ChoiceChunks):
             return ChatStreamChoice(index=0, delta=ChatDelta(**delta), logprobs=lp, finish_reason=finish_reason)
 
         first, shown, parser, text = True, 0, self.parser, ""
+        thinking = ReasoningStream(self.reasoning) if self.reasoning is not None else None
         async for delta, finish_reason, output in text_deltas(stream):
             if logprobs:
                 completion = output.outputs[0]
                 unsent += generated_logprobs(completion.token_ids, completion.logprobs or [], self.namer)
+            if thinking is not None:  # the thought goes out as it comes; what follows reads the answer alone
+                thought, delta = thinking.feed(delta, last=finish_reason is not None)
+                if thought:
+                    role = {"role": "assistant"} if first else {}
+                    yield choice({**role, "reasoning": thought, "reasoning_content": thought}, None, output), output
+                    first = False
             if parser is not None or tool is not None:
                 text += delta  # what these read whole: the reply so far
             if parser is not None:  # content as far as it cannot begin a call; the calls once the reply is whole

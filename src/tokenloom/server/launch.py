@@ -107,6 +107,7 @@ def build_server(
         sampling_defaults=generation_defaults(server.generation_config, engine.model_path),
         aliases=tuple(aliases),
         tool_call_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
+        reasoning_parser_name=server.reasoning_parser,
         log_requests=server.enable_log_requests,
         max_log_len=server.max_log_len,
         root_path=server.root_path,

@@ -71,6 +71,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning: str | None = None  # the thought, with --reasoning-parser (vLLM's field, and its older name below)
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -97,6 +99,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # deltas: index, then id, type and name with a call's first
+    reasoning: str | None = None  # with --reasoning-parser: the thought as it grows, under both of vLLM's names
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -74,18 +74,31 @@ class FunctionCallOutputItem(_Strict):
         return MessageItem(role="user", content=self.output).text()
 
 
+class ReasoningInputItem(_Strict):
+    """An earlier reply's thought sent back (as OpenAI's clients send a response's output items): accepted and left
+    out of the conversation, as chat templates leave out a past turn's thought."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[Any] | None = None
+    encrypted_content: Text | None = None
+    status: Text | None = None
+
+
 def _item_kind(item: Any) -> str:
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
-    return kind if kind in ("message", "function_call", "function_call_output") else "unsupported"
+    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "unsupported"
 
 
 ConversationItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningInputItem, Tag("reasoning")],
     Discriminator(_item_kind, custom_error_type="unsupported_item",
-                  custom_error_message="input items are messages, function_call and function_call_output"),
+                  custom_error_message="input items are messages, function_call, function_call_output and reasoning"),
 ]  # fmt: skip
 
 
@@ -187,7 +200,9 @@ class ResponsesRequest(_Body):
         return (self.top_logprobs or 0) if OUTPUT_LOGPROBS in (self.include or []) else None
 
     def input_items(self) -> list[ConversationItem]:
-        return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return [item for item in self.input if not isinstance(item, ReasoningInputItem)]
 
     def chat_request(self, earlier: Sequence[ConversationItem] = (), drop: int = 0) -> ChatCompletionRequest:
         """The chat completion this request amounts to, after the earlier conversation it continues (that of its
@@ -286,11 +301,27 @@ class OutputFunctionCall(BaseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reply's thought (--reasoning-parser), before its message and calls."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | OutputFunctionCall | OutputReasoning
 
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # OpenAI's field (a cache it bills writes to); ours writes as it goes, uncounted
 
 
 class OutputTokensDetails(BaseModel):
@@ -363,7 +394,7 @@ def output_as_input(items: Sequence[OutputItem]) -> list[ConversationItem]:
     return [
         MessageItem(role="assistant", content=item.content[0].text) if isinstance(item, OutputMessage)
         else FunctionCallItem(type="function_call", call_id=item.call_id, name=item.name, arguments=item.arguments)
-        for item in items
+        for item in items if not isinstance(item, OutputReasoning)  # a past turn's thought: left out, as templates do
     ]  # fmt: skip
 
 

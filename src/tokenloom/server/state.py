@@ -12,6 +12,7 @@ from fastapi import Request
 from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.reasoning import ReasoningParser
 from tokenloom.server.response_budget import ResponseBudget
 from tokenloom.server.response_models import ErrorResponse
 from tokenloom.server.response_store import ResponseStore
@@ -58,6 +59,7 @@ class ServerState:
     response_budget: ResponseBudget = field(
         default_factory=lambda: ResponseBudget(ServerConfig.max_inflight_response_bytes)
     )
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: a reply's thought apart from its answer
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
     background: BackgroundResponses = field(init=False)  # the Responses API's background responses still running
