@@ -64,9 +64,16 @@ def test_text_that_may_open_or_close_a_thought_is_held_back_until_the_next_token
 THOUGHT_THEN_ANSWER = r"<think>[a-z]{3,8}</think>[a-z]{3,8}"
 
 
+# A template that shows the reasoning effort it is given, as gpt-oss's does.
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if reasoning_effort %}effort: {{ reasoning_effort }}\n{% endif %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server(tiny_chat_model):
-    with ServerProcess(str(tiny_chat_model), "--served-model-name", "tiny", "--reasoning-parser", "qwen3") as proc:
+    args = ("--served-model-name", "tiny", "--reasoning-parser", "qwen3", "--chat-template", TEMPLATE)
+    with ServerProcess(str(tiny_chat_model), *args) as proc:
         yield proc
 
 
@@ -83,6 +90,9 @@ def test_chat_gives_the_thought_as_reasoning_and_the_rest_as_content_whole_and_s
     thought = "".join(getattr(d, "reasoning", None) or "" for d in deltas)  # a delta carries only what it adds
     assert thought == "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning
     assert "".join(d.content or "" for d in deltas) == message.content
+    # include_reasoning false (vLLM's): the thought left out, the answer as it was.
+    hidden = client.chat.completions.create(**{**ask, "extra_body": {**ask["extra_body"], "include_reasoning": False}})
+    assert hidden.choices[0].message.reasoning is None and hidden.choices[0].message.content == message.content
     # A reply that opens no thought (qwen3: thinking off) is all content.
     plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                            temperature=0).choices[0].message  # fmt: skip
@@ -147,3 +157,19 @@ def test_a_reply_cut_while_thinking_is_an_incomplete_thought_and_no_message():
     response = asyncio.run(whole())
     (thought,) = response.output
     assert thought.type == "reasoning" and thought.status == "incomplete" and response.status == "incomplete"
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_hands_it_over(server):
+    def rendered(**fields) -> str:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], **fields}
+        ids = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"]
+        return httpx.post(f"{server.url}/detokenize", json={"model": "tiny", "tokens": ids}, timeout=30).json()[
+            "prompt"
+        ]
+
+    assert "effort" not in rendered()
+    assert "effort: high" in rendered(reasoning_effort="high")
+    assert "effort: low" in rendered(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"})
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "reasoning_effort": "extreme",
+                     "messages": [{"role": "user", "content": "Hi"}]}, timeout=30)  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"

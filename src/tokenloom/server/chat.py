@@ -53,7 +53,7 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
     shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, body.return_tokens_as_token_ids,
-                      body.prompt_logprobs is not None, prepared.reasoning)  # fmt: skip
+                      body.prompt_logprobs is not None, prepared.reasoning, body.include_reasoning)  # fmt: skip
     return await serve_generation(state, raw, body, [prepared.prompt_ids], logprobs, shape, prepared.structured)
 
 
@@ -106,12 +106,14 @@ class ChatShape(ChoiceChunks):
         token_ids_as_text: bool = False,
         prompt_logprobs: bool = False,
         reasoning: ReasoningParser | None = None,
+        show_thought: bool = True,
     ) -> None:
         self.namer = logprob_namer(tokenizer, token_ids_as_text)  # names the logprobs' tokens
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: the response carries the prompt's
         self.tool = tool
         self.parser = parser  # tool_choice "auto": calls are read out of the reply
         self.reasoning = reasoning  # the thought is the message's reasoning; calls are read from the answer
+        self.show_thought = show_thought  # vLLM's include_reasoning: false drops the thought, the answer stays apart
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
@@ -120,6 +122,7 @@ class ChatShape(ChoiceChunks):
         for index, final in enumerate(finals):
             completion = final.outputs[0]
             thought, answer = self.reasoning.split(completion.text) if self.reasoning else (None, completion.text)
+            thought = thought if self.show_thought else None
             content, calls = reply_calls(answer, self.tool, self.parser)
             message = AssistantMessage(content=content if content or not thought else None, tool_calls=calls or [],
                                        reasoning=thought, reasoning_content=thought)  # fmt: skip
@@ -154,7 +157,7 @@ class ChatShape(ChoiceChunks):
                 unsent += generated_logprobs(completion.token_ids, completion.logprobs or [], self.namer)
             if thinking is not None:  # the thought goes out as it comes; what follows reads the answer alone
                 thought, delta = thinking.feed(delta, last=finish_reason is not None)
-                if thought:
+                if thought and self.show_thought:
                     role = {"role": "assistant"} if first else {}
                     yield choice({**role, "reasoning": thought, "reasoning_content": thought}, None, output), output
                     first = False
@@ -224,6 +227,8 @@ async def templated(
 ) -> list[int]:
     options.check_template_options()
     template_kwargs = options.chat_template_kwargs or {}
+    if options.reasoning_effort is not None:  # as vLLM hands it over (gpt-oss's template reads it); the kwargs win
+        template_kwargs = {"reasoning_effort": options.reasoning_effort, **template_kwargs}
     # Template variables only: apply_chat_template's own arguments (chat_template above all) are not the client's.
     taken = sorted(set(template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters))
     if taken:

@@ -316,6 +316,7 @@ class ChatTemplateOptions(BaseModel):
     add_generation_prompt: bool = True  # the assistant's turn opened after the messages
     continue_final_message: bool = False  # the last message left open: the reply continues it
     chat_template_kwargs: dict[str, Any] | None = None  # variables the template reads (Qwen3's enable_thinking, ...)
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # OpenAI's: the template's variable
 
     def check_template_options(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -331,6 +332,7 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the thought (--reasoning-parser) out of the reply
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is the current name; max_tokens is deprecated but still sent by most clients.
