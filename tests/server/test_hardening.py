@@ -672,6 +672,8 @@ def test_the_choices_of_an_n_stream_are_read_no_further_ahead_of_a_client_that_w
     pulled = [0, 0]
 
     class Shape:
+        token_ids = False  # no ids asked for: the chunks as the shape makes them
+
         async def chunks(self, stream, logprobs):
             async for item in stream:
                 yield CompletionStreamChoice(index=0, text=str(item), logprobs=None, finish_reason=None), item

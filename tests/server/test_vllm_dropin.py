@@ -213,6 +213,40 @@ def test_a_list_of_prompts_and_n_stream_every_choice(server):
     assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == 20
 
 
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids_whole_and_streamed(server):
+    """vLLM's return_token_ids, as RL frameworks read it: the ids beside the text, a stream's chunks each with the ids
+    of the tokens since the last (the prompt's with a choice's first chunk; a chat's once, beside the choices)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompts = [[9, 8, 7, 6], [5, 4, 3]]
+    ask = dict(model="tiny", prompt=prompts, max_tokens=6, n=2, temperature=0, extra_body={"return_token_ids": True})
+    whole = client.completions.create(**ask)
+    for choice in whole.choices:
+        assert choice.prompt_token_ids == prompts[choice.index // 2] and len(choice.token_ids) == 6
+    streamed_ids: dict[int, list[int]] = {}
+    for chunk in client.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            if choice.index not in streamed_ids:
+                assert choice.prompt_token_ids == prompts[choice.index // 2]
+            else:
+                assert getattr(choice, "prompt_token_ids", None) is None
+            streamed_ids.setdefault(choice.index, []).extend(choice.token_ids)
+    assert [streamed_ids[i] for i in range(4)] == [c.token_ids for c in whole.choices]
+    plain = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=2)
+    assert plain.choices[0].token_ids is None  # only when asked
+
+    messages = [{"role": "user", "content": "Hello!"}]
+    chat_ask = dict(model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(**chat_ask)
+    assert chat.prompt_token_ids == post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert len(chat.choices[0].token_ids) == chat.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**chat_ask, stream=True))
+    assert chunks[0].prompt_token_ids == chat.prompt_token_ids
+    assert all(getattr(chunk, "prompt_token_ids", None) is None for chunk in chunks[1:])
+    assert [i for chunk in chunks for c in chunk.choices for i in c.token_ids] == chat.choices[0].token_ids
+
+
 def test_chat_template_and_generation_config_flags(tiny_chat_model, tmp_path, monkeypatch):
     import json
     import shutil

@@ -53,7 +53,8 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
     shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, body.return_tokens_as_token_ids,
-                      body.prompt_logprobs is not None, prepared.reasoning, body.include_reasoning)  # fmt: skip
+                      body.prompt_logprobs is not None, prepared.reasoning, body.include_reasoning,
+                      body.return_token_ids)  # fmt: skip
     return await serve_generation(state, raw, body, [prepared.prompt_ids], logprobs, shape, prepared.structured)
 
 
@@ -97,6 +98,7 @@ class ChatShape(ChoiceChunks):
 
     chunk_object: ChunkObject = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+    prompt_ids_in_choice = False  # vLLM sends a chat's prompt ids once, beside the choices
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class ChatShape(ChoiceChunks):
         prompt_logprobs: bool = False,
         reasoning: ReasoningParser | None = None,
         show_thought: bool = True,
+        token_ids: bool = False,
     ) -> None:
         self.namer = logprob_namer(tokenizer, token_ids_as_text)  # names the logprobs' tokens
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: the response carries the prompt's
@@ -114,6 +117,7 @@ class ChatShape(ChoiceChunks):
         self.parser = parser  # tool_choice "auto": calls are read out of the reply
         self.reasoning = reasoning  # the thought is the message's reasoning; calls are read from the answer
         self.show_thought = show_thought  # vLLM's include_reasoning: false drops the thought, the answer stays apart
+        self.token_ids = token_ids  # vLLM's return_token_ids
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
@@ -130,10 +134,13 @@ class ChatShape(ChoiceChunks):
             if calls is not None and finish_reason == "stop":
                 finish_reason = self.tool.finish_reason if self.tool is not None else "tool_calls"
             lp = chat_logprobs_body(final, self.namer) if logprobs else None
-            choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish_reason))
+            ids = completion.token_ids if self.token_ids else None
+            choices.append(ChatChoice(index=index, message=message, logprobs=lp, finish_reason=finish_reason,
+                                      token_ids=ids))  # fmt: skip
         prompt_lp = vllm_prompt_logprobs(finals[0], self.namer) if self.prompt_logprobs else None
+        prompt_ids = finals[0].prompt_token_ids if self.token_ids else None
         return ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
-                                      prompt_logprobs=prompt_lp)  # fmt: skip
+                                      prompt_logprobs=prompt_lp, prompt_token_ids=prompt_ids)  # fmt: skip
 
     async def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool

@@ -40,8 +40,9 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     structured = body.structured_output()
     prompts = [await tokenized(state, prompt) for prompt in body.prompts()]
     shape = CompletionShape(
-        state.engine.tokenizer, body.echo, body.return_tokens_as_token_ids, body.prompt_logprobs is not None
-    )
+        state.engine.tokenizer, body.echo, body.return_tokens_as_token_ids, body.prompt_logprobs is not None,
+        body.return_token_ids,
+    )  # fmt: skip
     return await serve_generation(state, raw, body, prompts, body.logprobs, shape, structured)
 
 
@@ -54,8 +55,9 @@ class CompletionShape(ChoiceChunks):
 
     def __init__(
         self, tokenizer: Tokenizer | None, echo: bool = False, token_ids_as_text: bool = False,
-        prompt_logprobs: bool = False,
+        prompt_logprobs: bool = False, token_ids: bool = False,
     ) -> None:  # fmt: skip
+        self.token_ids = token_ids  # vLLM's return_token_ids
         self.tokenizer = tokenizer
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: each choice carries its prompt's
@@ -71,10 +73,11 @@ class CompletionShape(ChoiceChunks):
             if logprobs:
                 lp = _joined(lp, completion_logprobs_body(final, self.namer, 0, offset)[0])
             prompt_lp = vllm_prompt_logprobs(final, self.namer) if self.prompt_logprobs else None
+            ids = {"prompt_token_ids": final.prompt_token_ids, "token_ids": completion.token_ids}
             choices.append(
                 CompletionChoice(
                     index=index, text=prefix + completion.text, logprobs=lp, finish_reason=completion.finish_reason,
-                    prompt_logprobs=prompt_lp,
+                    prompt_logprobs=prompt_lp, **(ids if self.token_ids else {}),
                 )
             )  # fmt: skip
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)

@@ -109,6 +109,7 @@ class _Common(_Body):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's: keep the last k (-1: max_model_len)
     skip_special_tokens: bool = True  # vLLM's
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids beside the text
     # Lower runs first. A request may lower its own priority below its tenant's, never raise it above.
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
     stream: bool = False

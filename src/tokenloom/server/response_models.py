@@ -56,6 +56,8 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: str | None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: the prompt's and the completion's ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -80,6 +82,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -90,6 +93,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatDelta(BaseModel):
@@ -108,6 +112,7 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the tokens since the last chunk (sent when set)
 
 
 class CompletionStreamChoice(BaseModel):
@@ -115,6 +120,8 @@ class CompletionStreamChoice(BaseModel):
     text: str
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: with the choice's first chunk
+    token_ids: list[int] | None = None
 
 
 ChunkObject = Literal["text_completion", "chat.completion.chunk"]
@@ -130,6 +137,7 @@ class StreamChunk(BaseModel):
     model: str
     choices: list[CompletionStreamChoice | ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # a chat stream's first chunk, with vLLM's return_token_ids
 
     def sent(self) -> str:
         """The event's JSON, by pydantic's serializer: a third of json.dumps over model_dump's dict (3 against 8 us a

@@ -8,7 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
@@ -56,6 +56,8 @@ class ChoiceShape(Protocol):
     """A shape whose stream is OpenAI's chunks of choices (completions and chat completions)."""
 
     chunk_object: ChunkObject
+    token_ids: bool
+    prompt_ids_in_choice: bool
 
     def chunks(
         self, stream: AsyncIterator[RequestOutput], logprobs: bool
@@ -66,6 +68,8 @@ class ChoiceChunks:
     """The stream of completions and chat completions: `data: {chunk}` events, errors as the error body, [DONE]."""
 
     end_frame: str | None = "data: [DONE]\n\n"
+    token_ids: bool = False  # vLLM's return_token_ids: each chunk carries its tokens' ids, the first the prompt's
+    prompt_ids_in_choice: bool = True  # where the prompt's ids go: each choice's first chunk, or the stream's first
 
     def sse_frames(
         self: ChoiceShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int,
@@ -91,14 +95,24 @@ async def envelopes(
     the usage of all of them: as Server-Sent Events, ``data: {chunk}``."""
     generated: dict[int, int] = {}  # each choice's tokens so far
     last: dict[int, RequestOutput] = {}  # each choice's last output (one output may yield several chunks)
-    async for index, choice, output in _merged(shape, streams, logprobs):
+    async for index, choice, output, ids in _merged(shape, streams, logprobs):
+        first = index not in last
         if last.get(index) is not output:
             last[index] = output
             generated[index] = generated.get(index, 0) + len(output.outputs[0].token_ids)
         usage = counting.of(sum(generated.values()), last) if options.continuous_usage_stats else None
-        if choice.index != index:
-            choice = choice.model_copy(update={"index": index})
-        yield f"data: {_envelope(request_id, shape.chunk_object, created, model, [choice], usage).sent()}\n\n"
+        update: dict[str, Any] = {"index": index} if choice.index != index else {}
+        prompt_ids: dict[str, Any] = {}
+        if ids is not None:
+            update["token_ids"] = ids
+            if first and shape.prompt_ids_in_choice:
+                update["prompt_token_ids"] = output.prompt_token_ids
+            elif first and len(last) == 1:  # the stream's first chunk
+                prompt_ids["prompt_token_ids"] = output.prompt_token_ids
+        if update:
+            choice = choice.model_copy(update=update)
+        envelope = _envelope(request_id, shape.chunk_object, created, model, [choice], usage, **prompt_ids)
+        yield f"data: {envelope.sent()}\n\n"
     if options.include_usage and last:
         usage = counting.of(sum(generated.values()), last)
         yield f"data: {_envelope(request_id, shape.chunk_object, created, model, [], usage).sent()}\n\n"
@@ -106,22 +120,23 @@ async def envelopes(
 
 async def _merged(
     shape: ChoiceShape, streams: list[AsyncIterator[RequestOutput]], logprobs: bool
-) -> AsyncIterator[tuple[int, StreamChoice, RequestOutput]]:
-    """(choice index, chunk, output) of every choice, interleaved as they come; the first failure ends them all."""
+) -> AsyncIterator[tuple[int, StreamChoice, RequestOutput, list[int] | None]]:
+    """(choice index, chunk, output, the ids of the tokens read since the choice's last chunk if the shape returns
+    them) of every choice, interleaved as they come; the first failure ends them all."""
     if len(streams) == 1:  # the common case needs no tasks
-        async for choice, output in shape.chunks(streams[0], logprobs):
-            yield 0, choice, output
+        async for chunk in _choice_chunks(shape, 0, streams[0], logprobs):
+            yield chunk
         return
     # Bounded: a choice whose chunk waits for the reader stops reading its stream, which then holds one output (its
     # next replaces it) however slowly the client reads; an unbounded queue here would keep one for every step.
-    queue: asyncio.Queue[tuple[int, StreamChoice, RequestOutput] | BaseException | None] = asyncio.Queue(
-        maxsize=len(streams)
+    queue: asyncio.Queue[tuple[int, StreamChoice, RequestOutput, list[int] | None] | BaseException | None] = (
+        asyncio.Queue(maxsize=len(streams))
     )
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
-            async for choice, output in shape.chunks(stream, logprobs):
-                await queue.put((index, choice, output))
+            async for chunk in _choice_chunks(shape, index, stream, logprobs):
+                await queue.put(chunk)
             await queue.put(None)
         except Exception as error:  # RequestError, APIError: handed to the reader, which stops the others
             await queue.put(error)
@@ -141,6 +156,26 @@ async def _merged(
         for task in tasks:
             task.cancel()  # a hang-up or a failure: the other choices' requests are aborted with their streams
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _choice_chunks(
+    shape: ChoiceShape, index: int, stream: AsyncIterator[RequestOutput], logprobs: bool
+) -> AsyncIterator[tuple[int, StreamChoice, RequestOutput, list[int] | None]]:
+    if not shape.token_ids:
+        async for choice, output in shape.chunks(stream, logprobs):
+            yield index, choice, output, None
+        return
+    read: list[int] = []  # the ids of the tokens the shape has read since its last chunk
+
+    async def tapped() -> AsyncIterator[RequestOutput]:
+        async for output in stream:
+            read.extend(output.outputs[0].token_ids)
+            yield output
+
+    async for choice, output in shape.chunks(tapped(), logprobs):
+        ids = read.copy()
+        read.clear()
+        yield index, choice, output, ids
 
 
 _REJECTION_STATUS = {
@@ -283,7 +318,8 @@ async def text_deltas(stream: AsyncIterator[RequestOutput]):
 
 def _envelope(
     request_id: str, kind: ChunkObject, created: int, model: str,
-    choices: list[StreamChoice], usage: Usage | None = None,
+    choices: list[StreamChoice], usage: Usage | None = None, **given: Any,
 ) -> StreamChunk:  # fmt: skip
-    given = {} if usage is None else {"usage": usage}  # unset otherwise, so that the chunk sends none
+    if usage is not None:  # unset otherwise, so that the chunk sends none
+        given["usage"] = usage
     return StreamChunk(id=request_id, object=kind, created=created, model=model, choices=choices, **given)
