@@ -170,6 +170,12 @@ def test_reasoning_effort_reaches_the_template_as_vllm_hands_it_over(server):
     assert "effort" not in rendered()
     assert "effort: high" in rendered(reasoning_effort="high")
     assert "effort: low" in rendered(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"})
+    # The Responses API's reasoning.effort is the same variable.
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    asked = [client.responses.create(model="tiny", input="Hi", max_output_tokens=1, **effort)
+             for effort in ({}, {"reasoning": {"effort": "high"}})]  # fmt: skip
+    assert asked[1].usage.input_tokens > asked[0].usage.input_tokens  # "effort: high" in its prompt
+    assert asked[1].reasoning.effort == "high" and asked[0].reasoning is None  # echoed, as OpenAI's
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "reasoning_effort": "extreme",
                      "messages": [{"role": "user", "content": "Hi"}]}, timeout=30)  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"

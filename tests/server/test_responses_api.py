@@ -172,7 +172,7 @@ def test_output_logprobs_are_chats_for_the_same_tokens_whole_and_streamed(client
     ("body", "status", "param"),
     [
         ({"input": "hi", "previous_response_id": "resp_1"}, 404, "previous_response_id"),
-        ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+        ({"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}, 400, "reasoning"),
         ({"input": "hi", "include": ["file_search_call.results"]}, 400, "include"),
         ({"input": "hi", "include": [LOGPROBS], "tools": [{"type": "function", "name": "f"}]}, 400, "include"),
         ({"input": "hi", "frequency": 1}, 400, "frequency"),

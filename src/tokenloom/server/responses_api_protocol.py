@@ -139,6 +139,12 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
+class ReasoningConfig(_Strict):
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: None = None  # a summary of the thought (auto, concise, detailed) is OpenAI's to write: refused
+    generate_summary: None = None
+
+
 class TextConfig(_Strict):
     format: TextFormat = Field(default_factory=TextFormat)
     verbosity: Literal["low", "medium", "high"] | None = None
@@ -146,7 +152,7 @@ class TextConfig(_Strict):
 
 ToolChoice = Literal["none", "auto", "required"] | FunctionChoice
 # Fields OpenAI's Responses API has that tokenloom does not implement: refused by name when set, never dropped.
-UNSUPPORTED = ("conversation", "prompt", "reasoning", "max_tool_calls", "context_management")
+UNSUPPORTED = ("conversation", "prompt", "max_tool_calls", "context_management")
 OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the one `include` a model server can honour
 
 
@@ -177,10 +183,10 @@ class ResponsesRequest(_Body):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # alternatives per token, with OUTPUT_LOGPROBS
     previous_response_id: Text | None = None  # the kept response whose conversation this continues
     background: bool | None = None  # generated apart from this request; polled, or cancelled (responses_background.py)
+    reasoning: ReasoningConfig | None = None  # its effort goes to the chat template, as chat's reasoning_effort
     # Refused when set (UNSUPPORTED).
     conversation: Any = None
     prompt: Any = None
-    reasoning: Any = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     context_management: Any = None
 
@@ -219,6 +225,7 @@ class ResponsesRequest(_Body):
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self._response_format(),
             priority=self.priority,
+            reasoning_effort=self.reasoning.effort if self.reasoning is not None else None,
             **sampling,
         )
 
@@ -365,7 +372,7 @@ class ResponseObject(BaseModel):
     store: bool = False  # whether it was kept (response_store.py)
     previous_response_id: str | None = None
     background: bool = False
-    reasoning: None = None
+    reasoning: dict[str, Any] | None = None
 
 
 def response_settings(request: ResponsesRequest) -> dict[str, Any]:
@@ -385,6 +392,7 @@ def response_settings(request: ResponsesRequest) -> dict[str, Any]:
         "previous_response_id": request.previous_response_id,
         "truncation": request.truncation or "disabled",
         "background": bool(request.background),
+        "reasoning": request.reasoning.model_dump(exclude_none=True) if request.reasoning is not None else None,
     }
     return echoed if text is None else {**echoed, "text": text}
 
