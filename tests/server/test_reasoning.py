@@ -16,12 +16,13 @@ from pydantic import TypeAdapter
 from server_process import ServerProcess
 from test_responses_api import outputs
 
-from tokenloom.server.chat import PreparedChat
+from tokenloom.server.chat import ChatShape, PreparedChat
 from tokenloom.server.protocol import StreamOptions
 from tokenloom.server.reasoning import ReasoningParser, ReasoningStream
 from tokenloom.server.responses_api_protocol import ResponsesRequest
 from tokenloom.server.responses_shape import ResponsesShape
 from tokenloom.server.streaming import UsageCount, usage_of
+from tokenloom.server.tool_parsers import tool_parser
 
 TEXTS = ["<think>\nplan\n</think>\n\nAnswer.", "plan</think>Answer", "Answer only", "<think>cut short", "<th", "",
          "</think>x", "a</thi", "<think>a</think>b</think>c", "<b>bold</b>"]  # fmt: skip
@@ -179,3 +180,28 @@ def test_reasoning_effort_reaches_the_template_as_vllm_hands_it_over(server):
     bad = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "tiny", "reasoning_effort": "extreme",
                      "messages": [{"role": "user", "content": "Hi"}]}, timeout=30)  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+
+
+CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
+
+
+def test_calls_are_read_from_the_answer_and_never_from_the_thought():
+    """A thought that drafts a call in the tool's own markup stays a thought; the call the answer makes is parsed."""
+    shape = ChatShape(None, parser=tool_parser("hermes"), reasoning=ReasoningParser("deepseek_r1"))
+    pieces = ["I could call <tool_", 'call>{"name": "no"}</tool_call>, but', "</think>", CALL]
+
+    async def whole():
+        finals = [output async for output in outputs(["".join(pieces)])]
+        return shape.response("chatcmpl-1", 0, "m", finals, False, usage_of(3, 4))
+
+    async def streamed():
+        return [choice.delta async for choice, _ in shape.chunks(outputs(pieces), logprobs=False)]
+
+    (choice,) = asyncio.run(whole()).choices
+    assert choice.message.reasoning == 'I could call <tool_call>{"name": "no"}</tool_call>, but'
+    assert [call.function.name for call in choice.message.tool_calls] == ["lookup"] and choice.message.content is None
+    assert choice.finish_reason == "tool_calls"
+    deltas = asyncio.run(streamed())
+    assert "".join(d.reasoning or "" for d in deltas) == choice.message.reasoning
+    assert "".join(d.content or "" for d in deltas) == ""  # the call's markup never went out as text
+    assert [c["function"]["name"] for d in deltas for c in d.tool_calls or []] == ["lookup"]
