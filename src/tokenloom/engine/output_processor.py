@@ -37,7 +37,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: list[dict[int, Logprob]] | None  # a DELTA request's: only those not sent yet
     output_token_ids: list[int]
     stop_text: str | None = None  # the text up to a stop string, once one is found
     # Characters of text made while the output was no longer than min_tokens: a stop string must end after them
@@ -145,8 +145,9 @@ class OutputProcessor:
             text = self._text_since(state, state.sent_text, output.finished)
             state.sent_text += len(text)
             state.sent_tokens = len(state.output_token_ids)
-            logprobs = None if logprobs is None else logprobs[first_token:]
-            prompt_logprobs = prompt_logprobs if first_token == 0 else None
+            if logprobs is not None:  # what went out is the output's now: the state keeps only what is to come
+                state.logprobs = []
+            state.prompt_logprobs = None  # sent with the first output (a stream's hold every logprob no longer)
         else:
             text = self._text_since(state, 0, output.finished)
         cumulative = None if state.logprobs is None else state.cumulative_logprob
