@@ -20,8 +20,15 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # A reasoning model's end of thought (the token ids of `</think>`): the grammar holds only once the output ends
+    # with them, so the model thinks freely first (vLLM's structured output with a reasoning parser).
+    starts_after: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.starts_after is not None:
+            object.__setattr__(self, "starts_after", tuple(self.starts_after))
+            if not self.starts_after:
+                raise ValueError("StructuredOutputsParams: starts_after needs at least one token id")
         given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None]
         if sum(given) + (self.grammar is not None) != 1:
             raise ValueError("StructuredOutputsParams: give exactly one of json, json_object, regex, choice, grammar")

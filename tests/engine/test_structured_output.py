@@ -383,3 +383,28 @@ def test_the_real_model_answers_through_the_responses_api_and_langchain_on_it(re
     for method in ("json_schema", "function_calling"):  # a text format; a function tool called by name
         person = chat.with_structured_output(Person, method=method).invoke(ask)
         assert isinstance(person, Person), method
+
+
+def test_a_grammar_that_starts_after_a_thought_waits_for_the_whole_end_of_it(tiny_chat_model):
+    """While its request thinks, a grammar gives no mask row and reads no token; the end of the thought (several
+    ids here, as a tokenizer without the tag as one token has it) must come whole and in order; then the grammar
+    holds from the next token. Drafts verified while thinking are cut after the end, where the grammar would judge."""
+    from transformers import AutoTokenizer
+
+    from tokenloom.engine.structured_output import GrammarCompiler, StructuredOutputManager
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_chat_model))
+    manager = StructuredOutputManager(GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]))
+    end = (500, 501, 502)
+    manager.add("r", StructuredOutputsParams(regex="[0-9]+", starts_after=end))
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]  # outside the grammar: allowed only while thinking
+    assert manager.grammar_mask([("r", [])]) == (None, {})
+    assert manager.valid_drafts("r", [7, 500, 501, 502, letter, 9]) == [7, 500, 501, 502]
+    for token in (500, 501, 7, 500, 501):  # a broken end is not the end
+        assert manager.accept("r", token) is False
+    assert manager.grammar_mask([("r", [])]) == (None, {})
+    manager.accept("r", 502)
+    mask, failed = manager.grammar_mask([("r", [])])
+    assert mask is not None and not failed and mask.request_ids == ["r"]  # the grammar holds now
+    with pytest.raises(RuntimeError, match="outside the request's grammar"):
+        manager.accept("r", letter)

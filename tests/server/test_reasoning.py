@@ -80,7 +80,10 @@ def server(tiny_chat_model):
 
 def test_chat_gives_the_thought_as_reasoning_and_the_rest_as_content_whole_and_streamed(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
-    ask = dict(model="tiny", messages=[{"role": "user", "content": "Think, then answer."}], max_tokens=40,
+    # The prompt closes a thought (as Qwen3's template without thinking does), so the grammar holds from the first
+    # token, and the reply has a thought only where it opens one: here the regex makes it.
+    closed = "Think, then answer. <think></think>"
+    ask = dict(model="tiny", messages=[{"role": "user", "content": closed}], max_tokens=40,
                temperature=0, extra_body={"structured_outputs": {"regex": THOUGHT_THEN_ANSWER}})  # fmt: skip
     message = client.chat.completions.create(**ask).choices[0].message
     assert message.reasoning == message.reasoning_content and message.reasoning and message.content
@@ -205,3 +208,50 @@ def test_calls_are_read_from_the_answer_and_never_from_the_thought():
     assert "".join(d.reasoning or "" for d in deltas) == choice.message.reasoning
     assert "".join(d.content or "" for d in deltas) == ""  # the call's markup never went out as text
     assert [c["function"]["name"] for d in deltas for c in d.tool_calls or []] == ["lookup"]
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, real_model_dir):
+    """The tiny chat model with `<think>` and `</think>` one token each, as Qwen3's tokenizer has them (added
+    tokens, not special: they show in the text)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    directory = tmp_path_factory.mktemp("tiny-thinking")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(real_model_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.save_pretrained(directory)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=2,
+                                      bos_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    shutil.copy(real_model_dir / "chat_template.jinja", directory / "chat_template.jinja")
+    return directory, tokenizer.convert_tokens_to_ids("</think>")
+
+
+def test_a_grammar_starts_after_the_thought_when_the_reply_begins_in_one(thinking_model):
+    """vLLM's structured output under a reasoning parser: the reply thinks freely, and the grammar holds from the
+    token after `</think>`. A logit bias makes the tiny model close its thought at once; the grammar (a few letters)
+    could never have let that token through. Where the prompt has closed the thought, the grammar holds at once."""
+    path, end = thinking_model
+    args = ("--served-model-name", "tiny", "--reasoning-parser", "deepseek_r1")
+    with ServerProcess(str(path), *args) as proc:
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+        def reply(content: str):
+            return client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": content}], max_tokens=12, temperature=0,
+                logit_bias={str(end): 100},
+                extra_body={"structured_outputs": {"regex": "[a-z]{3,6}"}, "return_token_ids": True},
+            ).choices[0]  # fmt: skip
+
+        thought_first = reply("Answer in a word.")
+        assert thought_first.token_ids[0] == end  # sampled freely: the grammar had not started
+        assert re.fullmatch("[a-z]{3,6}", thought_first.message.content) and not thought_first.message.reasoning
+        assert end not in thought_first.token_ids[1:]  # then the grammar held: the bias could not bring it again
+        closed = reply("Answer in a word. <think></think>")
+        assert end not in closed.token_ids and re.fullmatch("[a-z]{3,6}", closed.message.content)

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenloom.config import StructuredOutputsConfig
@@ -162,16 +163,21 @@ def _require_some_first_token(grammar: xgrammar.CompiledGrammar, kind: str) -> N
 
 
 class StructuredOutputManager:
-    """The core's matchers: one per live structured request, advanced by the tokens it samples."""
+    """The core's matchers: one per live structured request, advanced by the tokens it samples. A request whose
+    grammar starts after its thought (``starts_after``) samples freely, its tokens not fed to its matcher, until its
+    output ends with those ids."""
 
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
+        self._thinking: dict[str, _UntilEnd] = {}  # request id -> the end of thought it waits for
 
     def add(self, request_id: str, spec: StructuredOutputsParams) -> None:
         import xgrammar
 
         self._matchers[request_id] = xgrammar.GrammarMatcher(self.compiler.compile(spec))
+        if spec.starts_after is not None:
+            self._thinking[request_id] = _UntilEnd(spec.starts_after)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -181,6 +187,7 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._thinking.pop(request_id, None)
 
     def grammar_mask(self, sampled: Sequence[tuple[str, list[int]]]) -> tuple[GrammarMask | None, dict[str, Exception]]:
         """The allowed next tokens of each (request, its drafts) that decodes under a grammar (None if none does),
@@ -190,7 +197,7 @@ class StructuredOutputManager:
         (accepted for the purpose and rolled back after). A draft the grammar refuses ends its rows: the row before
         it forbids it, so it is rejected and no later row is read.
         """
-        constrained = [(rid, drafts) for rid, drafts in sampled if rid in self._matchers] if self._matchers else []
+        constrained = [(rid, drafts) for rid, drafts in sampled if self._constrained(rid)] if self._matchers else []
         if not constrained:
             return None, {}
         import xgrammar
@@ -226,20 +233,49 @@ class StructuredOutputManager:
                 rows += 1
         return rows
 
+    def _constrained(self, request_id: str) -> bool:
+        return request_id in self._matchers and request_id not in self._thinking
+
     def valid_drafts(self, request_id: str, drafts: list[int]) -> list[int]:
-        """The longest prefix of the drafts the request's grammar allows (all of them without a grammar)."""
+        """The longest prefix of the drafts the request's grammar allows (all of them without a grammar; while it
+        thinks, those up to the end of its thought, after which the grammar would have to judge them)."""
         matcher = self._matchers.get(request_id)
         if matcher is None or not drafts:
             return drafts
+        if request_id in self._thinking:
+            return drafts[: self._thinking[request_id].tokens_to_end(drafts)]
         with _tentatively(matcher, drafts) as accepted:
             return drafts[: sum(1 for _ in accepted)]
 
     def accept(self, request_id: str, token_id: int) -> bool:
-        """Advances the request's matcher by its new token; True once its grammar is done (nothing may follow)."""
+        """Advances the request's matcher by its new token; True once its grammar is done (nothing may follow). A
+        thinking request's token only moves it towards the end of its thought."""
+        thinking = self._thinking.get(request_id)
+        if thinking is not None:
+            if thinking.ended_by(token_id):
+                del self._thinking[request_id]
+            return False
         matcher = self._matchers[request_id]
         if not matcher.accept_token(token_id):
             raise RuntimeError(f"token {token_id} is outside the request's grammar")
         return bool(matcher.is_terminated())
+
+
+@dataclass
+class _UntilEnd:
+    """The last tokens of a thinking request's output, watched for the end of its thought."""
+
+    end: tuple[int, ...]
+    tail: list[int] = field(default_factory=list)
+
+    def ended_by(self, token_id: int) -> bool:
+        self.tail = [*self.tail[1 - len(self.end) :], token_id] if len(self.end) > 1 else [token_id]
+        return tuple(self.tail) == self.end
+
+    def tokens_to_end(self, drafts: list[int]) -> int:
+        """How many of the drafts come before the grammar would start (all of them if it would not)."""
+        watch = _UntilEnd(self.end, list(self.tail))
+        return next((i + 1 for i, token in enumerate(drafts) if watch.ended_by(token)), len(drafts))
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from tokenloom.server.logprobs import (
     vllm_prompt_logprobs,
 )
 from tokenloom.server.protocol import ChatCompletionRequest, ChatTemplateOptions
-from tokenloom.server.reasoning import ReasoningParser, ReasoningStream
+from tokenloom.server.reasoning import END, ReasoningParser, ReasoningStream, thinks_first
 from tokenloom.server.response_models import (
     AssistantMessage,
     ChatChoice,
@@ -42,6 +43,7 @@ from tokenloom.server.tool_calls import ForcedTool, forced_tool, new_call_id
 from tokenloom.server.tool_parsers import ToolCallParser, reply_calls
 
 router = APIRouter()
+PROMPT_END_TOKENS = 64  # where a template opens or closes the reply's thought: the prompt's last tokens
 
 
 @router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **ERROR_RESPONSES})
@@ -83,10 +85,23 @@ async def prepared_chat(state: ServerState, body: ChatCompletionRequest) -> Prep
     conversation = [m.for_template() for m in body.messages]
     tools = [tool.model_dump() for tool in body.tools] if body.tools and body.tool_choice != "none" else None
     prompt_ids = await templated(state.text_budget, tokenizer, conversation, body, tools=tools)
-    reasoning = state.reasoning_parser
-    if reasoning is not None and structured is not None:  # a grammar holds from the first token: a thought only
-        reasoning = ReasoningParser("qwen3")  # where the reply opens one, never JSON read as an unclosed thought
+    reasoning, structured = _reasoning_and_grammar(state.reasoning_parser, structured, tokenizer, prompt_ids)
     return PreparedChat(tokenizer, prompt_ids, forced, parser, structured, reasoning)
+
+
+def _reasoning_and_grammar(
+    parser: ReasoningParser | None, structured: StructuredOutputsParams | None, tokenizer: Tokenizer,
+    prompt_ids: list[int],
+) -> tuple[ReasoningParser | None, StructuredOutputsParams | None]:  # fmt: skip
+    """With a grammar, a reply that begins in a thought thinks freely: the grammar starts after its `</think>`, and
+    all before it is its thought (deepseek_r1's reading), as vLLM does. One whose prompt has closed the thought
+    follows the grammar from its first token, a thought only where it opens one (qwen3's reading)."""
+    if parser is None or structured is None:
+        return parser, structured
+    if thinks_first(tokenizer.decode(prompt_ids[-PROMPT_END_TOKENS:])):
+        end = tuple(tokenizer.encode(END, add_special_tokens=False))  # one added token in the models that think so
+        return ReasoningParser("deepseek_r1"), dataclasses.replace(structured, starts_after=end)
+    return ReasoningParser("qwen3"), structured
 
 
 class ChatShape(ChoiceChunks):

@@ -75,3 +75,10 @@ class ReasoningStream:
 def reasoning_parser(name: str | None) -> ReasoningParser | None:
     assert name in (None, *get_args(ReasoningParserName)), name
     return None if name is None else ReasoningParser(cast(ReasoningParserName, name))
+
+
+def thinks_first(prompt_end: str) -> bool:
+    """Whether a reply begins in a thought, from the end of its prompt's text: unless the prompt closes one after the
+    last it opens (as Qwen3's template with enable_thinking false ends with an empty thought). Text, not ids: a
+    tokenizer without the tags as tokens of their own splits them differently in context."""
+    return prompt_end.rfind(END) <= prompt_end.rfind(START)
