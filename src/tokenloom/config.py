@@ -377,9 +377,10 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     """Let tool_choice "auto" (the default once tools are given) decide between text and calls, parsed from the
     model's output by --tool-call-parser, as vLLM's flag."""
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
-    """The model family's tool-call format: 'hermes' (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes) or
-    'llama3_json' (a bare {"name", "parameters"} object: Llama 3.1, 3.2)."""
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic"] | None = None
+    """The model family's tool-call format: 'hermes' (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes),
+    'llama3_json' (a bare {"name", "parameters"} object: Llama 3.1, 3.2), 'mistral' ([TOOL_CALLS][{...}]) or
+    'pythonic' ([f(a=1), g()]: Llama 3.2, 4)."""
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     """A reasoning model's thought (<think>...</think>) apart from its answer, as vLLM's flag: the message's
     `reasoning` (and `reasoning_content`), a reasoning item in /v1/responses. 'deepseek_r1': the reply thinks until
@@ -404,7 +405,7 @@ class ServerConfig:
                 object.__setattr__(self, name, (getattr(self, name),))
         _require_server(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
-            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)",
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral or pythonic)",
         )
         _require_server(
             (self.ssl_keyfile is None) == (self.ssl_certfile is None), "give both --ssl-keyfile and --ssl-certfile"

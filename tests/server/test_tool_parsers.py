@@ -15,7 +15,7 @@ import pytest
 import torch
 from server_process import ServerProcess
 
-from tokenloom.server.tool_parsers import HermesParser, Llama3JsonParser
+from tokenloom.server.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, PythonicParser
 
 # ---- the parsers ---------------------------------------------------------------------------------------------
 
@@ -73,6 +73,75 @@ def test_llama3_json_reads_one_or_more_calls():
 def test_llama3_json_holds_a_reply_that_may_be_a_call():
     parser = Llama3JsonParser()
     assert parser.streamable_end("") == 0 and parser.streamable_end(' {"name"') == 0
+    assert parser.streamable_end("<|python") == 0
+    assert parser.streamable_end("Sunny today") == len("Sunny today")
+
+
+MISTRAL_ARRAY = (
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+)
+MISTRAL_NAMED = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+
+
+@pytest.mark.parametrize("reply", [MISTRAL_ARRAY, MISTRAL_NAMED])
+def test_mistral_reads_both_of_its_formats_with_ids_its_templates_accept(reply):
+    parsed = MistralParser().parse(reply)
+    assert parsed.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in parsed.calls)  # Mistral's templates refuse other ids
+    assert MistralParser().parse("Sure. " + reply).content == "Sure."
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "No call here.",
+        '[TOOL_CALLS] [{"name": "get_weather", "argu',  # cut short
+        "[TOOL_CALLS] []",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {}}] and then some',
+        "[TOOL_CALLS]get_weather[ARGS]{not json",
+        '[TOOL_CALLS][ARGS]{"city": "Paris"}',  # no name
+    ],
+)
+def test_mistral_gives_a_reply_whose_calls_do_not_parse_as_text(reply):
+    parsed = MistralParser().parse(reply)
+    assert parsed.calls == [] and parsed.content == reply
+
+
+def test_mistral_streams_no_text_that_may_begin_a_call():
+    parser = MistralParser()
+    assert parser.streamable_end("Hello [TOOL") == len("Hello ")
+    assert parser.streamable_end("Hello [1]") == len("Hello [1]")
+    assert parser.streamable_end("Hi " + MISTRAL_NAMED) == len("Hi ")
+
+
+def test_pythonic_reads_a_list_of_calls_as_python_never_running_it():
+    reply = '[get_weather(city="Paris", days=3, units={"temp": "C"}), get_time()]'
+    for text in (reply, f"<|python_start|>{reply}<|python_end|>"):
+        parsed = PythonicParser().parse(text)
+        assert parsed.content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in parsed.calls] == [
+            ("get_weather", {"city": "Paris", "days": 3, "units": {"temp": "C"}}),
+            ("get_time", {}),
+        ]
+    for text in (
+        "The weather is fine.",
+        "[get_weather(city=",  # cut short
+        '[get_weather("Paris")]',  # a positional argument
+        "[get_weather(city=__import__('os').getcwd())]",  # not a literal: read, never run
+        "[1, 2]",
+        "[]",
+        "[" * 500 + "]" * 500,  # deeper than Python's parser goes
+    ):
+        assert PythonicParser().parse(text).calls == [] and PythonicParser().parse(text).content == text
+
+
+def test_pythonic_holds_a_reply_that_may_be_calls():
+    parser = PythonicParser()
+    assert parser.streamable_end("") == 0 and parser.streamable_end(" [get_") == 0
     assert parser.streamable_end("<|python") == 0
     assert parser.streamable_end("Sunny today") == len("Sunny today")
 
@@ -256,3 +325,24 @@ def test_auto_reads_a_llama3_json_call(tiny_chat_model):
         assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
             ("get_weather", {"city": "Paris"})
         ]
+
+
+@pytest.mark.parametrize(
+    ("parser", "reply"),
+    [("pythonic", '[get_weather(city="Paris")]'), ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}')],
+)
+def test_auto_reads_a_pythonic_or_mistral_call(tiny_chat_model, parser, reply):
+    args = ("--served-model-name", "tiny", "--enable-auto-tool-choice", "--tool-call-parser", parser)
+    with ServerProcess(str(tiny_chat_model), *args) as server:
+        ask = dict(
+            model="tiny", messages=ASK, tools=[WEATHER_TOOL], max_tokens=40, extra_body={"guided_choice": [reply]}
+        )
+        choice = client_of(server).chat.completions.create(**ask).choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        chunks = list(client_of(server).chat.completions.create(**ask, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""  # no call as text
+        streamed = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+        assert [call.function.name for call in streamed] == ["get_weather"]

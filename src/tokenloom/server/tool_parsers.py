@@ -6,6 +6,8 @@ Chosen as vLLM chooses them (``--enable-auto-tool-choice --tool-call-parser NAME
   {...}}</tool_call>``, which the checkpoint's chat template teaches the model.
 - ``llama3_json`` (Llama 3.1, 3.2): the whole reply is one or more ``{"name": ..., "parameters": {...}}`` objects
   (separated by ``;``), perhaps after ``<|python_tag|>``.
+- ``mistral`` (Mistral, Mixtral, Magistral): ``[TOOL_CALLS]`` then a JSON array of calls, or ``name[ARGS]{...}``.
+- ``pythonic`` (Llama 3.2's and 4's own format): the reply is a Python list of calls, ``[f(a=1), g()]``.
 
 A reply whose calls do not all parse (cut by max_tokens, malformed) is returned as text, as vLLM does. While a
 reply streams, text that may begin a call is held back until it is clear, so no half-written call reaches
@@ -14,8 +16,11 @@ reply streams, text that may begin a call is held back until it is clear, so no 
 
 from __future__ import annotations
 
+import ast
 import json
+import random
 import re
+import string
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,7 +98,92 @@ class Llama3JsonParser(ToolCallParser):
         return len(text)
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class MistralParser(ToolCallParser):
+    """Mistral's ``[TOOL_CALLS]`` followed by a JSON array of ``{"name", "arguments"}`` objects (v0.3 and the like),
+    or by ``name[ARGS]{...}``, one such after each ``[TOOL_CALLS]`` (the newer tokenizers'). Its calls' ids are nine
+    letters and digits, which Mistral's templates require of the calls sent back."""
+
+    BOT, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def parse(self, text: str) -> ParsedReply:
+        start = text.find(self.BOT)
+        if start < 0:
+            return ParsedReply(text)
+        body = text[start + len(self.BOT) :]
+        calls = self._named_calls(body) if self.ARGS in body else self._array_calls(body)
+        return ParsedReply(text) if calls is None else ParsedReply(text[:start].strip() or None, calls)
+
+    def _array_calls(self, body: str) -> list[ToolCall] | None:
+        try:
+            value, end = json.JSONDecoder().raw_decode(body.strip())
+        except ValueError:
+            return None
+        if not isinstance(value, list) or not value or body.strip()[end:].strip():
+            return None
+        calls = [_call_from(item, arguments_key="arguments", call_id=_mistral_id()) for item in value]
+        return None if any(call is None for call in calls) else [call for call in calls if call is not None]
+
+    def _named_calls(self, body: str) -> list[ToolCall] | None:
+        calls = []
+        for part in body.split(self.BOT):
+            name, found, arguments = part.partition(self.ARGS)
+            call = _call_from({"name": name.strip(), "arguments": arguments.strip()}, "arguments", _mistral_id())
+            if not found or call is None or not name.strip():
+                return None
+            calls.append(call)
+        return calls
+
+    def streamable_end(self, text: str) -> int:
+        start = text.find(self.BOT)
+        return start if start >= 0 else len(text) - _held_back(text, self.BOT)
+
+
+class PythonicParser(ToolCallParser):
+    """Llama 3.2's and 4's calls as Python: the whole reply a list of calls with keyword arguments,
+    ``[get_weather(city="Paris"), get_time()]`` (perhaps between Llama 4's ``<|python_start|>`` and
+    ``<|python_end|>``). Read by Python's parser, never run: each argument must be a literal."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str) -> ParsedReply:
+        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        if not body.startswith("["):
+            return ParsedReply(text)
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return ParsedReply(text)
+            calls = [self._call(node) for node in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return ParsedReply(text)
+        return ParsedReply(None, calls)
+
+    @staticmethod
+    def _call(node: ast.expr) -> ToolCall:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            raise ValueError("not a call by name with keyword arguments")
+        arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        if len(arguments) != len(node.keywords):
+            raise ValueError("a **mapping is not a literal argument")
+        return ToolCall(id=new_call_id(), function=FunctionCall(name=node.func.id, arguments=json.dumps(arguments)))
+
+    def streamable_end(self, text: str) -> int:
+        head = text.lstrip()
+        if not head or head.startswith("[") or head.startswith(self.START) or self.START.startswith(head):
+            return 0  # it may be calls: held until the reply ends
+        return len(text)
+
+
+def _mistral_id() -> str:
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "pythonic": PythonicParser,
+}
 
 
 def tool_parser(name: str) -> ToolCallParser:
@@ -102,7 +192,7 @@ def tool_parser(name: str) -> ToolCallParser:
     return PARSERS[name]()
 
 
-def _call_from(value: str | Any, arguments_key: str) -> ToolCall | None:
+def _call_from(value: str | Any, arguments_key: str, call_id: str | None = None) -> ToolCall | None:
     """A call from its JSON (text or decoded); None unless it names a function and its arguments are an object."""
     if isinstance(value, str):
         try:
@@ -119,7 +209,8 @@ def _call_from(value: str | Any, arguments_key: str) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(id=new_call_id(), function=FunctionCall(name=value["name"], arguments=json.dumps(arguments)))
+    function = FunctionCall(name=value["name"], arguments=json.dumps(arguments))
+    return ToolCall(id=call_id or new_call_id(), function=function)
 
 
 def _held_back(text: str, marker: str) -> int:
