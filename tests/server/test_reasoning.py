@@ -95,8 +95,12 @@ def test_chat_gives_the_thought_as_reasoning_and_the_rest_as_content_whole_and_s
     assert thought == "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning
     assert "".join(d.content or "" for d in deltas) == message.content
     # include_reasoning false (vLLM's): the thought left out, the answer as it was.
-    hidden = client.chat.completions.create(**{**ask, "extra_body": {**ask["extra_body"], "include_reasoning": False}})
+    without = {**ask, "extra_body": {**ask["extra_body"], "include_reasoning": False}}
+    hidden = client.chat.completions.create(**without)
     assert hidden.choices[0].message.reasoning is None and hidden.choices[0].message.content == message.content
+    hidden_deltas = [c.choices[0].delta for c in client.chat.completions.create(**without, stream=True) if c.choices]
+    assert not any(getattr(d, "reasoning", None) for d in hidden_deltas)
+    assert "".join(d.content or "" for d in hidden_deltas) == message.content
     # A reply that opens no thought (qwen3: thinking off) is all content.
     plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                            temperature=0).choices[0].message  # fmt: skip
