@@ -24,6 +24,39 @@ SAMPLING_FLAGS = {
 }
 
 
+# vLLM's serve flags that change nothing here: accepted, so a vLLM command line runs as it is.
+VLLM_FLAGS_ACCEPTED = {
+    "--trust-remote-code": "tokenloom runs no checkpoint's own code (only the architectures it builds in)",
+    "--disable-log-requests": "requests are not logged unless --enable-log-requests (vLLM's newer default too)",
+}
+# vLLM's serve flags for what tokenloom does not do, refused by name with the reason (argparse would only say
+# "unrecognized").
+VLLM_FLAGS_REFUSED = {
+    "--api-server-count": "one API process serves; --core-process runs the engine core in a process of its own",
+    "--data-parallel-size": "replicas are Ray Serve's here: --ray --num-replicas N",
+    "--pipeline-parallel-size": "models larger than a device are split by --tensor-parallel-size only",
+    "--enable-lora": "LoRA adapters are not supported",
+    "--lora-modules": "LoRA adapters are not supported",
+    "--task": "only generation is served (no pooling or embedding runner)",
+    "--runner": "only generation is served (no pooling or embedding runner)",
+    "--tokenizer": "the tokenizer is the one in the checkpoint directory",
+    "--revision": "a local checkpoint directory is served as it is; nothing is downloaded",
+    "--download-dir": "nothing is downloaded: give a local checkpoint directory",
+    "--load-format": "checkpoints load from safetensors (or the embedded GGUF)",
+    "--guided-decoding-backend": "structured output is always xgrammar's",
+    "--enable-sleep-mode": "the weights stay loaded",
+}
+
+
+def refused_vllm_flag(argv: list[str]) -> str | None:
+    """Why the first of vLLM's flags tokenloom does not take in argv is refused (None if there is none)."""
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in VLLM_FLAGS_REFUSED:
+            return f"{flag} (vLLM's) is not supported: {VLLM_FLAGS_REFUSED[flag]}"
+    return None
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per field of each part of EngineConfig, with its default and its docstring as help."""
     for part_name, part in PARTS.items():
@@ -101,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_flags(serve.add_argument_group("server"), ServerConfig)
     add_engine_flags(serve)
+    accepted = serve.add_argument_group("vLLM's flags that change nothing here")
+    for flag, why in VLLM_FLAGS_ACCEPTED.items():
+        accepted.add_argument(flag, action="store_true", help=f"accepted: {why}")
 
     from tokenloom.advisor.diagnose import add_diagnose_command
     from tokenloom.advisor.plan import add_plan_command
@@ -153,6 +189,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["serve"] and (refused := refused_vllm_flag(given)) is not None:
+        print(f"tokenloom: error: {refused}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":

@@ -381,6 +381,8 @@ class ServerConfig:
     """The model family's tool-call format: 'hermes' (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, Hermes),
     'llama3_json' (a bare {"name", "parameters"} object: Llama 3.1, 3.2), 'mistral' ([TOOL_CALLS][{...}]) or
     'pythonic' ([f(a=1), g()]: Llama 3.2, 4)."""
+    disable_log_stats: bool = False
+    """No periodic throughput line in the log, as vLLM's flag (/metrics still serves the figures)."""
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     """A reasoning model's thought (<think>...</think>) apart from its answer, as vLLM's flag: the message's
     `reasoning` (and `reasoning_content`), a reasoning item in /v1/responses. 'deepseek_r1': the reply thinks until

@@ -571,3 +571,54 @@ def test_ssl_flags_serve_https(tiny_chat_model, tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_vllms_flags_that_change_nothing_are_taken_and_those_for_what_is_not_done_are_refused_by_name(capsys):
+    from tokenloom.cli import build_parser, config_from_args, main
+    from tokenloom.config import ServerConfig
+
+    argv = ["serve", "some-model", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats"]
+    assert config_from_args(ServerConfig, build_parser().parse_args(argv)).disable_log_stats
+    for argv, flag, words in (
+        (["serve", "m", "--api-server-count", "2"], "--api-server-count", "--core-process"),
+        (["serve", "m", "--max-model-len", "512", "--enable-lora"], "--enable-lora", "LoRA"),
+        (["serve", "m", "--data-parallel-size=2"], "--data-parallel-size", "--ray --num-replicas"),
+        (["serve", "m", "--task", "embed"], "--task", "only generation"),
+    ):
+        assert main(argv) == 2
+        error = capsys.readouterr().err
+        assert f"{flag} (vLLM's) is not supported" in error and words in error
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_the_periodic_throughput_line_is_logged_unless_disable_log_stats(
+    tiny_chat_model, monkeypatch, caplog, disabled
+):
+    import asyncio
+    import logging
+
+    from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
+    from tokenloom.config import ServerConfig
+    from tokenloom.server import launch
+
+    monkeypatch.setattr(launch, "LOG_STATS_EVERY_S", 0.0)  # every step's, so no test waits ten seconds for one
+    flags = ["--disable-log-stats"] if disabled else []
+    args = build_parser().parse_args(["serve", str(tiny_chat_model), *flags])
+    args.model = args.model_tag
+    app, engine = launch.build_server(config_from_args(ServerConfig, args), engine_config_from_args(args))
+    engine.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="tokenloom.stats"):
+
+            async def one_request() -> int:
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                    body = {"prompt": "hi", "max_tokens": 3}
+                    return (await client.post("/v1/completions", json=body, timeout=60)).status_code
+
+            assert asyncio.run(one_request()) == 200
+            app.state.tokenloom.metrics.on_step([])
+    finally:
+        engine.shutdown()
+    logged = [r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage()]
+    assert (logged == []) is disabled

@@ -32,6 +32,7 @@ from tokenloom.version import git_commit
 ENGINE_DEATH_GRACE_S = 3.0  # after the engine dies, for the error events of what was in flight to leave
 ENGINE_DIED_EXIT_CODE = 1
 API_KEY_ENV = "TOKENLOOM_API_KEY"  # as vLLM reads VLLM_API_KEY: a key kept out of `ps`
+LOG_STATS_EVERY_S = 10.0  # the periodic throughput line, as vLLM logs it (--disable-log-stats: never)
 
 
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -84,7 +85,9 @@ def build_server(
     model_name, *aliases = server.served_model_name or (engine.model_name,)
     if server.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = read_chat_template(server.chat_template)
-    metrics = ServerMetrics(engine, model_name, labels=None if replica_id is None else {"replica": replica_id})
+    log_every = math.inf if server.disable_log_stats else LOG_STATS_EVERY_S
+    labels = None if replica_id is None else {"replica": replica_id}
+    metrics = ServerMetrics(engine, model_name, log_interval=log_every, labels=labels)
     tenants = load_tenants(server.tenants) if server.tenants else None
     if tenants:
         engine.set_tenant_weights({t.name: t.weight for t in tenants})
