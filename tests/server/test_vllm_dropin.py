@@ -602,6 +602,7 @@ def test_the_periodic_throughput_line_is_logged_unless_disable_log_stats(
     from tokenloom.server import launch
 
     monkeypatch.setattr(launch, "LOG_STATS_EVERY_S", 0.0)  # every step's, so no test waits ten seconds for one
+    monkeypatch.delenv("TOKENLOOM_API_KEY", raising=False)  # this module's server sets one while it lives
     flags = ["--disable-log-stats"] if disabled else []
     args = build_parser().parse_args(["serve", str(tiny_chat_model), *flags])
     args.model = args.model_tag

@@ -74,17 +74,8 @@ def build_server(
 ) -> tuple[FastAPI, AsyncEngine]:
     """The engine (in this process or with its core apart), the metrics, the async engine and the app; not started.
     replica_id: the Ray Serve replica this server is (its metrics' label, and in the ids of the responses it keeps)."""
-    step_log = StepLog(server.step_log) if server.step_log else None  # opened first: a bad path fails at once
-    engine: LLMEngine | CoreProcessEngine
-    device_type = torch.device(engine_config.model.device).type
-    core_process = server.runs_core_process(device_type, engine_config.parallel.tensor_parallel_size)
-    engine = CoreProcessEngine(engine_config) if core_process else LLMEngine(engine_config)
-    if step_log is not None:
-        assert isinstance(engine, LLMEngine), "ServerConfig refuses --step-log with --core-process"
-        engine.observe_steps(step_log.observe)
+    engine, step_log = _engine(server, engine_config)
     model_name, *aliases = server.served_model_name or (engine.model_name,)
-    if server.chat_template is not None and engine.tokenizer is not None:
-        engine.tokenizer.chat_template = read_chat_template(server.chat_template)
     log_every = math.inf if server.disable_log_stats else LOG_STATS_EVERY_S
     labels = None if replica_id is None else {"replica": replica_id}
     metrics = ServerMetrics(engine, model_name, log_interval=log_every, labels=labels)
@@ -131,6 +122,22 @@ def build_server(
             allow_credentials="*" not in server.allowed_origins,
         )
     return app, async_engine
+
+
+def _engine(server: ServerConfig, engine_config: EngineConfig) -> tuple[LLMEngine | CoreProcessEngine, StepLog | None]:
+    """The engine, in this process or with its core apart, its chat template as the server's flags say; and the step
+    log it writes to, if asked for."""
+    step_log = StepLog(server.step_log) if server.step_log else None  # opened first: a bad path fails at once
+    engine: LLMEngine | CoreProcessEngine
+    device_type = torch.device(engine_config.model.device).type
+    core_process = server.runs_core_process(device_type, engine_config.parallel.tensor_parallel_size)
+    engine = CoreProcessEngine(engine_config) if core_process else LLMEngine(engine_config)
+    if step_log is not None:
+        assert isinstance(engine, LLMEngine), "ServerConfig refuses --step-log with --core-process"
+        engine.observe_steps(step_log.observe)
+    if server.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = read_chat_template(server.chat_template)
+    return engine, step_log
 
 
 def configure_logging(server: ServerConfig) -> None:
