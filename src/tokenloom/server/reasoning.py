@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, cast, get_args
 
+from tokenloom.server.tool_parsers import held_back
+
 START, END = "<think>", "</think>"
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
@@ -27,49 +29,43 @@ class ReasoningParser:
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A whole reply as its thought (None if it has none) and its answer."""
-        thought, answer, _ = self._split(text, whole=True)
+        thought, answer = ReasoningStream(self).feed(text, last=True)
         return thought or None, answer
-
-    def _split(self, text: str, whole: bool) -> tuple[str | None, str, bool]:
-        """(thought, answer, undecided): the thought and answer so far; undecided while the text may still be the
-        start of a tag that decides between them (never for a whole reply)."""
-        opened = text.startswith(START)
-        if not whole and not opened and START.startswith(text):
-            return None, "", True  # "<th": the reply may be opening a thought
-        if self.name == "qwen3" and not opened:
-            return None, text, False
-        body = text.removeprefix(START)
-        thought, closed, answer = body.partition(END)
-        if closed or whole:
-            return thought, answer, False
-        return body[: len(body) - _held(body)], "", False
-
-
-def _held(text: str) -> int:
-    """How many characters at the text's end may begin the closing tag."""
-    return next((n for n in range(min(len(END) - 1, len(text)), 0, -1) if END.startswith(text[-n:])), 0)
 
 
 class ReasoningStream:
-    """Splits a reply into thought and answer as its text grows: each call gives what is new of each."""
+    """Splits a reply into thought and answer as its text grows: each call gives what is new of each. Only the
+    characters that may begin a tag are kept between calls; once the answer begins, deltas pass through."""
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
-        self._text = ""
-        self._thought_sent = 0
-        self._answer_sent = 0
+        self._held = ""  # text not given out yet: it may begin <think> (at the start) or </think>
+        self._at_start = True  # whether the reply may still open a thought
+        self._answering = False
 
     def feed(self, delta: str, last: bool) -> tuple[str, str]:
         """The new thought and the new answer once `delta` is added; `last`: the reply is whole."""
-        self._text += delta
-        thought, answer, undecided = self.parser._split(self._text, whole=last)
-        if undecided:
-            return "", ""
-        new_thought = (thought or "")[self._thought_sent :]
-        new_answer = answer[self._answer_sent :]
-        self._thought_sent += len(new_thought)
-        self._answer_sent += len(new_answer)
-        return new_thought, new_answer
+        if self._answering:
+            return "", delta
+        text, self._held = self._held + delta, ""
+        if self._at_start:
+            if not last and not text.startswith(START) and START.startswith(text):
+                self._held = text  # "<th": the reply may be opening a thought
+                return "", ""
+            self._at_start = False
+            if text.startswith(START):
+                text = text.removeprefix(START)
+            elif self.parser.name == "qwen3":  # no thought opened: all answer
+                self._answering = True
+                return "", text
+        thought, closed, answer = text.partition(END)
+        if closed:
+            self._answering = True
+            return thought, answer
+        if not last:
+            keep = held_back(text, END)
+            text, self._held = text[: len(text) - keep], text[len(text) - keep :]
+        return text, ""
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:

@@ -124,8 +124,9 @@ async def _merged(
     """(choice index, chunk, output, the ids of the tokens read since the choice's last chunk if the shape returns
     them) of every choice, interleaved as they come; the first failure ends them all."""
     if len(streams) == 1:  # the common case needs no tasks
-        async for chunk in _choice_chunks(shape, 0, streams[0], logprobs):
-            yield chunk
+        read, stream = _tapped(shape, streams[0])
+        async for choice, output in shape.chunks(stream, logprobs):
+            yield 0, choice, output, _taken(read)
         return
     # Bounded: a choice whose chunk waits for the reader stops reading its stream, which then holds one output (its
     # next replaces it) however slowly the client reads; an unbounded queue here would keep one for every step.
@@ -135,8 +136,9 @@ async def _merged(
 
     async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
-            async for chunk in _choice_chunks(shape, index, stream, logprobs):
-                await queue.put(chunk)
+            read, stream = _tapped(shape, stream)
+            async for choice, output in shape.chunks(stream, logprobs):
+                await queue.put((index, choice, output, _taken(read)))
             await queue.put(None)
         except Exception as error:  # RequestError, APIError: handed to the reader, which stops the others
             await queue.put(error)
@@ -158,24 +160,30 @@ async def _merged(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _choice_chunks(
-    shape: ChoiceShape, index: int, stream: AsyncIterator[RequestOutput], logprobs: bool
-) -> AsyncIterator[tuple[int, StreamChoice, RequestOutput, list[int] | None]]:
+def _tapped(
+    shape: ChoiceShape, stream: AsyncIterator[RequestOutput]
+) -> tuple[list[int] | None, AsyncIterator[RequestOutput]]:
+    """Where the shape returns token ids: a list that gathers the ids of the tokens it reads, and the stream it reads
+    through; else (None, the stream itself: no hop more per chunk)."""
     if not shape.token_ids:
-        async for choice, output in shape.chunks(stream, logprobs):
-            yield index, choice, output, None
-        return
-    read: list[int] = []  # the ids of the tokens the shape has read since its last chunk
+        return None, stream
+    read: list[int] = []
 
     async def tapped() -> AsyncIterator[RequestOutput]:
         async for output in stream:
             read.extend(output.outputs[0].token_ids)
             yield output
 
-    async for choice, output in shape.chunks(tapped(), logprobs):
-        ids = read.copy()
-        read.clear()
-        yield index, choice, output, ids
+    return read, tapped()
+
+
+def _taken(read: list[int] | None) -> list[int] | None:
+    """The ids read since the last chunk (emptied for the next), or None where none are gathered."""
+    if read is None:
+        return None
+    ids = read.copy()
+    read.clear()
+    return ids
 
 
 _REJECTION_STATUS = {

@@ -66,7 +66,7 @@ class HermesParser(ToolCallParser):
 
     def streamable_end(self, text: str) -> int:
         start = text.find(self.START)
-        return start if start >= 0 else len(text) - _held_back(text, self.START)
+        return start if start >= 0 else len(text) - held_back(text, self.START)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -135,7 +135,7 @@ class MistralParser(ToolCallParser):
 
     def streamable_end(self, text: str) -> int:
         start = text.find(self.BOT)
-        return start if start >= 0 else len(text) - _held_back(text, self.BOT)
+        return start if start >= 0 else len(text) - held_back(text, self.BOT)
 
 
 class PythonicParser(ToolCallParser):
@@ -213,7 +213,7 @@ def _call_from(value: str | Any, arguments_key: str, call_id: str | None = None)
     return ToolCall(id=call_id or new_call_id(), function=function)
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """The length of the longest end of text that is the beginning of marker (it may be a call starting)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:size]):
