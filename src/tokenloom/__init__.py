@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from tokenloom.config import EngineConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.lora import LoRARequest
 from tokenloom.outputs import CompletionOutput, RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -18,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

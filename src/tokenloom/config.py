@@ -7,6 +7,7 @@
       parallel: ParallelConfig   tensor parallelism: how many processes share each layer
       structured_outputs: StructuredOutputsConfig  what a request's grammar may cost: cache bytes, size, time
       speculative: SpeculativeDecodingConfig  speculative decoding: --speculative-config, vLLM's JSON
+      lora: LoRAConfig           LoRA adapters served over the base model (lora.py)
 
 Each part is built from its own config (the scheduler from SchedulerConfig, the KV cache from CacheConfig), so a
 new knob is one field in one class: the CLI flags (one per field, help from the docstring under it),
@@ -20,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from tokenloom.lora import LoRAConfig
 from tokenloom.speculative_config import SpeculativeConfig, require
 
 Batching = Literal["continuous", "static"]
@@ -231,6 +233,7 @@ PARTS: dict[str, type] = {
     "parallel": ParallelConfig,
     "structured_outputs": StructuredOutputsConfig,
     "speculative": SpeculativeDecodingConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -242,8 +245,11 @@ class EngineConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = dataclasses.field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeDecodingConfig = dataclasses.field(default_factory=SpeculativeDecodingConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enable_lora:  # an adapter's matrices are not sharded across ranks
+            require(self.parallel.tensor_parallel_size == 1, "LoRA adapters are served on one rank")
         if self.scheduler.async_scheduling:
             # Drafts are proposed from the tokens just sampled, and tensor-parallel workers are sent token ids:
             # both need each step's tokens on the host before the next step is scheduled.
@@ -275,7 +281,8 @@ class EngineConfig:
         return flat
 
     def compiles_step(self, device_type: str) -> bool:
-        return self.model.compiles_step(device_type) and self.parallel.tensor_parallel_size == 1
+        single = self.parallel.tensor_parallel_size == 1
+        return self.model.compiles_step(device_type) and single and not self.lora.enable_lora
 
 
 @dataclass(frozen=True)

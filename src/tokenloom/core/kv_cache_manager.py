@@ -164,13 +164,15 @@ class KVCacheManager:
 
     def _full_block_hashes(self, request: Request) -> list[BlockHash]:
         """The chained hashes of the request's full blocks, up to the first that holds a placeholder (a token still
-        on the device: its block is hashed once the token is known)."""
+        on the device: its block is hashed once the token is known). Under a LoRA adapter the chain starts from the
+        adapter's name: the same tokens have other K and V under another adapter, so no block is shared across."""
         hashes = self._hashes.setdefault(request.request_id, [])
+        root = None if request.lora_name is None else hash(("lora", request.lora_name))
         for i in range(len(hashes), request.num_tokens // self.block_size):
             block_tokens = self._block_tokens(request, i)
             if PLACEHOLDER_TOKEN in block_tokens:
                 break
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block_tokens))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else root, block_tokens))
         return hashes
 
     def check_invariants(self, live_request_ids: set[str]) -> None:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenloom.lora import LoRARequest
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.utils import cdiv
 
@@ -64,6 +65,11 @@ class Request:
     stop_reason: int | str | None = None
     # Draft tokens proposed for the next step (speculative decoding); the scheduler takes them when it schedules it.
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_request: LoRARequest | None = None  # the adapter the request runs under; None: the base model
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def num_prompt_tokens(self) -> int:

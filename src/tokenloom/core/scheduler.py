@@ -38,16 +38,19 @@ class Scheduler:
         eos_token_ids: set[int],
         preemptor: Preemptor | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int = 0,
     ) -> None:
         """Built from its own config; what the engine works out at start-up (the context length, the EOS tokens,
         the preemptor with its swap pool and measured costs) comes beside it. `clock` stamps the requests' times:
-        the simulator (bench/simulator.py) runs this scheduler in simulated time."""
+        the simulator (bench/simulator.py) runs this scheduler in simulated time. max_loras: the most distinct LoRA
+        adapters in the running batch (0: LoRA is off)."""
         self.config = config
         self.clock = clock
         self.kv = kv_cache
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.eos_token_ids = eos_token_ids
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.gate = make_gate(config.batching)
@@ -175,33 +178,54 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None} if self.max_loras else set()
+        passed_over: list[Request] = []  # of an adapter that would be one too many in the batch: they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.SWAPPED:
-                num_new = self._stall_free(request, request.num_tokens - request.num_computed_tokens, budget, output)
-                num_still_cached = self.kv.allocate_for_swap_in(request, num_new) if num_new else None
-                if num_still_cached is None:
-                    break
-                self.waiting.popleft()
-                self._swap_in(request, num_still_cached, output)
-                output.add(self._scheduled(request, num_new))
-                budget -= num_new
+            name = request.lora_name
+            if name is not None and name not in adapters and len(adapters) >= self.max_loras:
+                passed_over.append(self.waiting.popleft())
                 continue
-            cached_blocks = self.kv.find_cached_prefix(request)
-            num_cached = len(cached_blocks) * self.kv.block_size
-            num_new = request.num_tokens - num_cached
-            if not self.enable_chunked_prefill and num_new > budget:
+            if request.status == RequestStatus.SWAPPED:
+                num_new = self._resume_swapped(request, output, budget)
+            else:
+                num_new = self._start_waiting(request, output, budget)
+            if num_new is None:
                 break
-            num_new = self._stall_free(request, num_new, budget, output)
-            if num_new == 0:
-                break
-            if not self.kv.allocate_slots(request, num_new, cached_blocks):
-                self.gate.kv_exhausted()
-                break
-            self.waiting.popleft()
-            self._start_running(request, num_cached)
-            output.add(self._scheduled(request, num_new))
             budget -= num_new
+            if name is not None:
+                adapters.add(name)
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _resume_swapped(self, request: Request, output: SchedulerOutput, budget: int) -> int | None:
+        """The tokens a swapped-out request at the head of the queue computes this step; None: it cannot resume."""
+        num_new = self._stall_free(request, request.num_tokens - request.num_computed_tokens, budget, output)
+        num_still_cached = self.kv.allocate_for_swap_in(request, num_new) if num_new else None
+        if num_still_cached is None:
+            return None
+        self.waiting.popleft()
+        self._swap_in(request, num_still_cached, output)
+        output.add(self._scheduled(request, num_new))
+        return num_new
+
+    def _start_waiting(self, request: Request, output: SchedulerOutput, budget: int) -> int | None:
+        """The tokens the request at the head of the queue computes this step; None: it cannot start (and none
+        behind it does)."""
+        cached_blocks = self.kv.find_cached_prefix(request)
+        num_cached = len(cached_blocks) * self.kv.block_size
+        num_new = request.num_tokens - num_cached
+        if not self.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = self._stall_free(request, num_new, budget, output)
+        if num_new == 0:
+            return None
+        if not self.kv.allocate_slots(request, num_new, cached_blocks):
+            self.gate.kv_exhausted()
+            return None
+        self.waiting.popleft()
+        self._start_running(request, num_cached)
+        output.add(self._scheduled(request, num_new))
+        return num_new
 
     def _stall_free(
         self, request: Request, remaining: int, budget: int, output: SchedulerOutput, num_drafts: int = 0
@@ -404,4 +428,6 @@ class Scheduler:
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.SWAPPED) for r in self.waiting)
         assert len(self.running) + len(self.waiting) == len(self.requests)
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        assert not adapters or len(adapters) <= self.max_loras, "more LoRA adapters running than max_loras"
         self.swap_space.check_invariants({r.request_id for r in self.waiting if r.status == RequestStatus.SWAPPED})

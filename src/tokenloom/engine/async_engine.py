@@ -21,6 +21,7 @@ from dataclasses import asdict
 from tokenloom.engine.client import EngineClient, PreparedRequest
 from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.step_log import StepLog
+from tokenloom.lora import LoRARequest
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import JoinedDeltas, RequestOutput
@@ -179,6 +180,7 @@ class AsyncEngine:
         tenant: str = "default",
         arrival_time: float | None = None,
         wake_every: int | None = 1,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Admits a request (raising RequestError or ValueError if it can't be) and returns its output stream.
 
@@ -196,7 +198,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, wake_every)
         self._streams[request_id] = stream
         try:
-            await asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant, arrival_time)
+            await asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant, arrival_time, lora_request)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -257,13 +259,14 @@ class AsyncEngine:
         priority: int,
         tenant: str,
         arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues a request for the engine thread, without waiting for the running step to end.
 
         Requests that arrive while a step runs all join the next one: a burst fills the next step's token budget
         instead of trickling in one admission per step.
         """
-        prepared = self.engine.prepare_request(prompt, params, request_id, arrival_time, priority, tenant)
+        prepared = self.engine.prepare_request(prompt, params, request_id, arrival_time, priority, tenant, lora_request)
         new_tokens = prepared.request.num_prompt_tokens
         with self._pending_lock:
             waiting = self._waiting_requests + len(self._pending)

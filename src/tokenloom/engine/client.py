@@ -19,8 +19,10 @@ from tokenloom.core.request import Request, RequestLimits
 from tokenloom.engine.core_outputs import EngineStats, QueueState
 from tokenloom.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.engine.structured_output import GrammarCompiler
+from tokenloom.lora import LoRARequest
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import Tokenizer
+from tokenloom.model.lora import read_adapter_config
 from tokenloom.model.platform import dtype_name
 from tokenloom.model.token_bias import bad_word_sequences
 from tokenloom.outputs import RequestOutput
@@ -114,6 +116,7 @@ class EngineClient(ABC):
         arrival_time: float | None = None,
         priority: int = 0,
         tenant: str = "default",
+        lora_request: LoRARequest | None = None,
     ) -> PreparedRequest:
         """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
         params = self._with_bad_words_tokenized(params or SamplingParams())
@@ -131,13 +134,26 @@ class EngineClient(ABC):
             sampling_params=params,
             priority=priority,
             tenant=tenant,
+            lora_request=lora_request,
         )
+        if lora_request is not None:
+            self._check_adapter(lora_request)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self._limits.check(request)
         if params.structured_outputs is not None:
             self._grammars.compile(params.structured_outputs)  # a bad schema is the caller's error, found here
         return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
+
+    def _check_adapter(self, lora: LoRARequest) -> None:
+        """Whether the adapter may be served (its config, read here; its weights load in the core)."""
+        if not self.config.lora.enable_lora:
+            raise InvalidField("model", f"the LoRA adapter {lora.lora_name!r} was asked for, but LoRA is not enabled "
+                               "(--enable-lora)")  # fmt: skip
+        try:
+            read_adapter_config(lora.lora_path, self.config.lora.max_lora_rank)
+        except ValueError as error:
+            raise InvalidField("model", str(error)) from error
 
     def _with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
         """vLLM's bad words as token sequences (token_bias.py), made once here."""
@@ -160,9 +176,10 @@ class EngineClient(ABC):
         arrival_time: float | None = None,
         priority: int = 0,
         tenant: str = "default",
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Queues a prompt (text or token ids); raises ValueError if it can never be served."""
-        prepared = self.prepare_request(prompt, params, request_id, arrival_time, priority, tenant)
+        prepared = self.prepare_request(prompt, params, request_id, arrival_time, priority, tenant, lora_request)
         self.add_prepared(prepared)
         return prepared.request
 

@@ -90,6 +90,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=set(self.model_config.eos_token_ids),
             preemptor=self.preemptor,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
         )
         eos = self.model_config.eos_token_ids
         grammars = GrammarCompiler(loaded.tokenizer, self.model_config.vocab_size, eos, config.structured_outputs)
@@ -130,6 +131,7 @@ class EngineCore:
             and self.runner.attention_backend == "triton"
             and self.config.model.enforce_eager is not True
             and self.config.parallel.tensor_parallel_size == 1
+            and not self.config.lora.enable_lora
         )
 
     def _kv_blocks_from_device_memory(self, device: torch.device) -> int:
@@ -168,6 +170,11 @@ class EngineCore:
         """Queues a request. One whose grammar does not compile here fails in the next step, alone (the client
         compiles every grammar before a request gets here, so this is the last resort, not the check)."""
         self.scheduler.add_request(request)
+        if request.lora_request is not None:
+            try:  # loaded here, on the core's side, once; an adapter that does not load fails its request alone
+                self.runner.retain_adapter(request.request_id, request.lora_request)
+            except ValueError as error:
+                self._failed_on_arrival[request.request_id] = error
         if request.sampling_params.bad_words_read_the_output:
             self._reading_output.add(request.request_id)
         spec = request.sampling_params.structured_outputs

@@ -63,6 +63,7 @@ def make_runner(
             kv_cache_dtype=config.cache.kv_cache_dtype,
             quantization=config.model.quantization,
             calibration=calibration,
+            lora=config.lora,
         )
     # Imported only when there are ranks to run: the tensor-parallel runner needs the IPC library (pyzmq), which a
     # GPU image serving one rank may lack (tests/engine/test_gpu_image_imports.py).

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.lora import LoRARequest
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
@@ -71,10 +72,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns the outputs in input order.
 
-        `priority` (one per prompt, lower first) matters under scheduling_policy="priority".
+        `priority` (one per prompt, lower first) matters under scheduling_policy="priority". `lora_request`: the LoRA
+        adapter every prompt runs under, or one per prompt (None: the base model); needs enable_lora=True.
         """
         prompt_list = _as_prompt_list(prompts)
         # Only each request's final output is read here: the steps between build none (as vLLM's LLM asks).
@@ -85,8 +88,10 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        adapters = _per_prompt(lora_request, len(prompt_list))
         request_ids = [
-            self._add(prompt, params, p) for prompt, params, p in zip(prompt_list, params_list, priorities, strict=True)
+            self._add(prompt, params, p, lora)
+            for prompt, params, p, lora in zip(prompt_list, params_list, priorities, adapters, strict=True)
         ]
         return self._run(request_ids, use_tqdm)
 
@@ -98,6 +103,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates. As vLLM's: the assistant's turn
         opened after the messages (add_generation_prompt) or the last message left open for the reply to continue
@@ -109,7 +115,9 @@ class LLM:
         options = dict(chat_template_kwargs or {}, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message)  # fmt: skip
         prompts = [self.apply_chat_template(c, **options) for c in conversations]
-        return self.generate([{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm)
+        return self.generate(
+            [{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm, lora_request=lora_request
+        )
 
     def apply_chat_template(self, conversation: Conversation, **options: Any) -> list[int]:
         """The conversation's token ids through the model's chat template; options: apply_chat_template's keyword
@@ -126,10 +134,12 @@ class LLM:
         """Counters since start: steps, tokens, preemptions, prefix-cache queries and hits, KV blocks."""
         return self.engine.stats()
 
-    def _add(self, prompt: PromptInput, params: SamplingParams, priority: int = 0) -> str:
+    def _add(
+        self, prompt: PromptInput, params: SamplingParams, priority: int = 0, lora: LoRARequest | None = None
+    ) -> str:
         if isinstance(prompt, dict):
             prompt = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
-        return self.engine.add_request(prompt, params, priority=priority).request_id
+        return self.engine.add_request(prompt, params, priority=priority, lora_request=lora).request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -171,3 +181,12 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    adapters = list(lora)
+    if len(adapters) != n:
+        raise ValueError(f"got {len(adapters)} LoRA requests for {n} prompts")
+    return adapters

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from tokenloom.model import cpu_kernel, kv_quant, triton_attention
 from tokenloom.model.kv_quant import KVFormat
+from tokenloom.model.platform import cpu_has_amx
 from tokenloom.model.triton_attention import FlatBatch
 
 
@@ -255,3 +256,15 @@ def _kv_heads(num_kv_heads: int, group: int, head_dim: int):
     """For each KV head: the slice of query heads that share it, and its columns in a cache row."""
     for i in range(num_kv_heads):
         yield slice(i * group, (i + 1) * group), slice(i * head_dim, (i + 1) * head_dim)
+
+
+def uses_prefill_op(backend: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Prefill attention through our AVX-512 BF16 operator. Not where the CPU has AMX: torch's fused attention (its
+    tiles) beat it at every prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with AMX")."""
+    return (
+        backend == "cpu"
+        and dtype == torch.bfloat16
+        and head_dim in (64, 128)
+        and not cpu_has_amx()
+        and cpu_kernel.has_prefill_op()
+    )

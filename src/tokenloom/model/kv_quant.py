@@ -99,3 +99,15 @@ def dequantize_blocks(
     by_slot = blocks_view(gathered, head_dim, block_size).transpose(-3, -2)  # [..., blocks, B, H, d + 4]
     values = decode(by_slot, fmt, dtype)
     return values.reshape(*gathered.shape[:-1], values.shape[-1])
+
+
+def check_kv_format(fmt: KVFormat | None, backend: str, device: torch.device) -> None:
+    """An 8-bit cache on a path that cannot run it is refused at start, never a silent fallback to another path: every
+    backend reads every format, but the Triton kernels' fp8 conversions need an Ada or Hopper GPU."""
+    if fmt is None or backend != "triton" or fmt.code_dtype == torch.int8 or device.type != "cuda":
+        return
+    if torch.cuda.get_device_capability(device) < (8, 9):  # fp8 conversions came with Ada and Hopper
+        raise ValueError(
+            f"--kv-cache-dtype {fmt.name}: the Triton kernels' fp8 codes need a GPU of compute capability 8.9 or "
+            f"newer (this one: {torch.cuda.get_device_name(device)}); use --kv-cache-dtype int8"
+        )

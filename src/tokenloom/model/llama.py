@@ -205,6 +205,8 @@ class CausalLM(nn.Module):
         )
         self._operator_layers: list[OperatorLayer] | None = None
         self._int8_head: Int8Linear | None = None  # an int8 model's approximate logits (quantize_weights)
+        # Packed or int8 projections that apply silu(gate) * up themselves; none where LoRA adds to gate and up.
+        self.gated_projections = GATED_PROJECTIONS
         # Rank 0 alone computes logits and samples (parallel_runner.py): the other ranks make no copies of the head.
         self.computes_logits = tp.rank == 0
 
@@ -227,6 +229,10 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, None if kv_caches is None else kv_caches[i], meta)
         return residual + hidden  # the final stream, float32; compute_logits norms the rows that are sampled
+
+    def operator_layers_changed(self) -> None:
+        """The layers' linears were replaced (prepacked, quantized, wrapped): gather them again on next use."""
+        self._operator_layers = None
 
     def operator_layers(self) -> list[OperatorLayer]:
         """The layers as the C++ operators' step runs them, gathered on first use; prepack_weights and
@@ -278,7 +284,7 @@ class CausalLM(nn.Module):
         head_bytes = head.numel() * head.element_size() if self.computes_logits else 0
         small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0))
         if layers:
-            prepack_linears(self.layers, gated=GATED_PROJECTIONS, small_batch=small)
+            prepack_linears(self.layers, gated=self.gated_projections, small_batch=small)
             self._operator_layers = None
         # A tied embedding stays, for lookups. An int8 model's logits come from its int8 head: no packed copy.
         if self._int8_head is None and self.computes_logits:
@@ -295,7 +301,7 @@ class CausalLM(nn.Module):
         round its int8 codes; codes, keyed the same, are an earlier load's (gptq_cache.py)."""
         self._operator_layers = None
         self._int8_head = int8_head(self._head_weight(), method) if self.computes_logits else None
-        return quantize_linears(self.layers, method, gated=GATED_PROJECTIONS, hessians=hessians, codes=codes)
+        return quantize_linears(self.layers, method, gated=self.gated_projections, hessians=hessians, codes=codes)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads tensors named as in a Hugging Face checkpoint, fusing q/k/v and gate/up as they arrive."""

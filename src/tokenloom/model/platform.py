@@ -60,3 +60,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (1 where it has none: the CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 1

@@ -15,18 +15,20 @@ import numpy as np
 import torch
 
 from tokenloom.core.scheduler_output import ScheduledRequest
-from tokenloom.model import cpu_kernel
-from tokenloom.model.attention import AttentionMetadata, resolve_backend
+from tokenloom.lora import LoRAConfig, LoRARequest
+from tokenloom.model import kv_quant
+from tokenloom.model import lora as lora_adapters
+from tokenloom.model.attention import AttentionMetadata, resolve_backend, uses_prefill_op
 from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
 from tokenloom.model.gptq import recording_input_hessians
 from tokenloom.model.gptq_cache import cache_enabled as gptq_cache_enabled
 from tokenloom.model.gptq_cache import codes_key, load_codes, save_gptq_codes
-from tokenloom.model.kv_quant import KVFormat, kv_format
+from tokenloom.model.kv_quant import kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.penalties import SeenTokens
-from tokenloom.model.platform import accelerator_count, cpu_has_amx
+from tokenloom.model.platform import accelerator_count, multiprocessors
 from tokenloom.model.prepack import can_prepack
 from tokenloom.model.quantization import INT8_METHODS, check_quantization, int8_kernel_isa
 from tokenloom.model.sampler import (
@@ -100,9 +102,11 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
         calibration: list[list[int]] | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         """calibration: token ids of sequences run through the unquantized model at start, whose inputs to each
-        linear make GPTQ round its int8 codes (gptq.py); None or empty: codes rounded to the nearest."""
+        linear make GPTQ round its int8 codes (gptq.py); None or empty: codes rounded to the nearest. lora: serve
+        LoRA adapters (lora.py) where it enables them."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -110,7 +114,7 @@ class ModelRunner:
         cfg = model.config
         self.attention_backend = resolve_backend(attention_backend, device, dtype)
         self.kv_format = kv_format(kv_cache_dtype)
-        check_kv_format(self.kv_format, self.attention_backend, device)
+        kv_quant.check_kv_format(self.kv_format, self.attention_backend, device)
         row, cache_dtype = self._cache_row()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_kv_cache(num_kv_blocks)
@@ -130,20 +134,38 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             num_kv_heads=cfg.num_kv_heads,
             kv_format=self.kv_format,
-            use_prefill_op=_uses_prefill_op(self.attention_backend, dtype, cfg.head_dim),
+            use_prefill_op=uses_prefill_op(self.attention_backend, dtype, cfg.head_dim),
             # Programs that fill the device: split-K shares are added only where a step has fewer (few long decodes).
-            target_programs=4 * _multiprocessors(device),
+            target_programs=4 * multiprocessors(device),
+            with_adapters=lora is not None and lora.enable_lora,
         )
         self.compiled: CompiledForward | None = compile_model(model, device) if compile_step else None
         self.graphs: DecodeGraphs | None = None  # enable_decode_graphs
-        if quantization is not None:
-            self._quantize(quantization, calibration)
-        if can_prepack(device, dtype):
-            model.prepack_weights(layers=quantization is None)
+        self.adapters = self._prepare_linears(quantization, calibration, lora)
         self._generators = SeededGenerators(device)  # of live requests with a seed
         self._seen = SeenTokens()  # the token counts of live requests with penalties
         # The last step's sampled token ids on the device, by request: a step scheduled ahead reads its placeholders.
         self._last_sampled: tuple[list[str], torch.Tensor] | None = None
+
+    def _prepare_linears(
+        self, quantization: str | None, calibration: list[list[int]] | None, lora: LoRAConfig | None
+    ) -> lora_adapters.AdapterSet | None:
+        """The decoder's linears in the form this runner runs them: quantized, prepacked, then wrapped so that the
+        step's LoRA adapters add their deltas to their rows (lora.py); returns the adapters' set where LoRA is on."""
+        if self.inputs.with_adapters:
+            self.model.gated_projections = frozenset()  # the adapters add to gate and up before silu(gate) * up
+        if quantization is not None:
+            self._quantize(quantization, calibration)
+        if can_prepack(self.device, self.dtype):
+            self.model.prepack_weights(layers=quantization is None)
+        if lora is None or not lora.enable_lora:
+            return None
+        adapters = lora_adapters.AdapterSet(
+            self.model.config, lora.max_lora_rank, lora.kept_adapters, self.dtype, self.device
+        )
+        lora_adapters.attach(self.model.layers, adapters.step)
+        self.model.operator_layers_changed()
+        return adapters
 
     def _quantize(self, method: str, calibration: list[list[int]] | None) -> None:
         check_quantization(method, self.device)
@@ -342,6 +364,8 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor:
+        if self.adapters is not None:
+            self.adapters.activate(inputs.adapter_rows, inputs.input_ids.shape[0])
         flat = inputs.meta.flat
         if (
             self.graphs is not None
@@ -398,9 +422,17 @@ class ModelRunner:
                 entries[chunk.start + 1 + lo + row] = SampledToken(targets[row], chosen[row], pairs)
         return entries
 
+    def retain_adapter(self, request_id: str, lora: LoRARequest) -> None:
+        """Holds the request's LoRA adapter, loading it if needed: ValueError if LoRA is off or it does not load."""
+        if self.adapters is None:
+            raise ValueError(f"the request asks for the LoRA adapter {lora.lora_name!r}, but LoRA is not enabled")
+        self.adapters.retain(request_id, lora)
+
     def release(self, request_id: str) -> None:
         self._generators.drop(request_id)
         self._seen.drop(request_id)
+        if self.adapters is not None:
+            self.adapters.release(request_id)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         return self.inputs.build(scheduled)
@@ -415,34 +447,3 @@ class ModelRunner:
             output_index=[item.sampled_output_index for item in items],
             history_of=lambda row: items[row].request.output_token_ids + items[row].draft_token_ids,
         )
-
-
-def check_kv_format(fmt: KVFormat | None, backend: str, device: torch.device) -> None:
-    """An 8-bit cache on a path that cannot run it is refused at start, never a silent fallback to another path: every
-    backend reads every format, but the Triton kernels' fp8 conversions need an Ada or Hopper GPU."""
-    if fmt is None or backend != "triton" or fmt.code_dtype == torch.int8 or device.type != "cuda":
-        return
-    if torch.cuda.get_device_capability(device) < (8, 9):  # fp8 conversions came with Ada and Hopper
-        raise ValueError(
-            f"--kv-cache-dtype {fmt.name}: the Triton kernels' fp8 codes need a GPU of compute capability 8.9 or "
-            f"newer (this one: {torch.cuda.get_device_name(device)}); use --kv-cache-dtype int8"
-        )
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """The device's streaming multiprocessors (1 where it has none: the CPU)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 1
-
-
-def _uses_prefill_op(backend: str, dtype: torch.dtype, head_dim: int) -> bool:
-    """Prefill attention through our AVX-512 BF16 operator. Not where the CPU has AMX: torch's fused attention (its
-    tiles) beat it at every prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with AMX")."""
-    return (
-        backend == "cpu"
-        and dtype == torch.bfloat16
-        and head_dim in (64, 128)
-        and not cpu_has_amx()
-        and cpu_kernel.has_prefill_op()
-    )

@@ -16,6 +16,7 @@ from tokenloom.core.request import PLACEHOLDER_TOKEN
 from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
 from tokenloom.model.kv_quant import KVFormat
+from tokenloom.model.lora import adapter_rows
 from tokenloom.model.triton_attention import FlatBatch, split_count
 from tokenloom.utils import cdiv
 
@@ -32,6 +33,7 @@ class ModelInputs:
     prompt_chunks: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # (chunk, its first row)
     # (row, request id) of each token that is a placeholder: sampled by the step before, still on the device.
     placeholders: list[tuple[int, str]] = field(default_factory=list)
+    adapter_rows: dict[str, np.ndarray] = field(default_factory=dict)  # each LoRA adapter's rows (lora.py)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class StepInputBuilder:
     kv_format: KVFormat | None  # an 8-bit cache; None: the model's dtype
     use_prefill_op: bool  # prefill attention through the bf16 C++ operator
     target_programs: int  # programs that fill the device; split-K shares are added only below it
+    with_adapters: bool = False  # LoRA is enabled: each step's rows are grouped by adapter
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
     block_rows: BlockTableRows = field(default_factory=lambda: BlockTableRows())
 
@@ -113,6 +116,7 @@ class StepInputBuilder:
             sampled_items=[s for s in ordered if s.sample],
             prompt_chunks=prompt_chunks,
             placeholders=placeholders,
+            adapter_rows=adapter_rows([s.request.lora_name for s in ordered], counts) if self.with_adapters else {},
         )
 
     @staticmethod
