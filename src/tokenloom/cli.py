@@ -35,8 +35,6 @@ VLLM_FLAGS_REFUSED = {
     "--api-server-count": "one API process serves; --core-process runs the engine core in a process of its own",
     "--data-parallel-size": "replicas are Ray Serve's here: --ray --num-replicas N",
     "--pipeline-parallel-size": "models larger than a device are split by --tensor-parallel-size only",
-    "--enable-lora": "LoRA adapters are not supported",
-    "--lora-modules": "LoRA adapters are not supported",
     "--task": "only generation is served (no pooling or embedding runner)",
     "--runner": "only generation is served (no pooling or embedding runner)",
     "--tokenizer": "the tokenizer is the one in the checkpoint directory",

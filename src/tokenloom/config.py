@@ -299,6 +299,9 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()
     """The model ids clients use (one or more: the first is the one reported, every one is accepted); none: the
     checkpoint's name."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters served from the start, each name=path or vLLM's JSON {"name", "path", "base_model_name"}; a
+    request names one as its model. Needs --enable-lora."""
     max_body_bytes: int = 1 << 20
     """Request bodies over this many bytes get 413, counted on the byte stream (chunked bodies too)."""
     max_inflight_body_bytes: int = 128 << 20
@@ -409,7 +412,7 @@ class ServerConfig:
     the shorter queue)."""
 
     def __post_init__(self) -> None:
-        for name in ("api_key", "served_model_name", "allowed_origins"):  # one value given as a plain string
+        for name in ("api_key", "served_model_name", "allowed_origins", "lora_modules"):  # one as a plain string
             if isinstance(getattr(self, name), str):
                 object.__setattr__(self, name, (getattr(self, name),))
         _require_server(

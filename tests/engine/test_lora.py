@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, hf_oracle
-from safetensors.torch import save_file
+from conftest import TINY_VOCAB
+from lora_files import greedy_reference, merged_oracle, write_adapter
 
 from tokenloom import LLM, LoRARequest, SamplingParams
 from tokenloom.config import EngineConfig
@@ -18,59 +18,6 @@ from tokenloom.core.request import Request
 from tokenloom.model import lora as lora_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_LINEARS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
-
-
-def write_adapter(directory: Path, base: Path, seed: int, targets=ALL_LINEARS, rank=8, alpha=16.0, **config) -> Path:
-    """A PEFT adapter of random A and B (PEFT starts B at zero; random B makes the adapter change the outputs)."""
-    hf = json.loads((base / "config.json").read_text())
-    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
-    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
-    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # fmt: skip
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(hf["num_hidden_layers"]):
-        for projection in targets:
-            block = "self_attn" if projection in ATTENTION else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{projection}"
-            out_features, in_features = shapes[projection]
-            tensors[f"{prefix}.lora_A.weight"] = 0.3 * torch.randn(rank, in_features, generator=generator)
-            tensors[f"{prefix}.lora_B.weight"] = 0.3 * torch.randn(out_features, rank, generator=generator)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    settings = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none"}
-    (directory / "adapter_config.json").write_text(json.dumps(settings | config))
-    return directory
-
-
-def merged_oracle(base: Path, adapter: Path | None):
-    """transformers' float32 model with the adapter's deltas merged into its weights."""
-    model = hf_oracle(base)
-    if adapter is None:
-        return model
-    settings = json.loads((adapter / "adapter_config.json").read_text())
-    tensors = lora_model._read_tensors(adapter)
-    weights = dict(model.named_parameters())
-    with torch.no_grad():
-        for key, a in tensors.items():
-            if ".lora_A." in key:
-                b = tensors[key.replace(".lora_A.", ".lora_B.")]
-                name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-                rank = a.shape[0]
-                scale = settings["lora_alpha"] / (rank**0.5 if settings.get("use_rslora") else rank)
-                weights[name] += scale * (b @ a)
-    return model
-
-
-def greedy_reference(model, prompt: list[int], steps: int = GREEDY.max_tokens) -> list[int]:
-    tokens = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt) :]
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -93,7 +40,7 @@ def references(tiny_llama, adapters) -> dict[str | None, list[list[int]]]:
     out: dict[str | None, list[list[int]]] = {}
     for name in (None, *adapters):
         model = merged_oracle(tiny_llama, None if name is None else Path(adapters[name].lora_path))
-        out[name] = [greedy_reference(model, p) for p in prompts(4)]
+        out[name] = [greedy_reference(model, p, GREEDY.max_tokens) for p in prompts(4)]
     return out
 
 
@@ -224,12 +171,20 @@ def test_adapters_beyond_max_cpu_loras_are_dropped_least_recently_used_first(tin
         assert held.loaded == [name]
 
 
-def test_one_name_stands_for_one_adapter(tiny_llama, adapters):
+def test_one_name_stands_for_one_adapter_at_a_time(tiny_llama, adapters, references):
+    """While a request runs under a name, another path under that name fails alone; once none does, the name
+    stands for the new path (a server's adapter unloaded and loaded again from elsewhere)."""
     llm = LLM(str(tiny_llama), enable_lora=True, max_lora_rank=8, max_cpu_loras=2)
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False, lora_request=adapters["every"])
+    core, prompt = llm.engine.core, prompts(4)[2]
     impostor = LoRARequest("every", 1, adapters["attention"].lora_path)
-    [output] = llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False, lora_request=impostor)
-    assert output.outputs[0].finish_reason == "error"
+    core.add_request(Request("first", prompt, GREEDY, lora_request=adapters["every"]))
+    core.add_request(Request("impostor", prompt, GREEDY, lora_request=impostor))
+    finished = {}
+    while core.has_unfinished_requests():
+        finished.update({o.request_id: o for o in core.step().outputs if o.finish_reason is not None})
+    assert finished["first"].finish_reason == "length" and finished["impostor"].finish_reason == "error"
+    [output] = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False, lora_request=impostor)
+    assert output.outputs[0].token_ids == references["attention"][2]
 
 
 def test_lora_runs_eagerly_on_one_rank():

@@ -165,9 +165,11 @@ class KVCacheManager:
     def _full_block_hashes(self, request: Request) -> list[BlockHash]:
         """The chained hashes of the request's full blocks, up to the first that holds a placeholder (a token still
         on the device: its block is hashed once the token is known). Under a LoRA adapter the chain starts from the
-        adapter's name: the same tokens have other K and V under another adapter, so no block is shared across."""
+        adapter's name and path: the same tokens have other K and V under another adapter (or under a name that
+        came to stand for another path), so no block is shared across."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        root = None if request.lora_name is None else hash(("lora", request.lora_name))
+        lora = request.lora_request
+        root = None if lora is None else hash(("lora", lora.lora_name, lora.lora_path))
         for i in range(len(hashes), request.num_tokens // self.block_size):
             block_tokens = self._block_tokens(request, i)
             if PLACEHOLDER_TOKEN in block_tokens:

@@ -224,6 +224,13 @@ class AsyncEngine:
         self._aborts.put(request_id)
         self._wake.set()
 
+    @property
+    def model_path(self) -> str:
+        return str(self.engine.model_path)
+
+    def check_adapter(self, lora: LoRARequest) -> None:
+        self.engine.check_adapter(lora)
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)[1]
 

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -73,6 +74,7 @@ class PreparedRequest:
 class EngineClient(ABC):
     config: EngineConfig
     model_name: str
+    model_path: Path  # the checkpoint's directory
     model_config: ModelConfig
     tokenizer: Tokenizer | None
     max_model_len: int
@@ -137,7 +139,7 @@ class EngineClient(ABC):
             lora_request=lora_request,
         )
         if lora_request is not None:
-            self._check_adapter(lora_request)
+            self.check_adapter(lora_request)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self._limits.check(request)
@@ -145,8 +147,8 @@ class EngineClient(ABC):
             self._grammars.compile(params.structured_outputs)  # a bad schema is the caller's error, found here
         return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
 
-    def _check_adapter(self, lora: LoRARequest) -> None:
-        """Whether the adapter may be served (its config, read here; its weights load in the core)."""
+    def check_adapter(self, lora: LoRARequest) -> None:
+        """InvalidField unless the adapter may be served (its config, read here; its weights load in the core)."""
         if not self.config.lora.enable_lora:
             raise InvalidField("model", f"the LoRA adapter {lora.lora_name!r} was asked for, but LoRA is not enabled "
                                "(--enable-lora)")  # fmt: skip

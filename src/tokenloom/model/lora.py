@@ -272,6 +272,9 @@ class AdapterSet:
     def retain(self, request_id: str, request: LoRARequest) -> None:
         """Loads the adapter if it is not held (ValueError if it cannot be) and counts the live request as its user."""
         held = self._loaded.get(request.lora_name)
+        if held is not None and held.path != request.lora_path and request.lora_name not in self._users:
+            del self._loaded[request.lora_name]  # unused: the name now stands for the adapter at the new path
+            held = None
         if held is not None and held.path != request.lora_path:
             raise ValueError(f"the LoRA adapter {request.lora_name!r} is loaded from {held.path}, not "
                              f"{request.lora_path}; one name stands for one adapter")  # fmt: skip

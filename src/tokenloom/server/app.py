@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 import tokenloom
 from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
-from tokenloom.server import chat, completions, health, responses_api, tokenization
+from tokenloom.server import chat, completions, health, lora_routes, responses_api, tokenization
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
@@ -82,7 +82,7 @@ def build_app(
     )
     default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
-    routers = [health.router, completions.router, chat.router, responses_api.router, tokenization.router]
+    routers = [m.router for m in (health, completions, chat, responses_api, tokenization, lora_routes)]
     app.add_middleware(
         Guard,
         max_body_bytes=max_body_bytes,

@@ -64,4 +64,8 @@ async def models(raw: Request) -> ModelList:
     state = server_state(raw)
     names = (state.model_name, *state.aliases)
     max_len = state.engine.max_model_len
-    return ModelList(data=[ModelCard(id=name, created=state.created_at, max_model_len=max_len) for name in names])
+    base = [
+        ModelCard(id=name, created=state.created_at, max_model_len=max_len, root=state.engine.model_path)
+        for name in names
+    ]
+    return ModelList(data=base + state.adapters.cards(state.created_at, max_len))

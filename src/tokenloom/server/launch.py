@@ -22,8 +22,10 @@ from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.core_process import CoreProcessEngine
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.engine.step_log import StepLog
+from tokenloom.model.lora import read_adapter_config
 from tokenloom.server.app import build_app
 from tokenloom.server.connections import with_header_limits
+from tokenloom.server.lora_adapters import parse_lora_modules
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.tenants import load_tenants
 from tokenloom.utils import heap_frozen
@@ -74,6 +76,7 @@ def build_server(
 ) -> tuple[FastAPI, AsyncEngine]:
     """The engine (in this process or with its core apart), the metrics, the async engine and the app; not started.
     replica_id: the Ray Serve replica this server is (its metrics' label, and in the ids of the responses it keeps)."""
+    lora_modules = _lora_modules(server, engine_config)
     engine, step_log = _engine(server, engine_config)
     model_name, *aliases = server.served_model_name or (engine.model_name,)
     log_every = math.inf if server.disable_log_stats else LOG_STATS_EVERY_S
@@ -113,6 +116,8 @@ def build_server(
         replica_id=replica_id,
         prompt_tokens_details=server.enable_prompt_tokens_details,
     )
+    for name, path, base_model_name in lora_modules:
+        app.state.tokenloom.adapters.add(name, path, base_model_name)
     if server.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -122,6 +127,19 @@ def build_server(
             allow_credentials="*" not in server.allowed_origins,
         )
     return app, async_engine
+
+
+def _lora_modules(server: ServerConfig, engine_config: EngineConfig) -> list[tuple[str, str, str | None]]:
+    """--lora-modules, each adapter's config checked before the engine starts (ValueError saying what is wrong)."""
+    modules = parse_lora_modules(server.lora_modules)
+    if modules and not engine_config.lora.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    names = [name for name, _, _ in modules] + list(server.served_model_name)
+    if len(set(names)) < len(names):
+        raise ValueError(f"--lora-modules: each adapter needs a name of its own, apart from the model's: {names}")
+    for _, path, _ in modules:
+        read_adapter_config(path, engine_config.lora.max_lora_rank)
+    return modules
 
 
 def _engine(server: ServerConfig, engine_config: EngineConfig) -> tuple[LLMEngine | CoreProcessEngine, StepLog | None]:

@@ -38,6 +38,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tokenloom"
     max_model_len: int
+    root: str | None = None  # what is served: the checkpoint, or a LoRA adapter's directory
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

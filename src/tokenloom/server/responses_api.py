@@ -78,7 +78,7 @@ async def _in_background(
     chat, prepared = request
     background, tenant = state.background, raw.state.tenant.name
     response_id, created = f"{shape.id_prefix}{uuid.uuid4().hex}", int(time.time())
-    queued = shape.queued(response_id, created, state.model_name)
+    queued = shape.queued(response_id, created, state.served_name(chat.model))
     background.begin(response_id, tenant, conversation, queued)
     try:
         task = await generate_in_background(

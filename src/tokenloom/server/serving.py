@@ -58,11 +58,11 @@ async def serve_generation(
         if body.stream:
             options = body.stream_options or StreamOptions()
             frames = shape.sse_frames(
-                streams, logprobs is not None, request_id, created, state.model_name, counting, options
+                streams, logprobs is not None, request_id, created, state.served_name(body.model), counting, options
             )
             return await sse_response(shape, frames, lease.transfer(), raw.receive)
         finals = await collect_finals(streams, raw.receive)
-    response = _whole(state, shape, request_id, created, counting, finals, logprobs)
+    response = _whole(state.served_name(body.model), shape, request_id, created, counting, finals, logprobs)
     # Straight to JSON bytes: model_dump() then json.dumps held a third copy of a response (its logprobs, mostly).
     return Response(response.model_dump_json(), media_type="application/json")
 
@@ -93,7 +93,8 @@ async def generate_in_background(
             async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, _):
                 admitted.set_result(None)
                 finals = await collect_finals([_calling_at_first(s, started) for s in streams], _no_hang_up)
-            outcome: BaseModel | APIError = _whole(state, shape, request_id, created, counting, finals, logprobs)
+            named_model = state.served_name(body.model)
+            outcome: BaseModel | APIError = _whole(named_model, shape, request_id, created, counting, finals, logprobs)
         except APIError as error:
             if not admitted.done():
                 admitted.set_exception(error)
@@ -114,7 +115,7 @@ async def generate_in_background(
 
 
 def _whole(
-    state: ServerState,
+    model_name: str,
     shape: ResponseShape,
     request_id: str,
     created: int,
@@ -123,7 +124,7 @@ def _whole(
     logprobs: int | None,
 ) -> BaseModel:
     usage = counting.of(sum(len(final.outputs[0].token_ids) for final in finals), dict(enumerate(finals)))
-    return shape.response(request_id, created, state.model_name, finals, logprobs is not None, usage)
+    return shape.response(request_id, created, model_name, finals, logprobs is not None, usage)
 
 
 async def _calling_at_first(
@@ -301,7 +302,8 @@ class _Fork:
 
 
 def check_model(body: _Common | TokenizeRequest | DetokenizeRequest, state: ServerState) -> None:
-    if body.model is not None and body.model != state.model_name and body.model not in state.aliases:
+    served = body.model == state.model_name or body.model in state.aliases or state.adapters.get(body.model)
+    if body.model is not None and not served:
         raise APIError(
             404,
             f"the model {body.model!r} does not exist; this server serves {state.model_name!r}",
@@ -383,7 +385,10 @@ async def _submit(
 ):
     engine, metrics, wake_every = state.engine, state.metrics, _wake_every(state, body)
     try:
-        return await engine.submit(prompt_ids, params, request_id, priority, tenant.name, arrival_time, wake_every)
+        return await engine.submit(
+            prompt_ids, params, request_id, priority, tenant.name, arrival_time, wake_every,
+            state.adapters.get(body.model),
+        )  # fmt: skip
     except RequestError as error:
         metrics.rejected_request(error.reason.value, tenant.name)
         raise api_error_of(error) from error

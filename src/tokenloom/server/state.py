@@ -11,6 +11,7 @@ from fastapi import Request
 
 from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
+from tokenloom.server.lora_adapters import ServedAdapters
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.reasoning import ReasoningParser
 from tokenloom.server.response_budget import ResponseBudget
@@ -63,10 +64,16 @@ class ServerState:
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
     background: BackgroundResponses = field(init=False)  # the Responses API's background responses still running
+    adapters: ServedAdapters = field(init=False)  # the LoRA adapters a request may name as its model
 
     def __post_init__(self) -> None:
         self.metrics.response_bytes.set_function(lambda: self.response_budget.held)
         self.background = BackgroundResponses(self.response_store)
+        self.adapters = ServedAdapters(self.engine.check_adapter, self.model_name, {self.model_name, *self.aliases})
+
+    def served_name(self, model: str | None) -> str:
+        """The name a response gives as its model: the adapter's, for a request of one; the base model's otherwise."""
+        return model if model is not None and self.adapters.get(model) is not None else self.model_name
 
 
 def server_state(request: Request) -> ServerState:

@@ -1,0 +1,130 @@
+"""LoRA adapters through the HTTP API, as vLLM serves them: named by --lora-modules, listed by /v1/models, chosen by
+a request's model, loaded and unloaded at run time; each request's tokens are transformers' with its adapter merged."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+from lora_files import greedy_reference, merged_oracle, write_adapter
+from server_process import ServerProcess
+
+from tokenloom.cli import main
+
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tiny_chat_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("served-adapters")
+    return {
+        "sql": write_adapter(root / "sql", tiny_chat_model, seed=11),
+        "chat": write_adapter(root / "chat", tiny_chat_model, seed=12, targets=("q_proj", "v_proj"), rank=4),
+        "late": write_adapter(root / "late", tiny_chat_model, seed=13, targets=("down_proj",)),
+        "too-big": write_adapter(root / "too-big", tiny_chat_model, seed=14, rank=16),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model, adapter_dirs):
+    chat = json.dumps({"name": "chat", "path": str(adapter_dirs["chat"]), "base_model_name": "tiny"})
+    args = ("--model", str(tiny_chat_model), "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
+            "--max-lora-rank", "8", "--lora-modules", f"sql={adapter_dirs['sql']}", chat)  # fmt: skip
+    with ServerProcess(*args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as proc:
+        yield proc
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(1, 500) for _ in range(rng.randint(4, 30))] for _ in range(n)]
+
+
+def completion_ids(client: openai.OpenAI, model: str, prompt: list[int]) -> tuple[list[int], str]:
+    response = client.completions.create(
+        model=model, prompt=prompt, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True,
+                                                                                  "return_token_ids": True},
+    )  # fmt: skip
+    return response.choices[0].token_ids, response.model  # type: ignore[attr-defined]
+
+
+def test_models_lists_each_adapter_with_its_base_as_parent(server, tiny_chat_model, adapter_dirs):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    cards = {card.id: card for card in client.models.list()}
+    assert {"tiny", "sql", "chat"} <= set(cards)
+    assert cards["sql"].parent == "tiny" and cards["sql"].root == str(adapter_dirs["sql"])  # type: ignore[attr-defined]
+    assert cards["chat"].parent == "tiny" and cards["tiny"].parent is None  # type: ignore[attr-defined]
+
+
+def test_each_request_runs_under_the_adapter_it_names_concurrently(server, tiny_chat_model, adapter_dirs):
+    """The base model and both adapters, requested together from threads: each gets its own oracle's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    jobs = [(model, p) for p in prompts(3) for model in ("tiny", "sql", "chat")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda job: completion_ids(client, *job), jobs))
+    oracles = {name: merged_oracle(tiny_chat_model, adapter_dirs.get(name)) for name in ("tiny", "sql", "chat")}
+    for (model, prompt), (ids, named) in zip(jobs, results, strict=True):
+        assert named == model
+        assert ids == greedy_reference(oracles[model], prompt, TOKENS)
+    assert results[0][0] != results[1][0], "the adapter changed the tokens"
+
+
+def test_chat_streams_under_an_adapter_and_an_unknown_model_is_404(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    stream = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+    )
+    chunks = list(stream)
+    assert chunks and all(chunk.model == "chat" for chunk in chunks)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
+
+
+def test_adapters_load_and_unload_at_run_time(server, tiny_chat_model, adapter_dirs):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+
+    loaded = post("load_lora_adapter", {"lora_name": "late", "lora_path": str(adapter_dirs["late"])})
+    assert loaded.status_code == 200 and "late" in loaded.text
+    assert "late" in {card.id for card in client.models.list()}
+    prompt = prompts(1)[0]
+    assert completion_ids(client, "late", prompt)[0] == greedy_reference(
+        merged_oracle(tiny_chat_model, adapter_dirs["late"]), prompt, TOKENS
+    )
+    again = post("load_lora_adapter", {"lora_name": "late", "lora_path": str(adapter_dirs["late"])})
+    assert again.status_code == 400 and "already served" in again.json()["error"]["message"]
+    too_big = post("load_lora_adapter", {"lora_name": "big", "lora_path": str(adapter_dirs["too-big"])})
+    assert too_big.status_code == 400 and "max_lora_rank=8" in too_big.json()["error"]["message"]
+    missing = post("load_lora_adapter", {"lora_name": "nowhere", "lora_path": "/nonexistent"})
+    assert missing.status_code == 400 and "cannot read" in missing.json()["error"]["message"]
+    assert post("unload_lora_adapter", {"lora_name": "late"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        completion_ids(client, "late", prompt)
+    assert post("unload_lora_adapter", {"lora_name": "late"}).status_code == 404
+
+
+def test_runtime_loading_is_off_unless_vllms_switch_is_set(tiny_chat_model, adapter_dirs):
+    with ServerProcess("--model", str(tiny_chat_model), "--enable-lora", "--max-lora-rank", "8") as proc:
+        body = {"lora_name": "late", "lora_path": str(adapter_dirs["late"])}
+        response = httpx.post(f"{proc.url}/v1/load_lora_adapter", json=body, timeout=30)
+        assert response.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a"], "give name=path"),
+        (["--enable-lora", "--lora-modules", '{"name": "a"}'], "JSON needs a name and a path"),
+        (["--enable-lora", "--lora-modules", "a=/nonexistent"], "cannot read the LoRA adapter's config"),
+    ],
+)
+def test_bad_lora_modules_stop_the_server_at_start_with_the_reason(tiny_chat_model, capsys, flags, words):
+    assert main(["serve", str(tiny_chat_model), *flags]) == 2
+    assert words in capsys.readouterr().err
