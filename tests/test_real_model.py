@@ -129,3 +129,24 @@ def test_cli_reports_bad_flags_clearly():
     assert result.returncode == 2
     assert "block_size must be a positive integer" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_lora_adapter_on_the_real_model_gives_transformers_tokens_with_it_merged(real_model_dir, tmp_path):
+    """SmolLM2's shapes (9 heads of 64 over 3 KV heads, a tied head): an adapter on every linear, beside the base."""
+    from lora_files import merged_oracle, write_adapter
+
+    from tokenloom import LoRARequest
+
+    adapter = write_adapter(tmp_path / "adapter", real_model_dir, seed=7, alpha=1.0)
+    llm = LLM(str(real_model_dir), dtype="float32", enable_lora=True, max_lora_rank=8, max_num_batched_tokens=64)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is not None
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    lora = LoRARequest("adapter", 1, str(adapter))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], params, use_tqdm=False,
+                           lora_request=[None] * 3 + [lora] * 3)  # fmt: skip
+    ours = [o.outputs[0].token_ids for o in outputs]
+    base, merged = hf_oracle(real_model_dir), merged_oracle(real_model_dir, adapter)
+    assert ours == [hf_greedy(base, p, 8) for p in prompts] + [hf_greedy(merged, p, 8) for p in prompts]
+    assert ours[:3] != ours[3:]

@@ -240,3 +240,12 @@ def test_adapters_over_packed_and_int8_linears_follow_the_float32_oracle(tiny_ll
         generated = [(p, o.outputs[0].token_ids) for p, o in zip(prompts(8), outputs, strict=True)]
         assert sum(agreement_with_oracle(oracle, p, g) for p, g in generated) / len(generated) >= bar
         assert sum(agreement_with_oracle(base, p, g) for p, g in generated) / len(generated) <= 0.5
+
+
+def test_adapters_serve_with_the_core_in_its_own_process(tiny_llama, adapters, references):
+    """The request carries its adapter across the process boundary; the core loads it on its side."""
+    with LLM(
+        str(tiny_llama), core_process=True, dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=2
+    ) as llm:
+        assert run_mixed(llm, adapters) == references
+        assert llm.stats().running_lora_adapters == ()

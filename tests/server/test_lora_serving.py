@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from lora_files import greedy_reference, merged_oracle, write_adapter
-from server_process import ServerProcess
+from server_process import HeldRequest, ServerProcess, poll_until
 
 from tokenloom.cli import main
 
@@ -28,13 +28,23 @@ def adapter_dirs(tiny_chat_model, tmp_path_factory):
     }
 
 
+OPERATOR, TENANT = "operator-key", "tenant-key"
+
+
 @pytest.fixture(scope="module")
-def server(tiny_chat_model, adapter_dirs):
+def server(tiny_chat_model, adapter_dirs, tmp_path_factory):
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
+    tenants.write_text(f'[[tenant]]\nname = "team"\nkeys = ["{TENANT}"]\n')
     chat = json.dumps({"name": "chat", "path": str(adapter_dirs["chat"]), "base_model_name": "tiny"})
     args = ("--model", str(tiny_chat_model), "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
-            "--max-lora-rank", "8", "--lora-modules", f"sql={adapter_dirs['sql']}", chat)  # fmt: skip
+            "--max-lora-rank", "8", "--lora-modules", f"sql={adapter_dirs['sql']}", chat, "--api-key", OPERATOR,
+            "--tenants", str(tenants))  # fmt: skip
     with ServerProcess(*args, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as proc:
         yield proc
+
+
+def client_of(server, key: str = OPERATOR) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key)
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -51,7 +61,7 @@ def completion_ids(client: openai.OpenAI, model: str, prompt: list[int]) -> tupl
 
 
 def test_models_lists_each_adapter_with_its_base_as_parent(server, tiny_chat_model, adapter_dirs):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    client = client_of(server)
     cards = {card.id: card for card in client.models.list()}
     assert {"tiny", "sql", "chat"} <= set(cards)
     assert cards["sql"].parent == "tiny" and cards["sql"].root == str(adapter_dirs["sql"])  # type: ignore[attr-defined]
@@ -62,10 +72,11 @@ def test_each_request_runs_under_the_adapter_it_names_concurrently(server, tiny_
     """The base model and both adapters, requested together from threads: each gets its own oracle's tokens."""
     from concurrent.futures import ThreadPoolExecutor
 
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    client = client_of(server)
+    tenant = client_of(server, TENANT)  # a tenant's requests name adapters as the operator's do
     jobs = [(model, p) for p in prompts(3) for model in ("tiny", "sql", "chat")]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        results = list(pool.map(lambda job: completion_ids(client, *job), jobs))
+        results = list(pool.map(lambda job: completion_ids(tenant if job[1] == jobs[0][1] else client, *job), jobs))
     oracles = {name: merged_oracle(tiny_chat_model, adapter_dirs.get(name)) for name in ("tiny", "sql", "chat")}
     for (model, prompt), (ids, named) in zip(jobs, results, strict=True):
         assert named == model
@@ -74,7 +85,7 @@ def test_each_request_runs_under_the_adapter_it_names_concurrently(server, tiny_
 
 
 def test_chat_streams_under_an_adapter_and_an_unknown_model_is_404(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    client = client_of(server)
     stream = client.chat.completions.create(
         model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
     )
@@ -85,10 +96,13 @@ def test_chat_streams_under_an_adapter_and_an_unknown_model_is_404(server):
 
 
 def test_adapters_load_and_unload_at_run_time(server, tiny_chat_model, adapter_dirs):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    client = client_of(server)
 
-    def post(path: str, body: dict) -> httpx.Response:
-        return httpx.post(f"{server.url}/v1/{path}", json=body, timeout=30)
+    def post(path: str, body: dict, key: str = OPERATOR) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    refused = post("load_lora_adapter", {"lora_name": "late", "lora_path": str(adapter_dirs["late"])}, key=TENANT)
+    assert refused.status_code == 403 and "operator" in refused.json()["error"]["message"]
 
     loaded = post("load_lora_adapter", {"lora_name": "late", "lora_path": str(adapter_dirs["late"])})
     assert loaded.status_code == 200 and "late" in loaded.text
@@ -106,6 +120,7 @@ def test_adapters_load_and_unload_at_run_time(server, tiny_chat_model, adapter_d
     assert post("unload_lora_adapter", {"lora_name": "late"}).status_code == 200
     with pytest.raises(openai.NotFoundError):
         completion_ids(client, "late", prompt)
+    assert post("unload_lora_adapter", {"lora_name": "sql"}, key=TENANT).status_code == 403
     assert post("unload_lora_adapter", {"lora_name": "late"}).status_code == 404
 
 
@@ -128,3 +143,22 @@ def test_runtime_loading_is_off_unless_vllms_switch_is_set(tiny_chat_model, adap
 def test_bad_lora_modules_stop_the_server_at_start_with_the_reason(tiny_chat_model, capsys, flags, words):
     assert main(["serve", str(tiny_chat_model), *flags]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_metrics_name_the_adapters_of_running_requests(server):
+    """vLLM's lora_requests_info: one sample, its labels the adapters now."""
+    headers = {"Authorization": f"Bearer {OPERATOR}"}
+
+    def samples() -> list[str]:
+        text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
+        return [line for line in text.splitlines() if line.startswith("tokenloom:lora_requests_info{")]
+
+    body = {"model": "sql", "prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
+    held = HeldRequest(f"{server.url}/v1/completions", body, headers)
+    try:
+        running = poll_until(samples, lambda found: any('running_lora_adapters="sql"' in s for s in found))
+        assert len(running) == 1 and 'running_lora_adapters="sql"' in running[0] and 'max_lora="2"' in running[0]
+    finally:
+        held.release()
+    idle = poll_until(samples, lambda found: any('running_lora_adapters=""' in s for s in found))
+    assert len(idle) == 1 and 'running_lora_adapters=""' in idle[0]

@@ -581,7 +581,7 @@ def test_vllms_flags_that_change_nothing_are_taken_and_those_for_what_is_not_don
     assert config_from_args(ServerConfig, build_parser().parse_args(argv)).disable_log_stats
     for argv, flag, words in (
         (["serve", "m", "--api-server-count", "2"], "--api-server-count", "--core-process"),
-        (["serve", "m", "--max-model-len", "512", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size", "tensor"),
+        (["serve", "m", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size", "tensor"),
         (["serve", "m", "--data-parallel-size=2"], "--data-parallel-size", "--ray --num-replicas"),
         (["serve", "m", "--task", "embed"], "--task", "only generation"),
     ):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -433,4 +433,10 @@ class EngineCore:
             spec_decode_num_draft_tokens=s.spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(s.spec.accepted_per_position),
+            running_lora_adapters=_adapter_names(self.scheduler.running) if self.scheduler.max_loras else (),
+            waiting_lora_adapters=_adapter_names(self.scheduler.waiting) if self.scheduler.max_loras else (),
         )
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))

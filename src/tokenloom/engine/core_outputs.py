@@ -75,6 +75,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at draft position 0, 1, ...
+    running_lora_adapters: tuple[str, ...] = ()  # the LoRA adapters of running requests, sorted
+    waiting_lora_adapters: tuple[str, ...] = ()  # and of waiting ones
 
     @property
     def spec_decode_acceptance_rate(self) -> float | None:

@@ -1,5 +1,6 @@
 """vLLM's routes that load and unload LoRA adapters at run time, where ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set
-(vLLM's switch; without it they answer 404, as vLLM's are then absent). An unloaded adapter's running requests
+(vLLM's switch; without it they answer 404, as vLLM's are then absent), and to the operator's keys only (--api-key;
+a tenant's key gets 403): what a server holds is not a tenant's to change. An unloaded adapter's running requests
 finish under it; new ones naming it get 404."""
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from tokenloom.server.errors import APIError
+from tokenloom.server.response_models import ErrorResponse
 from tokenloom.server.state import ERROR_RESPONSES, server_state
+from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
+from tokenloom.server.tenants import Tenant
 
 RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 router = APIRouter()
+RESPONSES = {**ERROR_RESPONSES, 403: {"model": ErrorResponse, "description": "A tenant's key"}}
 
 
 class LoadLoRAAdapter(BaseModel):
@@ -28,15 +33,18 @@ class UnloadLoRAAdapter(BaseModel):
     lora_int_id: int | None = None
 
 
-def _runtime_updates_allowed() -> None:
+def _runtime_updates_allowed(raw: Request) -> None:
+    tenant: Tenant | None = raw.state.tenant
+    if tenant is not None and tenant.name != OPERATOR_TENANT:
+        raise APIError(403, "only the operator's keys (--api-key) load and unload adapters", None, "permission_error")
     if os.environ.get(RUNTIME_UPDATES_ENV, "").lower() not in ("1", "true"):
         raise APIError(404, f"adapters are loaded at run time only where {RUNTIME_UPDATES_ENV}=True", None,
                        "not_found")  # fmt: skip
 
 
-@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=RESPONSES)
 async def load_lora_adapter(body: LoadLoRAAdapter, raw: Request) -> str:
-    _runtime_updates_allowed()
+    _runtime_updates_allowed(raw)
     try:
         server_state(raw).adapters.add(body.lora_name, body.lora_path)
     except ValueError as error:
@@ -44,9 +52,9 @@ async def load_lora_adapter(body: LoadLoRAAdapter, raw: Request) -> str:
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
-@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=RESPONSES)
 async def unload_lora_adapter(body: UnloadLoRAAdapter, raw: Request) -> str:
-    _runtime_updates_allowed()
+    _runtime_updates_allowed(raw)
     try:
         server_state(raw).adapters.remove(body.lora_name)
     except KeyError as error:

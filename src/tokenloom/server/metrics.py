@@ -124,6 +124,14 @@ class ServerMetrics:
         )
         self.waiting_capacity = waiting_by_reason.labels(reason="capacity", **common)
         waiting_by_reason.labels(reason="deferred", **common).set(0)
+        lora = self.engine.config.lora
+        self.max_loras = lora.max_loras if lora.enable_lora else 0
+        self.lora_info = f.gauge_family(
+            "lora_requests_info",
+            "The LoRA adapters of running and waiting requests (comma-separated labels), as vLLM's; the value is when "
+            "they were read (Unix time). Only where LoRA is enabled.",
+            ("running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+        )
 
     def _define_request_metrics(self, f: _Families) -> None:
         """Per request, as each finishes or is refused: its latencies, its tokens and its parameters."""
@@ -216,6 +224,8 @@ class ServerMetrics:
             self.prefix_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
             self.prompt_tokens_cached.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
             self._count_speculation(stats, last)
+            if self.max_loras:
+                self._show_adapters(stats)
             step_tokens = stats.computed_tokens - last.computed_tokens
             if step_tokens > 0:
                 self.iteration_tokens.observe(step_tokens)
@@ -225,6 +235,16 @@ class ServerMetrics:
                 self._observe(output, now)
             if now - self._last_log[0] >= self._log_every:
                 self._log_throughput(now, stats)
+
+    def _show_adapters(self, stats: EngineStats) -> None:
+        """One sample, its labels the adapters now: the old sample goes, so the family never grows."""
+        self.lora_info.clear()
+        self.lora_info.labels(
+            running_lora_adapters=",".join(stats.running_lora_adapters),
+            waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+            max_lora=str(self.max_loras),
+            **self._common,
+        ).set(time.time())
 
     def _count_speculation(self, stats: EngineStats, last: EngineStats) -> None:
         self.spec_drafts.inc(stats.spec_decode_num_drafts - last.spec_decode_num_drafts)
