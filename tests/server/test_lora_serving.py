@@ -162,3 +162,24 @@ def test_metrics_name_the_adapters_of_running_requests(server):
         held.release()
     idle = poll_until(samples, lambda found: any('running_lora_adapters=""' in s for s in found))
     assert len(idle) == 1 and 'running_lora_adapters=""' in idle[0]
+
+
+def test_behind_ray_each_replica_refuses_a_runtime_load(tiny_chat_model, adapter_dirs, monkeypatch):
+    """A Ray Serve replica is a whole server: a load it took alone would leave the other replicas without it."""
+    import asyncio
+
+    from tokenloom.config import EngineConfig, ServerConfig
+    from tokenloom.server import launch
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    monkeypatch.delenv("TOKENLOOM_API_KEY", raising=False)
+    engine_config = EngineConfig.from_kwargs(model=str(tiny_chat_model), enable_lora=True, max_lora_rank=8)
+    app, _ = launch.build_server(ServerConfig(), engine_config, replica_id="replica-0")
+
+    async def load() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            body = {"lora_name": "late", "lora_path": str(adapter_dirs["late"])}
+            return await client.post("/v1/load_lora_adapter", json=body, timeout=30)
+
+    response = asyncio.run(load())
+    assert response.status_code == 400 and "--ray" in response.json()["error"]["message"]

@@ -1,6 +1,7 @@
 """vLLM's routes that load and unload LoRA adapters at run time, where ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is set
 (vLLM's switch; without it they answer 404, as vLLM's are then absent), and to the operator's keys only (--api-key;
-a tenant's key gets 403): what a server holds is not a tenant's to change. An unloaded adapter's running requests
+a tenant's key gets 403): what a server holds is not a tenant's to change. Not behind --ray, where each replica is a
+server of its own. An unloaded adapter's running requests
 finish under it; new ones naming it get 404."""
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def _runtime_updates_allowed(raw: Request) -> None:
     tenant: Tenant | None = raw.state.tenant
     if tenant is not None and tenant.name != OPERATOR_TENANT:
         raise APIError(403, "only the operator's keys (--api-key) load and unload adapters", None, "permission_error")
+    if server_state(raw).replica_id is not None:  # one replica behind Ray Serve's router: the others would not know
+        raise APIError(400, "behind --ray, adapters are served from the start (--lora-modules) on every replica; one "
+                       "loaded at run time would reach a single replica", None, "invalid_request")  # fmt: skip
     if os.environ.get(RUNTIME_UPDATES_ENV, "").lower() not in ("1", "true"):
         raise APIError(404, f"adapters are loaded at run time only where {RUNTIME_UPDATES_ENV}=True", None,
                        "not_found")  # fmt: skip
