@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import TINY_VOCAB
@@ -15,6 +16,7 @@ from lora_files import greedy_reference, merged_oracle, write_adapter
 from tokenloom import LLM, LoRARequest, SamplingParams
 from tokenloom.config import EngineConfig
 from tokenloom.core.request import Request
+from tokenloom.model import cpu_kernel
 from tokenloom.model import lora as lora_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -196,24 +198,51 @@ def test_lora_runs_eagerly_on_one_rank():
         EngineConfig.from_kwargs(enable_lora=True, max_loras=3, max_cpu_loras=2)
 
 
-def test_the_delta_lands_on_its_rows_only(tiny_llama, adapters):
-    """LoRALinear on a fused projection: rows of the adapter get x @ (W + scale B A)^T, the others x @ W^T."""
+@pytest.mark.parametrize("operator", [True, False])
+def test_the_delta_lands_on_its_rows_only(tiny_llama, adapters, operator):
+    """LoRALinear on a fused projection, through the CPU operator and the plain path: rows of the adapter get
+    x @ (W + scale B A)^T, the others x @ W^T."""
     from tokenloom.model.loader import load_model
 
+    if operator and not cpu_kernel.has_lora_operator():
+        pytest.skip("the CPU operators did not build here")
     loaded = load_model(str(tiny_llama), None, torch.float32, torch.device("cpu"))
-    weights = lora_model.load_adapter(adapters["every"], loaded.config, 8, torch.float32, torch.device("cpu"))
+    held = lora_model.AdapterSet(loaded.config, 8, 2, torch.float32, torch.device("cpu"))
+    held.use_operator = operator
+    held.retain("r", adapters["every"])
     layer = loaded.model.layers[1]
     base = layer.mlp.gate_up_proj
-    step = lora_model.LoRAStep()
-    wrapped = lora_model.LoRALinear(base, 1, "mlp.gate_up_proj", step)
+    wrapped = lora_model.LoRALinear(base, 1, "mlp.gate_up_proj", held.step)
     x = torch.randn(5, loaded.config.hidden_size)
-    rows = torch.tensor([1, 3])
-    step.groups = [(weights, rows)]
-    a, b = weights.pairs[(1, "mlp.gate_up_proj")]
-    merged = base.weight + b @ a
+    held.activate({"every": np.array([1, 3])}, 5)
+    a, b = held.step.adapters[0].pairs[(1, "mlp.gate_up_proj")]
+    merged = base.weight + (a @ b).T
     expected = x @ base.weight.T
-    expected[rows] = x[rows] @ merged.T
+    expected[[1, 3]] = x[[1, 3]] @ merged.T
     torch.testing.assert_close(wrapped(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_operator_adds_each_rows_adapter_as_the_plain_path_does(dtype):
+    """Three adapters of different ranks (one that skips the linear), rows of each and of none, in one call."""
+    if not cpu_kernel.has_lora_operator():
+        pytest.skip("the CPU operators did not build here")
+    generator = torch.Generator().manual_seed(3)
+    k, n, ranks = 72, 200, (4, 0, 24)
+    pairs = [(torch.randn(k, r, generator=generator), torch.randn(r, n, generator=generator)) for r in ranks]
+    pairs = [(a, b) if a.numel() else (torch.empty(0, 0), torch.empty(0, 0)) for a, b in pairs]
+    x = torch.randn(19, k, generator=generator).to(dtype)
+    y = torch.randn(19, n, generator=generator).to(dtype)
+    adapter_of = torch.tensor([i % 4 - 1 for i in range(19)], dtype=torch.int32)
+    expected = y.float().clone()
+    for row, s in enumerate(adapter_of.tolist()):
+        if s >= 0 and pairs[s][0].numel():
+            expected[row] += (x[row].float() @ pairs[s][0]) @ pairs[s][1]
+    torch.ops.tokenloom.lora_add(y, x, [a for a, _ in pairs], [b for _, b in pairs], adapter_of)
+    tolerance = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.5)
+    torch.testing.assert_close(y.float(), expected, **tolerance)
+    with pytest.raises(RuntimeError, match="names no adapter"):
+        torch.ops.tokenloom.lora_add(y, x, [a for a, _ in pairs], [b for _, b in pairs], adapter_of + 1)
 
 
 def agreement_with_oracle(oracle, prompt: list[int], generated: list[int]) -> float:
@@ -249,3 +278,12 @@ def test_adapters_serve_with_the_core_in_its_own_process(tiny_llama, adapters, r
     ) as llm:
         assert run_mixed(llm, adapters) == references
         assert llm.stats().running_lora_adapters == ()
+
+
+def test_the_plain_path_gives_the_same_tokens(tiny_llama, adapters, references, monkeypatch):
+    """Where the CPU operator is not had (another device, no compiler): each adapter's rows through torch."""
+    monkeypatch.setattr(cpu_kernel, "has_lora_operator", lambda: False)
+    llm = LLM(str(tiny_llama), enable_lora=True, max_lora_rank=8, max_loras=2, max_num_batched_tokens=24)
+    adapters_held = llm.engine.core.runner.adapters
+    assert adapters_held is not None and not adapters_held.use_operator
+    assert run_mixed(llm, adapters) == references

@@ -6,7 +6,8 @@ once, in float32 or bfloat16. Beside it: the fused norms, rotary and SiLU (fused
 the bf16 linear with its packed weights (bf16_linear.cpp, used by prepack.py), the last two only where the compiler
 targets AVX-512 BF16; the int8 linears (int8_linear.cpp with VNNI, or int8_linear_avx2.cpp where the CPU has AVX2
 but no VNNI, for --quantization int8) and the AMX linears
-(amx_int8_linear.cpp, amx_bf16_linear.cpp) only where it targets those. They are built with
+(amx_int8_linear.cpp, amx_bf16_linear.cpp) only where it targets those; the LoRA adapters' deltas (lora.cpp). They
+are built with
 ``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
 half a minute) into the tokenloom cache, keyed by the sources, the flags, torch's version and the CPU, and
 registered with ``torch.library``, so their inputs are checked (dtype, shape, contiguity, index types, block ids).
@@ -44,6 +45,7 @@ SOURCES = [
         "amx_bf16_linear.cpp",
         "row_topk.cpp",
         "f32_linear.cpp",
+        "lora.cpp",
     )
 ]
 HEADERS = [
@@ -112,6 +114,11 @@ def _cpu_identity() -> str:
     except OSError:
         return os.uname().machine
     return "".join(line for line in lines if line.startswith(("model name", "flags")))[:4096]
+
+
+def has_lora_operator() -> bool:
+    """The LoRA deltas' operator (lora.cpp), built for every CPU."""
+    return load_kernel() and has_operator("lora_add")
 
 
 def has_prefill_op() -> bool:

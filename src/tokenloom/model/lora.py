@@ -4,7 +4,8 @@ An adapter adds ``scale * B @ A`` to a linear's weight. It is never merged: the 
 runs over every row of the step, and each adapter's low-rank delta ``(x[rows] @ A.T) @ B.T`` is added to the rows of
 its own requests, so requests of different adapters and of none share one forward. Our linears are fused (q/k/v in
 one, gate/up in one), so an adapter's A matrices of a fused linear are stacked and its B matrices placed block-
-diagonally, scale folded in: one pair of small matmuls per fused linear and adapter.
+diagonally, scale folded in, both kept in float32. On the CPU one operator (csrc/lora.cpp) adds every row's delta
+under its own adapter in one call per linear; elsewhere each adapter's rows are two small matmuls.
 
 Adapters are read from PEFT's files (``adapter_config.json``, ``adapter_model.safetensors`` or ``.bin``). What we do
 not serve is refused by name when the adapter is loaded, never half-applied: DoRA, adapted embeddings or LM head
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from tokenloom.lora import LoRARequest
+from tokenloom.model import cpu_kernel
 from tokenloom.model.config import ModelConfig
 
 # Each fused linear of a decoder layer and the checkpoint's projections it holds, in output order.
@@ -102,8 +104,8 @@ def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
 
 @dataclass
 class LoRAWeights:
-    """One adapter, ready to apply: for each (layer, fused linear) it adapts, A [rank, in] and B [out, rank],
-    scale folded into B, in the model's dtype on its device."""
+    """One adapter, ready to apply: for each (layer, fused linear) it adapts, A transposed [in, rank] and B
+    transposed [rank, out], scale folded into B, float32 and contiguous on the model's device."""
 
     name: str
     path: str
@@ -114,9 +116,7 @@ class LoRAWeights:
         return sum(t.numel() * t.element_size() for pair in self.pairs.values() for t in pair)
 
 
-def load_adapter(
-    request: LoRARequest, model: ModelConfig, max_rank: int, dtype: torch.dtype, device: torch.device
-) -> LoRAWeights:
+def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int, device: torch.device) -> LoRAWeights:
     """Reads and checks an adapter against the model's shapes; ValueError saying what does not fit."""
     config = read_adapter_config(request.lora_path, max_rank)
     tensors = _read_tensors(Path(request.lora_path))
@@ -139,7 +139,7 @@ def load_adapter(
                 pairs[(layer, target)] = _fused_pair(request.lora_name, layer, members, parts, shapes, config)
     if not pairs:
         raise ValueError(f"LoRA adapter {request.lora_name!r} at {request.lora_path} holds no LoRA weights")
-    on_device = {key: (a.to(device, dtype), b.to(device, dtype)) for key, (a, b) in pairs.items()}
+    on_device = {key: (a.T.contiguous().to(device), b.T.contiguous().to(device)) for key, (a, b) in pairs.items()}
     return LoRAWeights(request.lora_name, request.lora_path, on_device)
 
 
@@ -201,12 +201,18 @@ def _fused_pair(
     return a_stack, b_block
 
 
+NOT_ADAPTED = (torch.empty(0, 0), torch.empty(0, 0))  # the operator's A and B of an adapter that skips a linear
+
+
 @dataclass
 class LoRAStep:
-    """The adapters of the step being run and the rows of each (None: every row), set by the runner before each
-    forward and read by every LoRALinear in it."""
+    """The adapters of the step being run, set by the runner before each forward and read by every LoRALinear in
+    it: for the CPU operator each row's adapter (its index in `adapters`, -1: none), elsewhere each adapter's rows
+    (None: every row)."""
 
-    groups: list[tuple[LoRAWeights, torch.Tensor | None]] = field(default_factory=list)
+    adapters: list[LoRAWeights] = field(default_factory=list)
+    adapter_of: torch.Tensor | None = None
+    rows: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class LoRALinear(nn.Module):
@@ -219,15 +225,22 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for adapter, rows in self.step.groups:
+        step = self.step
+        if not step.adapters:
+            return y
+        if step.adapter_of is not None and x.stride(-1) == 1 and y.stride(-1) == 1:
+            pairs = [adapter.pairs.get(self.key, NOT_ADAPTED) for adapter in step.adapters]
+            torch.ops.tokenloom.lora_add(y, x, [a for a, _ in pairs], [b for _, b in pairs], step.adapter_of)
+            return y
+        for adapter, rows in zip(step.adapters, step.rows, strict=True):
             pair = adapter.pairs.get(self.key)
             if pair is None:
                 continue
             a, b = pair
             if rows is None:
-                y.addmm_(x @ a.T, b.T)
+                y += ((x.float() @ a) @ b).to(y.dtype)
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+                y.index_add_(0, rows, ((x.index_select(0, rows).float() @ a) @ b).to(y.dtype))
         return y
 
 
@@ -259,12 +272,12 @@ class AdapterSet:
     """The adapters this runner holds: those of live requests, and up to `capacity` more kept, least recently used
     dropped first, for requests to come."""
 
-    def __init__(
-        self, model: ModelConfig, max_rank: int, capacity: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.model, self.max_rank, self.capacity = model, max_rank, capacity
-        self.dtype, self.device = dtype, device
+    def __init__(self, model: ModelConfig, max_rank: int, capacity: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.max_rank, self.capacity, self.device = model, max_rank, capacity, device
         self.step = LoRAStep()
+        self.use_operator = (
+            device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernel.has_lora_operator()
+        )
         self._loaded: OrderedDict[str, LoRAWeights] = OrderedDict()
         self._users: dict[str, int] = {}
         self._adapter_of: dict[str, str] = {}  # live request id -> its adapter's name
@@ -279,7 +292,7 @@ class AdapterSet:
             raise ValueError(f"the LoRA adapter {request.lora_name!r} is loaded from {held.path}, not "
                              f"{request.lora_path}; one name stands for one adapter")  # fmt: skip
         if held is None:
-            self._loaded[request.lora_name] = load_adapter(request, self.model, self.max_rank, self.dtype, self.device)
+            self._loaded[request.lora_name] = load_adapter(request, self.model, self.max_rank, self.device)
         self._loaded.move_to_end(request.lora_name)
         self._users[request.lora_name] = self._users.get(request.lora_name, 0) + 1
         self._adapter_of[request_id] = request.lora_name
@@ -308,7 +321,14 @@ class AdapterSet:
 
     def activate(self, rows: dict[str, np.ndarray], num_rows: int) -> None:
         """Sets the step's adapters and their rows before a forward (none: the base model alone)."""
-        self.step.groups = [
-            (self._loaded[name], None if len(index) == num_rows else torch.from_numpy(index).to(self.device))
-            for name, index in rows.items()
-        ]
+        step = self.step
+        step.adapters = [self._loaded[name] for name in rows]
+        if not rows:
+            step.adapter_of, step.rows = None, []
+        elif self.use_operator:
+            adapter_of = np.full(num_rows, -1, dtype=np.int32)
+            for index, chosen in enumerate(rows.values()):
+                adapter_of[chosen] = index
+            step.adapter_of = torch.from_numpy(adapter_of)
+        else:
+            step.rows = [None if len(i) == num_rows else torch.from_numpy(i).to(self.device) for i in rows.values()]
