@@ -39,6 +39,7 @@ FUSED_TARGETS: dict[str, tuple[str, ...]] = {
     "mlp.down_proj": ("down_proj",),
 }
 PROJECTIONS = frozenset(p for members in FUSED_TARGETS.values() for p in members)
+RANK_MULTIPLE = 16  # ranks padded with zeros to this (csrc/lora.cpp)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -105,7 +106,8 @@ def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
 @dataclass
 class LoRAWeights:
     """One adapter, ready to apply: for each (layer, fused linear) it adapts, A transposed [in, rank] and B
-    transposed [rank, out], scale folded into B, float32 and contiguous on the model's device."""
+    transposed [rank, out], scale folded into B, the rank padded with zeros to a multiple of 16, float32 and
+    contiguous on the model's device."""
 
     name: str
     path: str
@@ -139,8 +141,19 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int, device
                 pairs[(layer, target)] = _fused_pair(request.lora_name, layer, members, parts, shapes, config)
     if not pairs:
         raise ValueError(f"LoRA adapter {request.lora_name!r} at {request.lora_path} holds no LoRA weights")
-    on_device = {key: (a.T.contiguous().to(device), b.T.contiguous().to(device)) for key, (a, b) in pairs.items()}
+    on_device = {key: _transposed_and_padded(a, b, device) for key, (a, b) in pairs.items()}
     return LoRAWeights(request.lora_name, request.lora_path, on_device)
+
+
+def _transposed_and_padded(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [R, K] and B [N, R] -> A^T [K, R'] and B^T [R', N], R' the rank padded with zeros to a multiple of 16 (the
+    CPU operator's registers hold 16 sums)."""
+    padded = -(-a.shape[0] // RANK_MULTIPLE) * RANK_MULTIPLE
+    a_t = torch.zeros(a.shape[1], padded)
+    a_t[:, : a.shape[0]] = a.T
+    b_t = torch.zeros(padded, b.shape[0])
+    b_t[: a.shape[0]] = b.T
+    return a_t.to(device), b_t.to(device)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -222,9 +235,12 @@ class LoRALinear(nn.Module):
         super().__init__()
         assert not getattr(base, "gated", False), "an adapter's delta is added before silu(gate) * up, not after"
         self.base, self.key, self.step = base, (layer, target), step
+        # A packed or int8 base's forward for 2-D rows of unit stride, called straight (no module dispatch).
+        self._rows_forward = getattr(base, "rows_forward", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        rows_forward = self._rows_forward
+        y = rows_forward(x) if rows_forward is not None and x.dim() == 2 and x.stride(-1) == 1 else self.base(x)
         step = self.step
         if not step.adapters:
             return y

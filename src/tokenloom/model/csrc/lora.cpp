@@ -3,11 +3,12 @@
 //   y[t, :] += (x[t, :] @ a[s]) @ b[s]    for every row t whose adapter s = adapter_of[t] is not -1
 //
 // a[s] is the adapter's A transposed, [K, R] (for each input its R values side by side), b[s] its scaled B
-// transposed, [R, N], both float32. Through torch each adapter's two products were two small matmuls per linear,
+// transposed, [R, N], both float32, R padded with zeros to a multiple of 16. Through torch each adapter's two products were two small matmuls per linear,
 // and on our 2-core CPUs each cost 17-120 us whatever its size (oneDNN's bf16 primitive, OpenMP waking a sleeping
-// worker): a batch-1 decode step under one adapter ran at 30 tok/s against 80 without it. Here a row's R sums
-// stay in registers while its inputs stream by, then its N outputs are added in chunks; rows are shared out by
-// work_sharing.h. Any adapter mix is one call per linear (S-LoRA / Punica's SGMV, on a CPU).
+// worker): a batch-1 decode step under one adapter ran at 30 tok/s against 80 without it. Here the rows are sorted
+// by adapter into tiles of up to 8 rows; a tile's sums live in registers, 16 at a time per row, while A (then B)
+// streams by, each load serving every row of the tile; tiles are shared out by work_sharing.h. Any
+// adapter mix is one call per linear (S-LoRA / Punica's SGMV, on a CPU).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -22,31 +24,8 @@
 
 namespace {
 
-constexpr int64_t kMaxRank = 1024;     // a fused linear's summed ranks: 3 x max_lora_rank for q, k and v
-constexpr int64_t kChunk = 512;        // outputs summed in a float buffer before they are added to y
-constexpr int64_t kRowsPerUnit = 8;    // rows a helper takes at a time
-
-template <typename T>
-void add_row(T* y, const T* x, const float* a, const float* b, int64_t k, int64_t r, int64_t n) {
-  float h[kMaxRank];
-  std::fill(h, h + r, 0.0f);
-  for (int64_t i = 0; i < k; ++i) {
-    const float xi = static_cast<float>(x[i]);
-    const float* ai = a + i * r;
-    for (int64_t j = 0; j < r; ++j) h[j] += xi * ai[j];
-  }
-  float sums[kChunk];
-  for (int64_t n0 = 0; n0 < n; n0 += kChunk) {
-    const int64_t width = std::min(kChunk, n - n0);
-    std::fill(sums, sums + width, 0.0f);
-    for (int64_t j = 0; j < r; ++j) {
-      const float hj = h[j];
-      const float* bj = b + j * n + n0;
-      for (int64_t c = 0; c < width; ++c) sums[c] += hj * bj[c];
-    }
-    for (int64_t c = 0; c < width; ++c) y[n0 + c] = static_cast<T>(static_cast<float>(y[n0 + c]) + sums[c]);
-  }
-}
+constexpr int64_t kMaxRank = 1024;  // a fused linear's summed ranks: 3 x max_lora_rank for q, k and v
+constexpr int kTileRows = 8;        // rows of one adapter that share each load of its A and B
 
 struct Adapter {
   const float* a;  // [K, R]
@@ -54,23 +33,149 @@ struct Adapter {
   int64_t rank;    // 0: the adapter leaves this linear alone
 };
 
+struct Tile {
+  int32_t adapter;
+  int32_t count;
+  int64_t rows[kTileRows];
+};
+
+// Sixteen floats: GCC's vector extension, one AVX-512 register (two AVX2 ones where the CPU has no AVX-512).
+typedef float Vec __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+typedef uint16_t Half __attribute__((vector_size(32)));  // 16 bf16 bit patterns
+typedef uint32_t Bits __attribute__((vector_size(64)));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline Vec load(const c10::BFloat16* p) {  // bf16 is float32's upper half
+  Half half;
+  std::memcpy(&half, p, sizeof half);
+  const Bits bits = __builtin_convertvector(half, Bits) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+inline void store(c10::BFloat16* p, Vec v) {  // rounded to nearest even, as c10::BFloat16 rounds
+  Bits bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  const Half half = __builtin_convertvector(bits >> 16, Half);
+  std::memcpy(p, &half, sizeof half);
+}
+
+// h[m, :] = x[m, :] @ a for M rows: a's R columns in blocks of 16, each block's M sums in registers while K inputs
+// stream by, each A load used by every row.
+template <typename T, int M>
+void shrink(const T* const* xs, const float* a, int64_t k, int64_t r, float* h) {
+  for (int64_t jb = 0; jb < r; jb += kLanes) {
+    Vec acc[M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m] = Vec{};
+    for (int64_t i = 0; i < k; ++i) {
+      const Vec av = load(a + i * r + jb);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m] += static_cast<float>(xs[m][i]) * av;
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) std::memcpy(h + m * r + jb, &acc[m], sizeof(Vec));
+  }
+}
+
+// y[m, :] += h[m, :] @ b for M rows: 16 outputs at a time, their M sums in registers while the R rows of b stream by.
+template <typename T, int M>
+void expand(T* const* ys, const float* h, const float* b, int64_t r, int64_t n) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    Vec acc[M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m] = Vec{};
+    for (int64_t j = 0; j < r; ++j) {
+      const Vec bv = load(b + j * n + c);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m] += h[m * r + j] * bv;
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) store(ys[m] + c, load(ys[m] + c) + acc[m]);
+  }
+  for (; c < n; ++c) {  // the last n % 16 outputs
+    for (int m = 0; m < M; ++m) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < r; ++j) sum += h[m * r + j] * b[j * n + c];
+      ys[m][c] = static_cast<T>(static_cast<float>(ys[m][c]) + sum);
+    }
+  }
+}
+
+// Up to kTileRows rows under one adapter: each load of its A and B serves every row of the tile.
+template <typename T, int M>
+void add_tile(const Tile& tile, const Adapter& adapter, T* y, int64_t ldy, const T* x, int64_t ldx, int64_t k,
+              int64_t n) {
+  static thread_local std::vector<float> h(kTileRows * kMaxRank);
+  const T* xs[M];
+  T* ys[M];
+  for (int m = 0; m < M; ++m) {
+    xs[m] = x + tile.rows[m] * ldx;
+    ys[m] = y + tile.rows[m] * ldy;
+  }
+  shrink<T, M>(xs, adapter.a, k, adapter.rank, h.data());
+  expand<T, M>(ys, h.data(), adapter.b, adapter.rank, n);
+}
+
+template <typename T>
+using TileFn = void (*)(const Tile&, const Adapter&, T*, int64_t, const T*, int64_t, int64_t, int64_t);
+
+template <typename T>
+TileFn<T> tile_for(int rows) {
+  switch (rows) {
+    case 1: return &add_tile<T, 1>;
+    case 2: return &add_tile<T, 2>;
+    case 3: return &add_tile<T, 3>;
+    case 4: return &add_tile<T, 4>;
+    case 5: return &add_tile<T, 5>;
+    case 6: return &add_tile<T, 6>;
+    case 7: return &add_tile<T, 7>;
+    default: return &add_tile<T, 8>;
+  }
+}
+
+// The rows of each adapter that adapts this linear, in tiles of up to kTileRows.
+std::vector<Tile> tiles_of(const std::vector<Adapter>& adapters, const int32_t* adapter_of, int64_t rows) {
+  std::vector<Tile> tiles;
+  std::vector<int64_t> open(adapters.size(), -1);  // each adapter's tile being filled
+  for (int64_t t = 0; t < rows; ++t) {
+    const int32_t s = adapter_of[t];
+    if (s < 0 || adapters[s].rank == 0) continue;
+    if (open[s] < 0 || tiles[open[s]].count == kTileRows) {
+      open[s] = static_cast<int64_t>(tiles.size());
+      tiles.push_back(Tile{s, 0, {}});
+    }
+    Tile& tile = tiles[open[s]];
+    tile.rows[tile.count++] = t;
+  }
+  return tiles;
+}
+
 template <typename T>
 void add_rows(at::Tensor& y, const at::Tensor& x, const std::vector<Adapter>& adapters, const int32_t* adapter_of) {
-  const int64_t rows = x.size(0), k = x.size(1), n = y.size(1);
+  const std::vector<Tile> tiles = tiles_of(adapters, adapter_of, x.size(0));
   T* yp = y.mutable_data_ptr<T>();
   const T* xp = x.const_data_ptr<T>();
-  const int64_t ldx = x.stride(0), ldy = y.stride(0);
-  const int64_t units = (rows + kRowsPerUnit - 1) / kRowsPerUnit;
+  const int64_t ldx = x.stride(0), ldy = y.stride(0), k = x.size(1), n = y.size(1);
+  // A tile is a unit, its outputs not split: for a lone row (batch 1) splitting them between the threads measured
+  // 2-3x slower, the handing out costing more than the row's ~25,000 products.
   const std::function<void(int64_t)> body = [&](int64_t unit) {
-    const int64_t end = std::min(rows, (unit + 1) * kRowsPerUnit);
-    for (int64_t t = unit * kRowsPerUnit; t < end; ++t) {
-      if (adapter_of[t] < 0) continue;
-      const Adapter& adapter = adapters[adapter_of[t]];
-      if (adapter.rank == 0) continue;
-      add_row<T>(yp + t * ldy, xp + t * ldx, adapter.a, adapter.b, k, adapter.rank, n);
-    }
+    const Tile& tile = tiles[unit];
+    tile_for<T>(tile.count)(tile, adapters[tile.adapter], yp, ldy, xp, ldx, k, n);
   };
-  tokenloom::WorkSharing::instance().run(units, body);
+  tokenloom::WorkSharing::instance().run(static_cast<int64_t>(tiles.size()), body);
 }
 
 // y [T, N] and x [T, K], both float32 or both bfloat16 with rows of unit stride; a: S tensors [K, R_s], b: S
@@ -93,7 +198,8 @@ void lora_add(at::Tensor y, const at::Tensor& x, at::TensorList a, at::TensorLis
     }
     TORCH_CHECK(a[s].size(0) == x.size(1) && b[s].size(1) == y.size(1) && a[s].size(1) == b[s].size(0),
                 "lora_add: A [K, R] and B [R, N] must fit x [T, K] and y [T, N]");
-    TORCH_CHECK(a[s].size(1) <= kMaxRank, "lora_add: an adapter's rank is above ", kMaxRank);
+    TORCH_CHECK(a[s].size(1) <= kMaxRank && a[s].size(1) % kLanes == 0,
+                "lora_add: an adapter's rank must be a multiple of 16 (padded with zeros), at most ", kMaxRank);
     adapters.push_back({a[s].const_data_ptr<float>(), b[s].const_data_ptr<float>(), a[s].size(1)});
   }
   TORCH_CHECK(adapter_of.scalar_type() == at::kInt && adapter_of.is_contiguous() &&
