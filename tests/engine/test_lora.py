@@ -230,14 +230,14 @@ def test_the_operator_adds_each_rows_adapter_as_the_plain_path_does(dtype):
     generator = torch.Generator().manual_seed(3)
     k, n, ranks = 72, 200, (16, 0, 32)  # ranks padded to multiples of 16, as load_adapter pads them
     pairs = [(torch.randn(k, r, generator=generator), torch.randn(r, n, generator=generator)) for r in ranks]
-    pairs = [(a, b) if a.numel() else (torch.empty(0, 0), torch.empty(0, 0)) for a, b in pairs]
+    pairs = [(a.to(dtype), b.to(dtype)) if a.numel() else (torch.empty(0, 0, dtype=dtype),) * 2 for a, b in pairs]
     x = torch.randn(19, k, generator=generator).to(dtype)
     y = torch.randn(19, n, generator=generator).to(dtype)
     adapter_of = torch.tensor([i % 4 - 1 for i in range(19)], dtype=torch.int32)
     expected = y.float().clone()
     for row, s in enumerate(adapter_of.tolist()):
         if s >= 0 and pairs[s][0].numel():
-            expected[row] += (x[row].float() @ pairs[s][0]) @ pairs[s][1]
+            expected[row] += (x[row].float() @ pairs[s][0].float()) @ pairs[s][1].float()
     torch.ops.tokenloom.lora_add(y, x, [a for a, _ in pairs], [b for _, b in pairs], adapter_of)
     tolerance = dict(rtol=1e-4, atol=1e-3) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.5)
     torch.testing.assert_close(y.float(), expected, **tolerance)

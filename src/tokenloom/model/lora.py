@@ -4,8 +4,8 @@ An adapter adds ``scale * B @ A`` to a linear's weight. It is never merged: the 
 runs over every row of the step, and each adapter's low-rank delta ``(x[rows] @ A.T) @ B.T`` is added to the rows of
 its own requests, so requests of different adapters and of none share one forward. Our linears are fused (q/k/v in
 one, gate/up in one), so an adapter's A matrices of a fused linear are stacked and its B matrices placed block-
-diagonally, scale folded in, both kept in float32. On the CPU one operator (csrc/lora.cpp) adds every row's delta
-under its own adapter in one call per linear; elsewhere each adapter's rows are two small matmuls.
+diagonally, scale folded in, both kept in the model's dtype. On the CPU one operator (csrc/lora.cpp) adds every
+row's delta under its own adapter in one call per linear; elsewhere each adapter's rows are two small matmuls.
 
 Adapters are read from PEFT's files (``adapter_config.json``, ``adapter_model.safetensors`` or ``.bin``). What we do
 not serve is refused by name when the adapter is loaded, never half-applied: DoRA, adapted embeddings or LM head
@@ -106,8 +106,8 @@ def _pattern_value(pattern: dict[str, Any], module: str, default: Any) -> Any:
 @dataclass
 class LoRAWeights:
     """One adapter, ready to apply: for each (layer, fused linear) it adapts, A transposed [in, rank] and B
-    transposed [rank, out], scale folded into B, the rank padded with zeros to a multiple of 16, float32 and
-    contiguous on the model's device."""
+    transposed [rank, out], scale folded into B, the rank padded with zeros to a multiple of 16, in the model's
+    dtype, contiguous on its device."""
 
     name: str
     path: str
@@ -118,7 +118,9 @@ class LoRAWeights:
         return sum(t.numel() * t.element_size() for pair in self.pairs.values() for t in pair)
 
 
-def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int, device: torch.device) -> LoRAWeights:
+def load_adapter(
+    request: LoRARequest, model: ModelConfig, max_rank: int, dtype: torch.dtype, device: torch.device
+) -> LoRAWeights:
     """Reads and checks an adapter against the model's shapes; ValueError saying what does not fit."""
     config = read_adapter_config(request.lora_path, max_rank)
     tensors = _read_tensors(Path(request.lora_path))
@@ -141,11 +143,13 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int, device
                 pairs[(layer, target)] = _fused_pair(request.lora_name, layer, members, parts, shapes, config)
     if not pairs:
         raise ValueError(f"LoRA adapter {request.lora_name!r} at {request.lora_path} holds no LoRA weights")
-    on_device = {key: _transposed_and_padded(a, b, device) for key, (a, b) in pairs.items()}
+    on_device = {key: _transposed_and_padded(a, b, dtype, device) for key, (a, b) in pairs.items()}
     return LoRAWeights(request.lora_name, request.lora_path, on_device)
 
 
-def _transposed_and_padded(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _transposed_and_padded(
+    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A [R, K] and B [N, R] -> A^T [K, R'] and B^T [R', N], R' the rank padded with zeros to a multiple of 16 (the
     CPU operator's registers hold 16 sums)."""
     padded = -(-a.shape[0] // RANK_MULTIPLE) * RANK_MULTIPLE
@@ -153,7 +157,7 @@ def _transposed_and_padded(a: torch.Tensor, b: torch.Tensor, device: torch.devic
     a_t[:, : a.shape[0]] = a.T
     b_t = torch.zeros(padded, b.shape[0])
     b_t[: a.shape[0]] = b.T
-    return a_t.to(device), b_t.to(device)
+    return a_t.to(device, dtype), b_t.to(device, dtype)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -254,9 +258,9 @@ class LoRALinear(nn.Module):
                 continue
             a, b = pair
             if rows is None:
-                y += ((x.float() @ a) @ b).to(y.dtype)
+                y += (x @ a) @ b
             else:
-                y.index_add_(0, rows, ((x.index_select(0, rows).float() @ a) @ b).to(y.dtype))
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
         return y
 
 
@@ -289,7 +293,7 @@ class AdapterSet:
     dropped first, for requests to come."""
 
     def __init__(self, model: ModelConfig, max_rank: int, capacity: int, dtype: torch.dtype, device: torch.device):
-        self.model, self.max_rank, self.capacity, self.device = model, max_rank, capacity, device
+        self.model, self.max_rank, self.capacity, self.dtype, self.device = model, max_rank, capacity, dtype, device
         self.step = LoRAStep()
         self.use_operator = (
             device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernel.has_lora_operator()
@@ -308,7 +312,7 @@ class AdapterSet:
             raise ValueError(f"the LoRA adapter {request.lora_name!r} is loaded from {held.path}, not "
                              f"{request.lora_path}; one name stands for one adapter")  # fmt: skip
         if held is None:
-            self._loaded[request.lora_name] = load_adapter(request, self.model, self.max_rank, self.device)
+            self._loaded[request.lora_name] = load_adapter(request, self.model, self.max_rank, self.dtype, self.device)
         self._loaded.move_to_end(request.lora_name)
         self._users[request.lora_name] = self._users.get(request.lora_name, 0) + 1
         self._adapter_of[request_id] = request.lora_name

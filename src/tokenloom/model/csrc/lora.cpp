@@ -3,12 +3,13 @@
 //   y[t, :] += (x[t, :] @ a[s]) @ b[s]    for every row t whose adapter s = adapter_of[t] is not -1
 //
 // a[s] is the adapter's A transposed, [K, R] (for each input its R values side by side), b[s] its scaled B
-// transposed, [R, N], both float32, R padded with zeros to a multiple of 16. Through torch each adapter's two products were two small matmuls per linear,
-// and on our 2-core CPUs each cost 17-120 us whatever its size (oneDNN's bf16 primitive, OpenMP waking a sleeping
-// worker): a batch-1 decode step under one adapter ran at 30 tok/s against 80 without it. Here the rows are sorted
-// by adapter into tiles of up to 8 rows; a tile's sums live in registers, 16 at a time per row, while A (then B)
-// streams by, each load serving every row of the tile; tiles are shared out by work_sharing.h. Any
-// adapter mix is one call per linear (S-LoRA / Punica's SGMV, on a CPU).
+// transposed, [R, N], both in the model's dtype (an adapter's bytes are read every step, as the model's are), R
+// padded with zeros to a multiple of 16; the sums are float32. Through torch each adapter's two products were two
+// small matmuls per linear, and on our 2-core CPUs each cost 17-120 us whatever its size (oneDNN's bf16 primitive,
+// OpenMP waking a sleeping worker): a batch-1 decode step under one adapter ran at 30 tok/s against 80 without it.
+// Here the rows are sorted by adapter into tiles of up to 8 rows; a tile's sums live in registers, 16 at a time per
+// row, while A (then B) streams by, each load serving every row of the tile; tiles are shared out by
+// work_sharing.h. Any adapter mix is one call per linear (S-LoRA / Punica's SGMV, on a CPU).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -28,8 +29,8 @@ constexpr int64_t kMaxRank = 1024;  // a fused linear's summed ranks: 3 x max_lo
 constexpr int kTileRows = 8;        // rows of one adapter that share each load of its A and B
 
 struct Adapter {
-  const float* a;  // [K, R]
-  const float* b;  // [R, N]
+  const void* a;   // [K, R], in x's dtype
+  const void* b;   // [R, N]
   int64_t rank;    // 0: the adapter leaves this linear alone
 };
 
@@ -74,7 +75,7 @@ inline void store(c10::BFloat16* p, Vec v) {  // rounded to nearest even, as c10
 // h[m, :] = x[m, :] @ a for M rows: a's R columns in blocks of 16, each block's M sums in registers while K inputs
 // stream by, each A load used by every row.
 template <typename T, int M>
-void shrink(const T* const* xs, const float* a, int64_t k, int64_t r, float* h) {
+void shrink(const T* const* xs, const T* a, int64_t k, int64_t r, float* h) {
   for (int64_t jb = 0; jb < r; jb += kLanes) {
     Vec acc[M];
 #pragma GCC unroll 8
@@ -91,7 +92,7 @@ void shrink(const T* const* xs, const float* a, int64_t k, int64_t r, float* h) 
 
 // y[m, :] += h[m, :] @ b for M rows: 16 outputs at a time, their M sums in registers while the R rows of b stream by.
 template <typename T, int M>
-void expand(T* const* ys, const float* h, const float* b, int64_t r, int64_t n) {
+void expand(T* const* ys, const float* h, const T* b, int64_t r, int64_t n) {
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
     Vec acc[M];
@@ -108,7 +109,7 @@ void expand(T* const* ys, const float* h, const float* b, int64_t r, int64_t n) 
   for (; c < n; ++c) {  // the last n % 16 outputs
     for (int m = 0; m < M; ++m) {
       float sum = 0.0f;
-      for (int64_t j = 0; j < r; ++j) sum += h[m * r + j] * b[j * n + c];
+      for (int64_t j = 0; j < r; ++j) sum += h[m * r + j] * static_cast<float>(b[j * n + c]);
       ys[m][c] = static_cast<T>(static_cast<float>(ys[m][c]) + sum);
     }
   }
@@ -125,8 +126,8 @@ void add_tile(const Tile& tile, const Adapter& adapter, T* y, int64_t ldy, const
     xs[m] = x + tile.rows[m] * ldx;
     ys[m] = y + tile.rows[m] * ldy;
   }
-  shrink<T, M>(xs, adapter.a, k, adapter.rank, h.data());
-  expand<T, M>(ys, h.data(), adapter.b, adapter.rank, n);
+  shrink<T, M>(xs, static_cast<const T*>(adapter.a), k, adapter.rank, h.data());
+  expand<T, M>(ys, h.data(), static_cast<const T*>(adapter.b), adapter.rank, n);
 }
 
 template <typename T>
@@ -179,8 +180,8 @@ void add_rows(at::Tensor& y, const at::Tensor& x, const std::vector<Adapter>& ad
 }
 
 // y [T, N] and x [T, K], both float32 or both bfloat16 with rows of unit stride; a: S tensors [K, R_s], b: S
-// tensors [R_s, N], float32 and contiguous (R_s = 0: that adapter leaves this linear alone); adapter_of [T] int32,
-// each in [-1, S).
+// tensors [R_s, N], in x's dtype and contiguous (R_s = 0: that adapter leaves this linear alone); adapter_of [T]
+// int32, each in [-1, S).
 void lora_add(at::Tensor y, const at::Tensor& x, at::TensorList a, at::TensorList b, const at::Tensor& adapter_of) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "lora_add: y [T, N] and x [T, K]");
   TORCH_CHECK(y.scalar_type() == x.scalar_type() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -189,18 +190,18 @@ void lora_add(at::Tensor y, const at::Tensor& x, at::TensorList a, at::TensorLis
   TORCH_CHECK(a.size() == b.size(), "lora_add: an A and a B for every adapter");
   std::vector<Adapter> adapters;
   for (size_t s = 0; s < a.size(); ++s) {
-    TORCH_CHECK(a[s].scalar_type() == at::kFloat && b[s].scalar_type() == at::kFloat && a[s].is_contiguous() &&
-                    b[s].is_contiguous() && a[s].dim() == 2 && b[s].dim() == 2,
-                "lora_add: A and B must be contiguous 2-D float32");
     if (a[s].numel() == 0 && b[s].numel() == 0) {  // this adapter leaves the linear alone
       adapters.push_back({nullptr, nullptr, 0});
       continue;
     }
+    TORCH_CHECK(a[s].scalar_type() == x.scalar_type() && b[s].scalar_type() == x.scalar_type() &&
+                    a[s].is_contiguous() && b[s].is_contiguous() && a[s].dim() == 2 && b[s].dim() == 2,
+                "lora_add: A and B must be contiguous 2-D, in x's dtype");
     TORCH_CHECK(a[s].size(0) == x.size(1) && b[s].size(1) == y.size(1) && a[s].size(1) == b[s].size(0),
                 "lora_add: A [K, R] and B [R, N] must fit x [T, K] and y [T, N]");
     TORCH_CHECK(a[s].size(1) <= kMaxRank && a[s].size(1) % kLanes == 0,
                 "lora_add: an adapter's rank must be a multiple of 16 (padded with zeros), at most ", kMaxRank);
-    adapters.push_back({a[s].const_data_ptr<float>(), b[s].const_data_ptr<float>(), a[s].size(1)});
+    adapters.push_back({a[s].const_data_ptr(), b[s].const_data_ptr(), a[s].size(1)});
   }
   TORCH_CHECK(adapter_of.scalar_type() == at::kInt && adapter_of.is_contiguous() &&
                   adapter_of.numel() == x.size(0),
