@@ -73,6 +73,16 @@ UNDER_PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=1
         dict(max_loras=1, max_num_seqs=16, max_num_batched_tokens=512),  # one adapter at a time
         dict(max_loras=2, max_num_seqs=16, max_num_batched_tokens=512, attention_backend="torch"),
         dict(max_loras=2, max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=True),
+        # Drafts verified under the request's adapter: its rows in the step are its token's and its drafts'.
+        dict(
+            max_loras=2,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 1,
+                "prompt_lookup_max": 2,
+            },
+        ),  # fmt: skip
     ],
 )
 def test_each_adapter_gives_transformers_tokens_with_its_weights_merged(tiny_llama, adapters, references, config):
@@ -82,6 +92,8 @@ def test_each_adapter_gives_transformers_tokens_with_its_weights_merged(tiny_lla
     core = llm.engine.core
     core.scheduler.check_invariants()
     assert core.stats().kv_blocks_in_use == 0
+    if "speculative_config" in config:
+        assert core.stats().spec_decode_num_accepted_tokens > 0, "drafts were meant to be verified and kept"
 
 
 def test_no_step_holds_more_adapters_than_max_loras(tiny_llama, adapters, references):
