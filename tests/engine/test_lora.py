@@ -60,6 +60,7 @@ def run_mixed(llm: LLM, adapters: dict[str, LoRARequest]) -> dict[str | None, li
     return got
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
 UNDER_PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=14, block_size=8)
 
 
@@ -74,15 +75,7 @@ UNDER_PRESSURE = dict(max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=1
         dict(max_loras=2, max_num_seqs=16, max_num_batched_tokens=512, attention_backend="torch"),
         dict(max_loras=2, max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=True),
         # Drafts verified under the request's adapter: its rows in the step are its token's and its drafts'.
-        dict(
-            max_loras=2,
-            speculative_config={
-                "method": "ngram",
-                "num_speculative_tokens": 3,
-                "prompt_lookup_min": 1,
-                "prompt_lookup_max": 2,
-            },
-        ),  # fmt: skip
+        dict(max_loras=2, speculative_config=NGRAM),
     ],
 )
 def test_each_adapter_gives_transformers_tokens_with_its_weights_merged(tiny_llama, adapters, references, config):
