@@ -292,3 +292,18 @@ def test_the_plain_path_gives_the_same_tokens(tiny_llama, adapters, references, 
     adapters_held = llm.engine.core.runner.adapters
     assert adapters_held is not None and not adapters_held.use_operator
     assert run_mixed(llm, adapters) == references
+
+
+def test_the_device_sets_aside_what_the_kept_adapters_can_hold(tiny_llama, tmp_path):
+    """adapter_bytes is a loaded adapter's own size at that rank on every projection (ranks padded to 16)."""
+    from tokenloom.engine.kv_sizing import lora_reserve_bytes
+    from tokenloom.model.loader import load_model_info
+
+    config = load_model_info(str(tiny_llama)).config
+    for rank in (8, 16, 24):
+        lora = LoRARequest(f"r{rank}", rank, str(write_adapter(tmp_path / str(rank), tiny_llama, seed=rank, rank=rank)))
+        loaded = lora_model.load_adapter(lora, config, 32, torch.bfloat16, torch.device("cpu"))
+        assert loaded.nbytes == lora_model.adapter_bytes(config, rank, 2)
+    engine = EngineConfig.from_kwargs(enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=24)
+    assert lora_reserve_bytes(engine, config, torch.float32) == 3 * lora_model.adapter_bytes(config, 24, 4)
+    assert lora_reserve_bytes(EngineConfig(), config, torch.float32) == 0

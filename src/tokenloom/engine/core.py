@@ -29,6 +29,7 @@ from tokenloom.engine.kv_sizing import (
     configured_kv_blocks,
     kv_block_bytes,
     kv_blocks_that_fit,
+    lora_reserve_bytes,
     max_model_len_for,
     sizes_kv_from_device_memory,
     swap_blocks_for,
@@ -136,8 +137,10 @@ class EngineCore:
 
     def _kv_blocks_from_device_memory(self, device: torch.device) -> int:
         """Profiles a step at the token budget (and, where decode graphs will be captured, their memory pool: they
-        are captured once here over a one-block cache and dropped), then gives the KV cache the rest."""
+        are captured once here over a one-block cache and dropped), sets aside what LoRA adapters may take, then gives
+        the KV cache the rest."""
         peak = self.runner.profile_peak_activation_bytes(self.config.scheduler.max_num_batched_tokens)
+        peak += lora_reserve_bytes(self.config, self.model_config, self.dtype)
         if self._uses_decode_graphs(device):
             peak += self.runner.enable_decode_graphs(self.config.scheduler.max_num_seqs, self.max_model_len).pool_bytes
             self.runner.graphs = None
@@ -153,7 +156,7 @@ class EngineCore:
             )
         logger.info(
             "KV cache: %d blocks, %d tokens (%.2f GiB) in %.0f%% of %.1f GiB (in use before it: %.2f GiB, profiled "
-            "activations at %d tokens: %.2f GiB)",
+            "activations at %d tokens and LoRA adapters: %.2f GiB)",
             blocks, blocks * self.config.cache.block_size, blocks * per_block / 2**30,
             100 * self.config.cache.gpu_memory_utilization, total / 2**30, (total - free) / 2**30,
             self.config.scheduler.max_num_batched_tokens, peak / 2**30,

@@ -6,6 +6,7 @@ import torch
 
 from tokenloom.config import EngineConfig
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.lora import adapter_bytes
 from tokenloom.utils import cdiv
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
@@ -48,6 +49,15 @@ def kv_blocks_that_fit(total: int, in_use: int, activation_peak: int, utilizatio
     """KV blocks in the share of a device's memory the engine may take, less what is already in use (the weights,
     the allocator's cache, other processes) and the activations of the largest step."""
     return max(0, int(total * utilization) - in_use - activation_peak) // per_block
+
+
+def lora_reserve_bytes(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype) -> int:
+    """What the LoRA adapters kept loaded may take of the device: max_cpu_loras of them at max_lora_rank."""
+    lora = config.lora
+    if not lora.enable_lora:
+        return 0
+    element = torch.empty((), dtype=dtype).element_size()
+    return lora.kept_adapters * adapter_bytes(model_config, lora.max_lora_rank, element)
 
 
 def swap_blocks_for(config: EngineConfig, kv_bytes_per_block: int) -> int:

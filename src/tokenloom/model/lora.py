@@ -147,6 +147,17 @@ def load_adapter(
     return LoRAWeights(request.lora_name, request.lora_path, on_device)
 
 
+def adapter_bytes(model: ModelConfig, rank: int, element_size: int) -> int:
+    """The most one adapter of this rank can hold loaded: every projection of every layer adapted, each fused
+    linear's A [in, members x rank] and block-diagonal B [members x rank, out], ranks padded."""
+    shapes = _projection_shapes(model)
+    per_layer = 0
+    for members in FUSED_TARGETS.values():
+        fused_rank = -(-len(members) * rank // RANK_MULTIPLE) * RANK_MULTIPLE
+        per_layer += (shapes[members[0]][1] + sum(shapes[p][0] for p in members)) * fused_rank
+    return model.num_layers * per_layer * element_size
+
+
 def _transposed_and_padded(
     a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
