@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
         [--tokenloom-args "--max-num-seqs 32"]... [--vllm-args "--kv-cache-dtype fp8"]... [--rounds 3]
-        [--workload mixed-64|long-decode|single-stream] [--tokenloom-source CHECKOUT]...
+        [--workload mixed-64|long-decode|single-stream] [--tokenloom-source CHECKOUT]... [--lora N]
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
 max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
@@ -17,6 +17,10 @@ the KV cache's dtype matters most, and decode takes most of the run; the 4k-prom
 Workload single-stream (--workload single-stream): one user, 6 requests sent one after another (prompts of 200-800
 token ids, 128 tokens each, seed 0): every decode step has one row, so ITL is the latency a lone chat user reads
 at, bound by streaming the weights; the 4k-prompt probe follows.
+
+--lora N serves N LoRA adapters of rank 16 (random weights on every projection, benchmarks/lora_speed.py's) on every
+server with the same flags (--enable-lora --max-loras N --lora-modules ...), and mixed-64's requests name them in
+turn: multi-LoRA serving, both engines.
 
 Each --tokenloom-args (or --vllm-args) given starts one more server of that kind with those flags, so
 configurations of both engines compare in one sitting (the default: one of each, with no extra flags). Each
@@ -64,6 +68,7 @@ from tokenloom.model.platform import cpu_has_native_bf16
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 MODEL_NAME = "SmolLM2-135M-Instruct"
+REQUEST_MODELS = [MODEL_NAME]  # mixed-64's requests name these in turn (--lora N: N adapters)
 LONG_PROMPT_TOKENS = 4000
 
 
@@ -111,9 +116,11 @@ def median_row(server: str, runs: list[Run]) -> str:
     return table_row(f"**{server}, median of {len(runs)}**", medians)
 
 
-async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, run: Run) -> None:
+async def one_request(
+    client: httpx.AsyncClient, prompt: list[int], max_tokens: int, run: Run, model: str = MODEL_NAME
+) -> None:
     body = {
-        "model": MODEL_NAME,
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -158,7 +165,13 @@ async def mixed_64(url: str, run: Run, round_: int) -> None:
         await one_request(client, [7] * 40, 4, Run("warm-up"))
         start = time.perf_counter()
         prompts = [salted(p, round_) for p in work.prompts]
-        await asyncio.gather(*(one_request(client, p, m, run) for p, m in zip(prompts, work.max_tokens, strict=True)))
+        models = [REQUEST_MODELS[i % len(REQUEST_MODELS)] for i in range(len(prompts))]
+        await asyncio.gather(
+            *(
+                one_request(client, p, m, run, model)
+                for p, m, model in zip(prompts, work.max_tokens, models, strict=True)
+            )
+        )
         run.wall = time.perf_counter() - start
     assert run.output_tokens == work.output_tokens or run.errors, (run.output_tokens, work.output_tokens)
 
@@ -313,6 +326,23 @@ def measure(name: str, url: str, round_: int = 0, workload: str = "mixed-64") ->
     return run
 
 
+def lora_serving(count: int) -> str:
+    """Writes `count` rank-16 adapters on every projection (lora_speed.py's) and returns the flags that serve them,
+    the same for vLLM and tokenloom; mixed-64's requests then name them in turn."""
+    import tempfile
+
+    from lora_speed import write_adapter
+
+    from tokenloom.model.loader import load_model_info
+
+    config = load_model_info(None).config
+    root = Path(tempfile.mkdtemp(prefix="vs-vllm-lora-"))
+    names = [f"adapter-{i}" for i in range(count)]
+    modules = [f"{name}={write_adapter(root / name, config, 16, seed=i)}" for i, name in enumerate(names)]
+    REQUEST_MODELS[:] = names
+    return f" --enable-lora --max-loras {count} --max-lora-rank 16 --lora-modules {' '.join(modules)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["tokenloom", "vllm"], default=None)
@@ -329,7 +359,12 @@ def main() -> None:
         "--rounds", type=int, default=1, help="measure each server this many times, alternating, and add medians"
     )
     parser.add_argument("--write-results", action="store_true", help=f"append the table to {RESULTS.name}")
+    parser.add_argument(
+        "--lora", type=int, default=0, help="serve N rank-16 adapters (random weights) on every server; mixed-64's "
+        "requests name them in turn",
+    )  # fmt: skip
     args = parser.parse_args()
+    lora_flags = lora_serving(args.lora) if args.lora else ""
     flags = sorted({f for f in Path("/proc/cpuinfo").read_text().split() if f.startswith(("avx", "amx"))})
     vllm_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     header = [
@@ -342,10 +377,10 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         servers = []  # (label, url): both stay up, idle while the other is measured
         for flags in args.vllm_args or [""] if args.only in (None, "vllm") else []:
-            url = stack.enter_context(vllm_server(args.vllm_venv, vllm_dtype, shlex.split(flags)))
+            url = stack.enter_context(vllm_server(args.vllm_venv, vllm_dtype, shlex.split(flags + lora_flags)))
             servers.append((f"vLLM 0.32 CPU, --dtype {vllm_dtype} {flags}".rstrip(), url))
         for flags in args.tokenloom_args or [""] if args.only in (None, "tokenloom") else []:
-            extra = shlex.split(flags)
+            extra = shlex.split(flags + lora_flags)
             serve_flags = ("--served-model-name", MODEL_NAME, "--max-model-len", "8192", *extra)
             server = stack.enter_context(LocalServer(*serve_flags))
             dtype = httpx.get(f"{server.url}/version", timeout=10).json().get("dtype", "?")
