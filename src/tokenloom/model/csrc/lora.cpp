@@ -72,37 +72,39 @@ inline void store(c10::BFloat16* p, Vec v) {  // rounded to nearest even, as c10
   std::memcpy(p, &half, sizeof half);
 }
 
-// h[m, :] = x[m, :] @ a for M rows: a's R columns in blocks of 16, each block's M sums in registers while K inputs
-// stream by, each A load used by every row.
+// acc[m] = sum over i of s[m][i] * w[i * ldw : i * ldw + 16], for M rows: the M sums stay in registers while the
+// inner dimension streams by, each load of w used by every row.
+template <typename S, typename W, int M>
+inline void tile_sums(Vec* acc, const S* const* s, const W* w, int64_t inner, int64_t ldw) {
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) acc[m] = Vec{};
+  for (int64_t i = 0; i < inner; ++i) {
+    const Vec wv = load(w + i * ldw);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[m] += static_cast<float>(s[m][i]) * wv;
+  }
+}
+
+// h[m, :] = x[m, :] @ a for M rows, a's R columns 16 at a time.
 template <typename T, int M>
 void shrink(const T* const* xs, const T* a, int64_t k, int64_t r, float* h) {
   for (int64_t jb = 0; jb < r; jb += kLanes) {
     Vec acc[M];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[m] = Vec{};
-    for (int64_t i = 0; i < k; ++i) {
-      const Vec av = load(a + i * r + jb);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[m] += static_cast<float>(xs[m][i]) * av;
-    }
+    tile_sums<T, T, M>(acc, xs, a + jb, k, r);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) std::memcpy(h + m * r + jb, &acc[m], sizeof(Vec));
   }
 }
 
-// y[m, :] += h[m, :] @ b for M rows: 16 outputs at a time, their M sums in registers while the R rows of b stream by.
+// y[m, :] += h[m, :] @ b for M rows, 16 outputs at a time.
 template <typename T, int M>
 void expand(T* const* ys, const float* h, const T* b, int64_t r, int64_t n) {
+  const float* hs[M];
+  for (int m = 0; m < M; ++m) hs[m] = h + m * r;
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
     Vec acc[M];
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[m] = Vec{};
-    for (int64_t j = 0; j < r; ++j) {
-      const Vec bv = load(b + j * n + c);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[m] += h[m * r + j] * bv;
-    }
+    tile_sums<float, T, M>(acc, hs, b + c, r, n);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) store(ys[m] + c, load(ys[m] + c) + acc[m]);
   }
