@@ -183,3 +183,25 @@ def test_behind_ray_each_replica_refuses_a_runtime_load(tiny_chat_model, adapter
 
     response = asyncio.run(load())
     assert response.status_code == 400 and "--ray" in response.json()["error"]["message"]
+
+
+def test_bench_serve_names_the_adapters_in_its_requests(server, tmp_path):
+    """`tokenloom bench serve --lora-modules`: each request names one of them (as `vllm bench serve` does); a name the
+    server does not serve fails every request, so the names are what is sent."""
+    from tokenloom.bench.loadgen import adapter_choice
+    from tokenloom.bench.trace import make_trace
+
+    requests = make_trace("chat", 40, seed=0)
+    choose = adapter_choice(["sql", "chat"], seed=3)
+    assert [choose(r) for r in requests] == [adapter_choice(["sql", "chat"], seed=3)(r) for r in requests]
+    assert {choose(r) for r in requests} == {"sql", "chat"}
+
+    def bench(*names: str) -> dict:
+        out = tmp_path / f"{'-'.join(names)}.json"
+        argv = ["bench", "serve", "--base-url", server.url, "--api-key", OPERATOR, "--kind", "chat", "--num-requests",
+                "4", "--max-tokens", "4", "--lora-modules", *names, "-o", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        return json.loads(out.read_text())["scorecard"]
+
+    assert bench("sql", "chat")["error_rate"] == 0
+    assert bench("no-such-adapter")["error_rate"] == 1

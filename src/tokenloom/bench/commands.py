@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from tokenloom.bench import server_metrics
-from tokenloom.bench.loadgen import arrival_offsets, burst_aligned, run_load
+from tokenloom.bench.loadgen import adapter_choice, arrival_offsets, burst_aligned, run_load
 from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.bench.scorecard import SCORECARD_KEYS, SLO, percentile, scorecard
 from tokenloom.bench.server_metrics import API_PROCESS_ONLY
@@ -101,6 +101,10 @@ def add_replayed_trace_flags(parser: argparse.ArgumentParser | argparse._Argumen
 
 def _load_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="the model id sent in requests")
+    parser.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME",
+        help="LoRA adapters the server serves: each request names one, drawn at random from its id and --seed",
+    )  # fmt: skip
     parser.add_argument("--api-key", default=None)
     add_replayed_trace_flags(parser)
     parser.add_argument("--seed", type=int, default=0)
@@ -181,7 +185,7 @@ def bench_run(args, base_url: str, requests, sha: str, rate: float, label: str) 
                 base_url,
                 requests,
                 offsets,
-                args.model,
+                adapter_choice(args.lora_modules, args.seed) if args.lora_modules else args.model,
                 args.api_key,
                 args.max_concurrency,
                 args.duration_limit,

@@ -107,17 +107,30 @@ async def send_one(
     return record
 
 
+ModelChoice = Callable[[TraceRequest], str | None]  # the model a request names (a LoRA adapter, say)
+
+
+def adapter_choice(names: list[str], seed: int) -> ModelChoice:
+    """Each request names one of `names`, drawn at random (as `vllm bench serve --lora-modules` does) from its
+    id and the seed: the same request names the same adapter in every run."""
+    if not names:
+        raise ValueError("give at least one adapter name")
+    return lambda request: random.Random(f"{seed}:{request.id}").choice(names)
+
+
 async def run_load(
     base_url: str,
     requests: list[TraceRequest],
     offsets: list[float],
-    model: str | None = None,
+    model: str | ModelChoice | None = None,
     api_key: str | None = None,
     max_concurrency: int | None = None,
     duration_limit: float | None = None,
     on_done: Callable[[RequestRecord], None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Sends every request at its offset; returns the records and the run's wall time."""
+    """Sends every request at its offset, naming `model` (or, given a ModelChoice, the request's own); returns the
+    records and the run's wall time."""
+    model_of: ModelChoice = model if callable(model) else lambda _: model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or 1000, max_keepalive_connections=100)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -126,10 +139,10 @@ async def run_load(
     async def scheduled(client: httpx.AsyncClient, request: TraceRequest, offset: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
         if gate is None:
-            record = await send_one(client, model, request, offset)
+            record = await send_one(client, model_of(request), request, offset)
         else:
             async with gate:
-                record = await send_one(client, model, request, offset)
+                record = await send_one(client, model_of(request), request, offset)
         if on_done is not None:
             on_done(record)
         return record
