@@ -33,12 +33,12 @@ from safetensors.torch import save_file
 from tokenloom import LLM, LoRARequest, SamplingParams
 from tokenloom.bench.provenance import cpu_flags
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.lora import FUSED_TARGETS, _projection_shapes
+from tokenloom.model.lora import FUSED_TARGETS, projection_shapes
 
 
 def write_adapter(directory: Path, config: ModelConfig, rank: int, seed: int) -> Path:
     generator = torch.Generator().manual_seed(seed)
-    shapes, tensors = _projection_shapes(config), {}
+    shapes, tensors = projection_shapes(config), {}
     for layer in range(config.num_layers):
         for target, members in FUSED_TARGETS.items():
             block = target.split(".")[0]

@@ -10,21 +10,20 @@ import torch
 from conftest import hf_oracle
 from safetensors.torch import load_file, save_file
 
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.lora import projection_shapes
+
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_LINEARS = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 
 
 def write_adapter(directory: Path, base: Path, seed: int, targets=ALL_LINEARS, rank=8, alpha=16.0, **config) -> Path:
     """A PEFT adapter of random A and B (PEFT starts B at zero; random B makes the adapter change the outputs)."""
-    hf = json.loads((base / "config.json").read_text())
-    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
-    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
-    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
-    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-              "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}  # fmt: skip
+    config_of_base = ModelConfig.from_hf(json.loads((base / "config.json").read_text()))
+    shapes = projection_shapes(config_of_base)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for layer in range(hf["num_hidden_layers"]):
+    for layer in range(config_of_base.num_layers):
         for projection in targets:
             block = "self_attn" if projection in ATTENTION else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{projection}"

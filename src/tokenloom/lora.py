@@ -41,7 +41,8 @@ class LoRAConfig:
     max_lora_rank: int = 16
     """The largest rank an adapter may have; a larger one is refused when it is loaded."""
     max_cpu_loras: int | None = None
-    """Adapters kept loaded beyond those of live requests, least recently used dropped first; None: max_loras."""
+    """The most adapters kept loaded (in the model's dtype on its device), least recently used dropped first; an
+    adapter of a live request stays loaded even beyond it. None: max_loras."""
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

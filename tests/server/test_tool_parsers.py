@@ -35,20 +35,6 @@ def test_hermes_reads_text_then_calls():
     assert len({c.id for c in parsed.calls}) == 2
 
 
-@pytest.mark.parametrize(
-    "reply",
-    [
-        "Just text, no call.",
-        'Cut short: <tool_call>\n{"name": "get_weather", "argu',  # max_tokens ended it inside the call
-        "<tool_call>\nnot json\n</tool_call>",
-        '<tool_call>{"arguments": {}}</tool_call>',  # no name
-    ],
-)
-def test_hermes_gives_a_reply_whose_calls_do_not_parse_as_text(reply):
-    parsed = HermesParser().parse(reply)
-    assert parsed.calls == [] and parsed.content == reply
-
-
 def test_hermes_streams_no_text_that_may_begin_a_call():
     parser = HermesParser()
     assert parser.streamable_end("Hello <tool") == len("Hello ")  # perhaps the start of <tool_call>
@@ -66,15 +52,14 @@ def test_llama3_json_reads_one_or_more_calls():
         ("get_weather", {"city": "Oslo"}),
         ("get_time", {}),
     ]
-    for text in ("The weather is fine.", '{"name": "get_weather", "parameters": {"ci', '{"not": "a call"}'):
-        assert Llama3JsonParser().parse(text).calls == [] and Llama3JsonParser().parse(text).content == text
 
 
-def test_llama3_json_holds_a_reply_that_may_be_a_call():
-    parser = Llama3JsonParser()
-    assert parser.streamable_end("") == 0 and parser.streamable_end(' {"name"') == 0
-    assert parser.streamable_end("<|python") == 0
-    assert parser.streamable_end("Sunny today") == len("Sunny today")
+@pytest.mark.parametrize("parser, call_begins", [(Llama3JsonParser, ' {"name"'), (PythonicParser, " [get_")])
+def test_a_parser_whose_calls_fill_the_reply_holds_what_may_be_a_call(parser, call_begins):
+    held = parser()
+    assert held.streamable_end("") == 0 and held.streamable_end(call_begins) == 0
+    assert held.streamable_end("<|python") == 0
+    assert held.streamable_end("Sunny today") == len("Sunny today")
 
 
 MISTRAL_ARRAY = (
@@ -96,18 +81,32 @@ def test_mistral_reads_both_of_its_formats_with_ids_its_templates_accept(reply):
 
 
 @pytest.mark.parametrize(
-    "reply",
+    "parser, reply",
     [
-        "No call here.",
-        '[TOOL_CALLS] [{"name": "get_weather", "argu',  # cut short
-        "[TOOL_CALLS] []",
-        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {}}] and then some',
-        "[TOOL_CALLS]get_weather[ARGS]{not json",
-        '[TOOL_CALLS][ARGS]{"city": "Paris"}',  # no name
+        (HermesParser, "Just text, no call."),
+        (HermesParser, 'Cut short: <tool_call>\n{"name": "get_weather", "argu'),  # max_tokens ended it inside the call
+        (HermesParser, "<tool_call>\nnot json\n</tool_call>"),
+        (HermesParser, '<tool_call>{"arguments": {}}</tool_call>'),  # no name
+        (MistralParser, "No call here."),
+        (MistralParser, '[TOOL_CALLS] [{"name": "get_weather", "argu'),  # cut short
+        (MistralParser, "[TOOL_CALLS] []"),
+        (MistralParser, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {}}] and then some'),
+        (MistralParser, "[TOOL_CALLS]get_weather[ARGS]{not json"),
+        (MistralParser, '[TOOL_CALLS][ARGS]{"city": "Paris"}'),  # no name
+        (Llama3JsonParser, "The weather is fine."),
+        (Llama3JsonParser, '{"name": "get_weather", "parameters": {"ci'),
+        (Llama3JsonParser, '{"not": "a call"}'),
+        (PythonicParser, "The weather is fine."),
+        (PythonicParser, "[get_weather(city="),  # cut short
+        (PythonicParser, '[get_weather("Paris")]'),  # a positional argument
+        (PythonicParser, "[get_weather(city=__import__('os').getcwd())]"),  # not a literal: read, never run
+        (PythonicParser, "[1, 2]"),
+        (PythonicParser, "[]"),
+        (PythonicParser, "[" * 500 + "]" * 500),  # deeper than Python's parser goes
     ],
 )
-def test_mistral_gives_a_reply_whose_calls_do_not_parse_as_text(reply):
-    parsed = MistralParser().parse(reply)
+def test_a_reply_whose_calls_do_not_parse_is_given_as_text(parser, reply):
+    parsed = parser().parse(reply)
     assert parsed.calls == [] and parsed.content == reply
 
 
@@ -127,23 +126,6 @@ def test_pythonic_reads_a_list_of_calls_as_python_never_running_it():
             ("get_weather", {"city": "Paris", "days": 3, "units": {"temp": "C"}}),
             ("get_time", {}),
         ]
-    for text in (
-        "The weather is fine.",
-        "[get_weather(city=",  # cut short
-        '[get_weather("Paris")]',  # a positional argument
-        "[get_weather(city=__import__('os').getcwd())]",  # not a literal: read, never run
-        "[1, 2]",
-        "[]",
-        "[" * 500 + "]" * 500,  # deeper than Python's parser goes
-    ):
-        assert PythonicParser().parse(text).calls == [] and PythonicParser().parse(text).content == text
-
-
-def test_pythonic_holds_a_reply_that_may_be_calls():
-    parser = PythonicParser()
-    assert parser.streamable_end("") == 0 and parser.streamable_end(" [get_") == 0
-    assert parser.streamable_end("<|python") == 0
-    assert parser.streamable_end("Sunny today") == len("Sunny today")
 
 
 # ---- served ------------------------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ class EngineClient(ABC):
         self.processor = OutputProcessor(tokenizer)
         self._limits = limits
         self._ids = itertools.count()
+        self._adapters_checked: set[tuple[str, str]] = set()  # (name, path) of LoRA adapters whose config was read
 
     # ---- on any thread ------------------------------------------------------------------------------------
 
@@ -148,14 +149,18 @@ class EngineClient(ABC):
         return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
 
     def check_adapter(self, lora: LoRARequest) -> None:
-        """InvalidField unless the adapter may be served (its config, read here; its weights load in the core)."""
+        """InvalidField unless the adapter may be served (its config, read here once per name and path; its weights
+        load in the core)."""
         if not self.config.lora.enable_lora:
             raise InvalidField("model", f"the LoRA adapter {lora.lora_name!r} was asked for, but LoRA is not enabled "
                                "(--enable-lora)")  # fmt: skip
+        if (lora.lora_name, lora.lora_path) in self._adapters_checked:
+            return
         try:
             read_adapter_config(lora.lora_path, self.config.lora.max_lora_rank)
         except ValueError as error:
             raise InvalidField("model", str(error)) from error
+        self._adapters_checked.add((lora.lora_name, lora.lora_path))
 
     def _with_bad_words_tokenized(self, params: SamplingParams) -> SamplingParams:
         """vLLM's bad words as token sequences (token_bias.py), made once here."""

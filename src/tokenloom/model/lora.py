@@ -134,13 +134,13 @@ def load_adapter(
             raise ValueError(f"LoRA adapter {request.lora_name!r}: {key!r} names layer {layer}; the model has "
                              f"{model.num_layers}")  # fmt: skip
         found.setdefault((layer, projection), {})[side] = tensor
-    shapes = _projection_shapes(model)
+    shapes = projection_shapes(model)
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for target, members in FUSED_TARGETS.items():
         for layer in range(model.num_layers):
             parts = [(p, found[(layer, p)]) for p in members if (layer, p) in found]
             if parts:
-                pairs[(layer, target)] = _fused_pair(request.lora_name, layer, members, parts, shapes, config)
+                pairs[(layer, target)] = _fused_pair(request.lora_name, layer, target, parts, shapes, config)
     if not pairs:
         raise ValueError(f"LoRA adapter {request.lora_name!r} at {request.lora_path} holds no LoRA weights")
     on_device = {key: _transposed_and_padded(a, b, dtype, device) for key, (a, b) in pairs.items()}
@@ -150,7 +150,7 @@ def load_adapter(
 def adapter_bytes(model: ModelConfig, rank: int, element_size: int) -> int:
     """The most one adapter of this rank can hold loaded: every projection of every layer adapted, each fused
     linear's A [in, members x rank] and block-diagonal B [members x rank, out], ranks padded."""
-    shapes = _projection_shapes(model)
+    shapes = projection_shapes(model)
     per_layer = 0
     for members in FUSED_TARGETS.values():
         fused_rank = -(-len(members) * rank // RANK_MULTIPLE) * RANK_MULTIPLE
@@ -182,8 +182,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     raise ValueError(f"{path} holds no adapter_model.safetensors or adapter_model.bin")
 
 
-def _projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each checkpoint projection a LoRA may adapt."""
+def projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each checkpoint projection a LoRA may adapt (an adapter's B is [out, r], its A [r, in])."""
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     hidden, inter = model.hidden_size, model.intermediate_size
     return {
@@ -195,13 +195,14 @@ def _projection_shapes(model: ModelConfig) -> dict[str, tuple[int, int]]:
 def _fused_pair(
     name: str,
     layer: int,
-    members: tuple[str, ...],
+    target: str,
     parts: list[tuple[str, dict[str, torch.Tensor]]],
     shapes: dict[str, tuple[int, int]],
     config: AdapterConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A fused linear's A (the members' A stacked) and B (their scaled B's block-diagonal, zero rows for members
     the adapter leaves alone)."""
+    members, block = FUSED_TARGETS[target], target.split(".")[0]
     offsets = np.cumsum([0] + [shapes[p][0] for p in members]).tolist()
     total_rank = 0
     checked: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
@@ -216,7 +217,6 @@ def _fused_pair(
                 f"LoRA adapter {name!r}: layer {layer}'s {projection} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
                 f"the model needs [r, {in_features}] and [{out_features}, r]: an adapter of another model?"
             )
-        block = "mlp" if projection in FUSED_TARGETS["mlp.gate_up_proj"] + ("down_proj",) else "self_attn"
         module = f"model.layers.{layer}.{block}.{projection}"
         checked.append((members.index(projection), a, b, config.scale(module, rank)))
         total_rank += rank
@@ -275,16 +275,13 @@ class LoRALinear(nn.Module):
         return y
 
 
-def attach(layers: nn.ModuleList, step: LoRAStep) -> int:
+def attach(layers: nn.ModuleList, step: LoRAStep) -> None:
     """Wraps every adaptable linear of the decoder layers (whatever form the base took: plain, packed, int8)."""
-    count = 0
     for index, layer in enumerate(layers):
         for target in FUSED_TARGETS:
             owner_name, name = target.split(".")
             owner = getattr(layer, owner_name)
             setattr(owner, name, LoRALinear(getattr(owner, name), index, target, step))
-            count += 1
-    return count
 
 
 def adapter_rows(names: list[str | None], counts: np.ndarray) -> dict[str, np.ndarray]:
@@ -300,8 +297,8 @@ def adapter_rows(names: list[str | None], counts: np.ndarray) -> dict[str, np.nd
 
 
 class AdapterSet:
-    """The adapters this runner holds: those of live requests, and up to `capacity` more kept, least recently used
-    dropped first, for requests to come."""
+    """The adapters this runner holds: at most `capacity`, least recently used dropped first, for requests to come;
+    an adapter stays while a live request uses it, even beyond `capacity`."""
 
     def __init__(self, model: ModelConfig, max_rank: int, capacity: int, dtype: torch.dtype, device: torch.device):
         self.model, self.max_rank, self.capacity, self.dtype, self.device = model, max_rank, capacity, dtype, device
