@@ -6,6 +6,7 @@ import os
 # before torch starts its thread pool, so before the first torch import.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from tokenloom.beam_search import BeamSearchOutput, BeamSearchParams
 from tokenloom.config import EngineConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.engine.llm_engine import LLMEngine
@@ -16,6 +17,8 @@ from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from tokenloom.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lora import LoRARequest
 from tokenloom.model.loader import Tokenizer
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import Logprob, RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.utils import heap_frozen
 
@@ -119,6 +120,36 @@ class LLM:
             [{"prompt_token_ids": p} for p in prompts], sampling_params, use_tqdm, lora_request=lora_request
         )
 
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt its params.beam_width best sequences, best first; as vLLM's, each
+        sequence's ``tokens`` and ``text`` begin with the prompt's. Every prompt's beams share each step's batch."""
+        prompt_ids = [self.engine.tokenize(_prompt_of(p))[1] for p in _as_prompt_list(prompts)]
+        for ids in prompt_ids:
+            if len(ids) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(f"a prompt of {len(ids)} tokens and max_tokens={params.max_tokens} exceed the "
+                                 f"model's context of {self.engine.max_model_len} tokens")  # fmt: skip
+        adapters = _per_prompt(lora_request, len(prompt_ids))
+        eos = set(self.engine.model_config.eos_token_ids)
+        searches = [BeamSearch(ids, params, eos) for ids in prompt_ids]
+        for _ in range(params.max_tokens):
+            steps = [[self._add(beam, search.step_params(), lora=adapter) for beam in search.step_prompts()]
+                     for search, adapter in zip(searches, adapters, strict=True)]  # fmt: skip
+            finals = iter(self._run([request_id for step in steps for request_id in step], use_tqdm=False))
+            for search, step in zip(searches, steps, strict=True):
+                search.advance([_step_logprobs(next(finals)) for _ in step])
+        return [BeamSearchOutput(self._with_text(search)) for search in searches]
+
+    def _with_text(self, search: BeamSearch) -> list[BeamSearchSequence]:
+        answers = search.answers()
+        for beam in answers:
+            beam.text = self.engine.decode(beam.tokens)
+        return answers
+
     def apply_chat_template(self, conversation: Conversation, **options: Any) -> list[int]:
         """The conversation's token ids through the model's chat template; options: apply_chat_template's keyword
         arguments (add_generation_prompt, True unless given) and the template's variables."""
@@ -137,9 +168,7 @@ class LLM:
     def _add(
         self, prompt: PromptInput, params: SamplingParams, priority: int = 0, lora: LoRARequest | None = None
     ) -> str:
-        if isinstance(prompt, dict):
-            prompt = list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
-        return self.engine.add_request(prompt, params, priority=priority, lora_request=lora).request_id
+        return self.engine.add_request(_prompt_of(prompt), params, priority=priority, lora_request=lora).request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -161,6 +190,20 @@ class LLM:
                         done[output.request_id] = output
                 progress.update(task, completed=len(done), tokens=self.engine.stats().generated_tokens)
         return [done[request_id] for request_id in request_ids]
+
+
+def _prompt_of(prompt: PromptInput) -> str | list[int]:
+    if isinstance(prompt, dict):
+        return list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
+    return prompt
+
+
+def _step_logprobs(output: RequestOutput) -> dict[int, Logprob]:
+    """A beam search step's candidates: its one token's logprobs (the request's error, if it failed)."""
+    logprobs = output.outputs[0].logprobs
+    if output.error is not None or not logprobs:
+        raise RuntimeError(f"a beam search step failed: {output.error or 'no logprobs'}")
+    return logprobs[0]
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
