@@ -234,9 +234,16 @@ class AsyncEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)[1]
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.decode(token_ids)
+
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.engine.model_config.eos_token_ids)
 
     @property
     def max_model_len(self) -> int:

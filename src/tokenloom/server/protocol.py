@@ -87,6 +87,11 @@ def _structured(param: str, **fields: Any) -> StructuredOutputsParams:
 # Fields of OpenAI's API a request may carry that change nothing here: accepted and ignored (README, "Bad input").
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 # Fields of OpenAI's API that tokenloom does not implement: refused by name when set, never silently dropped.
+# What beam search would ignore if it took it (structured output and forced tools are refused where they are built).
+BEAM_SEARCH_REFUSES = (
+    "stream", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    "logit_bias", "allowed_token_ids", "bad_words", "prompt_logprobs",
+)  # fmt: skip
 UNSUPPORTED_FIELDS = ("functions", "function_call", "suffix", "audio", "prediction", "web_search_options")
 
 
@@ -118,6 +123,8 @@ class _Common(_Body):
     stream_interval: Annotated[int, Field(ge=1)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     best_of: Annotated[int, Field(ge=1)] | None = None
+    use_beam_search: bool = False  # vLLM's: the n choices are the n best beams of one search (beam_search.py)
+    length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] = 1.0  # vLLM's: beams scored by sum / length ** it
     logit_bias: LogitBias | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # vLLM's: each prompt token's, in the response
@@ -149,10 +156,20 @@ class _Common(_Body):
             raise APIError(400, "prompt_logprobs are not streamed (as vLLM's)", "prompt_logprobs", "unsupported")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", "best_of", "unsupported")
+        if self.use_beam_search:
+            self._refuse_what_beam_search_ignores()
         for name in UNSUPPORTED_FIELDS:
             value = getattr(self, name, None)
             if value not in (None, False, "", [], "none"):
                 raise APIError(400, f"{name} is not supported by tokenloom", name, "unsupported")
+
+    def _refuse_what_beam_search_ignores(self) -> None:
+        """Beam search ranks beams by the raw model's logprobs (as vLLM's): what would change them, or cut a beam
+        short, is refused rather than ignored; the sampling settings (temperature, top_p, seed) do not apply."""
+        for name in BEAM_SEARCH_REFUSES:
+            value, default = getattr(self, name), type(self).model_fields[name].default
+            if value not in (default, None, []):
+                raise APIError(400, f"{name} is not supported with use_beam_search", name, "unsupported")
 
     def structured_output(self) -> StructuredOutputsParams | None:
         """The grammar the output must follow, from whichever one of the ways to ask for it the request used."""

@@ -16,11 +16,13 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from tokenloom.beam_search import BeamSearch, BeamSearchParams
 from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
 from tokenloom.engine.structured_output import InvalidGrammar
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenloom.server.beam_choices import BeamSearchChoices, StepSubmit
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Message
 from tokenloom.server.protocol import DetokenizeRequest, StreamOptions, TokenizeRequest, _Common
@@ -184,10 +186,16 @@ async def _admitted(
         submitted.append(stream)
         return stream
 
+    async def beam_step(p: list[int], q: SamplingParams, rid: str, first: bool) -> AsyncGenerator[RequestOutput]:
+        return await _submit(state, body, tenant, p, q, rid, priority, arrival_time if first else None)
+
     try:
         streams: list[AsyncIterator[RequestOutput]] = []
         single = len(prompts) == 1 and n == 1
         for i, (prompt, q) in enumerate(zip(prompts, params, strict=True)):
+            if body.use_beam_search:
+                streams.extend(_beam_search_choices(state, body, prompt, q, beam_step, f"{request_id}-{i}"))
+                continue
             first = await submit(prompt, q, request_id if single else f"{request_id}-{i}-0")
             if n == 1:
                 streams.append(first)
@@ -249,6 +257,22 @@ def _give_back(state: ServerState, tenant: Tenant, sequences: int, charge: int) 
     """What an admitted request took: its tenant's sequences and its charge of the response budget."""
     state.limiter.release(tenant, sequences)
     state.response_budget.give_back(charge)
+
+
+def _beam_search_choices(
+    state: ServerState, body: _Common, prompt: list[int], params: SamplingParams, step: StepSubmit, request_id: str
+) -> list[AsyncIterator[RequestOutput]]:
+    """The prompt's n choices as the n best beams of one search (use_beam_search), its max_tokens and logprobs."""
+    if params.structured_outputs is not None:
+        message = "structured output (response_format, structured_outputs, a forced tool) is not supported with "
+        raise APIError(400, message + "use_beam_search", "use_beam_search", "unsupported")
+    try:
+        search_params = BeamSearchParams(body.n, params.max_tokens, body.ignore_eos, params.temperature,
+                                         body.length_penalty, body.include_stop_str_in_output)  # fmt: skip
+    except ValueError as error:
+        raise APIError(400, f"use_beam_search with n={body.n}: {error}", "n", "invalid_value") from error
+    search = BeamSearch(prompt, search_params, state.engine.eos_token_ids, params.logprobs)
+    return BeamSearchChoices(search, step, request_id, state.engine.decode).streams
 
 
 def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
