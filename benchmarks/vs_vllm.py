@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
         [--tokenloom-args "--max-num-seqs 32"]... [--vllm-args "--kv-cache-dtype fp8"]... [--rounds 3]
-        [--workload mixed-64|long-decode|single-stream] [--tokenloom-source CHECKOUT]... [--lora N]
+        [--workload mixed-64|long-decode|single-stream|beam-search] [--tokenloom-source CHECKOUT]... [--lora N]
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
 max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
@@ -17,6 +17,10 @@ the KV cache's dtype matters most, and decode takes most of the run; the 4k-prom
 Workload single-stream (--workload single-stream): one user, 6 requests sent one after another (prompts of 200-800
 token ids, 128 tokens each, seed 0): every decode step has one row, so ITL is the latency a lone chat user reads
 at, bound by streaming the weights; the 4k-prompt probe follows.
+
+Workload beam-search (--workload beam-search): 8 requests at t=0, prompts of 100-400 token ids (seed 0), each
+`use_beam_search` with n=4 and max_tokens 48 (ignore_eos): both engines run vLLM's search, each step one request per
+beam; answered whole, so TTFT is each request's end and there is no ITL.
 
 --lora N serves N LoRA adapters of rank 16 (random weights on every projection, benchmarks/lora_speed.py's) on every
 server with the same flags (--enable-lora --max-loras N --lora-modules ...), and mixed-64's requests name them in
@@ -221,7 +225,46 @@ async def single_stream(url: str, run: Run, round_: int) -> None:
     assert run.output_tokens == expected or run.errors, (run.output_tokens, expected)
 
 
-WORKLOADS = {"mixed-64": mixed_64, "long-decode": long_decode, "single-stream": single_stream}
+BEAM_REQUESTS, BEAM_WIDTH, BEAM_TOKENS = 8, 4, 48
+
+
+def beam_search_workload(seed: int = 0) -> list[list[int]]:
+    """Prompts of 100-400 token ids, each a beam search of BEAM_WIDTH beams over BEAM_TOKENS tokens."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(rng.randint(100, 400))] for _ in range(BEAM_REQUESTS)]
+
+
+async def beam_request(client: httpx.AsyncClient, prompt: list[int], run: Run) -> None:
+    """One use_beam_search request, whole (vLLM streams none): its TTFT is its end."""
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": BEAM_TOKENS, "n": BEAM_WIDTH,
+            "use_beam_search": True, "ignore_eos": True, "temperature": 0}  # fmt: skip
+    sent = time.perf_counter()
+    response = await client.post("/v1/completions", json=body)
+    if response.status_code != 200:
+        run.errors += 1
+        return
+    run.output_tokens += response.json()["usage"]["completion_tokens"]
+    run.ttfts.append(time.perf_counter() - sent)
+    run.e2es.append(run.ttfts[-1])
+
+
+async def beam_search(url: str, run: Run, round_: int) -> None:
+    prompts = [salted(p, round_) for p in beam_search_workload()]
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=64)) as client:
+        await one_request(client, [7] * 40, 4, Run("warm-up"))
+        start = time.perf_counter()
+        await asyncio.gather(*(beam_request(client, p, run) for p in prompts))
+        run.wall = time.perf_counter() - start
+    expected = BEAM_REQUESTS * BEAM_WIDTH * BEAM_TOKENS
+    assert run.output_tokens == expected or run.errors, (run.output_tokens, expected)
+
+
+WORKLOADS = {
+    "mixed-64": mixed_64,
+    "long-decode": long_decode,
+    "single-stream": single_stream,
+    "beam-search": beam_search,
+}
 
 
 async def long_prefill(url: str, run: Run, round_: int) -> None:
