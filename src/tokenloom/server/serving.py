@@ -166,14 +166,10 @@ async def _admitted(
     """
     tenant: Tenant = raw.state.tenant
     n = body.n
-    sequences = len(prompts) * n
     params, charge = _params_within_limits(state, tenant, body, prompts, logprobs, structured)
     if state.log_requests:
-        for prompt, q in zip(prompts, params, strict=True):
-            shown = prompt if state.max_log_len is None else prompt[: state.max_log_len]
-            logger.info("Received request %s (tenant %s, n=%d): prompt_token_ids: %s, params: %s",
-                        request_id, tenant.name, n, shown, q)  # fmt: skip
-    lease = Lease(functools.partial(_give_back, state, tenant, sequences, charge))
+        _log_received(request_id, tenant, n, prompts, params, state.max_log_len)
+    lease = Lease(functools.partial(_give_back, state, tenant, len(prompts) * n, charge))  # the sequences taken
     priority = _priority(body.priority, tenant)
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
     submitted: list[AsyncGenerator[RequestOutput]] = []
@@ -186,15 +182,13 @@ async def _admitted(
         submitted.append(stream)
         return stream
 
-    async def beam_step(p: list[int], q: SamplingParams, rid: str, first: bool) -> AsyncGenerator[RequestOutput]:
-        return await _submit(state, body, tenant, p, q, rid, priority, arrival_time if first else None)
-
     try:
         streams: list[AsyncIterator[RequestOutput]] = []
         single = len(prompts) == 1 and n == 1
         for i, (prompt, q) in enumerate(zip(prompts, params, strict=True)):
             if body.use_beam_search:
-                streams.extend(_beam_search_choices(state, body, prompt, q, beam_step, f"{request_id}-{i}"))
+                step = _beam_step_submitter(state, body, tenant, priority, arrival_time)
+                streams.extend(_beam_search_choices(state, body, prompt, q, step, f"{request_id}-{i}"))
                 continue
             first = await submit(prompt, q, request_id if single else f"{request_id}-{i}-0")
             if n == 1:
@@ -213,6 +207,26 @@ async def _admitted(
         raise
     finally:
         lease.release()
+
+
+def _log_received(
+    request_id: str, tenant: Tenant, n: int, prompts: list[list[int]], params: list[SamplingParams], most: int | None
+) -> None:
+    for prompt, q in zip(prompts, params, strict=True):
+        shown = prompt if most is None else prompt[:most]
+        logger.info("Received request %s (tenant %s, n=%d): prompt_token_ids: %s, params: %s",
+                    request_id, tenant.name, n, shown, q)  # fmt: skip
+
+
+def _beam_step_submitter(
+    state: ServerState, body: _Common, tenant: Tenant, priority: int, arrival_time: float | None
+) -> StepSubmit:
+    """How a beam search submits a step's request: its first step's requests arrived with the client's request."""
+
+    async def step(prompt: list[int], q: SamplingParams, rid: str, first: bool) -> AsyncGenerator[RequestOutput]:
+        return await _submit(state, body, tenant, prompt, q, rid, priority, arrival_time if first else None)
+
+    return step
 
 
 def _params_within_limits(
