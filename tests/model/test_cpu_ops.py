@@ -133,6 +133,46 @@ def test_bf16_prefill_operator_matches_causal_attention(n, past, heads, kv_heads
         torch.ops.tokenloom.prefill_attention(q, k, v, 0.1, own_k[1:])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 2, 128, 4)])
+def test_paged_prefill_operator_reads_each_chunks_past_in_the_cache(heads, kv_heads, head_dim, block_size):
+    """Chunks of one step (rows, past): short and long, past shorter and longer than a block, a chunk of one token
+    (a beam search step); their blocks scattered in the cache. Each equals the contiguous operator on its gathered
+    context, bit for bit (the same sums over the same packed keys), and so the reference."""
+    if not cpu_kernel.has_prefill_op():
+        pytest.skip("the bf16 prefill operators are built only for CPUs with AVX-512 BF16")
+    g = torch.Generator().manual_seed(block_size)
+    chunks = [(5, 3), (40, 70), (1, 200), (33, 1)]
+    width = kv_heads * head_dim
+    num_blocks = sum(-(-(n + past) // block_size) for n, past in chunks) + 3
+    cache_k = torch.randn(num_blocks * block_size, width, generator=g).bfloat16()
+    cache_v = torch.randn(num_blocks * block_size, width, generator=g).bfloat16()
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, segments, row = [], [], 2  # the step's first two rows are someone else's (decodes)
+    for n, past in chunks:
+        tables.append([free.pop() for _ in range(-(-(n + past) // block_size))])
+        segments.append((row, n, n + past))
+        row += n
+    q = torch.randn(row + 1, heads, head_dim, generator=g).bfloat16()
+    padded = torch.zeros(len(chunks), max(map(len, tables)), dtype=torch.long)
+    for i, table in enumerate(tables):
+        padded[i, : len(table)] = torch.tensor(table)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, torch.tensor(segments), padded, block_size,
+                                                scale, out)  # fmt: skip
+    assert out[:2].isnan().all() and out[row:].isnan().all()  # only the chunks' rows are written
+    for (start, n, ctx), table in zip(segments, tables, strict=True):
+        slots = (torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:ctx]
+        k, v = cache_k[slots], cache_v[slots]
+        alone = torch.empty(n, heads, head_dim, dtype=torch.bfloat16)
+        torch.ops.tokenloom.prefill_attention(q[start : start + n], k, v, scale, alone)
+        assert torch.equal(out[start : start + n], alone)
+        close(alone, reference_prefill(q[start : start + n], k, v, ctx - n, scale), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the step's rows"):
+        bad = torch.tensor([[row - 1, 5, 10]])
+        torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, bad, padded[:1], block_size, scale, out)
+
+
 def needs_bf16_linear() -> None:
     if not cpu_kernel.has_operator("bf16_linear"):
         pytest.skip("the bf16 linear operator is built only for CPUs with AVX-512 BF16")

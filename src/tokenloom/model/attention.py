@@ -16,11 +16,15 @@ in place through the block tables, and the cache write is one launch for K and V
 Decode queries (one new token each) go to the C++ operator in cpu_kernel.py where it can be had, which reads
 each context in place; otherwise they are attended a group at a time, each group over its contexts padded to the
 longest. A prefill chunk goes to torch's scaled_dot_product_attention (its fused CPU kernel): causal with no mask
-when the chunk is its whole context, else with a boolean mask of the chunk's rows over its context.
+when the chunk is its whole context, else with a boolean mask of the chunk's rows over its context. Where the bf16
+prefill operator is in use, every chunk with a past goes to it in one call a layer, which reads the pasts in place
+(csrc/prefill_attention.cpp's paged_prefill_attention): gathering each chunk's past out of the cache, per layer,
+cost a beam search of 32 beams more time than the attention itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +45,14 @@ class PrefillSegment:
     ctx_len: int
     block_table: torch.Tensor | None  # [num_blocks] long; None when the chunk is its whole context
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, True where a query may attend; None: plain causal
+
+
+@dataclass
+class PagedPrefills:
+    """The step's prefill chunks that have a past, for the C++ operator that reads K and V in the paged cache."""
+
+    segments: torch.Tensor  # [S, 3] long: first row, rows, context length
+    tables: torch.Tensor  # [S, max_blocks] long, each chunk's blocks, padded with block 0
 
 
 @dataclass
@@ -65,6 +77,7 @@ class AttentionMetadata:
     block_size: int
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
+    paged_prefills: PagedPrefills | None = None  # chunks with a past, in one operator call (prefill_op, 16-bit cache)
     workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace())
     use_cpu_kernel: bool = False  # the C++ operators (cpu_kernel.py): decode attention, norms, rotary, SiLU
     prefill_op: bool = False  # prefill attention through the bf16 C++ operator (csrc/prefill_attention.cpp)
@@ -172,7 +185,8 @@ def paged_attention(
             kv_quant=kv_quant_kind,
         )  # fmt: skip
     ws, block_size, fmt = meta.workspace, meta.block_size, meta.kv_format
-    if meta.use_cpu_kernel and not meta.prefills and len(meta.decodes) == 1:  # a decode step: one call, no slices
+    paged = meta.paged_prefills
+    if meta.use_cpu_kernel and not meta.prefills and paged is None and len(meta.decodes) == 1:  # a decode step
         return _decode_step_on_operator(q, cache_k, cache_v, meta, scale, out)
     head_dim = q.shape[-1]
 
@@ -197,22 +211,42 @@ def paged_attention(
         out[rows] = _decode_attention(q[rows], group_k, group_v, group.bias, scale)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        if seg.block_table is None:
-            seg_k, seg_v = k[rows], v[rows]
-        elif fmt is not None and meta.use_cpu_kernel:  # the past's codes decoded in one pass each
-            width = k.shape[-1]
-            seg_k = ws.buffer("k", seg.ctx_len, width, q.dtype, q.device)
-            seg_v = ws.buffer("v", seg.ctx_len, width, q.dtype, q.device)
-            for cache, past in ((cache_k, seg_k), (cache_v, seg_v)):
-                cpu_kernel.dequantize_past(cache, seg.block_table, seg.ctx_len, head_dim, fmt.kind, block_size, past)
-        else:
-            seg_k = gathered("k", cache_k, seg.block_table, seg.ctx_len)
-            seg_v = gathered("v", cache_v, seg.block_table, seg.ctx_len)
+        seg_k, seg_v = _prefill_context(seg, k, v, cache_k, cache_v, meta, gathered, head_dim)
         if meta.prefill_op:
             torch.ops.tokenloom.prefill_attention(q[rows], seg_k, seg_v, scale, out[rows])
         else:
             out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)
+    if paged is not None:  # no gather of the pasts: the operator reads them where they lie
+        torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, paged.segments, paged.tables, block_size,
+                                                    scale, out)  # fmt: skip
     return out
+
+
+def _prefill_context(
+    seg: PrefillSegment,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+    meta: AttentionMetadata,
+    gathered: Callable[[str, torch.Tensor, torch.Tensor, int], torch.Tensor],
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's whole context, K and V, contiguous: this step's rows, or its past out of the cache with them."""
+    if seg.block_table is None:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        return k[rows], v[rows]
+    fmt = meta.kv_format
+    if fmt is None or not meta.use_cpu_kernel:
+        table, length = seg.block_table, seg.ctx_len
+        return gathered("k", cache_k, table, length), gathered("v", cache_v, table, length)
+    # An 8-bit cache on the C++ operators: the past's codes decoded in one pass each.
+    width, ws = k.shape[-1], meta.workspace
+    seg_k = ws.buffer("k", seg.ctx_len, width, k.dtype, k.device)
+    seg_v = ws.buffer("v", seg.ctx_len, width, k.dtype, k.device)
+    for cache, past in ((cache_k, seg_k), (cache_v, seg_v)):
+        cpu_kernel.dequantize_past(cache, seg.block_table, seg.ctx_len, head_dim, fmt.kind, meta.block_size, past)
+    return seg_k, seg_v
 
 
 def _decode_step_on_operator(q, cache_k, cache_v, meta: AttentionMetadata, scale: float, out) -> torch.Tensor:

@@ -14,7 +14,13 @@ import torch
 
 from tokenloom.core.request import PLACEHOLDER_TOKEN
 from tokenloom.core.scheduler_output import ScheduledRequest
-from tokenloom.model.attention import AttentionMetadata, DecodeGroup, GatherWorkspace, PrefillSegment
+from tokenloom.model.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    GatherWorkspace,
+    PagedPrefills,
+    PrefillSegment,
+)
 from tokenloom.model.kv_quant import KVFormat
 from tokenloom.model.lora import adapter_rows
 from tokenloom.model.triton_attention import FlatBatch, split_count
@@ -106,8 +112,13 @@ class StepInputBuilder:
                 meta.decodes.append(
                     self._decode_group(decode_contexts[first:last], decode_table_rows[first:last], first)
                 )
+            with_past: list[tuple[ScheduledRequest, int]] = []
             for s, end in zip(ordered[len(decodes) :], ends[len(decodes) :], strict=True):
-                meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
+                if self.pages_prefills and s.start > 0:
+                    with_past.append((s, int(end) - s.num_tokens))
+                else:
+                    meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
+            meta.paged_prefills = self._paged_prefills(with_past) if with_past else None
         return ModelInputs(
             input_ids=self.tensor(input_ids),
             positions=self.tensor(positions),
@@ -162,6 +173,19 @@ class StepInputBuilder:
         if not self.use_cpu_kernel:  # the operator reads exactly each context; the plain path pads and masks
             bias = self._bias(np.arange(max_ctx)[None, None, :] < context_lens[:, None, None])
         return DecodeGroup(row_start, len(context_lens), self.tensor(tables), self.tensor(context_lens), bias)
+
+    @property
+    def pages_prefills(self) -> bool:
+        """A chunk with a past goes to the paged operator (a 16-bit cache; an 8-bit one is decoded per chunk)."""
+        return self.use_prefill_op and self.kv_format is None
+
+    def _paged_prefills(self, chunks: list[tuple[ScheduledRequest, int]]) -> PagedPrefills:
+        segments = np.array([(q_start, s.num_tokens, s.start + s.num_tokens) for s, q_start in chunks], dtype=np.int64)
+        tables = np.zeros((len(chunks), cdiv(int(segments[:, 2].max()), self.block_size)), dtype=np.int64)
+        for i, (s, _) in enumerate(chunks):
+            blocks = s.block_ids[: cdiv(int(segments[i, 2]), self.block_size)]
+            tables[i, : len(blocks)] = blocks
+        return PagedPrefills(self.tensor(segments), self.tensor(tables))
 
     def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
         ctx_len = s.start + s.num_tokens

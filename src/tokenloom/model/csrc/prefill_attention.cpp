@@ -21,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <vector>
 
 #include "avx512_exp.h"
 #include "bf16_vec.h"
@@ -46,19 +47,19 @@ inline uint32_t pair_at(const c10::BFloat16* row, int64_t d) {
 // One KV head's keys and values in the layout the dot products want, block by block of kKeys:
 // K^T as [HD / 2 dim pairs][kKeys] and V as [kKeys / 2 key pairs][HD], each element a pair of bf16.
 // Keys past the end of the context repeat the last one; the masks keep them out.
-template <int HD>
-void pack_block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_stride, int64_t v_stride, int64_t k0,
-                int64_t ctx, uint32_t* kt, uint32_t* vt) {
+// k_row(t), v_row(t): where key t's K and V (this head's HD values) are: rows of a tensor, or slots of the cache.
+template <int HD, typename KRow, typename VRow>
+void pack_block(const KRow& k_row, const VRow& v_row, int64_t k0, int64_t ctx, uint32_t* kt, uint32_t* vt) {
   constexpr int kPairs = HD / 2;
   const int64_t nk = std::min<int64_t>(kKeys, ctx - k0);
   for (int64_t j = 0; j < kKeys; ++j) {
-    const c10::BFloat16* krow = k + (k0 + std::min(j, nk - 1)) * k_stride;
+    const c10::BFloat16* krow = k_row(k0 + std::min(j, nk - 1));
     for (int p = 0; p < kPairs; ++p) kt[p * kKeys + j] = pair_at(krow, 2 * p);
   }
   for (int64_t j = 0; j < kKeys / 2; ++j) {
     const int64_t a = k0 + std::min(2 * j, nk - 1), b = k0 + std::min(2 * j + 1, nk - 1);
-    const uint16_t* va = reinterpret_cast<const uint16_t*>(v + a * v_stride);
-    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v + b * v_stride);
+    const uint16_t* va = reinterpret_cast<const uint16_t*>(v_row(a));
+    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_row(b));
     for (int d = 0; d < HD; ++d) vt[j * HD + d] = va[d] | (static_cast<uint32_t>(vb[d]) << 16);
   }
 }
@@ -202,7 +203,9 @@ void prefill_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   threads.run(kv_heads * key_blocks, [&](int64_t item) {
     const int64_t g = item / key_blocks, b = item % key_blocks;
     uint32_t* head = packed.get() + g * per_head;
-    pack_block<HD>(k_ptr + g * HD, v_ptr + g * HD, k.stride(0), v.stride(0), b * kKeys, ctx, head + b * block_k,
+    const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+    pack_block<HD>([&](int64_t t) { return k_ptr + t * k_stride + g * HD; },
+                   [&](int64_t t) { return v_ptr + t * v_stride + g * HD; }, b * kKeys, ctx, head + b * block_k,
                    head + key_blocks * block_k + b * block_v);
   });
   const int64_t query_blocks = (n + kQueryTokens - 1) / kQueryTokens;
@@ -240,12 +243,119 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   }
 }
 
+// Segment s of a step: its queries are rows [start, start + n) of q, the last n tokens of a context of ctx tokens
+// whose keys and values are in the paged cache, token t in slot table[t / block_size] * block_size + t % block_size.
+struct Segment {
+  int64_t start, n, ctx;
+  const int64_t* table;
+  int64_t key_blocks;  // blocks of kKeys keys
+  int64_t packed_at;   // its heads' packed keys and values in the step's buffer
+};
+
+// Each unit is one of a segment's pieces; the segments' pieces are numbered one segment after another (firsts[s]:
+// segment s's first), so a unit finds its segment by bisection.
+inline int64_t segment_of(const std::vector<int64_t>& firsts, int64_t unit) {
+  return std::upper_bound(firsts.begin(), firsts.end(), unit) - firsts.begin() - 1;
+}
+
+template <int HD>
+void paged_prefill_all(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                       const at::Tensor& segments, const at::Tensor& tables, int64_t block_size, float scale,
+                       at::Tensor& out) {
+  const int64_t num_segments = segments.size(0), heads = q.size(1), kv_heads = cache_k.size(1) / HD;
+  const int64_t group = heads / kv_heads;
+  const int64_t block_k = (HD / 2) * kKeys, block_v = (kKeys / 2) * HD, per_key_block = block_k + block_v;
+  const int64_t* info = segments.const_data_ptr<int64_t>();
+  std::vector<Segment> segs(num_segments);
+  std::vector<int64_t> pack_firsts(num_segments + 1, 0), attend_firsts(num_segments + 1, 0);
+  int64_t packed_size = 0;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    Segment& seg = segs[s];
+    seg.start = info[3 * s], seg.n = info[3 * s + 1], seg.ctx = info[3 * s + 2];
+    TORCH_CHECK(seg.n >= 1 && seg.ctx >= seg.n && seg.start >= 0 && seg.start + seg.n <= q.size(0) &&
+                    (seg.ctx + block_size - 1) / block_size <= tables.size(1),
+                "paged_prefill_attention: a segment outside the step's rows or its block table");
+    seg.table = tables.const_data_ptr<int64_t>() + s * tables.size(1);
+    seg.key_blocks = (seg.ctx + kKeys - 1) / kKeys;
+    seg.packed_at = packed_size;
+    packed_size += kv_heads * seg.key_blocks * per_key_block;
+    pack_firsts[s + 1] = pack_firsts[s] + kv_heads * seg.key_blocks;
+    attend_firsts[s + 1] = attend_firsts[s] + (seg.n + kQueryTokens - 1) / kQueryTokens * kv_heads;
+  }
+  // Grown, never shrunk: a fresh buffer each layer would be mapped and page-faulted in anew.
+  thread_local std::vector<uint32_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < packed_size) buffer.resize(packed_size);
+  uint32_t* packed = buffer.data();  // the caller's buffer: a helper thread naming `buffer` would find its own
+  const auto* q_ptr = q.const_data_ptr<c10::BFloat16>();
+  const auto* k_ptr = cache_k.const_data_ptr<c10::BFloat16>();
+  const auto* v_ptr = cache_v.const_data_ptr<c10::BFloat16>();
+  auto* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  const int64_t k_stride = cache_k.stride(0), v_stride = cache_v.stride(0);
+  tokenloom::WorkSharing& threads = tokenloom::WorkSharing::instance();
+  threads.run(pack_firsts[num_segments], [&](int64_t unit) {
+    const Segment& seg = segs[segment_of(pack_firsts, unit)];
+    const int64_t piece = unit - pack_firsts[&seg - segs.data()];
+    const int64_t g = piece / seg.key_blocks, b = piece % seg.key_blocks;
+    auto slot = [&](int64_t t) { return seg.table[t / block_size] * block_size + t % block_size; };
+    uint32_t* head = packed + seg.packed_at + g * seg.key_blocks * per_key_block;
+    pack_block<HD>([&](int64_t t) { return k_ptr + slot(t) * k_stride + g * HD; },
+                   [&](int64_t t) { return v_ptr + slot(t) * v_stride + g * HD; }, b * kKeys, seg.ctx,
+                   head + b * block_k, head + seg.key_blocks * block_k + b * block_v);
+  });
+  threads.run(attend_firsts[num_segments], [&](int64_t unit) {
+    const Segment& seg = segs[segment_of(attend_firsts, unit)];
+    const int64_t piece = unit - attend_firsts[&seg - segs.data()];
+    const int64_t query_blocks = (seg.n + kQueryTokens - 1) / kQueryTokens;
+    const int64_t block = query_blocks - 1 - piece / kv_heads, g = piece % kv_heads;  // later blocks first
+    const int64_t q0 = block * kQueryTokens, q1 = std::min(seg.n, q0 + kQueryTokens);
+    const uint32_t* head = packed + seg.packed_at + g * seg.key_blocks * per_key_block;
+    attend_queries<HD>(q_ptr + seg.start * q.stride(0) + g * group * HD, q.stride(0), head,
+                       head + seg.key_blocks * block_k, seg.ctx - seg.n, q0, q1, group, scale,
+                       out_ptr + seg.start * out.stride(0) + g * group * HD, out.stride(0));
+  });
+}
+
+// Every prefill chunk of a step that has a past, in one call, reading K and V where they lie in the paged cache:
+// q, out: [T, heads, d], the step's rows; cache_k, cache_v: [slots, kv_heads * d]; segments: [S, 3] int64 (first
+// row, rows, context length); tables: [S, max_blocks] int64, each segment's blocks.
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                             const at::Tensor& segments, const at::Tensor& tables, int64_t block_size, double scale,
+                             at::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && cache_k.scalar_type() == at::kBFloat16 &&
+                  cache_v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: bfloat16 CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && cache_k.dim() == 2 && cache_k.sizes() == cache_v.sizes() && out.sizes() == q.sizes(),
+              "paged_prefill_attention: q and out [T, heads, d], the caches [slots, kv_heads * d]");
+  const int64_t d = q.size(2);
+  TORCH_CHECK(d == 64 || d == 128, "paged_prefill_attention: head size 64 or 128");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && out.stride(2) == 1 && out.stride(1) == d &&
+                  cache_k.stride(1) == 1 && cache_v.stride(1) == 1,
+              "paged_prefill_attention: heads and dims must be contiguous");
+  TORCH_CHECK(cache_k.size(1) % d == 0 && q.size(1) % (cache_k.size(1) / d) == 0,
+              "paged_prefill_attention: heads must group over KV heads");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 3 &&
+                  segments.is_contiguous() && tables.scalar_type() == at::kLong && tables.dim() == 2 &&
+                  tables.is_contiguous() && tables.size(0) == segments.size(0) && block_size >= 1,
+              "paged_prefill_attention: segments [S, 3] and tables [S, max_blocks], int64, contiguous");
+  if (d == 64) {
+    paged_prefill_all<64>(q, cache_k, cache_v, segments, tables, block_size, static_cast<float>(scale), out);
+  } else {
+    paged_prefill_all<128>(q, cache_k, cache_v, segments, tables, block_size, static_cast<float>(scale), out);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor segments, Tensor tables, "
+      "int block_size, float scale, Tensor(a!) out) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
+  m.impl("prefill_attention", &prefill_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
 
 #endif  // __AVX512BF16__
