@@ -115,8 +115,9 @@ def test_beam_search_equals_transformers_in_float32(tiny_llama, chunked):
         assert all(beam.finish_reason == "length" for beam in output.sequences)
 
 
-def test_beam_search_of_text_prompts_answers_with_the_prompts_text_first(tiny_chat_model):
-    with LLM(str(tiny_chat_model), dtype="float32") as llm:
+@pytest.mark.parametrize("core_process", [False, True])
+def test_beam_search_of_text_prompts_answers_with_the_prompts_text_first(tiny_chat_model, core_process):
+    with LLM(str(tiny_chat_model), dtype="float32", core_process=core_process) as llm:
         prompt_ids = llm.tokenizer.encode("Once upon a time")
         [output] = llm.beam_search("Once upon a time", BeamSearchParams(beam_width=2, max_tokens=4))
         with pytest.raises(ValueError, match="exceed the model's context"):
