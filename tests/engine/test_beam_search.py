@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from conftest import hf_oracle
 
-from tests.conftest import hf_oracle
 from tokenloom import LLM, BeamSearchParams
 from tokenloom.beam_search import BeamSearch
 from tokenloom.outputs import Logprob
