@@ -9,10 +9,12 @@ workloads whose prefill chunks mostly have a past:
   prefix    32 requests sharing a 1,500-token prefix, each 40 tokens of its own and max_tokens 16 (the prefix is a
             cache hit after the first): requests/s
   beam      LLM.beam_search of 8 prompts (100-400 token ids), 4 beams over 48 tokens: answer tok/s
-Each workload runs with the paged operator ("paged") and with the pasts gathered into one buffer per chunk and
-layer, then the contiguous operator ("gathered": the code before it), alternated round by round in one process
-(the same engine; StepInputBuilder.pages_prefills switched), each round with fresh token ids so nothing of a round
-before is a cache hit. Prints medians and the ratio. A benchmark, not a test: CI never runs it.
+Each workload runs with the paged operator ("paged"), with it but every chunk's key blocks packed for that chunk
+alone ("unshared": no packed block shared between chunks over the same cache slots), and with the pasts gathered
+into one buffer per chunk and layer, then the contiguous operator ("gathered": the code before the paged one),
+alternated round by round in one process (the same engine; StepInputBuilder.pages_prefills and
+step_inputs.shared_key_blocks switched), each round with fresh token ids so nothing of a round before is a cache
+hit. Prints medians and the ratios. A benchmark, not a test: CI never runs it.
 """
 
 from __future__ import annotations
@@ -29,11 +31,24 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import numpy as np
+
 from tokenloom import LLM, BeamSearchParams, SamplingParams
 from tokenloom.bench.provenance import git_commit, machine_info
 from tokenloom.model import step_inputs
 
 PAGED = step_inputs.StepInputBuilder.pages_prefills
+SHARED = step_inputs.shared_key_blocks
+MODES = ("paged", "unshared", "gathered")
+
+
+def unshared_key_blocks(segments: np.ndarray, tables: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every chunk's key blocks its own units (the paged operator without sharing)."""
+    count = -(-segments[:, 2] // step_inputs.PACKED_KEYS)
+    inside = np.arange(int(count.max()))[None, :] < count[:, None]
+    units = np.full(inside.shape, -1, dtype=np.int64)
+    units[inside] = np.arange(int(inside.sum()))
+    return units, np.stack(np.nonzero(inside), axis=1).astype(np.int64)
 
 
 def ids(rng: random.Random, count: int) -> list[int]:
@@ -70,8 +85,9 @@ WORKLOADS: dict[str, Callable[[LLM, random.Random], tuple[float, str]]] = {
 }
 
 
-def use_paged(on: bool) -> None:
-    step_inputs.StepInputBuilder.pages_prefills = PAGED if on else property(lambda self: False)  # type: ignore[method-assign]
+def use_mode(mode: str) -> None:
+    step_inputs.StepInputBuilder.pages_prefills = PAGED if mode != "gathered" else property(lambda self: False)  # type: ignore[method-assign]
+    step_inputs.shared_key_blocks = SHARED if mode == "paged" else unshared_key_blocks
 
 
 def main() -> None:
@@ -88,16 +104,20 @@ def main() -> None:
     chunked(llm, rng)  # warm-up: the operators' first calls
     for round_ in range(args.rounds):
         for name, workload in WORKLOADS.items():
-            for mode in ("paged", "gathered") if round_ % 2 == 0 else ("gathered", "paged"):
-                use_paged(mode == "paged")
+            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
+                use_mode(mode)
                 value, units[name] = workload(llm, rng)
                 results.setdefault((name, mode), []).append(value)
                 print(f"round {round_ + 1} {name:8s} {mode:8s} {value:8.1f} {units[name]}", flush=True)
-    use_paged(True)
-    print("\n| workload | paged | gathered | paged / gathered |\n|---|---:|---:|---:|")
+    use_mode("paged")
+    print("\n| workload | paged | unshared | gathered | paged / unshared | paged / gathered |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name in WORKLOADS:
-        paged, gathered = (statistics.median(results[(name, mode)]) for mode in ("paged", "gathered"))
-        print(f"| {name} ({units[name]}) | {paged:.1f} | {gathered:.1f} | {paged / gathered:.2f}x |")
+        paged, unshared, gathered = (statistics.median(results[(name, mode)]) for mode in MODES)
+        print(
+            f"| {name} ({units[name]}) | {paged:.1f} | {unshared:.1f} | {gathered:.1f} | {paged / unshared:.2f}x "
+            f"| {paged / gathered:.2f}x |"
+        )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,12 +137,15 @@ def test_bf16_prefill_operator_matches_causal_attention(n, past, heads, kv_heads
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 2, 128, 4)])
 def test_paged_prefill_operator_reads_each_chunks_past_in_the_cache(heads, kv_heads, head_dim, block_size):
     """Chunks of one step (rows, past): short and long, past shorter and longer than a block, a chunk of one token
-    (a beam search step); their blocks scattered in the cache. Each equals the contiguous operator on its gathered
-    context, bit for bit (the same sums over the same packed keys), and so the reference."""
+    (a beam search step), two that share their first blocks (two beams of one search); their blocks scattered in the
+    cache. Each equals the contiguous operator on its gathered context, bit for bit (the same sums over the same
+    packed keys), and so the reference; the shared key blocks are packed once."""
+    from tokenloom.model.step_inputs import shared_key_blocks
+
     if not cpu_kernel.has_prefill_op():
         pytest.skip("the bf16 prefill operators are built only for CPUs with AVX-512 BF16")
     g = torch.Generator().manual_seed(block_size)
-    chunks = [(5, 3), (40, 70), (1, 200), (33, 1)]
+    chunks = [(5, 3), (40, 70), (1, 200), (33, 1), (2, 199)]  # the last shares the third's first 192 keys
     width = kv_heads * head_dim
     num_blocks = sum(-(-(n + past) // block_size) for n, past in chunks) + 3
     cache_k = torch.randn(num_blocks * block_size, width, generator=g).bfloat16()
@@ -152,14 +156,20 @@ def test_paged_prefill_operator_reads_each_chunks_past_in_the_cache(heads, kv_he
         tables.append([free.pop() for _ in range(-(-(n + past) // block_size))])
         segments.append((row, n, n + past))
         row += n
+    shared = 192 // block_size
+    tables[4][:shared] = tables[2][:shared]
     q = torch.randn(row + 1, heads, head_dim, generator=g).bfloat16()
     padded = torch.zeros(len(chunks), max(map(len, tables)), dtype=torch.long)
     for i, table in enumerate(tables):
         padded[i, : len(table)] = torch.tensor(table)
+    units, sources = (torch.from_numpy(a) for a in shared_key_blocks(np.array(segments), padded.numpy(), block_size))
+    # The six full key blocks of the shared keys are packed once (over blocks of 4 keys a key block spans eight cache
+    # blocks, and is packed for each chunk).
+    assert len(sources) == int((units >= 0).sum()) - (192 // 32 if block_size >= 16 else 0)
     out = torch.full_like(q, float("nan"))
     scale = head_dim**-0.5
-    torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, torch.tensor(segments), padded, block_size,
-                                                scale, out)  # fmt: skip
+    torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, torch.tensor(segments), padded, units, sources,
+                                                block_size, scale, out)  # fmt: skip
     assert out[:2].isnan().all() and out[row:].isnan().all()  # only the chunks' rows are written
     for (start, n, ctx), table in zip(segments, tables, strict=True):
         slots = (torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:ctx]
@@ -170,7 +180,8 @@ def test_paged_prefill_operator_reads_each_chunks_past_in_the_cache(heads, kv_he
         close(alone, reference_prefill(q[start : start + n], k, v, ctx - n, scale), torch.bfloat16)
     with pytest.raises(RuntimeError, match="outside the step's rows"):
         bad = torch.tensor([[row - 1, 5, 10]])
-        torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, bad, padded[:1], block_size, scale, out)
+        torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, bad, padded[:1], units[:1], sources,
+                                                    block_size, scale, out)  # fmt: skip
 
 
 def needs_bf16_linear() -> None:

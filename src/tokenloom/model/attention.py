@@ -53,6 +53,8 @@ class PagedPrefills:
 
     segments: torch.Tensor  # [S, 3] long: first row, rows, context length
     tables: torch.Tensor  # [S, max_blocks] long, each chunk's blocks, padded with block 0
+    key_units: torch.Tensor  # [S, max key blocks] long: the packed unit each block of 32 keys reads (-1: none)
+    unit_sources: torch.Tensor  # [U, 2] long: the chunk and key block each unit is packed from
 
 
 @dataclass
@@ -217,8 +219,9 @@ def paged_attention(
         else:
             out[rows] = _prefill_attention(q[rows], seg_k, seg_v, seg, scale)
     if paged is not None:  # no gather of the pasts: the operator reads them where they lie
-        torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, paged.segments, paged.tables, block_size,
-                                                    scale, out)  # fmt: skip
+        units = (paged.key_units, paged.unit_sources)
+        torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, paged.segments, paged.tables, *units,
+                                                    block_size, scale, out)  # fmt: skip
     return out
 
 

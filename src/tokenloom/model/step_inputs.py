@@ -27,6 +27,7 @@ from tokenloom.model.triton_attention import FlatBatch, split_count
 from tokenloom.utils import cdiv
 
 TRITON_BLOCK_N = 32  # keys per tile of the Triton kernel: split-K counts shares in these
+PACKED_KEYS = 32  # keys per packed block of the bf16 prefill operators (csrc/prefill_attention.cpp's kKeys)
 
 
 @dataclass
@@ -185,7 +186,8 @@ class StepInputBuilder:
         for i, (s, _) in enumerate(chunks):
             blocks = s.block_ids[: cdiv(int(segments[i, 2]), self.block_size)]
             tables[i, : len(blocks)] = blocks
-        return PagedPrefills(self.tensor(segments), self.tensor(tables))
+        units, sources = shared_key_blocks(segments, tables, self.block_size)
+        return PagedPrefills(self.tensor(segments), self.tensor(tables), self.tensor(units), self.tensor(sources))
 
     def _prefill_segment(self, s: ScheduledRequest, q_start: int) -> PrefillSegment:
         ctx_len = s.start + s.num_tokens
@@ -205,6 +207,30 @@ class StepInputBuilder:
 
     def tensor(self, array: np.ndarray) -> torch.Tensor:
         return to_device(array, self.device)
+
+
+def shared_key_blocks(segments: np.ndarray, tables: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the paged prefill operator: which packed unit each chunk's block of PACKED_KEYS keys reads ([S, most key
+    blocks], -1 past its context), and where each unit is packed from ([U, 2]: a chunk and its key block). A full key
+    block over the same cache slots as another chunk's is packed once a layer, whichever chunks read it (the beams of
+    one search, requests after one prefix); a partial one, or one over more than two cache blocks, is its own."""
+    contexts = segments[:, 2]
+    starts = np.arange(int(cdiv(int(contexts.max()), PACKED_KEYS)))[None, :] * PACKED_KEYS  # each block's first key
+    inside = starts < contexts[:, None]
+    lasts = np.minimum(starts + PACKED_KEYS, contexts[:, None]) - 1
+    last_column = tables.shape[1] - 1
+    first_block = np.take_along_axis(tables, np.minimum(starts // block_size, last_column), axis=1)
+    last_block = np.take_along_axis(tables, np.minimum(lasts // block_size, last_column), axis=1)
+    full = starts + PACKED_KEYS <= contexts[:, None]
+    shareable = inside & full & (lasts // block_size - starts // block_size <= 1)
+    own = -1 - np.arange(inside.size).reshape(inside.shape)  # a key of its own, negative, for each other block
+    offsets = np.broadcast_to(starts % block_size, inside.shape)
+    keys = np.stack([np.where(shareable, first_block, own), np.where(shareable, last_block, 0), offsets], axis=-1)
+    _, first_seen, inverse = np.unique(keys[inside], axis=0, return_index=True, return_inverse=True)
+    units = np.full(inside.shape, -1, dtype=np.int64)
+    units[inside] = inverse.reshape(-1)
+    rows, cols = np.nonzero(inside)
+    return units, np.stack([rows[first_seen], cols[first_seen]], axis=1).astype(np.int64)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

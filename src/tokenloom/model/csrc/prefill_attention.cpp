@@ -130,11 +130,10 @@ __attribute__((always_inline)) inline void attend_block(TileState<HD, R>& st, co
 
 // R query rows (token and head pairs) against every key block they see. R independent chains of dot products keep
 // the vector unit busy, and each block of K^T and V is loaded once for R rows. keys[i]: how many keys row i sees.
-template <int HD, int R>
-inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, const uint32_t* packed_k,
-                        const uint32_t* packed_v, float scale, c10::BFloat16* const* orows) {
+template <int HD, int R, typename Blocks>
+inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, const Blocks& blocks, float scale,
+                        c10::BFloat16* const* orows) {
   constexpr int kLanes = HD / 16;
-  constexpr int64_t kBlockK = (HD / 2) * kKeys, kBlockV = (kKeys / 2) * HD;
   int64_t most = 0;
   for (int i = 0; i < R; ++i) most = std::max(most, keys[i]);
   TileState<HD, R> st;
@@ -145,9 +144,9 @@ inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, 
   }
   int64_t k0 = 0, b = 0;
   for (; k0 + kKeys / 2 < most; k0 += kKeys, ++b) {
-    attend_block<HD, R, false>(st, qrows, keys, k0, packed_k + b * kBlockK, packed_v + b * kBlockV, scale);
+    attend_block<HD, R, false>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
   }
-  if (k0 < most) attend_block<HD, R, true>(st, qrows, keys, k0, packed_k + b * kBlockK, packed_v + b * kBlockV, scale);
+  if (k0 < most) attend_block<HD, R, true>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
   for (int i = 0; i < R; ++i) {
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
     for (int l = 0; l < kLanes; ++l) {
@@ -158,10 +157,28 @@ inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, 
 }
 
 // One KV head, query tokens [q0, q1) of the chunk, every query head of the group, over the head's packed keys.
+// Where a head's packed key blocks are: one after another (a contiguous context), or, for chunks of a step that
+// share keys, each block one of the step's packed units.
 template <int HD>
-void attend_queries(const c10::BFloat16* q, int64_t q_stride, const uint32_t* packed_k, const uint32_t* packed_v,
-                    int64_t past, int64_t q0, int64_t q1, int64_t group, float scale, c10::BFloat16* out,
-                    int64_t out_stride) {
+struct ContiguousBlocks {
+  const uint32_t* k;
+  const uint32_t* v;
+  const uint32_t* key(int64_t b) const { return k + b * (HD / 2) * kKeys; }
+  const uint32_t* value(int64_t b) const { return v + b * (kKeys / 2) * HD; }
+};
+
+template <int HD>
+struct SharedBlocks {
+  const uint32_t* head;  // the step's packed units, offset to this KV head's place in each
+  const int64_t* units;  // the unit of each of the chunk's key blocks
+  int64_t per_unit;      // every head's K and V blocks
+  const uint32_t* key(int64_t b) const { return head + units[b] * per_unit; }
+  const uint32_t* value(int64_t b) const { return key(b) + (HD / 2) * kKeys; }
+};
+
+template <int HD, typename Blocks>
+void attend_queries(const c10::BFloat16* q, int64_t q_stride, const Blocks& blocks, int64_t past, int64_t q0,
+                    int64_t q1, int64_t group, float scale, c10::BFloat16* out, int64_t out_stride) {
   constexpr int kTile = HD == 64 ? 4 : 2;  // rows at once: kTile * HD / 16 accumulators stay in registers
   const int64_t rows = (q1 - q0) * group;
   const c10::BFloat16* qrows[kTile];
@@ -176,11 +193,11 @@ void attend_queries(const c10::BFloat16* q, int64_t q_stride, const uint32_t* pa
   int64_t r = 0;
   for (; r + kTile <= rows; r += kTile) {
     for (int i = 0; i < kTile; ++i) load_row(r + i, i);
-    attend_tile<HD, kTile>(qrows, keys, packed_k, packed_v, scale, orows);
+    attend_tile<HD, kTile>(qrows, keys, blocks, scale, orows);
   }
   for (; r < rows; ++r) {
     load_row(r, 0);
-    attend_tile<HD, 1>(qrows, keys, packed_k, packed_v, scale, orows);
+    attend_tile<HD, 1>(qrows, keys, blocks, scale, orows);
   }
 }
 
@@ -214,8 +231,9 @@ void prefill_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     const int64_t block = query_blocks - 1 - item / kv_heads, g = item % kv_heads;
     const int64_t q0 = block * kQueryTokens, q1 = std::min(n, q0 + kQueryTokens);
     const uint32_t* head = packed.get() + g * per_head;
-    attend_queries<HD>(q_ptr + g * group * HD, q.stride(0), head, head + key_blocks * block_k, past, q0, q1, group,
-                       scale, out_ptr + g * group * HD, out.stride(0));
+    const ContiguousBlocks<HD> blocks{head, head + key_blocks * block_k};
+    attend_queries<HD>(q_ptr + g * group * HD, q.stride(0), blocks, past, q0, q1, group, scale,
+                       out_ptr + g * group * HD, out.stride(0));
   });
 }
 
@@ -245,46 +263,54 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 // Segment s of a step: its queries are rows [start, start + n) of q, the last n tokens of a context of ctx tokens
 // whose keys and values are in the paged cache, token t in slot table[t / block_size] * block_size + t % block_size.
+// Its key blocks read the step's packed units units[0..], which may be packed from another chunk's keys.
 struct Segment {
   int64_t start, n, ctx;
   const int64_t* table;
-  int64_t key_blocks;  // blocks of kKeys keys
-  int64_t packed_at;   // its heads' packed keys and values in the step's buffer
+  const int64_t* units;
 };
 
-// Each unit is one of a segment's pieces; the segments' pieces are numbered one segment after another (firsts[s]:
-// segment s's first), so a unit finds its segment by bisection.
+// Each unit of work is one of a segment's pieces; the segments' pieces are numbered one segment after another
+// (firsts[s]: segment s's first), so a unit finds its segment by bisection.
 inline int64_t segment_of(const std::vector<int64_t>& firsts, int64_t unit) {
   return std::upper_bound(firsts.begin(), firsts.end(), unit) - firsts.begin() - 1;
 }
 
 template <int HD>
 void paged_prefill_all(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
-                       const at::Tensor& segments, const at::Tensor& tables, int64_t block_size, float scale,
-                       at::Tensor& out) {
+                       const at::Tensor& segments, const at::Tensor& tables, const at::Tensor& key_units,
+                       const at::Tensor& unit_sources, int64_t block_size, float scale, at::Tensor& out) {
   const int64_t num_segments = segments.size(0), heads = q.size(1), kv_heads = cache_k.size(1) / HD;
-  const int64_t group = heads / kv_heads;
-  const int64_t block_k = (HD / 2) * kKeys, block_v = (kKeys / 2) * HD, per_key_block = block_k + block_v;
+  const int64_t group = heads / kv_heads, num_units = unit_sources.size(0);
+  const int64_t block_k = (HD / 2) * kKeys, block_v = (kKeys / 2) * HD, per_head = block_k + block_v;
+  const int64_t per_unit = kv_heads * per_head;
   const int64_t* info = segments.const_data_ptr<int64_t>();
+  const int64_t* units = key_units.const_data_ptr<int64_t>();
   std::vector<Segment> segs(num_segments);
-  std::vector<int64_t> pack_firsts(num_segments + 1, 0), attend_firsts(num_segments + 1, 0);
-  int64_t packed_size = 0;
+  std::vector<int64_t> attend_firsts(num_segments + 1, 0);
   for (int64_t s = 0; s < num_segments; ++s) {
     Segment& seg = segs[s];
     seg.start = info[3 * s], seg.n = info[3 * s + 1], seg.ctx = info[3 * s + 2];
+    const int64_t key_blocks = (seg.ctx + kKeys - 1) / kKeys;
     TORCH_CHECK(seg.n >= 1 && seg.ctx >= seg.n && seg.start >= 0 && seg.start + seg.n <= q.size(0) &&
-                    (seg.ctx + block_size - 1) / block_size <= tables.size(1),
+                    (seg.ctx + block_size - 1) / block_size <= tables.size(1) && key_blocks <= key_units.size(1),
                 "paged_prefill_attention: a segment outside the step's rows or its block table");
     seg.table = tables.const_data_ptr<int64_t>() + s * tables.size(1);
-    seg.key_blocks = (seg.ctx + kKeys - 1) / kKeys;
-    seg.packed_at = packed_size;
-    packed_size += kv_heads * seg.key_blocks * per_key_block;
-    pack_firsts[s + 1] = pack_firsts[s] + kv_heads * seg.key_blocks;
+    seg.units = units + s * key_units.size(1);
+    for (int64_t b = 0; b < key_blocks; ++b) {
+      TORCH_CHECK(seg.units[b] >= 0 && seg.units[b] < num_units, "paged_prefill_attention: a key block's unit");
+    }
     attend_firsts[s + 1] = attend_firsts[s] + (seg.n + kQueryTokens - 1) / kQueryTokens * kv_heads;
+  }
+  const int64_t* sources = unit_sources.const_data_ptr<int64_t>();
+  for (int64_t u = 0; u < num_units; ++u) {
+    TORCH_CHECK(sources[2 * u] >= 0 && sources[2 * u] < num_segments && sources[2 * u + 1] >= 0 &&
+                    sources[2 * u + 1] * kKeys < segs[sources[2 * u]].ctx,
+                "paged_prefill_attention: a unit's source outside its chunk");
   }
   // Grown, never shrunk: a fresh buffer each layer would be mapped and page-faulted in anew.
   thread_local std::vector<uint32_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < packed_size) buffer.resize(packed_size);
+  if (static_cast<int64_t>(buffer.size()) < num_units * per_unit) buffer.resize(num_units * per_unit);
   uint32_t* packed = buffer.data();  // the caller's buffer: a helper thread naming `buffer` would find its own
   const auto* q_ptr = q.const_data_ptr<c10::BFloat16>();
   const auto* k_ptr = cache_k.const_data_ptr<c10::BFloat16>();
@@ -292,35 +318,36 @@ void paged_prefill_all(const at::Tensor& q, const at::Tensor& cache_k, const at:
   auto* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t k_stride = cache_k.stride(0), v_stride = cache_v.stride(0);
   tokenloom::WorkSharing& threads = tokenloom::WorkSharing::instance();
-  threads.run(pack_firsts[num_segments], [&](int64_t unit) {
-    const Segment& seg = segs[segment_of(pack_firsts, unit)];
-    const int64_t piece = unit - pack_firsts[&seg - segs.data()];
-    const int64_t g = piece / seg.key_blocks, b = piece % seg.key_blocks;
+  threads.run(num_units * kv_heads, [&](int64_t item) {
+    const int64_t u = item / kv_heads, g = item % kv_heads;
+    const Segment& seg = segs[sources[2 * u]];
     auto slot = [&](int64_t t) { return seg.table[t / block_size] * block_size + t % block_size; };
-    uint32_t* head = packed + seg.packed_at + g * seg.key_blocks * per_key_block;
+    uint32_t* head = packed + u * per_unit + g * per_head;
     pack_block<HD>([&](int64_t t) { return k_ptr + slot(t) * k_stride + g * HD; },
-                   [&](int64_t t) { return v_ptr + slot(t) * v_stride + g * HD; }, b * kKeys, seg.ctx,
-                   head + b * block_k, head + seg.key_blocks * block_k + b * block_v);
+                   [&](int64_t t) { return v_ptr + slot(t) * v_stride + g * HD; }, sources[2 * u + 1] * kKeys,
+                   seg.ctx, head, head + block_k);
   });
-  threads.run(attend_firsts[num_segments], [&](int64_t unit) {
-    const Segment& seg = segs[segment_of(attend_firsts, unit)];
-    const int64_t piece = unit - attend_firsts[&seg - segs.data()];
+  threads.run(attend_firsts[num_segments], [&](int64_t item) {
+    const int64_t s = segment_of(attend_firsts, item), piece = item - attend_firsts[s];
+    const Segment& seg = segs[s];
     const int64_t query_blocks = (seg.n + kQueryTokens - 1) / kQueryTokens;
     const int64_t block = query_blocks - 1 - piece / kv_heads, g = piece % kv_heads;  // later blocks first
     const int64_t q0 = block * kQueryTokens, q1 = std::min(seg.n, q0 + kQueryTokens);
-    const uint32_t* head = packed + seg.packed_at + g * seg.key_blocks * per_key_block;
-    attend_queries<HD>(q_ptr + seg.start * q.stride(0) + g * group * HD, q.stride(0), head,
-                       head + seg.key_blocks * block_k, seg.ctx - seg.n, q0, q1, group, scale,
-                       out_ptr + seg.start * out.stride(0) + g * group * HD, out.stride(0));
+    const SharedBlocks<HD> blocks{packed + g * per_head, seg.units, per_unit};
+    attend_queries<HD>(q_ptr + seg.start * q.stride(0) + g * group * HD, q.stride(0), blocks, seg.ctx - seg.n, q0,
+                       q1, group, scale, out_ptr + seg.start * out.stride(0) + g * group * HD, out.stride(0));
   });
 }
 
 // Every prefill chunk of a step that has a past, in one call, reading K and V where they lie in the paged cache:
 // q, out: [T, heads, d], the step's rows; cache_k, cache_v: [slots, kv_heads * d]; segments: [S, 3] int64 (first
-// row, rows, context length); tables: [S, max_blocks] int64, each segment's blocks.
+// row, rows, context length); tables: [S, max_blocks] int64, each segment's blocks; key_units: [S, max key blocks]
+// int64, the packed unit each of a segment's blocks of 32 keys reads; unit_sources: [U, 2] int64, the segment and
+// key block each unit is packed from (attention.py's shared_key_blocks: chunks over the same cache slots, such as
+// the beams of one search, share their units).
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
-                             const at::Tensor& segments, const at::Tensor& tables, int64_t block_size, double scale,
-                             at::Tensor out) {
+                             const at::Tensor& segments, const at::Tensor& tables, const at::Tensor& key_units,
+                             const at::Tensor& unit_sources, int64_t block_size, double scale, at::Tensor out) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && cache_k.scalar_type() == at::kBFloat16 &&
                   cache_v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
               "paged_prefill_attention: bfloat16 CPU tensors only");
@@ -333,14 +360,20 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& cache_k, con
               "paged_prefill_attention: heads and dims must be contiguous");
   TORCH_CHECK(cache_k.size(1) % d == 0 && q.size(1) % (cache_k.size(1) / d) == 0,
               "paged_prefill_attention: heads must group over KV heads");
-  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 3 &&
-                  segments.is_contiguous() && tables.scalar_type() == at::kLong && tables.dim() == 2 &&
-                  tables.is_contiguous() && tables.size(0) == segments.size(0) && block_size >= 1,
-              "paged_prefill_attention: segments [S, 3] and tables [S, max_blocks], int64, contiguous");
+  for (const at::Tensor* t : {&segments, &tables, &key_units, &unit_sources}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 2 && t->is_contiguous(),
+                "paged_prefill_attention: segments, tables, key_units and unit_sources are 2-d int64, contiguous");
+  }
+  TORCH_CHECK(segments.size(1) == 3 && tables.size(0) == segments.size(0) && key_units.size(0) == segments.size(0) &&
+                  unit_sources.size(1) == 2 && block_size >= 1,
+              "paged_prefill_attention: segments [S, 3], tables [S, blocks], key_units [S, key blocks], "
+              "unit_sources [U, 2]");
   if (d == 64) {
-    paged_prefill_all<64>(q, cache_k, cache_v, segments, tables, block_size, static_cast<float>(scale), out);
+    paged_prefill_all<64>(q, cache_k, cache_v, segments, tables, key_units, unit_sources, block_size,
+                          static_cast<float>(scale), out);
   } else {
-    paged_prefill_all<128>(q, cache_k, cache_v, segments, tables, block_size, static_cast<float>(scale), out);
+    paged_prefill_all<128>(q, cache_k, cache_v, segments, tables, key_units, unit_sources, block_size,
+                           static_cast<float>(scale), out);
   }
 }
 
@@ -350,7 +383,7 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
   m.def(
       "paged_prefill_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor segments, Tensor tables, "
-      "int block_size, float scale, Tensor(a!) out) -> ()");
+      "Tensor key_units, Tensor unit_sources, int block_size, float scale, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
