@@ -125,12 +125,12 @@ def ray_port():
         ray.shutdown()
 
 
-def deploy(model, port: int, router: str, body_timeout: float = 3.0) -> str:
+def deploy(model, port: int, router: str, body_timeout: float = 3.0, inflight: int = 250_000) -> str:
     from ray import serve
 
     server = ServerConfig(
         port=port, ray=True, num_replicas=2, request_router=router, served_model_name="tiny", log_level="warning",
-        max_body_bytes=100_000, max_inflight_body_bytes=250_000, body_timeout=body_timeout,
+        max_body_bytes=100_000, max_inflight_body_bytes=inflight, body_timeout=body_timeout,
     )  # fmt: skip
     engine = EngineConfig.from_kwargs(model=str(model), dtype="float32", max_num_seqs=8, block_size=16)
     start_ray(server)
@@ -249,18 +249,20 @@ def running_requests(url: str) -> float:
 
 
 def test_the_ingress_bounds_the_bodies_in_flight_and_the_time_they_take(tiny_chat_model, ray_port):
-    """As a single server's guard: two stalled 90 KB bodies of a 250 KB budget, a third refused at once (429), a
-    small request served beside them, the stalled ones 408 at the deadline. The deadline is long enough that a loaded
-    machine sees the budget held before the stalled bodies expire (at 3 s the full suite once saw only 400s)."""
-    url = deploy(tiny_chat_model, ray_port, "prefix", body_timeout=10.0)
+    """As a single server's guard: two stalled 40 KB bodies of a 100 KB budget, a third refused at once (429), a
+    small request served beside them, the stalled ones 408 at the deadline. Each part sent is smaller than one read
+    of the proxy's (64 KB), so the ingress counts a stalled body whole at once; and the deadline is long enough that
+    a loaded machine sees the budget held before they expire (90 KB parts and a 3 s deadline once saw only 400s under
+    the full suite)."""
+    url = deploy(tiny_chat_model, ray_port, "prefix", body_timeout=10.0, inflight=100_000)
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
             b"Content-Length: 100000\r\n\r\n")  # fmt: skip
     stalled = [socket.create_connection(("127.0.0.1", ray_port), timeout=30) for _ in range(2)]
     for sock in stalled:
-        sock.sendall(head + b"x" * 90_000)
-    # A whole 90 KB body is read (a 400 from the replica: not JSON) until the ingress holds both stalled ones, then
+        sock.sendall(head + b"x" * 40_000)
+    # A whole 40 KB body is read (a 400 from the replica: not JSON) until the ingress holds both stalled ones, then
     # refused at once.
-    whole = head.replace(b"100000", b"90000") + b"x" * 90_000
+    whole = head.replace(b"100000", b"40000") + b"x" * 40_000
     assert poll_until(lambda: _exchanged_status(ray_port, whole), lambda status: status == 429, timeout=15) == 429
     small = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert small.status_code == 200, small.text
