@@ -19,6 +19,8 @@ StepSubmit = Callable[..., Awaitable[AsyncGenerator[RequestOutput]]]
 
 
 class BeamSearchChoices:
+    """One prompt's search and the streams of its n choices (`streams`), choice j the j-th best beam."""
+
     def __init__(
         self, search: BeamSearch, submit: StepSubmit, request_id: str, decode: Callable[[list[int]], str]
     ) -> None:
@@ -39,10 +41,11 @@ class BeamSearchChoices:
 
     async def _run(self) -> list[RequestOutput]:
         search = self._search
-        opening = finals = await self._step(0)
-        search.advance([_candidates(final) for final in finals])
+        opening: list[RequestOutput] = []
+        finals: list[RequestOutput] = []
         while not search.done:
             finals = await self._step(search.steps)
+            opening = opening or finals
             search.advance([_candidates(final) for final in finals])
         # The search's times: from its first step's arrival to its last step's end.
         metrics = dataclasses.replace(opening[0].metrics, finished_time=finals[0].metrics.finished_time)
