@@ -78,11 +78,10 @@ def test_a_width_that_needs_more_logprobs_than_a_step_gives_is_refused():
         BeamSearchParams(beam_width=11, max_tokens=4)
 
 
-def _transformers_beams(path, prompt: list[int], width: int, max_tokens: int) -> tuple[list[list[int]], list[float]]:
+def _transformers_beams(model, prompt: list[int], width: int, max_tokens: int) -> tuple[list[list[int]], list[float]]:
     """transformers' beams (without EOS) and their summed logprobs (its scores are the sums over max_tokens)."""
     from transformers import GenerationConfig
 
-    model = hf_oracle(path)
     config = GenerationConfig(
         num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=max_tokens,
         eos_token_id=None, pad_token_id=1, length_penalty=1.0, early_stopping=False,
@@ -108,7 +107,7 @@ def test_beam_search_equals_transformers_in_float32(tiny_llama, chunked):
         hits = llm.stats().prefix_cache_hits
     assert hits > 0  # each step's beams computed their last block again, not their whole context
     for prompt, output in zip(prompts, outputs, strict=True):
-        beams, sums = _transformers_beams(tiny_llama, prompt, 3, 10)
+        beams, sums = _transformers_beams(hf_oracle(tiny_llama), prompt, 3, 10)
         assert [beam.tokens[len(prompt) :] for beam in output.sequences] == beams
         assert all(beam.tokens[: len(prompt)] == prompt for beam in output.sequences)
         assert [beam.cum_logprob for beam in output.sequences] == pytest.approx(sums, abs=1e-4)
@@ -126,3 +125,19 @@ def test_beam_search_of_text_prompts_answers_with_the_prompts_text_first(tiny_ch
     for beam in output.sequences:
         assert beam.tokens[: len(prompt_ids)] == prompt_ids  # vLLM's: a sequence's tokens and text hold the prompt
         assert beam.text.startswith("Once upon a time") and beam.finish_reason in ("stop", "length")
+
+
+def test_beam_search_under_a_lora_adapter_equals_transformers_with_it_merged(tiny_llama, tmp_path):
+    from lora_files import merged_oracle, write_adapter
+
+    from tokenloom import LoRARequest
+
+    adapter = write_adapter(tmp_path / "adapter", tiny_llama, seed=3)
+    prompt = [0, 70, 71, 72, 5, 6]
+    with LLM(str(tiny_llama), dtype="float32", enable_lora=True) as llm:
+        [output] = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(3, 8, ignore_eos=True),
+                                   lora_request=LoRARequest("adapter", 1, str(adapter)))  # fmt: skip
+        [base] = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(3, 8, ignore_eos=True))
+    beams, _ = _transformers_beams(merged_oracle(tiny_llama, adapter), prompt, 3, 8)
+    assert [beam.tokens[len(prompt) :] for beam in output.sequences] == beams
+    assert [beam.tokens for beam in base.sequences] != [beam.tokens for beam in output.sequences]  # it did apply
