@@ -40,6 +40,11 @@ class ServerProcess(LocalServer):
     def wait_for_metric(self, name: str, predicate, timeout: float = 30.0, headers=None) -> float:
         return poll_until(lambda: self.metric(name, headers), predicate, timeout)
 
+    def wait_idle(self, headers: dict[str, str] | None = None) -> None:
+        """Nothing runs or waits and no KV block is held: no request outlived its client."""
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            assert self.wait_for_metric(f"tokenloom:{name}", lambda v: v == 0, headers=headers) == 0, name
+
 
 def poll_until(read, predicate, timeout: float = 30.0):
     """Reads until predicate(value) holds or the deadline passes; returns the last value read."""

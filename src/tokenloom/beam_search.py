@@ -16,10 +16,8 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenloom.outputs import CompletionOutput, Logprob
-from tokenloom.sampling_params import RequestOutputKind, SamplingParams
-
-MAX_STEP_LOGPROBS = 20  # SamplingParams' cap on logprobs, so the widest beam is half of it
+from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -34,10 +32,10 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False  # an answer that ended at EOS keeps the EOS token (and its text)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.beam_width <= MAX_STEP_LOGPROBS // 2:
+        if not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
             raise ValueError(
-                f"beam_width must be in [1, {MAX_STEP_LOGPROBS // 2}] (each step reads its beams' top 2 x beam_width "
-                f"logprobs, at most {MAX_STEP_LOGPROBS})"
+                f"beam_width must be in [1, {MAX_LOGPROBS // 2}] (each step reads its beams' top 2 x beam_width "
+                f"logprobs, at most {MAX_LOGPROBS})"
             )
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -71,10 +69,14 @@ class BeamSearch:
     ) -> None:
         """top_logprobs: each answer keeps its tokens' logprobs with this many alternatives (None: none kept, so a
         long search holds only its tokens)."""
-        assert top_logprobs is None or 0 <= top_logprobs <= MAX_STEP_LOGPROBS
+        assert top_logprobs is None or 0 <= top_logprobs <= MAX_LOGPROBS
         self.params, self.prompt_len = params, len(prompt_ids)
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.top_logprobs = top_logprobs
+        # A step's request: one token (greedy: it is not used), with the candidates' logprobs.
+        self.step_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                          logprobs=max(2 * params.beam_width, top_logprobs or 0),
+                                          output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
         self.live = [BeamSearchSequence(list(prompt_ids))]
         self.complete: list[BeamSearchSequence] = []  # the best W ended beams (a worse one can never be an answer)
         self.steps = 0
@@ -86,12 +88,6 @@ class BeamSearch:
     def step_prompts(self) -> list[list[int]]:
         assert not self.done
         return [beam.tokens for beam in self.live]
-
-    def step_params(self) -> SamplingParams:
-        """A step's request: one token (greedy: it is not used), with the candidates' logprobs."""
-        candidates = max(2 * self.params.beam_width, self.top_logprobs or 0)
-        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=candidates, ignore_eos=True,
-                              output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
 
     def advance(self, step_logprobs: list[dict[int, Logprob]]) -> None:
         """step_logprobs: per live beam (in step_prompts' order), its next token's top logprobs."""
@@ -153,3 +149,11 @@ def _kept(entry: dict[int, Logprob], token: int, top: int) -> dict[int, Logprob]
     kept = dict(heapq.nlargest(top, entry.items(), key=lambda item: item[1].logprob))
     kept[token] = entry[token]
     return kept
+
+
+def step_candidates(output: RequestOutput) -> dict[int, Logprob]:
+    """A step's candidates for its beam: its one token's logprobs (the request's error, if it failed)."""
+    logprobs = output.outputs[0].logprobs
+    if output.error is not None or not logprobs:
+        raise RuntimeError(f"a beam search step failed: {output.error or 'no logprobs'}")
+    return logprobs[0]

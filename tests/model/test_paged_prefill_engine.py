@@ -15,7 +15,7 @@ def run(model, paged: bool, monkeypatch) -> tuple[list, list, int]:
     calls = []
     original = step_inputs.StepInputBuilder._paged_prefills
     monkeypatch.setattr(step_inputs.StepInputBuilder, "_paged_prefills",
-                        lambda self, chunks: calls.append(len(chunks)) or original(self, chunks))  # fmt: skip
+                        lambda self, rows, *rest: calls.append(len(rows)) or original(self, rows, *rest))  # fmt: skip
     prefix = list(range(300, 380))
     prompts = [[*prefix, 7, 8, 9], [*prefix, 10, 11], list(range(1000, 1090))]
     # A budget of 32 tokens chunks every prompt; the first request leaves the prefix cached for the second.

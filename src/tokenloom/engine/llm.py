@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from tokenloom.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from tokenloom.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence, step_candidates
 from tokenloom.config import EngineConfig
 from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lora import LoRARequest
 from tokenloom.model.loader import Tokenizer
-from tokenloom.outputs import Logprob, RequestOutput
+from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.utils import heap_frozen
 
@@ -137,11 +137,11 @@ class LLM:
         eos = set(self.engine.model_config.eos_token_ids)
         searches = [BeamSearch(ids, params, eos) for ids in prompt_ids]
         for _ in range(params.max_tokens):
-            steps = [[self._add(beam, search.step_params(), lora=adapter) for beam in search.step_prompts()]
+            steps = [[self._add(beam, search.step_params, lora=adapter) for beam in search.step_prompts()]
                      for search, adapter in zip(searches, adapters, strict=True)]  # fmt: skip
             finals = iter(self._run([request_id for step in steps for request_id in step], use_tqdm=False))
             for search, step in zip(searches, steps, strict=True):
-                search.advance([_step_logprobs(next(finals)) for _ in step])
+                search.advance([step_candidates(next(finals)) for _ in step])
         return [BeamSearchOutput(self._with_text(search)) for search in searches]
 
     def _with_text(self, search: BeamSearch) -> list[BeamSearchSequence]:
@@ -196,14 +196,6 @@ def _prompt_of(prompt: PromptInput) -> str | list[int]:
     if isinstance(prompt, dict):
         return list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
     return prompt
-
-
-def _step_logprobs(output: RequestOutput) -> dict[int, Logprob]:
-    """A beam search step's candidates: its one token's logprobs (the request's error, if it failed)."""
-    logprobs = output.outputs[0].logprobs
-    if output.error is not None or not logprobs:
-        raise RuntimeError(f"a beam search step failed: {output.error or 'no logprobs'}")
-    return logprobs[0]
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

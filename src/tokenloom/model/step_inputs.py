@@ -113,13 +113,16 @@ class StepInputBuilder:
                 meta.decodes.append(
                     self._decode_group(decode_contexts[first:last], decode_table_rows[first:last], first)
                 )
-            with_past: list[tuple[ScheduledRequest, int]] = []
-            for s, end in zip(ordered[len(decodes) :], ends[len(decodes) :], strict=True):
-                if self.pages_prefills and s.start > 0:
-                    with_past.append((s, int(end) - s.num_tokens))
+            with_past: list[int] = []  # the chunks' places in `ordered`
+            for i in range(len(decodes), len(ordered)):
+                if self.pages_prefills and ordered[i].start > 0:
+                    with_past.append(i)
                 else:
-                    meta.prefills.append(self._prefill_segment(s, int(end) - s.num_tokens))
-            meta.paged_prefills = self._paged_prefills(with_past) if with_past else None
+                    meta.prefills.append(self._prefill_segment(ordered[i], int(ends[i] - counts[i])))
+            if with_past:
+                chosen = np.array(with_past)
+                meta.paged_prefills = self._paged_prefills(table_rows[chosen], starts[chosen], counts[chosen],
+                                                           ends[chosen])  # fmt: skip
         return ModelInputs(
             input_ids=self.tensor(input_ids),
             positions=self.tensor(positions),
@@ -180,12 +183,13 @@ class StepInputBuilder:
         """A chunk with a past goes to the paged operator (a 16-bit cache; an 8-bit one is decoded per chunk)."""
         return self.use_prefill_op and self.kv_format is None
 
-    def _paged_prefills(self, chunks: list[tuple[ScheduledRequest, int]]) -> PagedPrefills:
-        segments = np.array([(q_start, s.num_tokens, s.start + s.num_tokens) for s, q_start in chunks], dtype=np.int64)
-        tables = np.zeros((len(chunks), cdiv(int(segments[:, 2].max()), self.block_size)), dtype=np.int64)
-        for i, (s, _) in enumerate(chunks):
-            blocks = s.block_ids[: cdiv(int(segments[i, 2]), self.block_size)]
-            tables[i, : len(blocks)] = blocks
+    def _paged_prefills(
+        self, table_rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, ends: np.ndarray
+    ) -> PagedPrefills:
+        """Chunks with a past (their rows of the block tables, first positions, lengths, ends in the flat batch)."""
+        contexts = starts + counts
+        segments = np.stack([ends - counts, counts, contexts], axis=1).astype(np.int64)
+        tables = self.block_rows.tables(table_rows, contexts, self.block_size).astype(np.int64)
         units, sources = shared_key_blocks(segments, tables, self.block_size)
         return PagedPrefills(self.tensor(segments), self.tensor(tables), self.tensor(units), self.tensor(sources))
 

@@ -11,8 +11,8 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-from tokenloom.beam_search import BeamSearch
-from tokenloom.outputs import Logprob, RequestOutput
+from tokenloom.beam_search import BeamSearch, step_candidates
+from tokenloom.outputs import RequestOutput
 
 # (prompt, params, request id, whether it is the search's first step) -> the step request's stream
 StepSubmit = Callable[..., Awaitable[AsyncGenerator[RequestOutput]]]
@@ -31,11 +31,9 @@ class BeamSearchChoices:
     async def _choice(self, j: int) -> AsyncIterator[RequestOutput]:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"beam search {self._request_id}")
-        try:
-            answers = await self._task  # a reader cancelled here cancels the search (and its step's requests)
-        finally:
-            if not self._task.done():
-                self._task.cancel()
+        # A reader cancelled here (a hang-up) cancels the search with it, and resumes only once the search has ended:
+        # its step's requests closed (aborted), no step after.
+        answers = await self._task
         if j < len(answers):
             yield answers[j]
 
@@ -46,7 +44,7 @@ class BeamSearchChoices:
         while not search.done:
             finals = await self._step(search.steps)
             opening = opening or finals
-            search.advance([_candidates(final) for final in finals])
+            search.advance([step_candidates(final) for final in finals])
         # The search's times: from its first step's arrival to its last step's end.
         metrics = dataclasses.replace(opening[0].metrics, finished_time=finals[0].metrics.finished_time)
         return [RequestOutput(self._request_id, None, opening[0].prompt_token_ids, [output], True, metrics)
@@ -58,7 +56,7 @@ class BeamSearchChoices:
         try:
             for b, tokens in enumerate(self._search.step_prompts()):
                 rid = f"{self._request_id}-s{step}-b{b}"
-                streams.append(await self._submit(tokens, self._search.step_params(), rid, step == 0))
+                streams.append(await self._submit(tokens, self._search.step_params, rid, step == 0))
             return list(await asyncio.gather(*(_last(stream) for stream in streams)))
         finally:
             for stream in streams:  # closing a stream that has not ended aborts its request
@@ -71,9 +69,3 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         last = output
     assert last is not None and last.finished
     return last
-
-
-def _candidates(output: RequestOutput) -> dict[int, Logprob]:
-    logprobs = output.outputs[0].logprobs
-    assert logprobs, "a beam search step returns its token's logprobs"
-    return logprobs[0]
