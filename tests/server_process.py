@@ -21,8 +21,9 @@ class ServerProcess(LocalServer):
     def __init__(self, *args: str, **kwargs) -> None:
         super().__init__(*args, *(() if "--dtype" in args else ("--dtype", "float32")), **kwargs)
 
-    def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
-        """The value of a sample of /metrics, summed over the labels not given: `name` or `name{label="value",...}`."""
+    def metric(self, name: str, headers: dict[str, str] | None = None, absent: float | None = None) -> float:
+        """The value of a sample of /metrics, summed over the labels not given: `name` or `name{label="value",...}`.
+        ``absent``: the value where no sample matches yet (a labelled counter before its first count)."""
         text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
         base, _, wanted = name.partition("{")
         pairs = [p for p in wanted.rstrip("}").split(",") if p]
@@ -34,11 +35,13 @@ class ServerProcess(LocalServer):
             if all(pair in labels for pair in pairs):
                 total += float(line.rsplit(" ", 1)[1])
                 found = True
+        if not found and absent is not None:
+            return absent
         assert found, f"no metric {name}"
         return total
 
-    def wait_for_metric(self, name: str, predicate, timeout: float = 30.0, headers=None) -> float:
-        return poll_until(lambda: self.metric(name, headers), predicate, timeout)
+    def wait_for_metric(self, name: str, predicate, timeout: float = 30.0, headers=None, absent=None) -> float:
+        return poll_until(lambda: self.metric(name, headers, absent), predicate, timeout)
 
     def wait_idle(self, headers: dict[str, str] | None = None) -> None:
         """Nothing runs or waits and no KV block is held: no request outlived its client."""

@@ -289,6 +289,26 @@ def test_queue_limit_gives_429(tiny_chat_model):
         proc.stop()
 
 
+def test_a_prompt_admitted_before_its_requests_next_is_refused_is_aborted(tiny_chat_model):
+    """Two prompts in one request, the queue room for one: the second gets 429 and the first, admitted but never
+    read, is aborted at once rather than left queued to run 1,500 tokens for no one."""
+    proc = ServerProcess("--model", str(tiny_chat_model), "--max-num-seqs", "1", "--max-num-queued-requests", "1")
+    url = f"{proc.url}/v1/completions"
+    long = {"max_tokens": 1500, "ignore_eos": True}
+    try:
+        running = HeldRequest(url, {"prompt": "long", **long})
+        assert proc.wait_for_metric("tokenloom:num_requests_running", lambda v: v == 1) == 1
+        refused = httpx.post(url, json={"prompt": ["one", "two"], **long}, timeout=60)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+        aborted = 'tokenloom:request_success_total{finished_reason="abort"}'
+        assert proc.wait_for_metric(aborted, lambda v: v == 1, absent=0.0) == 1  # not left to run to "length"
+        running.release()
+        assert running.status == 200
+        proc.wait_idle()
+    finally:
+        proc.stop()
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model, preemption_mode):
     # 24 blocks of 16 hold 384 tokens; each request grows to ~295, so any two running together must preempt.

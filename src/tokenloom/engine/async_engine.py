@@ -117,6 +117,45 @@ class _Stream:
         return item
 
 
+class RequestStream(AsyncIterator[RequestOutput]):
+    """A request's outputs as its reader takes them (``AsyncEngine.submit``); the last has finished=True.
+
+    Closed (``aclose``) or dropped before its last output, it aborts its request, whether it was read or not: the
+    request's blocks are freed within a step. (An async generator's ``finally`` would run only once it had started,
+    so a stream admitted but never read, say when a request's second prompt is refused, would run to its end.)
+    """
+
+    def __init__(self, front: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._front, self._stream = front, stream
+        self._ended = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._stream.get()
+        if isinstance(item, Exception):
+            self._end(abort=False)  # the engine already let go of it
+            raise item
+        if item.finished:
+            self._end(abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        self._end(abort=True)
+
+    def __del__(self) -> None:
+        self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        if not self._ended:
+            self._ended = True
+            self._front._let_go(self.request_id, abort)
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -181,12 +220,13 @@ class AsyncEngine:
         arrival_time: float | None = None,
         wake_every: int | None = 1,
         lora_request: LoRARequest | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Admits a request (raising RequestError or ValueError if it can't be) and returns its output stream.
 
         The stream yields the request's output after every step that gave it a token; the last one has
-        finished=True. If the caller stops iterating (a client disconnected), the request is aborted and its
-        blocks freed within a step. ``arrival_time`` (monotonic; default now) is its place in an FCFS queue.
+        finished=True. If the caller closes or drops the stream before that (a client disconnected), or is
+        cancelled while the request is being admitted, the request is aborted and its blocks freed within a step.
+        ``arrival_time`` (monotonic; default now) is its place in an FCFS queue.
         ``wake_every`` n > 1 yields after the first output only once n new tokens are in (DELTA outputs joined),
         or at the last; None yields the first output and then the last (with DELTA outputs, the rest joined).
         """
@@ -197,28 +237,28 @@ class AsyncEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, wake_every)
         self._streams[request_id] = stream
+        adding = asyncio.ensure_future(
+            asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant, arrival_time, lora_request)
+        )
         try:
-            await asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant, arrival_time, lora_request)
-        except BaseException:
+            await asyncio.shield(adding)
+        except BaseException as error:
             self._streams.pop(request_id, None)
+            if isinstance(error, asyncio.CancelledError):  # the thread adds it all the same: abort it once it is in
+                adding.add_done_callback(lambda added: self._abort_if_added(added, request_id))
             raise
         self._wake.set()
-        return self._outputs(request_id, stream)
+        return RequestStream(self, request_id, stream)
 
-    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, Exception):
-                    finished = True  # the engine already let go of it
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+    def _abort_if_added(self, added: asyncio.Future[None], request_id: str) -> None:
+        if not added.cancelled() and added.exception() is None:
+            self.abort(request_id)
+
+    def _let_go(self, request_id: str, abort: bool) -> None:
+        """A request's reader is done with it: after its last output, or before (``abort``: it runs on no more)."""
+        self._streams.pop(request_id, None)
+        if abort:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._aborts.put(request_id)

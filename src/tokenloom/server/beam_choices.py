@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from tokenloom.beam_search import BeamSearch, step_candidates
+from tokenloom.engine.async_engine import RequestStream
 from tokenloom.outputs import RequestOutput
 
 # (prompt, params, request id, whether it is the search's first step) -> the step request's stream
-StepSubmit = Callable[..., Awaitable[AsyncGenerator[RequestOutput]]]
+StepSubmit = Callable[..., Awaitable[RequestStream]]
 
 
 class BeamSearchChoices:
@@ -52,7 +53,7 @@ class BeamSearchChoices:
 
     async def _step(self, step: int) -> list[RequestOutput]:
         """One request per live beam, all in flight together; each one's final output."""
-        streams: list[AsyncGenerator[RequestOutput]] = []
+        streams: list[RequestStream] = []
         try:
             for b, tokens in enumerate(self._search.step_prompts()):
                 rid = f"{self._request_id}-s{step}-b{b}"

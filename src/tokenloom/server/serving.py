@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Request
@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tokenloom.beam_search import BeamSearch, BeamSearchParams
-from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
+from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError, RequestStream
 from tokenloom.engine.structured_output import InvalidGrammar
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
@@ -172,13 +172,12 @@ async def _admitted(
     lease = Lease(functools.partial(_give_back, state, tenant, len(prompts) * n, charge))  # the sequences taken
     priority = _priority(body.priority, tenant)
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
-    submitted: list[AsyncGenerator[RequestOutput]] = []
+    submitted: list[RequestStream] = []
 
     async def submit(
         prompt: list[int], q: SamplingParams, rid: str, arrival: float | None = arrival_time
-    ) -> AsyncGenerator[RequestOutput]:
+    ) -> RequestStream:
         stream = await _submit(state, body, tenant, prompt, q, rid, priority, arrival)
-        assert isinstance(stream, AsyncGenerator)  # the front's stream: closing it aborts the request
         submitted.append(stream)
         return stream
 
@@ -196,13 +195,13 @@ async def _admitted(
                 continue
 
             # The other choices arrive when they are forked, so a queue timeout counts from then.
-            async def the_rest(prompt: list[int] = prompt, q: SamplingParams = q, i: int = i) -> list[AsyncGenerator]:
+            async def the_rest(prompt: list[int] = prompt, q: SamplingParams = q, i: int = i) -> list[RequestStream]:
                 return [await submit(prompt, _choice_params(q, j), f"{request_id}-{i}-{j}", None) for j in range(1, n)]
 
             streams.extend(_Fork(first, the_rest, n).streams)
         yield streams, lease
     except BaseException:
-        for stream in submitted:  # what was admitted before the failure is aborted, not left running
+        for stream in submitted:  # what was admitted before the failure is aborted (read or not), not left running
             await stream.aclose()
         raise
     finally:
@@ -223,7 +222,7 @@ def _beam_step_submitter(
 ) -> StepSubmit:
     """How a beam search submits a step's request: its first step's requests arrived with the client's request."""
 
-    async def step(prompt: list[int], q: SamplingParams, rid: str, first: bool) -> AsyncGenerator[RequestOutput]:
+    async def step(prompt: list[int], q: SamplingParams, rid: str, first: bool) -> RequestStream:
         return await _submit(state, body, tenant, prompt, q, rid, priority, arrival_time if first else None)
 
     return step
@@ -305,11 +304,11 @@ class _Fork:
     def __init__(
         self,
         first: AsyncIterator[RequestOutput],
-        admit_rest: Callable[[], Awaitable[list[AsyncGenerator[RequestOutput]]]],
+        admit_rest: Callable[[], Awaitable[list[RequestStream]]],
         n: int,
     ) -> None:
         self._first, self._admit_rest = first, admit_rest
-        self._rest: list[AsyncGenerator[RequestOutput]] = []
+        self._rest: list[RequestStream] = []
         self._failure: BaseException | None = None
         self._admitted = asyncio.Event()
         self.streams: list[AsyncIterator[RequestOutput]] = [self._leader(), *(self._follower(j) for j in range(n - 1))]
@@ -420,7 +419,7 @@ async def _submit(
     request_id: str,
     priority: int,
     arrival_time: float | None,
-):
+) -> RequestStream:
     engine, metrics, wake_every = state.engine, state.metrics, _wake_every(state, body)
     try:
         return await engine.submit(
