@@ -309,6 +309,22 @@ def test_a_prompt_admitted_before_its_requests_next_is_refused_is_aborted(tiny_c
         proc.stop()
 
 
+def test_later_choices_and_beam_steps_are_not_refused_by_the_queue_their_request_passed(tiny_chat_model):
+    """A queue of one: an n = 3 request's later choices, and a 3-wide beam search's steps of 3 requests, all join it."""
+    proc = ServerProcess("--model", str(tiny_chat_model), "--max-num-queued-requests", "1")
+    url = f"{proc.url}/v1/completions"
+    try:
+        for body in ({"n": 3, "temperature": 1.0}, {"n": 3, "use_beam_search": True}):
+            reply = httpx.post(url, json={"prompt": "Once upon", "max_tokens": 6, **body}, timeout=120)
+            assert reply.status_code == 200, reply.text
+            choices = reply.json()["choices"]
+            assert [c["index"] for c in choices] == [0, 1, 2] and all(c["finish_reason"] for c in choices)
+        assert proc.metric("tokenloom:requests_rejected_total", absent=0.0) == 0
+        proc.wait_idle()
+    finally:
+        proc.stop()
+
+
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
 def test_preemptions_under_a_tiny_kv_pool_are_counted(tiny_chat_model, preemption_mode):
     # 24 blocks of 16 hold 384 tokens; each request grows to ~295, so any two running together must preempt.

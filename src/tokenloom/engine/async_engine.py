@@ -220,6 +220,7 @@ class AsyncEngine:
         arrival_time: float | None = None,
         wake_every: int | None = 1,
         lora_request: LoRARequest | None = None,
+        continues: bool = False,
     ) -> RequestStream:
         """Admits a request (raising RequestError or ValueError if it can't be) and returns its output stream.
 
@@ -229,8 +230,10 @@ class AsyncEngine:
         ``arrival_time`` (monotonic; default now) is its place in an FCFS queue.
         ``wake_every`` n > 1 yields after the first output only once n new tokens are in (DELTA outputs joined),
         or at the last; None yields the first output and then the last (with DELTA outputs, the rest joined).
+        ``continues``: the request goes on with one already admitted (an n > 1 request's later choices, a beam
+        search's later steps), so neither a full queue nor a drain refuses it: its client's request passed them.
         """
-        if self.draining:
+        if self.draining and not continues:
             raise RequestError(ErrorReason.SERVER_DRAINING, "the server is shutting down")
         if not self.engine.healthy:
             raise RequestError(ErrorReason.ENGINE_UNAVAILABLE, "the engine core is not running")
@@ -238,7 +241,9 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, wake_every)
         self._streams[request_id] = stream
         adding = asyncio.ensure_future(
-            asyncio.to_thread(self._add, prompt, params, request_id, priority, tenant, arrival_time, lora_request)
+            asyncio.to_thread(
+                self._add, prompt, params, request_id, priority, tenant, arrival_time, lora_request, not continues
+            )
         )
         try:
             await asyncio.shield(adding)
@@ -313,26 +318,32 @@ class AsyncEngine:
         priority: int,
         tenant: str,
         arrival_time: float,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None,
+        limited: bool,
     ) -> None:
-        """Validates and queues a request for the engine thread, without waiting for the running step to end.
+        """Validates and queues a request for the engine thread, without waiting for the running step to end; a
+        ``limited`` one only if the queue limits leave room.
 
         Requests that arrive while a step runs all join the next one: a burst fills the next step's token budget
         instead of trickling in one admission per step.
         """
         prepared = self.engine.prepare_request(prompt, params, request_id, arrival_time, priority, tenant, lora_request)
-        new_tokens = prepared.request.num_prompt_tokens
         with self._pending_lock:
-            waiting = self._waiting_requests + len(self._pending)
-            if self.max_num_queued_requests is not None and waiting >= self.max_num_queued_requests:
-                message = f"the request queue is full ({waiting} waiting)"
-                raise RequestError(ErrorReason.QUEUE_FULL, message, retry_after=1.0)
-            # The prefill backlog: tokens that queued requests still have to compute before their first token.
-            backlog = self._backlog_tokens + sum(p.request.num_prompt_tokens for p in self._pending)
-            if self.max_num_queued_tokens is not None and backlog + new_tokens > self.max_num_queued_tokens:
-                message = f"the prefill backlog is full ({backlog} tokens queued)"
-                raise RequestError(ErrorReason.QUEUED_TOKENS_FULL, message, retry_after=1.0)
+            if limited:
+                self._check_queue_room(prepared.request.num_prompt_tokens)
             self._pending.append(prepared)
+
+    def _check_queue_room(self, new_tokens: int) -> None:
+        """Under the pending lock."""
+        waiting = self._waiting_requests + len(self._pending)
+        if self.max_num_queued_requests is not None and waiting >= self.max_num_queued_requests:
+            message = f"the request queue is full ({waiting} waiting)"
+            raise RequestError(ErrorReason.QUEUE_FULL, message, retry_after=1.0)
+        # The prefill backlog: tokens that queued requests still have to compute before their first token.
+        backlog = self._backlog_tokens + sum(p.request.num_prompt_tokens for p in self._pending)
+        if self.max_num_queued_tokens is not None and backlog + new_tokens > self.max_num_queued_tokens:
+            message = f"the prefill backlog is full ({backlog} tokens queued)"
+            raise RequestError(ErrorReason.QUEUED_TOKENS_FULL, message, retry_after=1.0)
 
     def _admit_pending(self) -> None:
         with self._pending_lock:

@@ -174,10 +174,8 @@ async def _admitted(
     arrival_time: float | None = getattr(raw.state, "arrival_time", None)
     submitted: list[RequestStream] = []
 
-    async def submit(
-        prompt: list[int], q: SamplingParams, rid: str, arrival: float | None = arrival_time
-    ) -> RequestStream:
-        stream = await _submit(state, body, tenant, prompt, q, rid, priority, arrival)
+    async def submit(prompt: list[int], q: SamplingParams, rid: str, first: bool = True) -> RequestStream:
+        stream = await _submit(state, body, tenant, prompt, q, rid, priority, arrival_time, first)
         submitted.append(stream)
         return stream
 
@@ -196,7 +194,7 @@ async def _admitted(
 
             # The other choices arrive when they are forked, so a queue timeout counts from then.
             async def the_rest(prompt: list[int] = prompt, q: SamplingParams = q, i: int = i) -> list[RequestStream]:
-                return [await submit(prompt, _choice_params(q, j), f"{request_id}-{i}-{j}", None) for j in range(1, n)]
+                return [await submit(prompt, _choice_params(q, j), f"{request_id}-{i}-{j}", False) for j in range(1, n)]
 
             streams.extend(_Fork(first, the_rest, n).streams)
         yield streams, lease
@@ -223,7 +221,7 @@ def _beam_step_submitter(
     """How a beam search submits a step's request: its first step's requests arrived with the client's request."""
 
     async def step(prompt: list[int], q: SamplingParams, rid: str, first: bool) -> RequestStream:
-        return await _submit(state, body, tenant, prompt, q, rid, priority, arrival_time if first else None)
+        return await _submit(state, body, tenant, prompt, q, rid, priority, arrival_time, first)
 
     return step
 
@@ -419,12 +417,15 @@ async def _submit(
     request_id: str,
     priority: int,
     arrival_time: float | None,
+    first: bool,
 ) -> RequestStream:
+    """Submits one of a client request's engine requests: its ``first`` arrived with the client's request and passes
+    the queue limits; the others (later choices, later beam steps) arrive now and go on with it."""
     engine, metrics, wake_every = state.engine, state.metrics, _wake_every(state, body)
     try:
         return await engine.submit(
-            prompt_ids, params, request_id, priority, tenant.name, arrival_time, wake_every,
-            state.adapters.get(body.model),
+            prompt_ids, params, request_id, priority, tenant.name, arrival_time if first else None, wake_every,
+            state.adapters.get(body.model), continues=not first,
         )  # fmt: skip
     except RequestError as error:
         metrics.rejected_request(error.reason.value, tenant.name)
