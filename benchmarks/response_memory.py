@@ -41,9 +41,9 @@ import transformers
 from tokenloom.bench.local_server import LocalServer
 from tokenloom.bench.provenance import cpu_flags
 from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
-from tokenloom.config import ServerConfig
 from tokenloom.model.loader import resolve_checkpoint_dir
 from tokenloom.server.launch import build_server
+from tokenloom.server_config import ServerConfig
 
 CHAT = [{"role": "user", "content": "hi"}]
 PROMPT = " ".join(f"w{i}" for i in range(1000))  # ~4,000 tokens

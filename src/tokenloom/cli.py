@@ -8,7 +8,8 @@ import itertools
 import sys
 import typing
 
-from tokenloom.config import PARTS, EngineConfig, ServerConfig
+from tokenloom.config import PARTS, EngineConfig
+from tokenloom.server_config import ServerConfig
 
 T = typing.TypeVar("T")
 

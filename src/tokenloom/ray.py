@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenloom.config import EngineConfig, ServerConfig
+from tokenloom.config import EngineConfig
+from tokenloom.server_config import ServerConfig
 
 
 def configs_from_serve_args(args: dict[str, str]) -> tuple[ServerConfig, EngineConfig]:

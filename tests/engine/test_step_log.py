@@ -7,8 +7,8 @@ import pytest
 from server_process import ServerProcess
 
 from tokenloom.cli import main
-from tokenloom.config import ServerConfig
 from tokenloom.engine.step_log import read_step_log
+from tokenloom.server_config import ServerConfig
 
 
 def test_a_served_request_leaves_its_prefill_and_each_decode_step_in_the_log(tiny_chat_model, tmp_path):

@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_process import poll_until
 
-from tokenloom.config import EngineConfig, ServerConfig
+from tokenloom.config import EngineConfig
 from tokenloom.replicas.ray_serve import APP_NAME, build_ray_app, merge_expositions, start_ray
 from tokenloom.replicas.routing import (
     PREFIX_CHARS,
@@ -23,6 +23,7 @@ from tokenloom.replicas.routing import (
     replica_keeping,
     replica_named_in_path,
 )
+from tokenloom.server_config import ServerConfig
 
 WORDS = ["river", "stone", "maple", "copper", "lantern", "meadow", "harbor", "velvet", "orbit", "willow", "amber"]
 

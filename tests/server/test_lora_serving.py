@@ -168,8 +168,9 @@ def test_behind_ray_each_replica_refuses_a_runtime_load(tiny_chat_model, adapter
     """A Ray Serve replica is a whole server: a load it took alone would leave the other replicas without it."""
     import asyncio
 
-    from tokenloom.config import EngineConfig, ServerConfig
+    from tokenloom.config import EngineConfig
     from tokenloom.server import launch
+    from tokenloom.server_config import ServerConfig
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     monkeypatch.delenv("TOKENLOOM_API_KEY", raising=False)

@@ -15,12 +15,12 @@ import pytest
 from server_process import HeldRequest, ServerProcess, poll_until
 
 from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
-from tokenloom.config import ServerConfig
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.launch import build_server
 from tokenloom.server.response_budget import ResponseBudget, response_charge
 from tokenloom.server.text_budget import TextBudget
+from tokenloom.server_config import ServerConfig
 
 KIB = 1024
 

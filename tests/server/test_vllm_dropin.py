@@ -312,7 +312,7 @@ def check_template_options(url: str, tokenizer, messages: list[dict]) -> None:
 
 def test_vllms_serve_flags_parse_as_vllm_takes_them(tmp_path):
     from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
-    from tokenloom.config import ServerConfig
+    from tokenloom.server_config import ServerConfig
 
     argv = [
         "serve", "some-model", "--api-key", "k1", "k2", "--served-model-name", "a", "b", "--uvicorn-log-level",
@@ -347,7 +347,7 @@ def test_the_core_runs_in_its_own_process_on_an_accelerator_unless_told(tmp_path
     import torch
 
     from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
-    from tokenloom.config import ServerConfig
+    from tokenloom.server_config import ServerConfig
 
     def core_apart(*flags: str, device: str = "cuda") -> bool:
         args = build_parser().parse_args(["serve", "m", "--device", device, *flags])
@@ -575,7 +575,7 @@ def test_ssl_flags_serve_https(tiny_chat_model, tmp_path):
 
 def test_vllms_flags_that_change_nothing_are_taken_and_those_for_what_is_not_done_are_refused_by_name(capsys):
     from tokenloom.cli import build_parser, config_from_args, main
-    from tokenloom.config import ServerConfig
+    from tokenloom.server_config import ServerConfig
 
     argv = ["serve", "some-model", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats"]
     assert config_from_args(ServerConfig, build_parser().parse_args(argv)).disable_log_stats
@@ -598,8 +598,8 @@ def test_the_periodic_throughput_line_is_logged_unless_disable_log_stats(
     import logging
 
     from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
-    from tokenloom.config import ServerConfig
     from tokenloom.server import launch
+    from tokenloom.server_config import ServerConfig
 
     monkeypatch.setattr(launch, "LOG_STATS_EVERY_S", 0.0)  # every step's, so no test waits ten seconds for one
     monkeypatch.delenv("TOKENLOOM_API_KEY", raising=False)  # this module's server sets one while it lives

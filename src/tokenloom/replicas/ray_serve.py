@@ -38,11 +38,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.config import AutoscalingConfig, HTTPOptions, RequestRouterConfig
 
-from tokenloom.config import EngineConfig, ServerConfig
+from tokenloom.config import EngineConfig
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import BodyReader
 from tokenloom.server.launch import build_server
 from tokenloom.server.metrics import escape_label_value
+from tokenloom.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

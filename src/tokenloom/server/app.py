@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 import tokenloom
-from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.server import chat, completions, health, lora_routes, responses_api, tokenization
 from tokenloom.server.errors import APIError
@@ -32,6 +31,7 @@ from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant, TenantLimiter
 from tokenloom.server.text_budget import TextBudget
 from tokenloom.server.tool_parsers import tool_parser
+from tokenloom.server_config import ServerConfig
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_body"}
 

@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from tokenloom.config import EngineConfig, ServerConfig
+from tokenloom.config import EngineConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.engine.core_process import CoreProcessEngine
 from tokenloom.engine.llm_engine import LLMEngine
@@ -28,6 +28,7 @@ from tokenloom.server.connections import with_header_limits
 from tokenloom.server.lora_adapters import parse_lora_modules
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.tenants import load_tenants
+from tokenloom.server_config import ServerConfig
 from tokenloom.utils import heap_frozen
 from tokenloom.version import git_commit
 

@@ -9,7 +9,6 @@ from typing import Any
 
 from fastapi import Request
 
-from tokenloom.config import ServerConfig
 from tokenloom.engine.async_engine import AsyncEngine
 from tokenloom.server.lora_adapters import ServedAdapters
 from tokenloom.server.metrics import ServerMetrics
@@ -21,6 +20,7 @@ from tokenloom.server.responses_background import BackgroundResponses
 from tokenloom.server.tenants import TenantLimiter
 from tokenloom.server.text_budget import TextBudget
 from tokenloom.server.tool_parsers import ToolCallParser
+from tokenloom.server_config import ServerConfig
 
 logger = logging.getLogger("tokenloom.requests")
 
