@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenloom.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenloom.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,8 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False  # an answer that ended at EOS keeps the EOS token (and its text)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
-            raise ValueError(
-                f"beam_width must be in [1, {MAX_LOGPROBS // 2}] (each step reads its beams' top 2 x beam_width "
-                f"logprobs, at most {MAX_LOGPROBS})"
-            )
+        if self.beam_width < 1:
+            raise ValueError("beam_width must be >= 1")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
 
@@ -69,7 +66,7 @@ class BeamSearch:
     ) -> None:
         """top_logprobs: each answer keeps its tokens' logprobs with this many alternatives (None: none kept, so a
         long search holds only its tokens)."""
-        assert top_logprobs is None or 0 <= top_logprobs <= MAX_LOGPROBS
+        assert top_logprobs is None or top_logprobs >= 0
         self.params, self.prompt_len = params, len(prompt_ids)
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.top_logprobs = top_logprobs
@@ -80,6 +77,15 @@ class BeamSearch:
         self.live = [BeamSearchSequence(list(prompt_ids))]
         self.complete: list[BeamSearchSequence] = []  # the best W ended beams (a worse one can never be an answer)
         self.steps = 0
+
+    def check_logprobs(self, max_logprobs: int) -> None:
+        """ValueError unless a step's logprobs (its 2 x beam_width candidates, or more if the answers keep more) are
+        within what a request may ask for (--max-logprobs)."""
+        asked = self.step_params.logprobs
+        assert asked is not None
+        if asked > max_logprobs:
+            raise ValueError(f"beam_width={self.params.beam_width} reads {asked} logprobs a step; --max-logprobs "
+                             f"allows {max_logprobs}, so at most {max_logprobs // 2} beams")  # fmt: skip
 
     @property
     def done(self) -> bool:

@@ -69,11 +69,16 @@ class ModelLoadConfig:
     (model/quantization.py). None: the checkpoint's weights in the model's dtype."""
     seed: int = 0
     """Seeds the sampler of requests that give no seed of their own."""
+    max_logprobs: int = 20
+    """The most alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs; a beam
+    search of width W asks for 2W), as vLLM's flag; -1: the whole vocabulary. What responses may hold in all stays
+    bounded by the server's --max-inflight-response-bytes."""
 
     def __post_init__(self) -> None:
         for name in ("num_threads", "max_model_len"):
             _require_positive_or_none(self, name)
         require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
+        require(self.max_logprobs >= -1, "max_logprobs must be >= 0, or -1 for the whole vocabulary")
         backends = get_args(AttentionBackend)
         require(self.attention_backend in backends, f"attention_backend must be one of {', '.join(backends)}")
         require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")

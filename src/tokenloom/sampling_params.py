@@ -38,9 +38,6 @@ class StructuredOutputsParams:
                 raise ValueError("StructuredOutputsParams: choice must be a non-empty list of non-empty strings")
 
 
-MAX_LOGPROBS = 20  # alternatives a request may ask for per token (vLLM's default --max-logprobs)
-
-
 class RequestOutputKind(enum.Enum):
     """Which outputs a request's caller is given, as vLLM names them: one after every step that brought it tokens,
     each with all of its text and tokens so far (CUMULATIVE: streaming, per-token metrics) or only what the step
@@ -106,11 +103,9 @@ class SamplingParams:
                 math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0,
                 "repetition_penalty must be finite and > 0",
             ),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
-            (
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
-            ),
+            # The most a request may ask for is the engine's (--max-logprobs): EngineClient.prepare_request.
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (_valid_logit_bias(self.logit_bias), "logit_bias must map token ids (integers) to finite numbers"),

@@ -73,9 +73,12 @@ def test_the_complete_beams_kept_are_only_the_best_beam_width():
     assert search.score(best_complete) == pytest.approx(-1.0 / 1)  # the first EOS, after the prompt alone
 
 
-def test_a_width_that_needs_more_logprobs_than_a_step_gives_is_refused():
-    with pytest.raises(ValueError, match="beam_width must be in"):
-        BeamSearchParams(beam_width=11, max_tokens=4)
+def test_a_search_of_no_beam_or_no_token_is_refused():
+    # A width whose steps need more logprobs than --max-logprobs allows: tests/engine/test_max_logprobs.py.
+    with pytest.raises(ValueError, match="beam_width must be >= 1"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
 
 
 def _transformers_beams(model, prompt: list[int], width: int, max_tokens: int) -> tuple[list[list[int]], list[float]]:

@@ -617,7 +617,7 @@ def test_a_reader_that_falls_behind_holds_one_output_and_catches_up_in_one_read(
 def test_a_streams_unread_deltas_are_joined_as_they_come_and_read_as_one_then_the_error():
     """DELTA outputs that find the one before unread are joined to it (each at its own length's cost); the reader
     gets one output holding them all, then an error that came after, and a later read starts afresh."""
-    from tokenloom.engine.async_engine import _Stream
+    from tokenloom.engine.request_stream import OutputQueue
     from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     def delta(i: int) -> RequestOutput:
@@ -625,7 +625,7 @@ def test_a_streams_unread_deltas_are_joined_as_they_come_and_read_as_one_then_th
         return RequestOutput("r", None, [1], [CompletionOutput(0, f"<{i}>", [i], None)], False, metrics)
 
     async def run() -> list:
-        stream = _Stream(asyncio.get_running_loop(), delta=True)
+        stream = OutputQueue(asyncio.get_running_loop(), delta=True)
         for i in range(1000):
             stream.put(delta(i))
         stream.put(RuntimeError("cut"))
@@ -645,7 +645,7 @@ def test_a_stream_wakes_its_reader_for_the_first_output_then_every_n_new_tokens_
     tokens are in (a step's several tokens count as several), joined; the last output and an error wake it at once.
     wake_every=None (a reader that wants the whole response) is woken only by the first output (an n > 1 request's
     other choices wait for it), the last, or an error."""
-    from tokenloom.engine.async_engine import _Stream
+    from tokenloom.engine.request_stream import OutputQueue
     from tokenloom.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     def delta(*ids: int, finished: bool = False) -> RequestOutput:
@@ -653,7 +653,7 @@ def test_a_stream_wakes_its_reader_for_the_first_output_then_every_n_new_tokens_
         text = "".join(f"<{i}>" for i in ids)
         return RequestOutput("r", None, [1], [CompletionOutput(0, text, list(ids), None)], finished, metrics)
 
-    async def woken(stream: _Stream, *outputs: RequestOutput) -> RequestOutput | None:
+    async def woken(stream: OutputQueue, *outputs: RequestOutput) -> RequestOutput | None:
         """Puts the outputs one by one under a waiting reader: what it read, or None if it is still waiting."""
         reader = asyncio.create_task(stream.get())
         for output in outputs:
@@ -667,7 +667,7 @@ def test_a_stream_wakes_its_reader_for_the_first_output_then_every_n_new_tokens_
         return None
 
     async def run() -> tuple[list, list]:
-        every_three = _Stream(asyncio.get_running_loop(), delta=True, wake_every=3)
+        every_three = OutputQueue(asyncio.get_running_loop(), delta=True, wake_every=3)
         reads = [
             await woken(every_three, delta(0)),  # the first output: at once
             await woken(every_three, delta(1), delta(2)),  # two new tokens: still waiting, and kept
@@ -675,13 +675,13 @@ def test_a_stream_wakes_its_reader_for_the_first_output_then_every_n_new_tokens_
             await woken(every_three, delta(4, 5, 6, 7)),  # one step's four tokens
             await woken(every_three, delta(8, finished=True)),  # the last: at once
         ]
-        whole = _Stream(asyncio.get_running_loop(), delta=True, wake_every=None)
+        whole = OutputQueue(asyncio.get_running_loop(), delta=True, wake_every=None)
         wholes = [
             await woken(whole, delta(0)),
             await woken(whole, delta(1), delta(2, 3, 4)),
             await woken(whole, delta(5, finished=True)),
         ]
-        cut = _Stream(asyncio.get_running_loop(), delta=True, wake_every=None)
+        cut = OutputQueue(asyncio.get_running_loop(), delta=True, wake_every=None)
         cut.put(delta(0))
         await cut.get()
         cut.put(delta(1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -105,3 +106,25 @@ def test_vllms_prompt_logprobs_field_in_completions_and_chat(client, tiny_chat_m
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=2, stream=True,
                                   extra_body={"prompt_logprobs": 2})  # fmt: skip
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask_for_with_a_clear_400(tiny_chat_model):
+    with ServerProcess(str(tiny_chat_model), "--served-model-name", "tiny", "--max-logprobs", "30") as proc:
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="none", max_retries=0, timeout=60)
+        completion = functools.partial(client.completions.create, model="tiny", prompt="Hello", max_tokens=2)
+        reply = completion(logprobs=30, temperature=0)
+        assert all(len(top) in (30, 31) for top in reply.choices[0].logprobs.top_logprobs)
+        chat = functools.partial(client.chat.completions.create, model="tiny", max_tokens=2, logprobs=True)
+        over = "which is greater than max allowed: 30"
+        refusals = [
+            (lambda: completion(logprobs=31), "logprobs", f"Requested logprobs of 31, {over}"),
+            # Asked for a billion, the answer is this 400, not the response budget's refusal.
+            (lambda: chat(messages=[{"role": "user", "content": "Hi"}], top_logprobs=10**9), "logprobs", over),
+            (lambda: completion(extra_body={"prompt_logprobs": 31}), "prompt_logprobs", over),
+            (lambda: completion(n=16, extra_body={"use_beam_search": True}), "n", "so at most 15 beams"),
+        ]
+        for refuse, param, message in refusals:
+            with pytest.raises(openai.BadRequestError) as refused:
+                refuse()
+            assert refused.value.body["param"] == param and message in refused.value.body["message"]
+        proc.wait_idle()

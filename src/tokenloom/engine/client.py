@@ -81,6 +81,12 @@ class EngineClient(ABC):
     dtype: torch.dtype
     device: torch.device
 
+    @property
+    def max_logprobs(self) -> int:
+        """The most alternatives per token a request may ask for (--max-logprobs, -1 the vocabulary)."""
+        most = self.config.model.max_logprobs
+        return self.model_config.vocab_size if most == -1 else most
+
     def kv_cache(self) -> KVCacheInfo:
         return kv_cache_info(self.config, self.model_config, self.dtype, self.stats().kv_blocks_total)
 
@@ -130,6 +136,7 @@ class EngineClient(ABC):
         for name, tokens in checked:
             if any(t < 0 or t >= vocab for t in tokens):
                 raise InvalidField(name, f"{name}: token ids must be in [0, {vocab})")
+        self.check_logprobs(params)
         prompt_text, token_ids = self.tokenize(prompt)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
@@ -147,6 +154,13 @@ class EngineClient(ABC):
         if params.structured_outputs is not None:
             self._grammars.compile(params.structured_outputs)  # a bad schema is the caller's error, found here
         return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
+
+    def check_logprobs(self, params: SamplingParams) -> None:
+        """InvalidField if the request asks for more alternatives per token than --max-logprobs allows."""
+        for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if asked is not None and asked > self.max_logprobs:
+                message = f"Requested {name} of {asked}, which is greater than max allowed: {self.max_logprobs}"
+                raise InvalidField(name, message + " (--max-logprobs)")
 
     def check_adapter(self, lora: LoRARequest) -> None:
         """InvalidField unless the adapter may be served (its config, read here once per name and path; its weights

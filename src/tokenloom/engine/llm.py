@@ -136,6 +136,7 @@ class LLM:
         adapters = _per_prompt(lora_request, len(prompt_ids))
         eos = set(self.engine.model_config.eos_token_ids)
         searches = [BeamSearch(ids, params, eos) for ids in prompt_ids]
+        searches[0].check_logprobs(self.engine.max_logprobs)
         for _ in range(params.max_tokens):
             steps = [[self._add(beam, search.step_params, lora=adapter) for beam in search.step_prompts()]
                      for search, adapter in zip(searches, adapters, strict=True)]  # fmt: skip

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from tokenloom.beam_search import BeamSearch, step_candidates
-from tokenloom.engine.async_engine import RequestStream
+from tokenloom.engine.request_stream import RequestStream
 from tokenloom.outputs import RequestOutput
 
 # (prompt, params, request id, whether it is the search's first step) -> the step request's stream

@@ -17,7 +17,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tokenloom.beam_search import BeamSearch, BeamSearchParams
-from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError, RequestStream
+from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
+from tokenloom.engine.client import InvalidField
+from tokenloom.engine.request_stream import RequestStream
 from tokenloom.engine.structured_output import InvalidGrammar
 from tokenloom.model.loader import Tokenizer
 from tokenloom.outputs import RequestOutput
@@ -248,6 +250,7 @@ def _params_within_limits(
             limiter.check_caps(tenant, len(prompt), requested, sequences)
             max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
             params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
+            _check_logprobs(state, params[-1])  # before the charge, which grows with them
         tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
         charge = response_charge([len(p) for p in prompts], params, n, streamed=bool(body.stream))
         state.response_budget.take_or_refuse(charge)
@@ -262,6 +265,13 @@ def _params_within_limits(
     for q in params:
         metrics.admitted_request(q.max_tokens, n)
     return params, charge
+
+
+def _check_logprobs(state: ServerState, params: SamplingParams) -> None:
+    try:
+        state.engine.check_logprobs(params)
+    except InvalidField as error:
+        raise APIError(400, str(error), error.field, "invalid_value") from error
 
 
 def _give_back(state: ServerState, tenant: Tenant, sequences: int, charge: int) -> None:
@@ -280,9 +290,10 @@ def _beam_search_choices(
     try:
         search_params = BeamSearchParams(body.n, params.max_tokens, body.ignore_eos, params.temperature,
                                          body.length_penalty, body.include_stop_str_in_output)  # fmt: skip
+        search = BeamSearch(prompt, search_params, state.engine.eos_token_ids, params.logprobs)
+        search.check_logprobs(state.engine.max_logprobs)
     except ValueError as error:
         raise APIError(400, f"use_beam_search with n={body.n}: {error}", "n", "invalid_value") from error
-    search = BeamSearch(prompt, search_params, state.engine.eos_token_ids, params.logprobs)
     return BeamSearchChoices(search, step, request_id, state.engine.decode).streams
 
 
