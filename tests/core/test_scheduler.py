@@ -340,6 +340,18 @@ def test_prefix_cache_hits_skip_computation():
     assert second.output_token_ids == solo_output(second.prompt_token_ids, 2)
 
 
+def test_prefix_blocks_are_shared_only_under_the_same_cache_salt():
+    scheduler = make_scheduler(budget=64)
+    shared = list(range(1, 13))  # three full blocks of 4
+    cached = {}
+    for name, salt in (("a", "one"), ("b", "two"), ("c", None), ("d", "one"), ("e", None)):
+        request = Request(name, [*shared, 50], SamplingParams(max_tokens=2, ignore_eos=True), cache_salt=salt)
+        run_to_completion(scheduler, [request])
+        cached[name] = request.num_cached_tokens
+        assert request.output_token_ids == solo_output(request.prompt_token_ids, 2)
+    assert cached == {"a": 0, "b": 0, "c": 0, "d": 12, "e": 12}
+
+
 def test_unchunked_prefill_waits_for_a_step_with_room():
     scheduler = make_scheduler(budget=16, chunked=False)
     requests = [make_request(i, 10, 3) for i in range(3)]

@@ -164,12 +164,9 @@ class KVCacheManager:
 
     def _full_block_hashes(self, request: Request) -> list[BlockHash]:
         """The chained hashes of the request's full blocks, up to the first that holds a placeholder (a token still
-        on the device: its block is hashed once the token is known). Under a LoRA adapter the chain starts from the
-        adapter's name and path: the same tokens have other K and V under another adapter (or under a name that
-        came to stand for another path), so no block is shared across."""
+        on the device: its block is hashed once the token is known), chained from the request's root."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        lora = request.lora_request
-        root = None if lora is None else hash(("lora", lora.lora_name, lora.lora_path))
+        root = _chain_root(request) if not hashes else None
         for i in range(len(hashes), request.num_tokens // self.block_size):
             block_tokens = self._block_tokens(request, i)
             if PLACEHOLDER_TOKEN in block_tokens:
@@ -187,3 +184,13 @@ class KVCacheManager:
                 holders[block_id] = holders.get(block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id} ref count is off"
+
+
+def _chain_root(request: Request) -> BlockHash | None:
+    """What a request's first block hash starts from. Under a LoRA adapter, its name and path: the same tokens have
+    other K and V under another adapter (or under a name that came to stand for another path). With a cache salt,
+    the salt: a client (or tenant) that salts its requests shares no block with anyone else, so no one can tell from
+    a faster first token that it sent a prompt."""
+    lora, salt = request.lora_request, request.cache_salt
+    root = None if lora is None else hash(("lora", lora.lora_name, lora.lora_path))
+    return root if salt is None else hash(("salt", salt, root))

@@ -66,6 +66,7 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding); the scheduler takes them when it schedules it.
     spec_token_ids: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # the adapter the request runs under; None: the base model
+    cache_salt: str | None = None  # vLLM's: cached prefix blocks are shared only among requests of the same salt
 
     @property
     def lora_name(self) -> str | None:

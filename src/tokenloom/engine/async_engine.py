@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import queue
 import threading
@@ -118,6 +119,7 @@ class AsyncEngine:
         wake_every: int | None = 1,
         lora_request: LoRARequest | None = None,
         continues: bool = False,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Admits a request (raising RequestError or ValueError if it can't be) and returns its output stream.
 
@@ -129,6 +131,7 @@ class AsyncEngine:
         or at the last; None yields the first output and then the last (with DELTA outputs, the rest joined).
         ``continues``: the request goes on with one already admitted (an n > 1 request's later choices, a beam
         search's later steps), so neither a full queue nor a drain refuses it: its client's request passed them.
+        ``cache_salt``: cached prefix blocks are shared only with requests of the same salt (vLLM's).
         """
         if self.draining and not continues:
             raise RequestError(ErrorReason.SERVER_DRAINING, "the server is shutting down")
@@ -137,11 +140,9 @@ class AsyncEngine:
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         stream = OutputQueue(asyncio.get_running_loop(), params.output_kind is RequestOutputKind.DELTA, wake_every)
         self._streams[request_id] = stream
-        adding = asyncio.ensure_future(
-            asyncio.to_thread(
-                self._add, prompt, params, request_id, priority, tenant, arrival_time, lora_request, not continues
-            )
-        )
+        prepare = functools.partial(self.engine.prepare_request, prompt, params, request_id, arrival_time, priority,
+                                    tenant, lora_request, cache_salt)  # fmt: skip
+        adding = asyncio.ensure_future(asyncio.to_thread(self._add, prepare, limited=not continues))
         try:
             await asyncio.shield(adding)
         except BaseException as error:
@@ -214,24 +215,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def _add(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str,
-        priority: int,
-        tenant: str,
-        arrival_time: float,
-        lora_request: LoRARequest | None,
-        limited: bool,
-    ) -> None:
-        """Validates and queues a request for the engine thread, without waiting for the running step to end; a
-        ``limited`` one only if the queue limits leave room.
+    def _add(self, prepare: Callable[[], PreparedRequest], limited: bool) -> None:
+        """Validates (``prepare``) and queues a request for the engine thread, without waiting for the running step to
+        end; a ``limited`` one only if the queue limits leave room.
 
         Requests that arrive while a step runs all join the next one: a burst fills the next step's token budget
         instead of trickling in one admission per step.
         """
-        prepared = self.engine.prepare_request(prompt, params, request_id, arrival_time, priority, tenant, lora_request)
+        prepared = prepare()
         with self._pending_lock:
             if limited:
                 self._check_queue_room(prepared.request.num_prompt_tokens)

@@ -126,6 +126,7 @@ class EngineClient(ABC):
         priority: int = 0,
         tenant: str = "default",
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> PreparedRequest:
         """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
         params = self._with_bad_words_tokenized(params or SamplingParams())
@@ -137,6 +138,8 @@ class EngineClient(ABC):
             if any(t < 0 or t >= vocab for t in tokens):
                 raise InvalidField(name, f"{name}: token ids must be in [0, {vocab})")
         self.check_logprobs(params)
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise InvalidField("cache_salt", "cache_salt must be a non-empty string")
         prompt_text, token_ids = self.tokenize(prompt)
         request = Request(
             request_id=request_id if request_id is not None else str(next(self._ids)),
@@ -145,6 +148,7 @@ class EngineClient(ABC):
             priority=priority,
             tenant=tenant,
             lora_request=lora_request,
+            cache_salt=cache_salt,
         )
         if lora_request is not None:
             self.check_adapter(lora_request)
@@ -198,9 +202,12 @@ class EngineClient(ABC):
         priority: int = 0,
         tenant: str = "default",
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queues a prompt (text or token ids); raises ValueError if it can never be served."""
-        prepared = self.prepare_request(prompt, params, request_id, arrival_time, priority, tenant, lora_request)
+        prepared = self.prepare_request(
+            prompt, params, request_id, arrival_time, priority, tenant, lora_request, cache_salt
+        )
         self.add_prepared(prepared)
         return prepared.request
 

@@ -128,7 +128,9 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: per prompt its params.beam_width best sequences, best first; as vLLM's, each
         sequence's ``tokens`` and ``text`` begin with the prompt's. Every prompt's beams share each step's batch."""
-        prompt_ids = [self.engine.tokenize(_prompt_of(p))[1] for p in _as_prompt_list(prompts)]
+        prompt_list = _as_prompt_list(prompts)
+        prompt_ids = [self.engine.tokenize(_prompt_of(p))[1] for p in prompt_list]
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompt_list]
         for ids in prompt_ids:
             if len(ids) + params.max_tokens > self.engine.max_model_len:
                 raise ValueError(f"a prompt of {len(ids)} tokens and max_tokens={params.max_tokens} exceed the "
@@ -138,8 +140,8 @@ class LLM:
         searches = [BeamSearch(ids, params, eos) for ids in prompt_ids]
         searches[0].check_logprobs(self.engine.max_logprobs)
         for _ in range(params.max_tokens):
-            steps = [[self._add(beam, search.step_params, lora=adapter) for beam in search.step_prompts()]
-                     for search, adapter in zip(searches, adapters, strict=True)]  # fmt: skip
+            steps = [[self._add(beam, search.step_params, 0, adapter, salt) for beam in search.step_prompts()]
+                     for search, adapter, salt in zip(searches, adapters, salts, strict=True)]  # fmt: skip
             finals = iter(self._run([request_id for step in steps for request_id in step], use_tqdm=False))
             for search, step in zip(searches, steps, strict=True):
                 search.advance([step_candidates(next(finals)) for _ in step])
@@ -167,9 +169,19 @@ class LLM:
         return self.engine.stats()
 
     def _add(
-        self, prompt: PromptInput, params: SamplingParams, priority: int = 0, lora: LoRARequest | None = None
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int = 0,
+        lora: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        return self.engine.add_request(_prompt_of(prompt), params, priority=priority, lora_request=lora).request_id
+        """A prompt given as a dict may carry its cache_salt (vLLM's)."""
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt", cache_salt)
+        request = self.engine.add_request(_prompt_of(prompt), params, priority=priority, lora_request=lora,
+                                          cache_salt=cache_salt)  # fmt: skip
+        return request.request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

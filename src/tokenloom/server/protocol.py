@@ -117,6 +117,9 @@ class _Common(_Body):
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids beside the text
     # Lower runs first. A request may lower its own priority below its tenant's, never raise it above.
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
+    # vLLM's: cached prefix blocks are shared only among requests of the same salt, so no one can tell from a faster
+    # first token that someone else sent a prompt (a tenant may be salted by the server: tenants.py).
+    cache_salt: Annotated[Text, Field(min_length=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's: the fewest tokens a chunk after the first carries; raises the server's --stream-interval, never lowers it.

@@ -171,6 +171,7 @@ class ResponsesRequest(_Body):
     # "auto": the conversation's earliest items dropped until it fits the context (OpenAI's); the default refuses.
     truncation: Literal["auto", "disabled"] | None = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None  # vLLM's: lower runs first
+    cache_salt: Annotated[Text, Field(min_length=1)] | None = None  # vLLM's: as chat's
     store: bool | None = None  # false: the response is not kept (response_store.py)
     # Accepted and ignored, as chat completions ignore them.
     metadata: dict[str, Text] | None = None
@@ -180,7 +181,7 @@ class ResponsesRequest(_Body):
     safety_identifier: Text | None = None
     stream_options: dict[str, Any] | None = None  # OpenAI's include_obfuscation: no obfuscation is ever added
     include: list[Text] | None = None  # OUTPUT_LOGPROBS only
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # alternatives per token, with OUTPUT_LOGPROBS
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None  # alternatives per token, with OUTPUT_LOGPROBS
     previous_response_id: Text | None = None  # the kept response whose conversation this continues
     background: bool | None = None  # generated apart from this request; polled, or cancelled (responses_background.py)
     reasoning: ReasoningConfig | None = None  # its effort goes to the chat template, as chat's reasoning_effort
@@ -225,6 +226,7 @@ class ResponsesRequest(_Body):
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self._response_format(),
             priority=self.priority,
+            cache_salt=self.cache_salt,
             reasoning_effort=self.reasoning.effort if self.reasoning is not None else None,
             **sampling,
         )

@@ -436,7 +436,7 @@ async def _submit(
     try:
         return await engine.submit(
             prompt_ids, params, request_id, priority, tenant.name, arrival_time if first else None, wake_every,
-            state.adapters.get(body.model), continues=not first,
+            state.adapters.get(body.model), continues=not first, cache_salt=tenant.cache_salt(body.cache_salt),
         )  # fmt: skip
     except RequestError as error:
         metrics.rejected_request(error.reason.value, tenant.name)

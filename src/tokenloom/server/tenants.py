@@ -10,10 +10,12 @@ max_tokens = 1024             # cap on a request's max_tokens
 max_input_tokens = 4096
 requests_per_minute = 600
 tokens_per_minute = 200000    # prompt tokens plus max_tokens, counted when a request is admitted
+isolate_prefix_cache = true   # cached prefix blocks shared only among this tenant's requests
 """
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -39,6 +41,16 @@ class Tenant:
     max_input_tokens: int | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    # The tenant's requests share cached prefix blocks only among themselves: no other tenant can tell from a faster
+    # first token that this one sent a prompt (its requests' cache salts are all its own).
+    isolate_prefix_cache: bool = False
+
+    def cache_salt(self, requested: str | None) -> str | None:
+        """The salt the engine hashes a request's prefix blocks under: the client's (vLLM's cache_salt), and for an
+        isolated tenant its name too. Written as a JSON pair, no salt a client sends equals a tenant's."""
+        if not self.isolate_prefix_cache:
+            return None if requested is None else json.dumps([None, requested])
+        return json.dumps([self.name, requested])
 
 
 def load_tenants(path: str | Path) -> list[Tenant]:
