@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from tokenloom.lora import LoRAConfig
+from tokenloom.sampling_params import LogprobsMode
 from tokenloom.speculative_config import SpeculativeConfig, require
 
 Batching = Literal["continuous", "static"]
@@ -69,6 +70,11 @@ class ModelLoadConfig:
     (model/quantization.py). None: the checkpoint's weights in the model's dtype."""
     seed: int = 0
     """Seeds the sampler of requests that give no seed of their own."""
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    """What a token's logprobs are, as vLLM's flag: 'raw_logprobs' (the model's distribution), 'raw_logits',
+    'processed_logprobs' or 'processed_logits' (what the token was chosen from: after logit_bias, min_tokens,
+    allowed and bad words and penalties, and for a sampled request its temperature, top-k, top-p and min-p; a
+    filtered token's is -inf). A prompt's (prompt_logprobs) are the logprobs or, in a logits mode, the logits."""
     max_logprobs: int = 20
     """The most alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs; a beam
     search of width W asks for 2W), as vLLM's flag; -1: the whole vocabulary. What responses may hold in all stays
@@ -79,6 +85,8 @@ class ModelLoadConfig:
             _require_positive_or_none(self, name)
         require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")
         require(self.max_logprobs >= -1, "max_logprobs must be >= 0, or -1 for the whole vocabulary")
+        modes = get_args(LogprobsMode)
+        require(self.logprobs_mode in modes, f"logprobs_mode must be one of {', '.join(modes)}")
         backends = get_args(AttentionBackend)
         require(self.attention_backend in backends, f"attention_backend must be one of {', '.join(backends)}")
         require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")

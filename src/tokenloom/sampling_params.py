@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 # What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# What a token's logprobs are (the engine's logprobs_mode, vLLM's --logprobs-mode; model/sampler.py).
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,20 @@ def make_runner(
     max_model_len: int,
 ) -> ModelRunner:
     """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
+    runner = _runner(config, loaded, device, dtype, num_kv_blocks, num_swap_blocks, max_model_len)
+    runner.sampler.logprobs_mode = config.model.logprobs_mode  # rank 0 alone samples
+    return runner
+
+
+def _runner(
+    config: EngineConfig,
+    loaded: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_kv_blocks: int,
+    num_swap_blocks: int,
+    max_model_len: int,
+) -> ModelRunner:
     size = config.parallel.tensor_parallel_size
     calibration = calibration_for(config.model.quantization, loaded.tokenizer, loaded.config.vocab_size)
     if size == 1:

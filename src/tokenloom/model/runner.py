@@ -412,7 +412,7 @@ class ModelRunner:
         entries: dict[int, SampledToken] = {}
         for lo in range(0, num_rows, PROMPT_LOGPROB_ROWS):
             hi = min(num_rows, lo + PROMPT_LOGPROB_ROWS)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo : first + hi]), dim=-1)
+            logprobs = self.sampler.prompt_values(self.model.compute_logits(hidden[first + lo : first + hi]))
             targets = prompt[chunk.start + 1 + lo : chunk.start + 1 + hi]
             index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
             chosen = logprobs.gather(1, index).squeeze(1).tolist()

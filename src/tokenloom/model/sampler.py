@@ -3,7 +3,9 @@
 Order of operations, as in vLLM: allowed tokens, logit biases and min_tokens' banned stop tokens (token_bias.py),
 then penalties, then greedy rows take the argmax; the other rows are divided by their temperature, filtered by
 top-k, top-p and min-p, and drawn. A request with a seed draws from its own generator, so it gets the same text
-whatever else shares the batch. Logprobs are those of the raw model distribution.
+whatever else shares the batch. Logprobs are those of the raw model distribution, or as the engine's logprobs_mode
+says (vLLM's --logprobs-mode): the raw logits, or the logits (or logprobs) the token was chosen from, after biases
+and penalties and, for a sampled row, its temperature and top-k, top-p and min-p (a filtered token's is -inf).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from tokenloom.model.penalties import TokenCounts, apply_penalties
 from tokenloom.model.reductions import row_argmax
 from tokenloom.model.token_bias import apply_token_biases
-from tokenloom.sampling_params import SamplingParams
+from tokenloom.sampling_params import LogprobsMode, SamplingParams
 
 
 @dataclass
@@ -169,11 +171,18 @@ class SeededGenerators:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int,
+        eos_token_ids: tuple[int, ...] = (),
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+    ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.eos_token_ids = eos_token_ids  # what min_tokens bans besides a request's stop_token_ids
+        self.logprobs_mode = logprobs_mode  # what a token's logprobs are (the module's docstring)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         return self.sample(logits, batch).tokens()
@@ -182,7 +191,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledOnDevice:
         """Samples each row on the logits' device; the tokens come to the host when ``tokens()`` is read."""
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        raw = self._raw(logits, batch)
         restores = [
             apply_token_biases(logits, batch.params, batch.output_indexes(), self.eos_token_ids, batch.history_of)
         ]
@@ -190,22 +199,47 @@ class Sampler:
             restores.append(apply_penalties(logits, batch.params, batch.token_counts, batch.last_tokens))
         try:
             tokens = row_argmax(logits)
+            drawn_from = None
             if not batch.all_greedy:
-                tokens = self._sample_random(logits, batch, tokens)
-            return self._on_device(tokens, raw_logprobs, batch)
+                drawn_from = _tempered_and_filtered(logits, batch.params)
+                tokens = self._sample_random(drawn_from, batch, tokens)
+            shown = raw if raw is not None else self._processed(logits, drawn_from, batch)
+            return self._on_device(tokens, shown, batch)
         except BaseException:
             # The runner samples row by row after a failure: from the model's logits.
             for restore in reversed(restores):
                 restore()
             raise
 
-    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor):
-        params = batch.params
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-        logits = logits / temperature.unsqueeze(1)
-        logits = filter_top_k_top_p_min_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
+    def prompt_values(self, logits: torch.Tensor) -> torch.Tensor:
+        """What a prompt token's logprobs show: its logprobs or, under a logits mode, its logits (nothing processes
+        a prompt's logits, so raw and processed are the same)."""
+        logits = logits.float()
+        return logits if self.logprobs_mode.endswith("logits") else torch.log_softmax(logits, dim=-1)
+
+    def _raw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+        """The logprobs (or logits) the batch asks for, where they are the model's own: before anything changes
+        the logits."""
+        if batch.max_logprobs is None or self.logprobs_mode == "raw_logprobs":
+            return torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
+        return logits.clone() if self.logprobs_mode == "raw_logits" else None
+
+    def _processed(
+        self, logits: torch.Tensor, drawn_from: torch.Tensor | None, batch: SamplingBatch
+    ) -> torch.Tensor | None:
+        """The logprobs (or logits) the batch asks for, of what each row's token was chosen from: a greedy row's
+        logits (after biases and penalties), a sampled row's tempered and filtered ones (drawn_from)."""
+        if batch.max_logprobs is None or not self.logprobs_mode.startswith("processed"):
+            return None
+        processed = logits
+        if drawn_from is not None:
+            greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
+            processed = torch.where(greedy.unsqueeze(1), logits, drawn_from)
+        return torch.log_softmax(processed, dim=-1) if self.logprobs_mode == "processed_logprobs" else processed
+
+    def _sample_random(self, drawn_from: torch.Tensor, batch: SamplingBatch, greedy_tokens: torch.Tensor):
+        greedy = torch.tensor([p.greedy for p in batch.params], device=drawn_from.device)
+        probs = torch.softmax(drawn_from, dim=-1)
         # Exponential race (Gumbel-max in another form): argmax(p / E) with E ~ Exp(1) draws from p.
         sampled = row_argmax(probs / self._exponential_noise(probs, batch.generators))
         return torch.where(greedy, greedy_tokens, sampled)
@@ -243,23 +277,27 @@ class Sampler:
         assert not any(p.uses_penalties for p in batch.params), "penalties depend on the tokens before each row"
         rows = _expand_batch(batch, counts)
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if rows.max_logprobs is not None else None
+        raw = self._raw(logits, rows)
         restore = apply_token_biases(logits, rows.params, rows.output_indexes(), self.eos_token_ids, rows.history_of)
         try:
-            return self._verified(logits, rows, drafts, raw_logprobs)
+            return self._verified(logits, rows, drafts, raw)
         except BaseException:
             restore()
             raise
 
     def _verified(
-        self, logits: torch.Tensor, rows: SamplingBatch, drafts: list[list[int]], raw_logprobs: torch.Tensor | None
+        self, logits: torch.Tensor, rows: SamplingBatch, drafts: list[list[int]], shown: torch.Tensor | None
     ) -> list[list[SampledToken]]:
         row_drafts = [token for d in drafts for token in (*d, -1)]  # -1: the row after the last draft
         draft_ids = torch.tensor(row_drafts, device=logits.device)
         tokens = row_argmax(logits)
         accepted = tokens == draft_ids
+        drawn_from = None
         if not rows.all_greedy:
-            tokens, accepted = self._rejection_sample(logits, rows, draft_ids, tokens, accepted)
+            drawn_from = _tempered_and_filtered(logits, rows.params)
+            tokens, accepted = self._rejection_sample(drawn_from, rows, draft_ids, tokens, accepted)
+        if shown is None:
+            shown = self._processed(logits, drawn_from, rows)
         token_list, accepted_list = tokens.tolist(), accepted.tolist()
         kept_rows: list[list[int]] = []
         first = 0
@@ -274,7 +312,7 @@ class Sampler:
         flat_tokens = [t for ts in kept_tokens for t in ts]
         results = self._on_device(
             torch.tensor(flat_tokens, device=logits.device),
-            None if raw_logprobs is None else raw_logprobs[torch.tensor(flat_rows, device=logits.device)],
+            None if shown is None else shown[torch.tensor(flat_rows, device=logits.device)],
             _select_rows(rows, flat_rows),
         ).tokens()
         grouped, at = [], 0
@@ -285,7 +323,7 @@ class Sampler:
 
     def _rejection_sample(
         self,
-        logits: torch.Tensor,
+        drawn_from: torch.Tensor,
         rows: SamplingBatch,
         draft_ids: torch.Tensor,
         greedy_tokens: torch.Tensor,
@@ -293,13 +331,12 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's token if its draft is rejected (or its bonus token), and whether its draft is accepted."""
         params = rows.params
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
-        probs = torch.softmax(filter_top_k_top_p_min_p(logits / temperature.unsqueeze(1), params), dim=-1)
+        greedy = torch.tensor([p.greedy for p in params], device=drawn_from.device)
+        probs = torch.softmax(drawn_from, dim=-1)
         has_draft = draft_ids >= 0
         index = draft_ids.clamp(min=0).unsqueeze(1)
         draft_prob = probs.gather(1, index).squeeze(1) * has_draft
-        uniform = self._uniform(len(params), rows.generators, logits.device)
+        uniform = self._uniform(len(params), rows.generators, drawn_from.device)
         accepted = uniform < draft_prob
         # p without the draft token: argmax(p / E) draws from p renormalised, whatever the scale.
         residual = probs.scatter(1, index, torch.zeros_like(draft_prob).unsqueeze(1))
@@ -315,13 +352,21 @@ class Sampler:
         return values
 
     @staticmethod
-    def _on_device(tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, batch: SamplingBatch) -> SampledOnDevice:
-        """The tokens and the logprobs the batch asks for, gathered on the device and sent to the host."""
-        if raw_logprobs is None or batch.max_logprobs is None:
+    def _on_device(tokens: torch.Tensor, shown: torch.Tensor | None, batch: SamplingBatch) -> SampledOnDevice:
+        """The tokens and the logprobs (or logits: logprobs_mode) the batch asks for, gathered on the device and sent
+        to the host."""
+        if shown is None or batch.max_logprobs is None:
             return SampledOnDevice(tokens, None, batch.params)
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        top = raw_logprobs.topk(max(batch.max_logprobs, 1), dim=-1)
+        chosen = shown.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top = shown.topk(max(batch.max_logprobs, 1), dim=-1)
         return SampledOnDevice(tokens, (chosen, top.values, top.indices), batch.params)
+
+
+def _tempered_and_filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What a sampled row's token is drawn from: its logits over its temperature, filtered (a greedy row's, which
+    its argmax decides, filtered at temperature 1)."""
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+    return filter_top_k_top_p_min_p(logits / temperature.unsqueeze(1), params)
 
 
 def filter_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
