@@ -113,3 +113,22 @@ def test_a_stream_read_to_its_end_is_let_go(front):
         assert front._aborts.empty()
 
     asyncio.run(main())
+
+
+def test_a_reader_cancelled_while_it_waits_aborts_its_request(front):
+    """A hang-up while the response waits for the next output: the request ends then, not when (or if) the stream
+    is collected, which a traceback holding it can put off (the test keeps it referenced)."""
+
+    async def main():
+        with front._lock:
+            stream = await front.submit([1, 2, 3], LONG, "waiting")
+            reader = asyncio.create_task(anext(stream))
+            await until(lambda: front._streams["waiting"]._ready._waiters)  # the reader waits for an output
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            assert not front._aborts.empty()
+        await aborted_unread(front, "waiting")
+        return stream
+
+    assert asyncio.run(main()) is not None

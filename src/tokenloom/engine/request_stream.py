@@ -78,9 +78,10 @@ class OutputQueue:
 class RequestStream(AsyncIterator[RequestOutput]):
     """A request's outputs as its reader takes them (``AsyncEngine.submit``); the last has finished=True.
 
-    Closed (``aclose``) or dropped before its last output, it aborts its request, whether it was read or not: the
-    request's blocks are freed within a step. (An async generator's ``finally`` would run only once it had started,
-    so a stream admitted but never read, say when a request's second prompt is refused, would run to its end.)
+    Closed (``aclose``) or dropped before its last output, or its reader cancelled while it waits for one, it aborts
+    its request, whether it was read or not: the request's blocks are freed within a step. (An async generator's
+    ``finally`` would run only once it had started, so a stream admitted but never read, say when a request's second
+    prompt is refused, would run to its end.)
     """
 
     def __init__(self, request_id: str, stream: OutputQueue, let_go: Callable[[str, bool], None]) -> None:
@@ -95,7 +96,11 @@ class RequestStream(AsyncIterator[RequestOutput]):
     async def __anext__(self) -> RequestOutput:
         if self._ended:
             raise StopAsyncIteration
-        item = await self._stream.get()
+        try:
+            item = await self._stream.get()
+        except BaseException:  # the reader was cancelled while it waited (a hang-up): nothing reads on
+            self._end(abort=True)
+            raise
         if isinstance(item, Exception):
             self._end(abort=False)  # the engine already let go of it
             raise item
