@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import sys
 import typing
+from pathlib import Path
+from typing import Any
 
 from tokenloom.config import PARTS, EngineConfig
 from tokenloom.server_config import ServerConfig
@@ -29,6 +32,7 @@ SAMPLING_FLAGS = {
 VLLM_FLAGS_ACCEPTED = {
     "--trust-remote-code": "tokenloom runs no checkpoint's own code (only the architectures it builds in)",
     "--disable-log-requests": "requests are not logged unless --enable-log-requests (vLLM's newer default too)",
+    "--disable-custom-all-reduce": "tensor-parallel ranks all-reduce through torch.distributed only",
 }
 # vLLM's serve flags for what tokenloom does not do, refused by name with the reason (argparse would only say
 # "unrecognized").
@@ -44,6 +48,20 @@ VLLM_FLAGS_REFUSED = {
     "--load-format": "checkpoints load from safetensors (or the embedded GGUF)",
     "--guided-decoding-backend": "structured output is always xgrammar's",
     "--enable-sleep-mode": "the weights stay loaded",
+    "--limit-mm-per-prompt": "only text is served (no multimodal inputs)",
+    "--kv-transfer-config": "no disaggregated prefill: one engine computes a request's KV",
+    "--cpu-offload-gb": "the weights stay on the device",
+    "--hf-overrides": "a checkpoint's config.json is read as it is",
+    "--headless": "the engine serves behind its own API server (--core-process puts the core apart)",
+    "--compilation-config": "the step is compiled or not (--enforce-eager), with torch.compile's defaults",
+    "--max-cudagraph-capture-size": "CUDA graphs are captured up to --max-num-seqs",
+    "--tokenizer-mode": "the checkpoint's tokenizer.json is read with the tokenizers library",
+    "--distributed-executor-backend": "tensor-parallel ranks are processes of their own (torch.distributed)",
+    "--structured-outputs-config": "structured output is xgrammar's; its limits are --max-grammar-bytes and more",
+    "--chat-template-content-format": "message content is text (a list of text parts is joined)",
+    "--log-config-file": "logging is set by --log-level and --uvicorn-log-level",
+    "--response-role": "a chat reply's role is 'assistant'",
+    "--enable-server-load-tracking": "the load is in /metrics (tokenloom:num_requests_running and _waiting)",
 }
 
 
@@ -54,6 +72,54 @@ def refused_vllm_flag(argv: list[str]) -> str | None:
         if flag in VLLM_FLAGS_REFUSED:
             return f"{flag} (vLLM's) is not supported: {VLLM_FLAGS_REFUSED[flag]}"
     return None
+
+
+def expand_config_file(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """argv with vLLM's ``--config FILE`` replaced by the flags the YAML file holds, each unless argv gives it too
+    (the command line wins). ValueError (or OSError) saying what in the file is wrong."""
+    at = next((i for i, token in enumerate(argv) if token == "--config" or token.startswith("--config=")), None)
+    if at is None:
+        return argv
+    path = argv[at].partition("=")[2] if "=" in argv[at] else (argv[at + 1] if at + 1 < len(argv) else "")
+    rest = argv[:at] + argv[at + (1 if "=" in argv[at] else 2) :]
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) if path else None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: the file must hold a mapping of flags to their values")
+    actions = _subcommand_actions(parser or build_parser(), argv[0] if argv else "")
+    given = {token.split("=", 1)[0] for token in rest if token.startswith("--")}
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if (refused := refused_vllm_flag([flag])) is not None:
+            raise ValueError(f"--config {path}: {refused}")
+        if flag not in actions:
+            raise ValueError(f"--config {path}: {key!r} is not a flag of `tokenloom {argv[0]}`")
+        if {flag, "--no-" + flag[2:]} & given:
+            continue
+        flags += _config_flag(path, flag, value, actions[flag])
+    return [*rest, *flags]
+
+
+def _subcommand_actions(parser: argparse.ArgumentParser, command: str) -> dict[str, argparse.Action]:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub = subparsers.choices.get(command)
+    return dict(sub._option_string_actions) if sub is not None else {}
+
+
+def _config_flag(path: str, flag: str, value: Any, action: argparse.Action) -> list[str]:
+    """A config file's entry as command-line tokens."""
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        if not isinstance(value, bool):
+            raise ValueError(f"--config {path}: {flag[2:]} is true or false")
+        no = "--no-" + flag[2:]
+        return [flag] if value else ([no] if no in action.option_strings else [])
+    if isinstance(value, list):
+        if action.nargs not in ("+", "*"):
+            raise ValueError(f"--config {path}: {flag[2:]} takes one value, not a list")
+        return [flag, *map(str, value)]
+    return [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="the model to serve, as `vllm serve MODEL`"
     )
+    serve.add_argument("--config", metavar="FILE", help="a YAML file of flags (names with - or _) and their values, "
+                       "as vLLM's; a flag the command line also gives takes the command line's value")  # fmt: skip
     add_config_flags(serve.add_argument_group("server"), ServerConfig)
     add_engine_flags(serve)
     accepted = serve.add_argument_group("vLLM's flags that change nothing here")
@@ -189,10 +257,15 @@ def run_serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     given = sys.argv[1:] if argv is None else argv
+    try:
+        given = expand_config_file(given, parser)
+    except (ValueError, OSError) as error:
+        print(f"tokenloom: error: {error}", file=sys.stderr)
+        return 2
     if given[:1] == ["serve"] and (refused := refused_vllm_flag(given)) is not None:
         print(f"tokenloom: error: {refused}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args = parser.parse_args(given)
     try:
         if args.command == "generate":
             return run_generate(args)

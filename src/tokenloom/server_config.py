@@ -3,6 +3,7 @@ the engine core runs; one flag per field, its help the docstring under it."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,6 +62,9 @@ class ServerConfig:
     """Sampling defaults for what a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty), as
     vLLM's flag: 'auto' reads the checkpoint's generation_config.json if it has one, 'vllm' uses none (OpenAI's
     defaults), a directory reads its generation_config.json."""
+    override_generation_config: str | None = None
+    """A JSON object of sampling defaults over --generation-config's (or alone, with 'vllm'), as vLLM's flag: e.g.
+    '{"temperature": 0.5}'; keys among temperature, top_p, top_k, min_p, repetition_penalty."""
     stream_interval: int = 1
     """A streamed response's chunks after the first carry at least this many tokens (the last goes at once), as
     vLLM's flag: fewer, larger chunks cost the server less CPU a token (benchmarks/RESULTS.md); 1: every token as
@@ -73,6 +77,15 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False
     """Chat and completion usage says how many prompt tokens the prefix cache served
     (prompt_tokens_details.cached_tokens), as vLLM's flag; /v1/responses always says it."""
+    enable_force_include_usage: bool = False
+    """Every streamed chat or completion ends with a chunk of its usage, asked for or not, as vLLM's flag."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name their tokens 'token_id:N' unless a request says otherwise, as vLLM's flag."""
+    enable_request_id_headers: bool = False
+    """Every response carries X-Request-Id, as vLLM's flag: the request's own X-Request-Id if it sent one, else a new
+    one; either names a chat or completion response (its id), as the body's request_id does."""
+    disable_fastapi_docs: bool = False
+    """No /docs, /redoc or /openapi.json, as vLLM's flag."""
     core_process: bool | None = None
     """Run the engine core (scheduler, model) in a process of its own, apart from HTTP and detokenization, so that the
     event loop's work for each streamed token does not hold the engine's GIL. None: on for a --device other than the
@@ -90,6 +103,8 @@ class ServerConfig:
     """tokenloom's log level, and uvicorn's unless --uvicorn-log-level is given."""
     uvicorn_log_level: str | None = None
     """uvicorn's log level (its access log is at info), as vLLM's flag; None: --log-level."""
+    disable_uvicorn_access_log: bool = False
+    """No line per HTTP request in the log, as vLLM's flag."""
     enable_log_requests: bool = False
     """Log each request as it is admitted: its id, tenant, prompt (cut to --max-log-len) and sampling settings."""
     max_log_len: int | None = None
@@ -145,6 +160,7 @@ class ServerConfig:
             (self.ssl_keyfile is None) == (self.ssl_certfile is None), "give both --ssl-keyfile and --ssl-certfile"
         )
         _require_server(self.max_log_len is None or self.max_log_len >= 0, "max_log_len must be >= 0")
+        self.generation_overrides()  # a malformed override is refused at start
         _require_server(self.responses_store_bytes >= 0, "responses_store_bytes must be >= 0")
         _require_server(self.max_inflight_response_bytes > 0, "max_inflight_response_bytes must be positive")
         for name in ("max_body_bytes", "max_header_bytes", "max_header_count", "stream_interval"):
@@ -159,6 +175,24 @@ class ServerConfig:
             not self.step_log or not (self.core_process or self.ray),
             "--step-log observes the engine in this process: not with --core-process or --ray",
         )
+
+    def generation_overrides(self) -> dict[str, float]:
+        """--override-generation-config's sampling defaults (ValueError naming what is wrong)."""
+        if self.override_generation_config is None:
+            return {}
+        try:
+            given = json.loads(self.override_generation_config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"ServerConfig: override_generation_config is not JSON ({error})") from None
+        _require_server(isinstance(given, dict), "override_generation_config must be a JSON object")
+        unknown = sorted(set(given) - set(GENERATION_FIELDS))
+        _require_server(not unknown, f"override_generation_config: {unknown} are not among {GENERATION_FIELDS}")
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in given.values())
+        _require_server(numbers, "override_generation_config: every value must be a number")
+        return {name: float(value) for name, value in given.items()}
+
+
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _require_server(ok: bool, message: str) -> None:

@@ -8,6 +8,7 @@ request's failure is its own: the engine fails it alone, the others go on.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +25,10 @@ from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
 from tokenloom.server.reasoning import reasoning_parser
+from tokenloom.server.request_ids import RequestIdHeaders
 from tokenloom.server.response_budget import ResponseBudget
 from tokenloom.server.response_store import ResponseStore
-from tokenloom.server.state import ServerState
+from tokenloom.server.state import ServerState, VllmOptions
 from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant, TenantLimiter
 from tokenloom.server.text_budget import TextBudget
@@ -58,9 +60,14 @@ def build_app(
     responses_store_bytes: int = ServerConfig.responses_store_bytes,
     replica_id: str | None = None,
     prompt_tokens_details: bool = False,
+    vllm_options: VllmOptions | None = None,
 ) -> FastAPI:
     """With api_keys or tenants, every endpoint but /health and /ready needs a bearer key."""
-    app = FastAPI(title="tokenloom", version=tokenloom.__version__, root_path=root_path)
+    options = vllm_options or VllmOptions()
+    on = options.fastapi_docs  # /docs, /redoc and the schema, unless --disable-fastapi-docs
+    app = FastAPI(title="tokenloom", version=tokenloom.__version__, root_path=root_path,
+                  docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
+                  openapi_url="/openapi.json" if on else None)  # fmt: skip
     app.state.tokenloom = ServerState(
         engine,
         metrics,
@@ -79,23 +86,37 @@ def build_app(
         TextBudget.for_bodies_up_to(max_body_bytes),
         ResponseBudget(max_inflight_response_bytes),
         reasoning_parser=reasoning_parser(reasoning_parser_name),
+        force_include_usage=options.force_include_usage,
+        tokens_as_token_ids=options.return_tokens_as_token_ids,
     )
-    default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
-    key_owners = [(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys]
     routers = [m.router for m in (health, completions, chat, responses_api, tokenization, lora_routes)]
+    guard = functools.partial(Guard, max_body_bytes=max_body_bytes, max_inflight_body_bytes=max_inflight_body_bytes,
+                              body_timeout=body_timeout)  # fmt: skip
+    _add_guard(app, guard, metrics, routers, api_keys, tenants)
+    if options.request_id_headers:
+        app.add_middleware(RequestIdHeaders)
+    _add_routes(app, routers)
+    return app
+
+
+def _add_guard(
+    app: FastAPI,
+    guard: Callable[..., Guard],
+    metrics: ServerMetrics,
+    routers: list[APIRouter],
+    api_keys: list[str] | None,
+    tenants: list[Tenant] | None,
+) -> None:
+    """The guard in front of every route: body sizes and deadlines (``guard``'s), bearer keys and their tenants."""
+    default_tenant = Tenant(name=OPERATOR_TENANT, keys=tuple(api_keys or ()))
     app.add_middleware(
-        Guard,
-        max_body_bytes=max_body_bytes,
-        key_owners=key_owners,
+        guard,
+        key_owners=[(key.encode(), t) for t in [default_tenant, *(tenants or [])] for key in t.keys],
         default_tenant=default_tenant,
         on_reject=lambda reason: metrics.rejected_request(reason, ""),
         on_response=metrics.http_request,
         handler_of=_handler_of([route for router in routers for route in router.routes]),
-        max_inflight_body_bytes=max_inflight_body_bytes,
-        body_timeout=body_timeout,
     )
-    _add_routes(app, routers)
-    return app
 
 
 def _add_routes(app: FastAPI, routers: list[APIRouter]) -> None:

@@ -54,7 +54,8 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     prepared = await prepared_chat(state, body)
     top = body.top_logprobs if body.top_logprobs is not None else 0
     logprobs = top if body.logprobs else None
-    shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, body.return_tokens_as_token_ids,
+    by_id = state.names_tokens_by_id(body.return_tokens_as_token_ids)
+    shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, by_id,
                       body.prompt_logprobs is not None, prepared.reasoning, body.include_reasoning,
                       body.return_token_ids)  # fmt: skip
     return await serve_generation(state, raw, body, [prepared.prompt_ids], logprobs, shape, prepared.structured)

@@ -40,7 +40,8 @@ async def completions(body: CompletionRequest, raw: Request) -> Response:
     structured = body.structured_output()
     prompts = [await tokenized(state, prompt) for prompt in body.prompts()]
     shape = CompletionShape(
-        state.engine.tokenizer, body.echo, body.return_tokens_as_token_ids, body.prompt_logprobs is not None,
+        state.engine.tokenizer, body.echo, state.names_tokens_by_id(body.return_tokens_as_token_ids),
+        body.prompt_logprobs is not None,
         body.return_token_ids,
     )  # fmt: skip
     return await serve_generation(state, raw, body, prompts, body.logprobs, shape, structured)

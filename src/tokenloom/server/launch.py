@@ -27,8 +27,9 @@ from tokenloom.server.app import build_app
 from tokenloom.server.connections import with_header_limits
 from tokenloom.server.lora_adapters import parse_lora_modules
 from tokenloom.server.metrics import ServerMetrics
+from tokenloom.server.state import VllmOptions
 from tokenloom.server.tenants import load_tenants
-from tokenloom.server_config import ServerConfig
+from tokenloom.server_config import GENERATION_FIELDS, ServerConfig
 from tokenloom.utils import heap_frozen
 from tokenloom.version import git_commit
 
@@ -36,9 +37,6 @@ ENGINE_DEATH_GRACE_S = 3.0  # after the engine dies, for the error events of wha
 ENGINE_DIED_EXIT_CODE = 1
 API_KEY_ENV = "TOKENLOOM_API_KEY"  # as vLLM reads VLLM_API_KEY: a key kept out of `ps`
 LOG_STATS_EVERY_S = 10.0  # the periodic throughput line, as vLLM logs it (--disable-log-stats: never)
-
-
-GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def without_query_string(record: logging.LogRecord) -> bool:
@@ -55,8 +53,13 @@ def read_chat_template(template: str) -> str:
     return path.read_text() if "{" not in template and path.is_file() else template
 
 
-def generation_defaults(choice: str, checkpoint: Path) -> dict[str, float]:
-    """The sampling defaults of a generation_config.json: the checkpoint's ('auto'), none ('vllm'), or a dir's."""
+def generation_defaults(server: ServerConfig, checkpoint: Path) -> dict[str, float]:
+    """The sampling defaults of --generation-config's generation_config.json (the checkpoint's for 'auto', none for
+    'vllm', or a directory's), with --override-generation-config's over them."""
+    return {**_generation_file_defaults(server.generation_config, checkpoint), **server.generation_overrides()}
+
+
+def _generation_file_defaults(choice: str, checkpoint: Path) -> dict[str, float]:
     if choice == "vllm":
         return {}
     directory = checkpoint if choice == "auto" else Path(choice)
@@ -102,7 +105,7 @@ def build_server(
         tenants=tenants,
         max_body_bytes=server.max_body_bytes,
         version_info={"git_commit": git_commit()},
-        sampling_defaults=generation_defaults(server.generation_config, engine.model_path),
+        sampling_defaults=generation_defaults(server, engine.model_path),
         aliases=tuple(aliases),
         tool_call_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
         reasoning_parser_name=server.reasoning_parser,
@@ -116,6 +119,7 @@ def build_server(
         responses_store_bytes=server.responses_store_bytes,
         replica_id=replica_id,
         prompt_tokens_details=server.enable_prompt_tokens_details,
+        vllm_options=_vllm_options(server),
     )
     for name, path, base_model_name in lora_modules:
         app.state.tokenloom.adapters.add(name, path, base_model_name)
@@ -189,23 +193,7 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
                 self.force_exit = True  # a second signal stops at once
             self.should_exit = True
 
-    config = uvicorn.Config(
-        app,
-        host=server.host,
-        port=server.port,
-        log_level=server.uvicorn_log_level or server.log_level,
-        root_path=server.root_path,
-        ssl_keyfile=server.ssl_keyfile,
-        ssl_certfile=server.ssl_certfile,
-        http=with_header_limits(server.header_timeout, server.max_header_bytes, server.max_header_count),
-        timeout_keep_alive=math.ceil(server.keep_alive_timeout),
-        h11_max_incomplete_event_size=server.max_header_bytes + 1,  # ours answers 431 first; h11's closes
-        # The engine cuts what is still running at the drain timeout, with a final error event; this leaves
-        # time for those events to reach the clients before uvicorn closes the connections.
-        timeout_graceful_shutdown=math.ceil(server.drain_timeout + 5.0),
-    )
-    logging.getLogger("uvicorn.access").addFilter(without_query_string)
-    http_server = DrainingServer(config)
+    http_server = DrainingServer(_uvicorn_config(app, server))
 
     def exit_after_engine_death() -> None:
         """As vLLM's API server: a server whose engine died exits non-zero, so a supervisor (Kubernetes' liveness
@@ -223,3 +211,32 @@ def serve(server: ServerConfig, engine_config: EngineConfig) -> int:
         logging.getLogger(__name__).error("exiting: the engine died")
         return ENGINE_DIED_EXIT_CODE
     return 0
+
+
+def _vllm_options(server: ServerConfig) -> VllmOptions:
+    return VllmOptions(
+        fastapi_docs=not server.disable_fastapi_docs,
+        request_id_headers=server.enable_request_id_headers,
+        force_include_usage=server.enable_force_include_usage,
+        return_tokens_as_token_ids=server.return_tokens_as_token_ids,
+    )
+
+
+def _uvicorn_config(app: FastAPI, server: ServerConfig) -> uvicorn.Config:
+    logging.getLogger("uvicorn.access").addFilter(without_query_string)
+    return uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level=server.uvicorn_log_level or server.log_level,
+        access_log=not server.disable_uvicorn_access_log,
+        root_path=server.root_path,
+        ssl_keyfile=server.ssl_keyfile,
+        ssl_certfile=server.ssl_certfile,
+        http=with_header_limits(server.header_timeout, server.max_header_bytes, server.max_header_count),
+        timeout_keep_alive=math.ceil(server.keep_alive_timeout),
+        h11_max_incomplete_event_size=server.max_header_bytes + 1,  # ours answers 431 first; h11's closes
+        # The engine cuts what is still running at the drain timeout, with a final error event; this leaves
+        # time for those events to reach the clients before uvicorn closes the connections.
+        timeout_graceful_shutdown=math.ceil(server.drain_timeout + 5.0),
+    )

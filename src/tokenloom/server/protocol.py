@@ -113,7 +113,8 @@ class _Common(_Body):
     include_stop_str_in_output: bool = False  # vLLM's
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None  # vLLM's: keep the last k (-1: max_model_len)
     skip_special_tokens: bool = True  # vLLM's
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:N"
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name their tokens "token_id:N" (None: the flag)
+    request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None  # vLLM's: names the response
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids beside the text
     # Lower runs first. A request may lower its own priority below its tenant's, never raise it above.
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Request
@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from tokenloom.beam_search import BeamSearch, BeamSearchParams
-from tokenloom.engine.async_engine import AsyncEngine, ErrorReason, RequestError
+from tokenloom.engine.async_engine import AsyncEngine, RequestError
 from tokenloom.engine.client import InvalidField
 from tokenloom.engine.request_stream import RequestStream
 from tokenloom.engine.structured_output import InvalidGrammar
@@ -26,6 +26,7 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.beam_choices import BeamSearchChoices, StepSubmit
 from tokenloom.server.errors import APIError
+from tokenloom.server.forked_choices import ForkedChoices
 from tokenloom.server.guard import Message
 from tokenloom.server.protocol import DetokenizeRequest, StreamOptions, TokenizeRequest, _Common
 from tokenloom.server.response_budget import response_charge
@@ -55,20 +56,31 @@ async def serve_generation(
     Each prompt gets body.n choices, numbered prompt by prompt; usage counts each prompt once, as OpenAI does.
     """
     prompts = _truncated(prompts, body.truncate_prompt_tokens, state.engine.max_model_len)
-    request_id = f"{shape.id_prefix}{uuid.uuid4().hex}"
+    response_id, request_id = _ids(shape, raw, body)
     created = int(time.time())
     counting = UsageCount(sum(len(p) for p in prompts), body.n, state.prompt_tokens_details)
     async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, lease):
         if body.stream:
             options = body.stream_options or StreamOptions()
+            if state.force_include_usage:
+                options = options.model_copy(update={"include_usage": True})
             frames = shape.sse_frames(
-                streams, logprobs is not None, request_id, created, state.served_name(body.model), counting, options
+                streams, logprobs is not None, response_id, created, state.served_name(body.model), counting, options
             )
             return await sse_response(shape, frames, lease.transfer(), raw.receive)
         finals = await collect_finals(streams, raw.receive)
-    response = _whole(state.served_name(body.model), shape, request_id, created, counting, finals, logprobs)
+    response = _whole(state.served_name(body.model), shape, response_id, created, counting, finals, logprobs)
     # Straight to JSON bytes: model_dump() then json.dumps held a third copy of a response (its logprobs, mostly).
     return Response(response.model_dump_json(), media_type="application/json")
+
+
+def _ids(shape: ResponseShape, raw: Request, body: _Common) -> tuple[str, str]:
+    """The response's id (after the shape's prefix: the client's X-Request-Id, else the body's request_id, else a new
+    one, as vLLM names it) and its engine requests' (unique even where clients reuse a name)."""
+    named = raw.headers.get("x-request-id") or body.request_id
+    raw.state.request_id = base = named or uuid.uuid4().hex  # what --enable-request-id-headers sends back
+    response_id = f"{shape.id_prefix}{base}"
+    return response_id, response_id if named is None else f"{response_id}-{uuid.uuid4().hex[:8]}"
 
 
 async def generate_in_background(
@@ -198,7 +210,7 @@ async def _admitted(
             async def the_rest(prompt: list[int] = prompt, q: SamplingParams = q, i: int = i) -> list[RequestStream]:
                 return [await submit(prompt, _choice_params(q, j), f"{request_id}-{i}-{j}", False) for j in range(1, n)]
 
-            streams.extend(_Fork(first, the_rest, n).streams)
+            streams.extend(ForkedChoices(first, the_rest, n).streams)
         yield streams, lease
     except BaseException:
         for stream in submitted:  # what was admitted before the failure is aborted (read or not), not left running
@@ -300,51 +312,6 @@ def _beam_search_choices(
 def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
     """Choice j of n: its own random stream (a seeded request stays reproducible, its choices differ)."""
     return dataclasses.replace(params, seed=None if params.seed is None else params.seed ^ j)
-
-
-class _Fork:
-    """One prompt's n choices, sharing the prompt's KV blocks: one prefill, n decodes.
-
-    The first choice is admitted at once; the others when it has its first token, by which time the prompt's full
-    blocks are in the prefix cache, so they take those blocks by reference (the block pool's ref counts) and compute
-    only the prompt's last, partial block again. Without prefix caching each choice computes its prompt.
-    """
-
-    def __init__(
-        self,
-        first: AsyncIterator[RequestOutput],
-        admit_rest: Callable[[], Awaitable[list[RequestStream]]],
-        n: int,
-    ) -> None:
-        self._first, self._admit_rest = first, admit_rest
-        self._rest: list[RequestStream] = []
-        self._failure: BaseException | None = None
-        self._admitted = asyncio.Event()
-        self.streams: list[AsyncIterator[RequestOutput]] = [self._leader(), *(self._follower(j) for j in range(n - 1))]
-
-    async def _leader(self) -> AsyncIterator[RequestOutput]:
-        try:
-            async for output in self._first:
-                if not self._admitted.is_set():
-                    try:
-                        self._rest = await self._admit_rest()
-                    except Exception as error:
-                        self._failure = error
-                        raise
-                    finally:
-                        self._admitted.set()
-                yield output
-        finally:
-            if not self._admitted.is_set():  # ended before its first token: the others cannot start
-                self._failure = RequestError(ErrorReason.REQUEST_FAILED, "the request's first choice did not start")
-                self._admitted.set()
-
-    async def _follower(self, j: int) -> AsyncIterator[RequestOutput]:
-        await self._admitted.wait()
-        if self._failure is not None:
-            raise self._failure
-        async for output in self._rest[j]:
-            yield output
 
 
 def check_model(body: _Common | TokenizeRequest | DetokenizeRequest, state: ServerState) -> None:

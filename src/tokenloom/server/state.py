@@ -38,6 +38,16 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+@dataclass(frozen=True)
+class VllmOptions:
+    """What vLLM's serve flags set for every response (server_config.py says each)."""
+
+    fastapi_docs: bool = True  # /docs, /redoc, /openapi.json (--disable-fastapi-docs: none)
+    request_id_headers: bool = False  # X-Request-Id on every response
+    force_include_usage: bool = False  # every stream ends with its usage
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
+
+
 @dataclass
 class ServerState:
     """What the routes share, on ``app.state.tokenloom``."""
@@ -61,6 +71,8 @@ class ServerState:
         default_factory=lambda: ResponseBudget(ServerConfig.max_inflight_response_bytes)
     )
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: a reply's thought apart from its answer
+    force_include_usage: bool = False  # every stream ends with its usage (--enable-force-include-usage)
+    tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless asked not to (vLLM's flag)
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
     background: BackgroundResponses = field(init=False)  # the Responses API's background responses still running
@@ -70,6 +82,10 @@ class ServerState:
         self.metrics.response_bytes.set_function(lambda: self.response_budget.held)
         self.background = BackgroundResponses(self.response_store)
         self.adapters = ServedAdapters(self.engine.check_adapter, self.model_name, {self.model_name, *self.aliases})
+
+    def names_tokens_by_id(self, asked: bool | None) -> bool:
+        """Whether a response's logprobs name their tokens "token_id:N": as the request asks, else the server's flag."""
+        return self.tokens_as_token_ids if asked is None else asked
 
     def served_name(self, model: str | None) -> str:
         """The name a response gives as its model: the adapter's, for a request of one; the base model's otherwise."""
