@@ -46,38 +46,28 @@ def make_runner(
     num_swap_blocks: int,
     max_model_len: int,
 ) -> ModelRunner:
-    """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts."""
-    runner = _runner(config, loaded, device, dtype, num_kv_blocks, num_swap_blocks, max_model_len)
-    runner.sampler.logprobs_mode = config.model.logprobs_mode  # rank 0 alone samples
-    return runner
-
-
-def _runner(
-    config: EngineConfig,
-    loaded: LoadedModel,
-    device: torch.device,
-    dtype: torch.dtype,
-    num_kv_blocks: int,
-    num_swap_blocks: int,
-    max_model_len: int,
-) -> ModelRunner:
+    """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts. Rank 0
+    alone samples, so its sampler alone takes the logprobs mode."""
     size = config.parallel.tensor_parallel_size
     calibration = calibration_for(config.model.quantization, loaded.tokenizer, loaded.config.vocab_size)
     if size == 1:
-        return ModelRunner(
-            loaded.model,
-            num_kv_blocks,
-            config.cache.block_size,
-            device,
-            dtype,
-            config.model.seed,
-            num_swap_blocks,
-            compile_step=config.compiles_step(device.type),
-            attention_backend=config.model.attention_backend,
-            kv_cache_dtype=config.cache.kv_cache_dtype,
-            quantization=config.model.quantization,
-            calibration=calibration,
-            lora=config.lora,
+        return _with_logprobs_mode(
+            ModelRunner(
+                loaded.model,
+                num_kv_blocks,
+                config.cache.block_size,
+                device,
+                dtype,
+                config.model.seed,
+                num_swap_blocks,
+                compile_step=config.compiles_step(device.type),
+                attention_backend=config.model.attention_backend,
+                kv_cache_dtype=config.cache.kv_cache_dtype,
+                quantization=config.model.quantization,
+                calibration=calibration,
+                lora=config.lora,
+            ),
+            config,
         )
     # Imported only when there are ranks to run: the tensor-parallel runner needs the IPC library (pyzmq), which a
     # GPU image serving one rank may lack (tests/engine/test_gpu_image_imports.py).
@@ -106,4 +96,10 @@ def _runner(
         kv_cache_dtype=config.cache.kv_cache_dtype,
         quantization=config.model.quantization,
     )
-    return TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
+    rank0 = TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
+    return _with_logprobs_mode(rank0, config)
+
+
+def _with_logprobs_mode(runner: ModelRunner, config: EngineConfig) -> ModelRunner:
+    runner.sampler.logprobs_mode = config.model.logprobs_mode
+    return runner
