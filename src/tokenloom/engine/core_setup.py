@@ -4,6 +4,7 @@ one, or rank 0 of a tensor-parallel group whose workers it starts (``make_runner
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.platform import resolve_dtype
 from tokenloom.model.quantization import calibration_for
 from tokenloom.model.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tokenloom.model.parallel_runner import WorkerSpec
 
 
 def load_for_core(
@@ -71,15 +75,30 @@ def make_runner(
         )
     # Imported only when there are ranks to run: the tensor-parallel runner needs the IPC library (pyzmq), which a
     # GPU image serving one rank may lack (tests/engine/test_gpu_image_imports.py).
-    from tokenloom.model.parallel_runner import (
-        TensorParallelRunner,
-        TensorParallelWorkers,
-        WorkerSpec,
-        backend_for,
-        free_local_init_method,
-    )
+    from tokenloom.model.parallel_runner import TensorParallelRunner, TensorParallelWorkers
 
-    spec = WorkerSpec(
+    spec = _worker_spec(config, dtype, num_kv_blocks, num_swap_blocks, max_model_len)
+    rank0 = TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
+    return _with_logprobs_mode(rank0, config)
+
+
+def _with_logprobs_mode(runner: ModelRunner, config: EngineConfig) -> ModelRunner:
+    runner.sampler.logprobs_mode = config.model.logprobs_mode
+    return runner
+
+
+def _worker_spec(
+    config: EngineConfig,
+    dtype: torch.dtype,
+    num_kv_blocks: int,
+    num_swap_blocks: int,
+    max_model_len: int,
+) -> WorkerSpec:
+    """What each tensor-parallel worker builds its rank from."""
+    from tokenloom.model.parallel_runner import WorkerSpec, backend_for, free_local_init_method
+
+    size = config.parallel.tensor_parallel_size
+    return WorkerSpec(
         model=config.model.model,
         max_model_len=max_model_len,
         dtype=dtype,
@@ -96,10 +115,3 @@ def make_runner(
         kv_cache_dtype=config.cache.kv_cache_dtype,
         quantization=config.model.quantization,
     )
-    rank0 = TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
-    return _with_logprobs_mode(rank0, config)
-
-
-def _with_logprobs_mode(runner: ModelRunner, config: EngineConfig) -> ModelRunner:
-    runner.sampler.logprobs_mode = config.model.logprobs_mode
-    return runner
