@@ -107,8 +107,12 @@ class SamplingParams:
                 "repetition_penalty must be finite and > 0",
             ),
             # The most a request may ask for is the engine's (--max-logprobs): EngineClient.prepare_request.
-            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0"),
+            # -1: the whole vocabulary, as vLLM's (EngineClient.with_logprobs_resolved says how many that is).
+            (self.logprobs is None or self.logprobs >= -1, "logprobs must be >= 0, or -1 for the vocabulary"),
+            (
+                self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+                "prompt_logprobs must be >= 0, or -1 for the vocabulary",
+            ),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (_valid_logit_bias(self.logit_bias), "logit_bias must map token ids (integers) to finite numbers"),

@@ -21,14 +21,17 @@ def test_by_default_a_request_may_ask_for_20_and_no_more(tiny_llama):
     for field in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=f"Requested {field} of 21, which is greater than max allowed: 20"):
             llm.generate([PROMPT], SamplingParams(max_tokens=2, **{field: 21}), use_tqdm=False)
+    with pytest.raises(ValueError, match=f"Requested logprobs of {TINY_VOCAB}, which is greater than max allowed: 20"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, logprobs=-1), use_tqdm=False)
     with pytest.raises(ValueError, match="at most 10 beams"):
         llm.beam_search([PROMPT], BeamSearchParams(beam_width=11, max_tokens=2))
     assert llm.stats().kv_blocks_in_use == 0
 
 
-def test_minus_one_allows_the_whole_vocabulary(tiny_llama):
+@pytest.mark.parametrize("asked", [TINY_VOCAB, -1])  # -1: the whole vocabulary, as vLLM's
+def test_minus_one_allows_the_whole_vocabulary(tiny_llama, asked):
     llm = LLM(str(tiny_llama), dtype="float32", max_logprobs=-1)
-    params = SamplingParams(temperature=0, max_tokens=2, logprobs=TINY_VOCAB, prompt_logprobs=TINY_VOCAB)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=asked, prompt_logprobs=asked)
     [output] = llm.generate([PROMPT], params, use_tqdm=False)
     entries = [*output.outputs[0].logprobs, *output.prompt_logprobs[1:]]
     for entry in entries:

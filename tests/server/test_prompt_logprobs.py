@@ -118,6 +118,7 @@ def test_max_logprobs_bounds_what_a_request_may_ask_for_with_a_clear_400(tiny_ch
         over = "which is greater than max allowed: 30"
         refusals = [
             (lambda: completion(logprobs=31), "logprobs", f"Requested logprobs of 31, {over}"),
+            (lambda: completion(logprobs=-1), "logprobs", f"Requested logprobs of 49152, {over}"),  # the vocabulary
             # Asked for a billion, the answer is this 400, not the response budget's refusal.
             (lambda: chat(messages=[{"role": "user", "content": "Hi"}], top_logprobs=10**9), "logprobs", over),
             (lambda: completion(extra_body={"prompt_logprobs": 31}), "prompt_logprobs", over),

@@ -174,8 +174,8 @@ class AsyncEngine:
     def check_adapter(self, lora: LoRARequest) -> None:
         self.engine.check_adapter(lora)
 
-    def check_logprobs(self, params: SamplingParams) -> None:
-        self.engine.check_logprobs(params)
+    def with_logprobs_resolved(self, params: SamplingParams) -> SamplingParams:
+        return self.engine.with_logprobs_resolved(params)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)[1]

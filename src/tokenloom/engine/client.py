@@ -129,7 +129,7 @@ class EngineClient(ABC):
         cache_salt: str | None = None,
     ) -> PreparedRequest:
         """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
-        params = self._with_bad_words_tokenized(params or SamplingParams())
+        params = self.with_logprobs_resolved(self._with_bad_words_tokenized(params or SamplingParams()))
         vocab = self.model_config.vocab_size
         checked = (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
                    ("allowed_token_ids", params.allowed_token_ids or []),
@@ -137,7 +137,6 @@ class EngineClient(ABC):
         for name, tokens in checked:
             if any(t < 0 or t >= vocab for t in tokens):
                 raise InvalidField(name, f"{name}: token ids must be in [0, {vocab})")
-        self.check_logprobs(params)
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise InvalidField("cache_salt", "cache_salt must be a non-empty string")
         prompt_text, token_ids = self.tokenize(prompt)
@@ -159,12 +158,19 @@ class EngineClient(ABC):
             self._grammars.compile(params.structured_outputs)  # a bad schema is the caller's error, found here
         return PreparedRequest(request, self.processor.new_state(prompt_text, token_ids, params))
 
-    def check_logprobs(self, params: SamplingParams) -> None:
-        """InvalidField if the request asks for more alternatives per token than --max-logprobs allows."""
+    def with_logprobs_resolved(self, params: SamplingParams) -> SamplingParams:
+        """The params with -1 logprobs (the whole vocabulary, vLLM's) made the vocabulary's size; InvalidField if the
+        request asks for more alternatives per token than --max-logprobs allows."""
+        vocab = self.model_config.vocab_size
+        if params.logprobs == -1:
+            params = dataclasses.replace(params, logprobs=vocab)
+        if params.prompt_logprobs == -1:
+            params = dataclasses.replace(params, prompt_logprobs=vocab)
         for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if asked is not None and asked > self.max_logprobs:
                 message = f"Requested {name} of {asked}, which is greater than max allowed: {self.max_logprobs}"
                 raise InvalidField(name, message + " (--max-logprobs)")
+        return params
 
     def check_adapter(self, lora: LoRARequest) -> None:
         """InvalidField unless the adapter may be served (its config, read here once per name and path; its weights

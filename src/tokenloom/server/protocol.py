@@ -131,7 +131,7 @@ class _Common(_Body):
     length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] = 1.0  # vLLM's: beams scored by sum / length ** it
     logit_bias: LogitBias | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None  # vLLM's
-    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None  # vLLM's: each prompt token's, in the response
+    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None  # vLLM's: each prompt token's, in the response
     bad_words: Annotated[list[Text], Field(max_length=64)] | None = None  # vLLM's: words the output never completes
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -248,7 +248,7 @@ class _Common(_Body):
 class CompletionRequest(_Common):
     prompt: Text | list[TokenId] | Annotated[list[Text], Field(min_length=1)] | list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0)] | None = None
+    logprobs: Annotated[int, Field(ge=-1)] | None = None  # -1: the whole vocabulary (vLLM's)
     echo: bool = False  # the prompt before the completion, with its tokens' logprobs when logprobs are asked for
 
     def prompt_logprobs_wanted(self, logprobs: int | None) -> int | None:
@@ -353,7 +353,7 @@ class ChatCompletionRequest(_Common, ChatTemplateOptions):
     modalities: list[Literal["text"]] | None = None  # text is what a language model gives
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    top_logprobs: Annotated[int, Field(ge=-1)] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the thought (--reasoning-parser) out of the reply
 
     def requested_max_tokens(self) -> int | None:

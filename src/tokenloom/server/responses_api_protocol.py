@@ -181,7 +181,7 @@ class ResponsesRequest(_Body):
     safety_identifier: Text | None = None
     stream_options: dict[str, Any] | None = None  # OpenAI's include_obfuscation: no obfuscation is ever added
     include: list[Text] | None = None  # OUTPUT_LOGPROBS only
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None  # alternatives per token, with OUTPUT_LOGPROBS
+    top_logprobs: Annotated[int, Field(ge=-1)] | None = None  # alternatives per token, with OUTPUT_LOGPROBS
     previous_response_id: Text | None = None  # the kept response whose conversation this continues
     background: bool | None = None  # generated apart from this request; polled, or cancelled (responses_background.py)
     reasoning: ReasoningConfig | None = None  # its effort goes to the chat template, as chat's reasoning_effort

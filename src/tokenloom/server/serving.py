@@ -261,8 +261,8 @@ def _params_within_limits(
         for prompt in prompts:
             limiter.check_caps(tenant, len(prompt), requested, sequences)
             max_tokens = _default_max_tokens(requested, tenant, len(prompt), max_model_len)
-            params.append(body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured))
-            _check_logprobs(state, params[-1])  # before the charge, which grows with them
+            asked = body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured)
+            params.append(_logprobs_resolved(state, asked))  # before the charge, which grows with them
         tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
         charge = response_charge([len(p) for p in prompts], params, n, streamed=bool(body.stream))
         state.response_budget.take_or_refuse(charge)
@@ -279,9 +279,9 @@ def _params_within_limits(
     return params, charge
 
 
-def _check_logprobs(state: ServerState, params: SamplingParams) -> None:
+def _logprobs_resolved(state: ServerState, params: SamplingParams) -> SamplingParams:
     try:
-        state.engine.check_logprobs(params)
+        return state.engine.with_logprobs_resolved(params)
     except InvalidField as error:
         raise APIError(400, str(error), error.field, "invalid_value") from error
 
