@@ -89,6 +89,8 @@ def expand_config_file(argv: list[str], parser: argparse.ArgumentParser | None =
         raise ValueError(f"--config {path}: the file must hold a mapping of flags to their values")
     actions = _subcommand_actions(parser or build_parser(), argv[0] if argv else "")
     given = {token.split("=", 1)[0] for token in rest if token.startswith("--")}
+    if len(rest) > 1 and not rest[1].startswith("-"):  # `serve MODEL`: the command line names the model
+        given.add("--model")
     flags: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")

@@ -29,6 +29,9 @@ def test_a_config_file_gives_the_flags_and_the_command_line_wins(tmp_path):
     assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (5, 512)
     assert not engine.cache.enable_prefix_caching and server.enable_log_requests and server.disable_uvicorn_access_log
     assert server.port == 9001
+    # The model named on the command line, as `vllm serve MODEL --config FILE` names it, wins over the file's.
+    args = build_parser().parse_args(expand_config_file(["serve", "other-model", "--config", str(config)]))
+    assert args.model_tag == "other-model" and args.model is None
 
 
 @pytest.mark.parametrize(
