@@ -171,18 +171,13 @@ class SeededGenerators:
 
 
 class Sampler:
-    def __init__(
-        self,
-        device: torch.device,
-        seed: int,
-        eos_token_ids: tuple[int, ...] = (),
-        logprobs_mode: LogprobsMode = "raw_logprobs",
-    ) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.eos_token_ids = eos_token_ids  # what min_tokens bans besides a request's stop_token_ids
-        self.logprobs_mode = logprobs_mode  # what a token's logprobs are (the module's docstring)
+        # What a token's logprobs are (the module's docstring); the engine's logprobs_mode, set on rank 0's sampler.
+        self.logprobs_mode: LogprobsMode = "raw_logprobs"
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> list[SampledToken]:
         return self.sample(logits, batch).tokens()
@@ -220,9 +215,9 @@ class Sampler:
     def _raw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
         """The logprobs (or logits) the batch asks for, where they are the model's own: before anything changes
         the logits."""
-        if batch.max_logprobs is None or self.logprobs_mode == "raw_logprobs":
-            return torch.log_softmax(logits, dim=-1) if batch.max_logprobs is not None else None
-        return logits.clone() if self.logprobs_mode == "raw_logits" else None
+        if batch.max_logprobs is None or not self.logprobs_mode.startswith("raw"):
+            return None
+        return torch.log_softmax(logits, dim=-1) if self.logprobs_mode == "raw_logprobs" else logits.clone()
 
     def _processed(
         self, logits: torch.Tensor, drawn_from: torch.Tensor | None, batch: SamplingBatch
