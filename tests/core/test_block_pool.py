@@ -20,8 +20,19 @@ def test_free_queue_hands_out_least_recently_freed_first():
     a, b = pool.allocate(2)
     pool.release([b])
     pool.release([a])
-    order = [block.block_id for block in pool.free_queue]
-    assert order == [2, 3, b.block_id, a.block_id]
+    assert pool.free_block_ids() == [2, 3, b.block_id, a.block_id]
+    assert [block.block_id for block in pool.allocate(4)] == [2, 3, b.block_id, a.block_id]
+
+
+def test_a_pool_of_millions_of_blocks_makes_only_those_it_hands_out():
+    """An accelerator's memory holds millions of a small model's blocks (the simulator sizes pools so)."""
+    pool = BlockPool(50_000_000)
+    assert pool.blocks == [] and pool.num_free_blocks == 50_000_000
+    first = pool.allocate(3)[0]
+    pool.release([first])
+    assert len(pool.blocks) == 3 and pool.num_used_blocks == 2
+    assert [block.block_id for block in pool.allocate(2)] == [3, 4]  # those never handed out go first
+    pool.check_invariants()
 
 
 def test_cached_block_is_reused_until_evicted():

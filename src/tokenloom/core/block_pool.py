@@ -67,20 +67,30 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: tuple[int, ...])
 
 
 class BlockPool:
+    """The blocks, made as they are first handed out: a pool sized from an accelerator's memory for a small model
+    holds millions, which would take seconds to make and memory to keep. Until then they wait, in id order, ahead
+    of the free queue, as they would at the head of a queue that held all of them from the start (blocks freed
+    later go to its tail), so the order blocks are handed out in is the same."""
+
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         assert num_blocks > 0
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self._num_blocks = num_blocks
+        self.blocks: list[KVBlock] = []  # those handed out at least once; blocks[i].block_id == i
+        self.free_queue = FreeBlockQueue(())
         self.enable_caching = enable_caching
         self.cached: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
+
+    @property
+    def _num_unmade(self) -> int:
+        return self._num_blocks - len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self._num_unmade
 
     @property
     def num_used_blocks(self) -> int:
@@ -91,12 +101,23 @@ class BlockPool:
         assert n <= self.num_free_blocks, f"asked for {n} blocks, {self.num_free_blocks} free"
         new_blocks = []
         for _ in range(n):
-            block = self.free_queue.popleft()
+            block = self._next_free()
             self._evict(block)
             assert block.ref_cnt == 0
             block.ref_cnt = 1
             new_blocks.append(block)
         return new_blocks
+
+    def _next_free(self) -> KVBlock:
+        if self._num_unmade:
+            block = KVBlock(len(self.blocks))
+            self.blocks.append(block)
+            return block
+        return self.free_queue.popleft()
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks' ids in the order they will be handed out (for tests: it lists every one)."""
+        return [*range(len(self.blocks), self._num_blocks), *(block.block_id for block in self.free_queue)]
 
     def lookup(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
         """A cached block holding exactly these tokens after this prefix, or None."""
@@ -137,8 +158,9 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Every block is either free (ref 0, queued) or owned (ref > 0, not queued); the index is consistent."""
         queued = {b.block_id for b in self.free_queue}
-        assert len(queued) == self.num_free_blocks
-        for block in self.blocks:
+        assert len(queued) == self.free_queue.num_free
+        for i, block in enumerate(self.blocks):
+            assert block.block_id == i
             assert block.ref_cnt >= 0
             assert (block.ref_cnt == 0) == (block.block_id in queued), f"block {block.block_id} is lost"
         for block_hash, block in self.cached.items():
