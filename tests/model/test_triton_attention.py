@@ -16,12 +16,9 @@ import pytest
 import torch
 
 import tokenloom
-from tokenloom.model import kv_quant
+from tokenloom.model import kv_quant, triton_attention
 
-triton_attention = pytest.importorskip("tokenloom.model.triton_attention")
-if triton_attention.triton is None:
-    pytest.skip("Triton is not installed", allow_module_level=True)
-triton = triton_attention.triton
+triton = pytest.importorskip("triton")
 
 FlatBatch = triton_attention.FlatBatch
 

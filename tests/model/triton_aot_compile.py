@@ -25,7 +25,7 @@ assert os.environ.get("TRITON_INTERPRET") != "1", "the compiler needs the kernel
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from tokenloom.model import kv_quant, triton_attention  # noqa: E402
+from tokenloom.model import kv_quant, triton_attention, triton_kernels  # noqa: E402
 from tokenloom.model.step_inputs import TRITON_BLOCK_N  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
@@ -130,10 +130,10 @@ def main() -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     args = parser.parse_args()
     kernels = [
-        triton_attention._attention_kernel,
-        triton_attention._combine_kernel,
-        triton_attention._write_kv_kernel,
-        triton_attention._write_kv_codes_kernel,
+        triton_kernels._attention_kernel,
+        triton_kernels._combine_kernel,
+        triton_kernels._write_kv_kernel,
+        triton_kernels._write_kv_codes_kernel,
     ]
     launches = record_launches(kernels)
     for name in args.dtypes.split(","):

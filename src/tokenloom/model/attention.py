@@ -133,7 +133,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
             f"(here: {device.type}, {dtype}) and a C++ toolchain to build them"
         )
     if name == "triton" and not triton_attention.available(device):
-        where = "Triton is not installed" if triton_attention.triton is None else f"the device is {device.type}"
+        where = "Triton is not installed" if not triton_attention.has_triton() else f"the device is {device.type}"
         raise ValueError(
             f"--attention-backend triton needs Triton on a CUDA device, or CPU tensors under TRITON_INTERPRET=1 "
             f"(set before start); {where}"
