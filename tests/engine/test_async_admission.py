@@ -4,6 +4,7 @@ one already admitted (an n > 1 request's later choices, a beam search's later st
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -46,3 +47,34 @@ def test_a_continuing_request_passes_a_full_queue_and_a_drain(front):
     first, later_choice, later_step = asyncio.run(main())
     assert first == later_choice and len(first) == len(later_step) == 4
     assert front.stats().kv_blocks_in_use == 0
+
+
+def test_requests_taken_into_the_engine_count_as_waiting_until_the_step_counts_them(tiny_llama):
+    """The loop takes a submitted request into the engine, then steps, then counts the queue: a request submitted
+    while the step runs must see the one taken in (it once saw the count from before, and passed a full queue)."""
+    front = AsyncEngine(LLMEngine(EngineConfig.from_kwargs(model=str(tiny_llama))), max_num_queued_requests=1)
+    in_step, go_on = threading.Event(), threading.Event()
+    step = front.engine.step
+
+    def held_step():
+        in_step.set()
+        go_on.wait(timeout=60)
+        return step()
+
+    front.engine.step = held_step  # type: ignore[method-assign]
+    front.start()
+
+    async def main():
+        first = await front.submit([1, 2, 3], PARAMS, "first")
+        assert await asyncio.to_thread(in_step.wait, 60)  # taken in, the step under way, the queue not yet counted
+        with pytest.raises(RequestError) as refused:
+            await front.submit([4, 5, 6], PARAMS, "second")
+        assert refused.value.reason is ErrorReason.QUEUE_FULL
+        go_on.set()
+        return await tokens(first)
+
+    try:
+        assert len(asyncio.run(main())) == 4
+    finally:
+        go_on.set()
+        front.shutdown()

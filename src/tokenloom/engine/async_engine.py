@@ -243,6 +243,11 @@ class AsyncEngine:
     def _admit_pending(self) -> None:
         with self._pending_lock:
             pending, self._pending = self._pending, []
+            # Counted as waiting until the step's count (_count_queued) replaces these figures: an upper bound (the
+            # step may start some), so a limit holds; without it a request admitted during the step passed a full
+            # queue, not seeing these.
+            self._waiting_requests += len(pending)
+            self._backlog_tokens += sum(p.request.num_prompt_tokens for p in pending)
         for prepared in pending:
             self.engine.add_prepared(prepared)
 
