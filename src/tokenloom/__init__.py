@@ -11,7 +11,8 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lora import LoRARequest
-from tokenloom.outputs import CompletionOutput, RequestOutput
+from tokenloom.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
@@ -20,9 +21,11 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "LLMEngine",
     "LoRARequest",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",

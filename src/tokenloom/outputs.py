@@ -57,6 +57,32 @@ class RequestOutput:
     error: str | None = None  # why the request failed, when its finish_reason is "error"
     # Per prompt token (None for the first, which nothing predicts) when asked for: the token and the top ones.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (LLM.embed), with its last output
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` gives for each prompt, as vLLM's: ``output.outputs.embedding``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    finished: bool
+    outputs: EmbeddingOutput
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        if output.embedding is None:
+            raise RuntimeError(f"embedding request {output.request_id} failed: {output.error}")
+        return cls(output.request_id, output.prompt_token_ids, output.finished, EmbeddingOutput(output.embedding))
 
 
 class JoinedDeltas:

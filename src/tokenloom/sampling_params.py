@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tokenloom.pooling_params import PoolingParams
+
 # What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # What a token's logprobs are (the engine's logprobs_mode, vLLM's --logprobs-mode; model/sampler.py).
@@ -81,6 +83,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # special tokens' text left out of the output's
     structured_outputs: StructuredOutputsParams | None = None  # decode under a grammar (engine/structured_output.py)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # An embedding request (LLM.embed, /v1/embeddings): one greedy token is sampled, to end the request through the
+    # path every request takes, and dropped; its output is the prompt's pooled hidden state (model/prompt_outputs.py).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +132,11 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"SamplingParams: {message}")
+
+    @classmethod
+    def for_embedding(cls, pooling: PoolingParams) -> SamplingParams:
+        """An embedding request's params: its one token greedy, and dropped."""
+        return cls(max_tokens=1, temperature=0.0, pooling=pooling)
 
     @property
     def greedy(self) -> bool:

@@ -137,6 +137,9 @@ class EngineClient(ABC):
         for name, tokens in checked:
             if any(t < 0 or t >= vocab for t in tokens):
                 raise InvalidField(name, f"{name}: token ids must be in [0, {vocab})")
+        hidden = self.model_config.hidden_size
+        if params.pooling is not None and (params.pooling.dimensions or 0) > hidden:
+            raise InvalidField("dimensions", f"dimensions must be at most the model's hidden size, {hidden}")
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
             raise InvalidField("cache_salt", "cache_salt must be a non-empty string")
         prompt_text, token_ids = self.tokenize(prompt)

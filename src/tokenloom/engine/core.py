@@ -315,6 +315,9 @@ class EngineCore:
         advanced = update(output, tokens)
         self.speculator.observe_verifications(output, tokens)
         outputs += [self._advanced(request, sampled[request.request_id][:kept]) for request, kept in advanced]
+        if result.embeddings:  # an embedding request ends in the step that pooled its prompt
+            for core_output in outputs:
+                core_output.embedding = result.embeddings.get(core_output.request_id)
         self.speculator.propose(self.scheduler.running, output.num_batched_tokens)
         return outputs, StepStats(output.num_prefill_tokens, output.num_decode_tokens, len(output.preempted), seconds)
 

@@ -114,6 +114,7 @@ def _is_plain(output: EngineCoreOutput) -> bool:
         and output.stop_reason is None
         and output.error is None
         and output.prompt_logprobs is None
+        and output.embedding is None
         and all(token.logprob is None and token.top_logprobs is None for token in output.new_tokens)
     )
 

@@ -25,6 +25,7 @@ class EngineCoreOutput:
     error: str | None = None  # why the request failed, when finish_reason is "error"
     # With its first token, if it asked: prompt tokens 1.. (the first has none), each with its top alternatives.
     prompt_logprobs: list[SampledToken] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (pooling_params.py), with its last output
 
     @property
     def finished(self) -> bool:

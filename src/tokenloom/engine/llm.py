@@ -15,7 +15,8 @@ from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lora import LoRARequest
 from tokenloom.model.loader import Tokenizer
-from tokenloom.outputs import RequestOutput
+from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.utils import heap_frozen
 
@@ -95,6 +96,19 @@ class LLM:
             for prompt, params, p, lora in zip(prompt_list, params_list, priorities, adapters, strict=True)
         ]
         return self._run(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, as vLLM's ``LLM.embed``: ``output.outputs.embedding``, the final hidden state of
+        the prompt's last token, normalized (pooling_params.py). Raises if a prompt's request failed."""
+        params = SamplingParams.for_embedding(pooling_params or PoolingParams())
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+        return [EmbeddingRequestOutput.of(output) for output in outputs]
 
     def chat(
         self,

@@ -168,6 +168,7 @@ class OutputProcessor:
             finished=output.finished,
             metrics=metrics,
             prompt_logprobs=prompt_logprobs,
+            embedding=output.embedding,
         )
 
     def _text_since(self, state: RequestState, start: int, finished: bool) -> str:

@@ -30,6 +30,7 @@ from tokenloom.model.llama import CausalLM
 from tokenloom.model.penalties import SeenTokens
 from tokenloom.model.platform import accelerator_count, multiprocessors
 from tokenloom.model.prepack import can_prepack
+from tokenloom.model.prompt_outputs import embeddings, prompt_logprobs
 from tokenloom.model.quantization import INT8_METHODS, check_quantization, int8_kernel_isa
 from tokenloom.model.sampler import (
     GrammarMask,
@@ -45,8 +46,6 @@ from tokenloom.model.triton_attention import FlatBatch
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LOGPROB_ROWS = 256  # rows of prompt logits computed at once: 256 x a 49k vocabulary is 50 MB in float32
-
 
 @dataclass
 class StepResult:
@@ -54,6 +53,7 @@ class StepResult:
     failed: dict[str, Exception] = field(default_factory=dict)  # requests whose sampling raised
     # Per request asking for prompt logprobs: prompt token index -> that token's logprob and the top alternatives.
     prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # per embedding request, in the step it ends
 
 
 @dataclass
@@ -257,9 +257,10 @@ class ModelRunner:
         for chunk, first_row in inputs.prompt_chunks:
             request_id = chunk.request.request_id
             try:
-                result.prompt_logprobs[request_id] = self._prompt_logprobs(hidden, chunk, first_row)
+                result.prompt_logprobs[request_id] = prompt_logprobs(self.model, self.sampler, hidden, chunk, first_row)
             except Exception as error:
                 result.failed[request_id] = error
+        result.embeddings = embeddings(self.model, hidden, inputs.pooled_rows)
         if not inputs.sampled_items:
             return LaunchedStep(result)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -402,25 +403,6 @@ class ModelRunner:
                 destination.view(-1, self.block_size, destination.shape[-1]).index_copy_(
                     0, dst_index, blocks.to(destination.device)
                 )
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, chunk: ScheduledRequest, first: int) -> dict[int, SampledToken]:
-        """The logprob of each prompt token this chunk's rows predict (the row at position p predicts token p + 1),
-        with the top alternatives; logits a slice of rows at a time, so a long chunk never holds [n, vocab] at once."""
-        prompt = chunk.request.prompt_token_ids
-        top_k = chunk.request.sampling_params.prompt_logprobs or 0
-        num_rows = min(chunk.num_tokens, len(prompt) - 1 - chunk.start)
-        entries: dict[int, SampledToken] = {}
-        for lo in range(0, num_rows, PROMPT_LOGPROB_ROWS):
-            hi = min(num_rows, lo + PROMPT_LOGPROB_ROWS)
-            logprobs = self.sampler.prompt_values(self.model.compute_logits(hidden[first + lo : first + hi]))
-            targets = prompt[chunk.start + 1 + lo : chunk.start + 1 + hi]
-            index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
-            chosen = logprobs.gather(1, index).squeeze(1).tolist()
-            top = logprobs.topk(top_k, dim=-1)
-            for row, (ids, values) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True)):
-                pairs = list(zip(ids, values, strict=True))
-                entries[chunk.start + 1 + lo + row] = SampledToken(targets[row], chosen[row], pairs)
-        return entries
 
     def retain_adapter(self, request_id: str, lora: LoRARequest) -> None:
         """Holds the request's LoRA adapter, loading it if needed: ValueError if LoRA is off or it does not load."""

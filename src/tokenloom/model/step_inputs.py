@@ -24,6 +24,7 @@ from tokenloom.model.attention import (
 from tokenloom.model.kv_quant import KVFormat
 from tokenloom.model.lora import adapter_rows
 from tokenloom.model.triton_attention import FlatBatch, split_count
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.utils import cdiv
 
 TRITON_BLOCK_N = 32  # keys per tile of the Triton kernel: split-K counts shares in these
@@ -38,6 +39,7 @@ class ModelInputs:
     sample_rows: torch.Tensor  # the rows of each sampled request's last token and its drafts, request by request
     sampled_items: list[ScheduledRequest]
     prompt_chunks: list[tuple[ScheduledRequest, int]] = field(default_factory=list)  # (chunk, its first row)
+    pooled_rows: list[tuple[str, int, PoolingParams]] = field(default_factory=list)  # (request id, row, params)
     # (row, request id) of each token that is a placeholder: sampled by the step before, still on the device.
     placeholders: list[tuple[int, str]] = field(default_factory=list)
     adapter_rows: dict[str, np.ndarray] = field(default_factory=dict)  # each LoRA adapter's rows (lora.py)
@@ -99,6 +101,11 @@ class StepInputBuilder:
             for s, end in zip(ordered, ends, strict=True)
             if s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
         ]
+        pooled_rows = [  # an embedding request's last prompt token, in the step it is sampled (and ends)
+            (s.request.request_id, int(end) - 1, pooling)
+            for s, end in zip(ordered, ends, strict=True)
+            if s.sample and (pooling := s.request.sampling_params.pooling) is not None
+        ]
         meta = self.metadata(self.tensor(slot_mapping))
         if self.attention_backend == "triton":  # one launch per layer over the flat batch
             context_lens = starts + counts
@@ -130,6 +137,7 @@ class StepInputBuilder:
             sample_rows=self.tensor(sample_rows),
             sampled_items=[s for s in ordered if s.sample],
             prompt_chunks=prompt_chunks,
+            pooled_rows=pooled_rows,
             placeholders=placeholders,
             adapter_rows=adapter_rows([s.request.lora_name for s in ordered], counts) if self.with_adapters else {},
         )

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 import tokenloom
 from tokenloom.engine.async_engine import AsyncEngine
-from tokenloom.server import chat, completions, health, lora_routes, responses_api, tokenization
+from tokenloom.server import chat, completions, embeddings, health, lora_routes, responses_api, tokenization
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
@@ -89,7 +89,7 @@ def build_app(
         force_include_usage=options.force_include_usage,
         tokens_as_token_ids=options.return_tokens_as_token_ids,
     )
-    routers = [m.router for m in (health, completions, chat, responses_api, tokenization, lora_routes)]
+    routers = [m.router for m in (health, completions, chat, embeddings, responses_api, tokenization, lora_routes)]
     guard = functools.partial(Guard, max_body_bytes=max_body_bytes, max_inflight_body_bytes=max_inflight_body_bytes,
                               body_timeout=body_timeout)  # fmt: skip
     _add_guard(app, guard, metrics, routers, api_keys, tenants)

@@ -1,0 +1,55 @@
+"""What a step computes from a prompt's rows besides the next token: its prompt logprobs, and its embedding.
+
+Both read the final residual stream the forward returns (llama.py), rows of the flat batch: the logprob of each
+prompt token is the row before it through the LM head; an embedding request's vector is its last prompt token's row
+through the final norm (pooling type LAST), cut to the dimensions asked for and normalized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenloom.core.scheduler_output import ScheduledRequest
+from tokenloom.model.llama import CausalLM
+from tokenloom.model.sampler import SampledToken, Sampler
+from tokenloom.pooling_params import PoolingParams
+
+PROMPT_LOGPROB_ROWS = 256  # rows of prompt logits computed at once: 256 x a 49k vocabulary is 50 MB in float32
+
+
+def prompt_logprobs(
+    model: CausalLM, sampler: Sampler, hidden: torch.Tensor, chunk: ScheduledRequest, first: int
+) -> dict[int, SampledToken]:
+    """The logprob of each prompt token this chunk's rows predict (the row at position p predicts token p + 1),
+    with the top alternatives; logits a slice of rows at a time, so a long chunk never holds [n, vocab] at once."""
+    prompt = chunk.request.prompt_token_ids
+    top_k = chunk.request.sampling_params.prompt_logprobs or 0
+    num_rows = min(chunk.num_tokens, len(prompt) - 1 - chunk.start)
+    entries: dict[int, SampledToken] = {}
+    for lo in range(0, num_rows, PROMPT_LOGPROB_ROWS):
+        hi = min(num_rows, lo + PROMPT_LOGPROB_ROWS)
+        logprobs = sampler.prompt_values(model.compute_logits(hidden[first + lo : first + hi]))
+        targets = prompt[chunk.start + 1 + lo : chunk.start + 1 + hi]
+        index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+        chosen = logprobs.gather(1, index).squeeze(1).tolist()
+        top = logprobs.topk(top_k, dim=-1)
+        for row, (ids, values) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True)):
+            pairs = list(zip(ids, values, strict=True))
+            entries[chunk.start + 1 + lo + row] = SampledToken(targets[row], chosen[row], pairs)
+    return entries
+
+
+def embeddings(
+    model: CausalLM, hidden: torch.Tensor, rows: list[tuple[str, int, PoolingParams]]
+) -> dict[str, list[float]]:
+    """Each embedding request's vector from its last prompt token's row, in float32 whatever the model's dtype."""
+    if not rows:
+        return {}
+    stream = hidden[torch.tensor([row for _, row, _ in rows], device=hidden.device)].float()
+    normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight.float(), model.norm.eps)
+    vectors: dict[str, list[float]] = {}
+    for (request_id, _, params), vector in zip(rows, normed, strict=True):
+        vector = vector[: params.dimensions]
+        vectors[request_id] = (F.normalize(vector, dim=0) if params.normalize else vector).tolist()
+    return vectors

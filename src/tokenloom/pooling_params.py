@@ -1,0 +1,18 @@
+"""What an embedding request asks of its prompt (vLLM's ``PoolingParams`` for the task "embed"; no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """The prompt's embedding: the final hidden state (after the model's last norm) of its last token, as vLLM pools a
+    decoder-only model turned into an embedding model (pooling type LAST), e.g. Qwen3-Embedding or e5-mistral."""
+
+    dimensions: int | None = None  # keep the first `dimensions` values (OpenAI's `dimensions`), then normalize
+    normalize: bool = True  # to unit length (vLLM's `use_activation` for embeddings; cosine similarity is then a dot)
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):
+            raise ValueError("PoolingParams: dimensions must be an integer >= 1")

@@ -1,0 +1,126 @@
+"""``POST /v1/embeddings``: OpenAI's embeddings (vLLM's for a decoder-only model): each input's vector is the final
+hidden state of its last token, normalized (pooling_params.py). Admitted like a completion (tenant caps, the queue,
+the response budget), each input one request of a single greedy token that is dropped."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Annotated, Literal, cast
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from tokenloom.outputs import RequestOutput
+from tokenloom.pooling_params import PoolingParams
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenloom.server.errors import APIError
+from tokenloom.server.protocol import MAX_CHOICES, StreamOptions, Text, TokenId, _Common
+from tokenloom.server.response_models import Usage
+from tokenloom.server.serving import check_model, serve_generation, tokenized
+from tokenloom.server.state import ERROR_RESPONSES, server_state
+from tokenloom.server.streaming import UsageCount
+
+router = APIRouter()
+
+# What an embeddings request may carry: OpenAI's fields, and vLLM's that apply to a prompt alone. A generation
+# field (stream, temperature, ...) is refused by name, not ignored.
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "normalize",
+                              "truncate_prompt_tokens", "request_id", "priority", "cache_salt"})  # fmt: skip
+
+
+class EmbeddingRequest(_Common):
+    input: Text | list[TokenId] | Annotated[list[Text], Field(min_length=1)] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    normalize: bool = True  # vLLM's
+
+    def refuse_generation_fields(self) -> None:
+        extra = sorted(self.model_fields_set - EMBEDDING_FIELDS)
+        if extra:
+            raise APIError(400, f"{extra[0]} is not a field of an embeddings request", extra[0], "unsupported")
+
+    def inputs(self) -> list[str | list[int]]:
+        given = self.input
+        one = isinstance(given, str) or all(isinstance(t, int) for t in given)
+        inputs = [cast(str | list[int], given)] if one else list(cast(list[str | list[int]], given))
+        if not inputs or len(inputs) > MAX_CHOICES:
+            raise APIError(400, f"input must hold 1 to {MAX_CHOICES} texts or token lists", "input", "invalid_value")
+        return inputs
+
+    def requested_max_tokens(self) -> int | None:
+        return 1  # the one token every request samples, dropped
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: dict[str, float] | None = None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        return SamplingParams.for_embedding(PoolingParams(self.dimensions, self.normalize))
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
+@router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **ERROR_RESPONSES})
+async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+    state = server_state(raw)
+    check_model(body, state)
+    body.refuse_generation_fields()
+    prompts = [await tokenized(state, text) for text in body.inputs()]
+    return await serve_generation(state, raw, body, prompts, None, EmbeddingShape(body.encoding_format))
+
+
+class EmbeddingShape:
+    """How /v1/embeddings words its outputs: whole only (embeddings are not streamed)."""
+
+    id_prefix = "embd-"
+    end_frame: str | None = None
+
+    def __init__(self, encoding_format: Literal["float", "base64"]) -> None:
+        self.encoding_format = encoding_format
+
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> BaseModel:
+        data = [EmbeddingData(index=i, embedding=self._encoded(final)) for i, final in enumerate(finals)]
+        counted = EmbeddingUsage(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
+        return EmbeddingResponse(id=request_id, created=created, model=model, data=data, usage=counted)
+
+    def _encoded(self, final: RequestOutput) -> list[float] | str:
+        if final.embedding is None:
+            raise APIError(500, f"the embedding failed: {final.error}", None, "server_error")
+        if self.encoding_format == "float":
+            return final.embedding
+        # OpenAI's base64: the float32 values' little-endian bytes (the openai client asks for it, and decodes it).
+        return base64.b64encode(np.asarray(final.embedding, dtype="<f4").tobytes()).decode()
+
+    def sse_frames(
+        self, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int, model: str,
+        counting: UsageCount, options: StreamOptions,
+    ) -> AsyncGenerator[str]:  # fmt: skip
+        raise AssertionError("an embeddings request is never streamed: stream is refused as a generation field")
+
+    def error_frame(self, error: APIError) -> str:
+        raise AssertionError("an embeddings request is never streamed")
