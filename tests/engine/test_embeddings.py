@@ -73,3 +73,19 @@ def test_embeddings_through_the_core_process(tiny_llama):
         got = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
     for output, vector in zip(got, expected, strict=True):
         torch.testing.assert_close(torch.tensor(output.outputs.embedding), vector, atol=1e-5, rtol=0)
+
+
+@pytest.mark.real_model
+def test_the_real_models_embeddings_in_float32_and_bfloat16(real_model_dir):
+    texts = ["The capital of France is Paris.", "Rivers flow into the sea, and the sea into the clouds."]
+    llm = LLM(str(real_model_dir), dtype="float32")
+    prompts = [llm.tokenizer.encode(text) for text in texts]
+    expected = [F.normalize(state, dim=0) for state in oracle_states(real_model_dir, prompts)]
+    exact = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    llm.shutdown()
+    for output, vector in zip(exact, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(output.outputs.embedding), vector, atol=1e-4, rtol=0)
+    bf16 = LLM(str(real_model_dir), dtype="bfloat16")
+    faster = bf16.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for output, vector in zip(faster, expected, strict=True):
+        assert float(torch.tensor(output.outputs.embedding) @ vector) > 0.999  # cosine (unit vectors): 0.99997 here
