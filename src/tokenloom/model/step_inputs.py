@@ -102,9 +102,9 @@ class StepInputBuilder:
             if s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
         ]
         pooled_rows = [  # an embedding request's last prompt token, in the step it is sampled (and ends)
-            (s.request.request_id, int(end) - 1, pooling)
-            for s, end in zip(ordered, ends, strict=True)
-            if s.sample and (pooling := s.request.sampling_params.pooling) is not None
+            (s.request.request_id, int(ends[i]) - 1, pooling)
+            for i, s in enumerate(ordered)
+            if (pooling := s.request.sampling_params.pooling) is not None and s.sample
         ]
         meta = self.metadata(self.tensor(slot_mapping))
         if self.attention_backend == "triton":  # one launch per layer over the flat batch
