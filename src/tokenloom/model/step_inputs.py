@@ -96,16 +96,7 @@ class StepInputBuilder:
         owners = np.searchsorted(ends, holes, side="right").tolist()
         placeholders = [(row, ordered[owner].request.request_id) for row, owner in zip(holes, owners, strict=True)]
         sample_rows = self._sample_rows(ordered, ends)
-        prompt_chunks = [
-            (s, int(end) - s.num_tokens)
-            for s, end in zip(ordered, ends, strict=True)
-            if s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
-        ]
-        pooled_rows = [  # an embedding request's last prompt token, in the step it is sampled (and ends)
-            (s.request.request_id, int(ends[i]) - 1, pooling)
-            for i, s in enumerate(ordered)
-            if (pooling := s.request.sampling_params.pooling) is not None and s.sample
-        ]
+        prompt_chunks, pooled_rows = self._prompt_rows(ordered, ends)
         meta = self.metadata(self.tensor(slot_mapping))
         if self.attention_backend == "triton":  # one launch per layer over the flat batch
             context_lens = starts + counts
@@ -141,6 +132,24 @@ class StepInputBuilder:
             placeholders=placeholders,
             adapter_rows=adapter_rows([s.request.lora_name for s in ordered], counts) if self.with_adapters else {},
         )
+
+    @staticmethod
+    def _prompt_rows(
+        ordered: list[ScheduledRequest], ends: np.ndarray
+    ) -> tuple[list[tuple[ScheduledRequest, int]], list[tuple[str, int, PoolingParams]]]:
+        """The chunks whose prompt logprobs are asked for (each with its first row), and each embedding request's
+        last prompt row, in the step it is sampled (and ends)."""
+        prompt_chunks = [
+            (s, int(end) - s.num_tokens)
+            for s, end in zip(ordered, ends, strict=True)
+            if s.request.sampling_params.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1
+        ]
+        pooled_rows = [
+            (s.request.request_id, int(ends[i]) - 1, pooling)
+            for i, s in enumerate(ordered)
+            if (pooling := s.request.sampling_params.pooling) is not None and s.sample
+        ]
+        return prompt_chunks, pooled_rows
 
     @staticmethod
     def _sample_rows(ordered: list[ScheduledRequest], ends: np.ndarray) -> np.ndarray:
