@@ -40,8 +40,8 @@ VLLM_FLAGS_REFUSED = {
     "--api-server-count": "one API process serves; --core-process runs the engine core in a process of its own",
     "--data-parallel-size": "replicas are Ray Serve's here: --ray --num-replicas N",
     "--pipeline-parallel-size": "models larger than a device are split by --tensor-parallel-size only",
-    "--task": "only generation is served (no pooling or embedding runner)",
-    "--runner": "only generation is served (no pooling or embedding runner)",
+    "--task": "every model serves generation and /v1/embeddings (last-token pooling) at once; no runner to pick",
+    "--runner": "every model serves generation and /v1/embeddings (last-token pooling) at once; no runner to pick",
     "--tokenizer": "the tokenizer is the one in the checkpoint directory",
     "--revision": "a local checkpoint directory is served as it is; nothing is downloaded",
     "--download-dir": "nothing is downloaded: give a local checkpoint directory",
@@ -60,7 +60,6 @@ VLLM_FLAGS_REFUSED = {
     "--structured-outputs-config": "structured output is xgrammar's; its limits are --max-grammar-bytes and more",
     "--chat-template-content-format": "message content is text (a list of text parts is joined)",
     "--log-config-file": "logging is set by --log-level and --uvicorn-log-level",
-    "--response-role": "a chat reply's role is 'assistant'",
     "--enable-server-load-tracking": "the load is in /metrics (tokenloom:num_requests_running and _waiting)",
 }
 

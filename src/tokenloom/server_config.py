@@ -81,6 +81,9 @@ class ServerConfig:
     """Every streamed chat or completion ends with a chunk of its usage, asked for or not, as vLLM's flag."""
     return_tokens_as_token_ids: bool = False
     """Logprobs name their tokens 'token_id:N' unless a request says otherwise, as vLLM's flag."""
+    response_role: str = "assistant"
+    """The role a chat reply names when the request opens the assistant's turn (add_generation_prompt), as vLLM's
+    flag; a reply that continues the conversation's last message names that message's role."""
     enable_request_id_headers: bool = False
     """Every response carries X-Request-Id, as vLLM's flag: the request's own X-Request-Id if it sent one, else a new
     one; either names a chat or completion response (its id), as the body's request_id does."""

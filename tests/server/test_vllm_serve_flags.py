@@ -1,7 +1,7 @@
 """vLLM's serve flags that shape what clients see, taken as vLLM takes them: --config (a YAML file of flags),
 --enable-request-id-headers (with X-Request-Id and the body's request_id naming the response),
---override-generation-config, --disable-fastapi-docs, --return-tokens-as-token-ids, --enable-force-include-usage and
---disable-uvicorn-access-log."""
+--override-generation-config, --disable-fastapi-docs, --return-tokens-as-token-ids, --enable-force-include-usage,
+--disable-uvicorn-access-log and --response-role."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_a_bad_config_file_is_a_clear_error(tmp_path, capsys, text, words):
 FLAGS = (
     "--enable-request-id-headers", "--override-generation-config", '{"temperature": 0, "top_k": 5}',
     "--disable-fastapi-docs", "--return-tokens-as-token-ids", "--enable-force-include-usage",
-    "--disable-uvicorn-access-log",
+    "--disable-uvicorn-access-log", "--response-role", "helper",
 )  # fmt: skip
 
 
@@ -119,3 +119,16 @@ def test_vllms_flags_for_what_is_not_done_are_refused_by_name_from_a_config_file
     config.write_text("kv-transfer-config: {kv_connector: x}\n")
     assert main(["serve", "m", "--config", str(config)]) == 2
     assert "--kv-transfer-config (vLLM's) is not supported" in capsys.readouterr().err
+
+
+def test_a_chat_reply_names_the_response_role_or_the_continued_messages(server):
+    chat = f"{server.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    assert httpx.post(chat, json=body, timeout=60).json()["choices"][0]["message"]["role"] == "helper"
+    with httpx.stream("POST", chat, json={**body, "stream": True}, timeout=60) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    roles = [chunk["choices"][0]["delta"].get("role") for chunk in chunks if chunk["choices"]]
+    assert roles[0] == "helper" and set(roles[1:]) == {None}  # the role comes with the first chunk alone
+    continued = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "Hello, I"}],
+                 "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+    assert httpx.post(chat, json=continued, timeout=60).json()["choices"][0]["message"]["role"] == "assistant"

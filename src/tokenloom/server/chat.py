@@ -57,8 +57,13 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     by_id = state.names_tokens_by_id(body.return_tokens_as_token_ids)
     shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, by_id,
                       body.prompt_logprobs is not None, prepared.reasoning, body.include_reasoning,
-                      body.return_token_ids)  # fmt: skip
+                      body.return_token_ids, _reply_role(state.response_role, body))  # fmt: skip
     return await serve_generation(state, raw, body, [prepared.prompt_ids], logprobs, shape, prepared.structured)
+
+
+def _reply_role(response_role: str, body: ChatCompletionRequest) -> str:
+    """As vLLM's: the server's role for a reply that opens the assistant's turn; else the continued message's."""
+    return response_role if body.add_generation_prompt else body.messages[-1].role
 
 
 @dataclass
@@ -126,7 +131,9 @@ class ChatShape(ChoiceChunks):
         reasoning: ReasoningParser | None = None,
         show_thought: bool = True,
         token_ids: bool = False,
+        role: str = "assistant",
     ) -> None:
+        self.role = role  # the reply's (--response-role, or the continued message's)
         self.namer = logprob_namer(tokenizer, token_ids_as_text)  # names the logprobs' tokens
         self.prompt_logprobs = prompt_logprobs  # vLLM's field: the response carries the prompt's
         self.tool = tool
@@ -144,8 +151,9 @@ class ChatShape(ChoiceChunks):
             thought, answer = self.reasoning.split(completion.text) if self.reasoning else (None, completion.text)
             thought = thought if self.show_thought else None
             content, calls = reply_calls(answer, self.tool, self.parser)
-            message = AssistantMessage(content=content if content or not thought else None, tool_calls=calls or [],
-                                       reasoning=thought, reasoning_content=thought)  # fmt: skip
+            shown = content if content or not thought else None
+            message = AssistantMessage(role=self.role, content=shown, tool_calls=calls or [], reasoning=thought,
+                                       reasoning_content=thought)  # fmt: skip
             finish_reason = completion.finish_reason
             if calls is not None and finish_reason == "stop":
                 finish_reason = self.tool.finish_reason if self.tool is not None else "tool_calls"
@@ -181,7 +189,7 @@ class ChatShape(ChoiceChunks):
             if thinking is not None:  # the thought goes out as it comes; what follows reads the answer alone
                 thought, delta = thinking.feed(delta, last=finish_reason is not None)
                 if thought and self.show_thought:
-                    role = {"role": "assistant"} if first else {}
+                    role = {"role": self.role} if first else {}
                     yield choice({**role, "reasoning": thought, "reasoning_content": thought}, None, output), output
                     first = False
             if parser is not None or tool is not None:
@@ -192,7 +200,7 @@ class ChatShape(ChoiceChunks):
                 delta, shown = text[shown:end], max(shown, end)
                 if first or delta:
                     yield (
-                        choice({"role": "assistant", "content": delta} if first else {"content": delta}, None, output),
+                        choice({"role": self.role, "content": delta} if first else {"content": delta}, None, output),
                         output,
                     )
                     first = False
@@ -205,12 +213,12 @@ class ChatShape(ChoiceChunks):
                 continue
             if tool is not None and tool.mode == "required":
                 if finish_reason:  # the array is only whole at the end
-                    yield choice(_required_delta(tool, text), None, output), output
+                    yield choice({"role": self.role, **_required_delta(tool, text)}, None, output), output
                     calls_made = tool.calls(text) is not None and finish_reason == "stop"
                     yield choice({}, tool.finish_reason if calls_made else finish_reason, output), output
                 continue
             if first:  # the role goes with the first token, as vLLM sends it, so TTFT is timed right
-                yield choice({"role": "assistant", **_content_delta(tool, delta, first=True)}, None, output), output
+                yield choice({"role": self.role, **_content_delta(tool, delta, first=True)}, None, output), output
                 first = False
             elif delta:
                 yield choice(_content_delta(tool, delta, first=False), None, output), output
@@ -233,9 +241,8 @@ def _content_delta(tool: ForcedTool | None, delta: str, first: bool) -> dict[str
 def _required_delta(tool: ForcedTool, text: str) -> dict[str, Any]:
     calls = tool.calls(text)
     if calls is None:  # cut short: what was decoded, as text
-        return {"role": "assistant", "content": text}
+        return {"content": text}
     return {
-        "role": "assistant",
         "content": None,
         "tool_calls": [{"index": i, **call.model_dump()} for i, call in enumerate(calls)],
     }

@@ -219,6 +219,7 @@ def _vllm_options(server: ServerConfig) -> VllmOptions:
         request_id_headers=server.enable_request_id_headers,
         force_include_usage=server.enable_force_include_usage,
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
+        response_role=server.response_role,
     )
 
 

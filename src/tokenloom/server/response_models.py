@@ -72,7 +72,7 @@ class CompletionResponse(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # or --response-role's, or the continued message's
     content: str | None
     tool_calls: list[ToolCall] = Field(default_factory=list)
     reasoning: str | None = None  # the thought, with --reasoning-parser (vLLM's field, and its older name below)
@@ -102,7 +102,7 @@ class ChatDelta(BaseModel):
     """What a chat stream chunk adds to the message: only the fields given are sent (the role with the first, content
     or tool-call deltas after, nothing with the finish reason), as OpenAI and vLLM send them."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # deltas: index, then id, type and name with a call's first
     reasoning: str | None = None  # with --reasoning-parser: the thought as it grows, under both of vLLM's names

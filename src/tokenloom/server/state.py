@@ -46,6 +46,7 @@ class VllmOptions:
     request_id_headers: bool = False  # X-Request-Id on every response
     force_include_usage: bool = False  # every stream ends with its usage
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
+    response_role: str = "assistant"  # a chat reply's role when the request opens the assistant's turn
 
 
 @dataclass
@@ -73,6 +74,7 @@ class ServerState:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: a reply's thought apart from its answer
     force_include_usage: bool = False  # every stream ends with its usage (--enable-force-include-usage)
     tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless asked not to (vLLM's flag)
+    response_role: str = "assistant"  # a chat reply's role when the request opens the assistant's turn (vLLM's flag)
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
     background: BackgroundResponses = field(init=False)  # the Responses API's background responses still running
