@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/embeddings_vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--rounds 2]
 
 Workload: 256 prompts of token ids, lengths uniform in 32-512 (seed 0; 69k tokens in all), sent as 16 requests of 16
-inputs each, 4 requests in flight at once (a retrieval index being built), `encoding_format` float. Reported per
-server: inputs a second and prompt tokens a second (the whole run's wall time), each round's. vLLM serves the embedded
+inputs each, 4 requests in flight at once (a retrieval index being built), `encoding_format` float. Each server is
+warmed first with 32 other prompts (vLLM compiles its first shapes then), and each round's prompts have their first
+token changed (vs_vllm.py's `salted`), so no round finds another's in a prefix cache. Reported per server: inputs a
+second and prompt tokens a second (the whole run's wall time), each round's. vLLM serves the embedded
 model as an embedding model (`--runner pooling --convert embed`: last-token pooling, normalized), in bfloat16 where
 the CPU has AVX-512 BF16 (float32 otherwise), both cores on the model; tokenloom with its default flags. Then every
 input's vector from one server against the other's: the cosine similarities' minimum and median (1: the same).
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import httpx
 import numpy as np
-from vs_vllm import MODEL_NAME, vllm_server, wait_for_quiet_machine
+from vs_vllm import MODEL_NAME, salted, vllm_server, wait_for_quiet_machine
 
 from tokenloom.bench.local_server import LocalServer
 from tokenloom.model.platform import cpu_has_native_bf16
@@ -96,12 +98,14 @@ def main() -> None:
         if args.only != "vllm":
             local = stack.enter_context(LocalServer("--served-model-name", MODEL_NAME, "--max-model-len", "8192"))
             servers["tokenloom"] = local.url
+        for url in servers.values():
+            asyncio.run(embed_all(url, workload(seed=99)[:32]))
         seconds: dict[str, list[float]] = {name: [] for name in servers}
-        vectors: dict[str, list[list[float]]] = {}
+        vectors: dict[str, list[list[float]]] = {}  # the last round's, the same inputs on each server
         for round_ in range(args.rounds):
             order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
             for name in order:
-                took, vectors[name] = measure(name, servers[name], prompts)
+                took, vectors[name] = measure(name, servers[name], [salted(p, round_ + 1) for p in prompts])
                 seconds[name].append(took)
     for name, runs in seconds.items():
         best = min(runs)
