@@ -48,6 +48,9 @@ def test_the_key_is_the_prompts_leading_text_and_picks_a_stable_replica():
     # A Responses API request's instructions are its system message: the same conversation, the same key.
     assert prefix_key(body(instructions=long, input="hi")) == chat
     assert prefix_key(body(input=[{"role": "system", "content": long}, {"role": "user", "content": "hi"}])) == chat
+    # A salt (vLLM's cache_salt) shares blocks only with its own: it leads the key.
+    assert prefix_key(body(prompt=long, cache_salt="t1")) == "t1\0" + "x" * PREFIX_CHARS
+    assert prefix_key(body(prompt=long, cache_salt="t1")) != prefix_key(body(prompt=long, cache_salt="t2"))
     # A request that continues a kept response goes to the replica named in its id, whatever its key.
     continuing = json.loads(body(previous_response_id="resp_b2_0f3a", input="hi")["body"])
     assert replica_keeping(continuing, ["a1", "b2"]) == "b2" and replica_keeping(continuing, ["a1"]) is None

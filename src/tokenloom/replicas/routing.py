@@ -12,6 +12,8 @@ the least loaded.
 The key is text, not tokens: the router runs in Ray's proxy and handles and should not tokenize; a prompt's
 leading characters determine its leading tokens for the same chat template and tokenizer.
 
+A request's ``cache_salt`` leads its key: its blocks are shared only with requests of the same salt.
+
 A /v1/responses request that continues a kept response (``previous_response_id``), and one whose path names a
 response (reading, cancelling or deleting it), goes to the replica that keeps it, named in the response's id
 (responses_api_protocol.response_id_prefix), and to no other: no other replica has it.
@@ -67,6 +69,13 @@ def _replica_named(response_id: str, replica_ids: list[str]) -> str | None:
 
 
 def _key_of(body: dict[str, Any]) -> str | None:
+    """A salted request (vLLM's cache_salt) shares blocks only with its salt's: its key starts with the salt, so a
+    salt's prompts keep to one replica and another salt's same prompt need not follow them there."""
+    key, salt = _prompt_key(body), body.get("cache_salt")
+    return key if key is None or not isinstance(salt, str) else f"{salt}\0{key}"
+
+
+def _prompt_key(body: dict[str, Any]) -> str | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]
