@@ -34,14 +34,20 @@ VLLM_FLAGS_ACCEPTED = {
     "--disable-log-requests": "requests are not logged unless --enable-log-requests (vLLM's newer default too)",
     "--disable-custom-all-reduce": "tensor-parallel ranks all-reduce through torch.distributed only",
 }
+# vLLM's choices of what a model is served as: every model serves both generation and /v1/embeddings (last-token
+# pooling) here, so each choice below is taken and changes nothing; one this cannot honour (classify) is refused.
+BOTH_SERVED = "a model serves generation and /v1/embeddings (last-token pooling, normalized) at once"
+VLLM_CHOICES_ACCEPTED = {
+    "--runner": ("auto", "generate", "pooling"),
+    "--convert": ("auto", "none", "embed"),
+    "--task": ("auto", "generate", "embed", "embedding"),
+}
 # vLLM's serve flags for what tokenloom does not do, refused by name with the reason (argparse would only say
 # "unrecognized").
 VLLM_FLAGS_REFUSED = {
     "--api-server-count": "one API process serves; --core-process runs the engine core in a process of its own",
     "--data-parallel-size": "replicas are Ray Serve's here: --ray --num-replicas N",
     "--pipeline-parallel-size": "models larger than a device are split by --tensor-parallel-size only",
-    "--task": "every model serves generation and /v1/embeddings (last-token pooling) at once; no runner to pick",
-    "--runner": "every model serves generation and /v1/embeddings (last-token pooling) at once; no runner to pick",
     "--tokenizer": "the tokenizer is the one in the checkpoint directory",
     "--revision": "a local checkpoint directory is served as it is; nothing is downloaded",
     "--download-dir": "nothing is downloaded: give a local checkpoint directory",
@@ -205,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     accepted = serve.add_argument_group("vLLM's flags that change nothing here")
     for flag, why in VLLM_FLAGS_ACCEPTED.items():
         accepted.add_argument(flag, action="store_true", help=f"accepted: {why}")
+    for flag, choices in VLLM_CHOICES_ACCEPTED.items():
+        accepted.add_argument(flag, choices=choices, help=f"accepted: {BOTH_SERVED}")
 
     from tokenloom.advisor.diagnose import add_diagnose_command
     from tokenloom.advisor.plan import add_plan_command

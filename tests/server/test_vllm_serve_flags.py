@@ -55,7 +55,7 @@ def test_a_bad_config_file_is_a_clear_error(tmp_path, capsys, text, words):
 FLAGS = (
     "--enable-request-id-headers", "--override-generation-config", '{"temperature": 0, "top_k": 5}',
     "--disable-fastapi-docs", "--return-tokens-as-token-ids", "--enable-force-include-usage",
-    "--disable-uvicorn-access-log", "--response-role", "helper",
+    "--disable-uvicorn-access-log", "--response-role", "helper", "--runner", "pooling", "--convert", "embed",
 )  # fmt: skip
 
 
@@ -132,3 +132,14 @@ def test_a_chat_reply_names_the_response_role_or_the_continued_messages(server):
     continued = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "Hello, I"}],
                  "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
     assert httpx.post(chat, json=continued, timeout=60).json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_vllms_runner_choices_serve_both_generation_and_embeddings(server, capsys):
+    """--runner pooling --convert embed (as vLLM serves an embedding model) are taken: the server embeds, and still
+    generates; a choice tokenloom cannot honour is argparse's error."""
+    embedded = httpx.post(f"{server.url}/v1/embeddings", json={"input": "Hi"}, timeout=60).json()
+    assert len(embedded["data"][0]["embedding"]) == 64
+    assert completion(server, {}).status_code == 200
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--convert", "classify"])
+    assert "invalid choice" in capsys.readouterr().err
