@@ -49,6 +49,8 @@ VLLM_FLAGS_REFUSED = {
     "--data-parallel-size": "replicas are Ray Serve's here: --ray --num-replicas N",
     "--pipeline-parallel-size": "models larger than a device are split by --tensor-parallel-size only",
     "--tokenizer": "the tokenizer is the one in the checkpoint directory",
+    "--pooler-config": "an embedding is the last token's final hidden state, normalized (a request's dimensions and "
+    "normalize change the rest)",
     "--revision": "a local checkpoint directory is served as it is; nothing is downloaded",
     "--download-dir": "nothing is downloaded: give a local checkpoint directory",
     "--load-format": "checkpoints load from safetensors (or the embedded GGUF)",
