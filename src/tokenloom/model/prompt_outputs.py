@@ -7,6 +7,8 @@ through the final norm (pooling type LAST), cut to the dimensions asked for and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -42,14 +44,16 @@ def prompt_logprobs(
 
 def embeddings(
     model: CausalLM, hidden: torch.Tensor, rows: list[tuple[str, int, PoolingParams]]
-) -> dict[str, list[float]]:
-    """Each embedding request's vector from its last prompt token's row, in float32 whatever the model's dtype."""
+) -> Callable[[], dict[str, list[float]]] | None:
+    """Each embedding request's vector from its last prompt token's row, in float32 whatever the model's dtype:
+    computed now, on the device, and read to the host by the function returned, when the step is read (so a step that
+    holds one does not wait for the device when it is launched). None if the step has none."""
     if not rows:
-        return {}
+        return None
     stream = hidden[torch.tensor([row for _, row, _ in rows], device=hidden.device)].float()
     normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight.float(), model.norm.eps)
-    vectors: dict[str, list[float]] = {}
-    for (request_id, _, params), vector in zip(rows, normed, strict=True):
+    vectors = []
+    for (_, _, params), vector in zip(rows, normed, strict=True):
         vector = vector[: params.dimensions]
-        vectors[request_id] = (F.normalize(vector, dim=0) if params.normalize else vector).tolist()
-    return vectors
+        vectors.append(F.normalize(vector, dim=0) if params.normalize else vector)
+    return lambda: {request_id: vector.tolist() for (request_id, _, _), vector in zip(rows, vectors, strict=True)}

@@ -75,15 +75,20 @@ class LaunchedStep:
         result: StepResult,
         request_ids: list[str] | None = None,
         sampled: Callable[[], list[list[SampledToken]]] | None = None,
+        embeddings: Callable[[], dict[str, list[float]]] | None = None,
     ) -> None:
         self._result = result
         self._request_ids = request_ids or []
         self._sampled = sampled
+        self._embeddings = embeddings
 
     def wait(self) -> StepResult:
         if self._sampled is not None:
             self._result.sampled = dict(zip(self._request_ids, self._sampled(), strict=True))
             self._sampled = None
+        if self._embeddings is not None:
+            self._result.embeddings = self._embeddings()
+            self._embeddings = None
         return self._result
 
 
@@ -260,9 +265,9 @@ class ModelRunner:
                 result.prompt_logprobs[request_id] = prompt_logprobs(self.model, self.sampler, hidden, chunk, first_row)
             except Exception as error:
                 result.failed[request_id] = error
-        result.embeddings = embeddings(self.model, hidden, inputs.pooled_rows)
+        read_embeddings = embeddings(self.model, hidden, inputs.pooled_rows)
         if not inputs.sampled_items:
-            return LaunchedStep(result)
+            return LaunchedStep(result, embeddings=read_embeddings)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         items = inputs.sampled_items
         if grammar is not None:
@@ -280,7 +285,7 @@ class ModelRunner:
             sampled = self._sample(logits, items, last)
             if isinstance(sampled, SampledOnDevice):
                 self._last_sampled = (request_ids, sampled.device_tokens)
-            return LaunchedStep(result, request_ids, sampled.per_request)
+            return LaunchedStep(result, request_ids, sampled.per_request, read_embeddings)
         except Exception:
             # Something in the batch raised: sample request by request to find whose it was.
             first_rows = self._first_rows(items)
@@ -295,7 +300,7 @@ class ModelRunner:
         # A failed request's row reads 0: the step it is in is read after it fails, and passes it over.
         tokens = [result.sampled[rid][0].token_id if rid in result.sampled else 0 for rid in request_ids]
         self._last_sampled = (request_ids, torch.tensor(tokens, device=self.device))
-        return LaunchedStep(result)
+        return LaunchedStep(result, embeddings=read_embeddings)
 
     @staticmethod
     def _first_rows(items: list[ScheduledRequest]) -> np.ndarray:
