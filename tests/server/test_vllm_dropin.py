@@ -577,13 +577,14 @@ def test_vllms_flags_that_change_nothing_are_taken_and_those_for_what_is_not_don
     from tokenloom.cli import build_parser, config_from_args, main
     from tokenloom.server_config import ServerConfig
 
-    argv = ["serve", "some-model", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats"]
+    argv = ["serve", "some-model", "--trust-remote-code", "--disable-log-requests", "--disable-log-stats",
+            "--task", "embed"]  # fmt: skip
     assert config_from_args(ServerConfig, build_parser().parse_args(argv)).disable_log_stats
     for argv, flag, words in (
         (["serve", "m", "--api-server-count", "2"], "--api-server-count", "--core-process"),
         (["serve", "m", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size", "tensor"),
         (["serve", "m", "--data-parallel-size=2"], "--data-parallel-size", "--ray --num-replicas"),
-        (["serve", "m", "--task", "embed"], "--task", "only generation"),
+        (["serve", "m", "--pooler-config", '{"pooling_type": "MEAN"}'], "--pooler-config", "last token"),
     ):
         assert main(argv) == 2
         error = capsys.readouterr().err
