@@ -54,35 +54,30 @@ def make_runner(
     alone samples, so its sampler alone takes the logprobs mode."""
     size = config.parallel.tensor_parallel_size
     calibration = calibration_for(config.model.quantization, loaded.tokenizer, loaded.config.vocab_size)
+    runner: ModelRunner
     if size == 1:
-        return _with_logprobs_mode(
-            ModelRunner(
-                loaded.model,
-                num_kv_blocks,
-                config.cache.block_size,
-                device,
-                dtype,
-                config.model.seed,
-                num_swap_blocks,
-                compile_step=config.compiles_step(device.type),
-                attention_backend=config.model.attention_backend,
-                kv_cache_dtype=config.cache.kv_cache_dtype,
-                quantization=config.model.quantization,
-                calibration=calibration,
-                lora=config.lora,
-            ),
-            config,
+        runner = ModelRunner(
+            loaded.model,
+            num_kv_blocks,
+            config.cache.block_size,
+            device,
+            dtype,
+            config.model.seed,
+            num_swap_blocks,
+            compile_step=config.compiles_step(device.type),
+            attention_backend=config.model.attention_backend,
+            kv_cache_dtype=config.cache.kv_cache_dtype,
+            quantization=config.model.quantization,
+            calibration=calibration,
+            lora=config.lora,
         )
-    # Imported only when there are ranks to run: the tensor-parallel runner needs the IPC library (pyzmq), which a
-    # GPU image serving one rank may lack (tests/engine/test_gpu_image_imports.py).
-    from tokenloom.model.parallel_runner import TensorParallelRunner, TensorParallelWorkers
+    else:
+        # Imported only when there are ranks to run: the tensor-parallel runner needs the IPC library (pyzmq), which
+        # a GPU image serving one rank may lack (tests/engine/test_gpu_image_imports.py).
+        from tokenloom.model.parallel_runner import TensorParallelRunner, TensorParallelWorkers
 
-    spec = _worker_spec(config, dtype, num_kv_blocks, num_swap_blocks, max_model_len)
-    rank0 = TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
-    return _with_logprobs_mode(rank0, config)
-
-
-def _with_logprobs_mode(runner: ModelRunner, config: EngineConfig) -> ModelRunner:
+        spec = _worker_spec(config, dtype, num_kv_blocks, num_swap_blocks, max_model_len)
+        runner = TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
     runner.sampler.logprobs_mode = config.model.logprobs_mode
     return runner
 

@@ -86,9 +86,7 @@ def build_app(
         TextBudget.for_bodies_up_to(max_body_bytes),
         ResponseBudget(max_inflight_response_bytes),
         reasoning_parser=reasoning_parser(reasoning_parser_name),
-        force_include_usage=options.force_include_usage,
-        tokens_as_token_ids=options.return_tokens_as_token_ids,
-        response_role=options.response_role,
+        options=options,
     )
     routers = [m.router for m in (health, completions, chat, embeddings, responses_api, tokenization, lora_routes)]
     guard = functools.partial(Guard, max_body_bytes=max_body_bytes, max_inflight_body_bytes=max_inflight_body_bytes,

@@ -57,7 +57,7 @@ async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
     by_id = state.names_tokens_by_id(body.return_tokens_as_token_ids)
     shape = ChatShape(prepared.tokenizer, prepared.forced, prepared.parser, by_id,
                       body.prompt_logprobs is not None, prepared.reasoning, body.include_reasoning,
-                      body.return_token_ids, _reply_role(state.response_role, body))  # fmt: skip
+                      body.return_token_ids, _reply_role(state.options.response_role, body))  # fmt: skip
     return await serve_generation(state, raw, body, [prepared.prompt_ids], logprobs, shape, prepared.structured)
 
 

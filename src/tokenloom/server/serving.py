@@ -62,7 +62,7 @@ async def serve_generation(
     async with _admitted(state, raw, body, prompts, logprobs, structured, request_id) as (streams, lease):
         if body.stream:
             options = body.stream_options or StreamOptions()
-            if state.force_include_usage:
+            if state.options.force_include_usage:
                 options = options.model_copy(update={"include_usage": True})
             frames = shape.sse_frames(
                 streams, logprobs is not None, response_id, created, state.served_name(body.model), counting, options

@@ -72,9 +72,7 @@ class ServerState:
         default_factory=lambda: ResponseBudget(ServerConfig.max_inflight_response_bytes)
     )
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: a reply's thought apart from its answer
-    force_include_usage: bool = False  # every stream ends with its usage (--enable-force-include-usage)
-    tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless asked not to (vLLM's flag)
-    response_role: str = "assistant"  # a chat reply's role when the request opens the assistant's turn (vLLM's flag)
+    options: VllmOptions = field(default_factory=VllmOptions)  # what vLLM's serve flags set for every response
     created_at: int = field(default_factory=lambda: int(time.time()))  # /v1/models: when this server started
 
     background: BackgroundResponses = field(init=False)  # the Responses API's background responses still running
@@ -87,7 +85,7 @@ class ServerState:
 
     def names_tokens_by_id(self, asked: bool | None) -> bool:
         """Whether a response's logprobs name their tokens "token_id:N": as the request asks, else the server's flag."""
-        return self.tokens_as_token_ids if asked is None else asked
+        return self.options.return_tokens_as_token_ids if asked is None else asked
 
     def served_name(self, model: str | None) -> str:
         """The name a response gives as its model: the adapter's, for a request of one; the base model's otherwise."""
