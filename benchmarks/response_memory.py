@@ -1,7 +1,7 @@
 """What a request's response holds of the server's memory, against what --max-inflight-response-bytes charges it;
 and what tokenizing large prompts holds, within the server's text budget.
 
-    .venv/bin/python benchmarks/response_memory.py [--part charges|flood|prompts|all] [--source CHECKOUT]
+    .venv/bin/python benchmarks/response_memory.py [--part charges|flood|prompts|embeddings|all] [--source CHECKOUT]
 
 A tiny random Llama with SmolLM2's tokenizer (the tests' tiny chat model: fast steps, real text), ignore_eos.
 
@@ -14,6 +14,10 @@ flood: a real server (uvicorn), and CLIENTS requests at once, each a ~200-byte c
 prompts: a real server, CLIENTS completions at once (three rounds), each a 1 MB prompt of numbers (one token a digit:
     ~960,000 tokens, refused after tokenizing as over the context); the server's resident memory at its peak. With
     --source, the server runs that checkout's code (PYTHONPATH), to compare with a commit before the text budget.
+embeddings: a random one-layer Llama 4,096 wide (Llama-3.1-8B's hidden size; vocabulary 512, token-id inputs). The
+    charges of /v1/embeddings requests of 1, 32 and 128 inputs, as above; then a flood of CLIENTS x 4 requests of 128
+    inputs each, all of them run in one step, the server's peak resident memory under a budget of 256 MiB. With
+    --source, the flood also runs against that checkout's server (before embeddings were charged).
 """
 
 from __future__ import annotations
@@ -87,7 +91,25 @@ def tiny_chat_model(directory: Path) -> Path:
     return directory
 
 
-async def charges(model: Path) -> None:
+EMBEDDING_CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    f"embeddings, {inputs} inputs, {encoding}": (
+        "/v1/embeddings", {"input": [[i % 500 + 1, 2, 3] for i in range(inputs)], "encoding_format": encoding})
+    for inputs in (1, 32, 128) for encoding in ("float", "base64")
+}  # fmt: skip
+
+
+def wide_model(directory: Path) -> Path:
+    """A random one-layer Llama as wide as Llama-3.1-8B (4,096), with a vocabulary of 512: its embeddings are large."""
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=4096, intermediate_size=64, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=2, max_position_embeddings=8192,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    return directory
+
+
+async def charges(model: Path, cases: dict[str, tuple[str, dict[str, Any]]]) -> None:
     args = build_parser().parse_args(["serve", str(model), "--max-num-seqs", "256", "--max-model-len", "8192"])
     args.model = args.model_tag
     app, engine = build_server(config_from_args(ServerConfig, args), engine_config_from_args(args))
@@ -96,8 +118,10 @@ async def charges(model: Path) -> None:
     print("\n| request | traced peak | charged | peak / charge |\n|---|---:|---:|---:|")
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            for name, (path, body) in CASES.items():
-                extra = {} if path == "/v1/responses" else {"ignore_eos": True}
+            first_path, first_body = next(iter(cases.values()))  # what the first request alone builds is not its own
+            await client.post(first_path, json={"model": model.name, **first_body}, timeout=3000)
+            for name, (path, body) in cases.items():
+                extra = {} if path in ("/v1/responses", "/v1/embeddings") else {"ignore_eos": True}
                 gc.collect()
                 tracemalloc.start()
                 before = tracemalloc.get_traced_memory()[0]
@@ -158,6 +182,23 @@ def flood(model: Path, budget: str, clients: int) -> None:
               f"+{peak - base:,} MiB | {wall:.0f} s |", flush=True)  # fmt: skip
 
 
+def embeddings_flood(model: Path, budget: str, clients: int, source: str | None) -> None:
+    env = None if source is None else {"PYTHONPATH": str(Path(source) / "src")}
+    # Room for every input of every request in one step, so that all their vectors are held at once.
+    flags = ("--max-num-seqs", "4096", "--max-num-batched-tokens", "16384", "--max-inflight-response-bytes", budget)
+    with LocalServer(str(model), *flags, env=env) as server:
+        base = rss_mib(server.process.pid)
+        statuses: list[int] = []
+        body = {"model": model.name, "input": [[i % 500 + 1, 2, 3] for i in range(128)], "encoding_format": "float"}
+
+        def ask() -> None:
+            statuses.append(httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=3000).status_code)
+
+        peak, wall = peak_rss_while_asking(server.process.pid, ask, clients * 4, rounds=1)
+        print(f"| {source or 'this checkout'} | {budget} | {clients * 4} x 128 inputs | {counted(statuses)} | "
+              f"{base:,} MiB | {peak:,} MiB | +{peak - base:,} MiB | {wall:.0f} s |", flush=True)  # fmt: skip
+
+
 def big_prompts(model: Path, clients: int, source: str | None) -> None:
     rng = random.Random(0)
     text = " ".join(str(rng.randrange(10**6)) for _ in range(140_000))[:1_000_000]
@@ -181,15 +222,15 @@ def counted(statuses: list[int]) -> dict[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["charges", "flood", "prompts", "all"], default="all")
+    parser.add_argument("--part", choices=["charges", "flood", "prompts", "embeddings", "all"], default="all")
     parser.add_argument("--clients", type=int, default=6)
-    parser.add_argument("--source", help="another checkout whose server the prompts part runs (PYTHONPATH)")
+    parser.add_argument("--source", help="another checkout whose server the prompts and embeddings parts run too")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}; CPU flags: {cpu_flags()}")
     with tempfile.TemporaryDirectory() as scratch:
         model = tiny_chat_model(Path(scratch) / "tiny-chat")
         if args.part in ("charges", "all"):
-            asyncio.run(charges(model))
+            asyncio.run(charges(model, CASES))
         if args.part in ("flood", "all"):
             print("\n| --max-inflight-response-bytes | requests | statuses | RSS before | RSS peak | grew | wall |")
             print("|---|---:|---|---:|---:|---:|---:|")
@@ -199,6 +240,13 @@ def main() -> None:
             print("\n| server | requests | statuses | RSS before | RSS peak | grew | wall |")
             print("|---|---:|---|---:|---:|---:|---:|")
             big_prompts(model, args.clients, args.source)
+        if args.part in ("embeddings", "all"):
+            wide = wide_model(Path(scratch) / "wide")
+            asyncio.run(charges(wide, EMBEDDING_CASES))
+            print("\n| server | budget | requests | statuses | RSS before | RSS peak | grew | wall |")
+            print("|---|---|---:|---|---:|---:|---:|---:|")
+            for source in [None] + ([args.source] if args.source else []):
+                embeddings_flood(wide, str(256 << 20), args.clients, source)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

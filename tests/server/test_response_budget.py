@@ -8,13 +8,17 @@ import asyncio
 import gc
 import threading
 import tracemalloc
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
+import transformers
 from server_process import HeldRequest, ServerProcess, poll_until
 
 from tokenloom.cli import build_parser, config_from_args, engine_config_from_args
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.launch import build_server
@@ -39,6 +43,11 @@ def test_a_request_is_charged_its_fixed_cost_its_held_tokens_and_its_logprobs():
     # Streamed, a logprob is what the output side keeps of it (each chunk is rendered alone): 384 B.
     streamed = SamplingParams(max_tokens=100, logprobs=5)
     assert response_charge([7], [streamed], n=1, streamed=True) == 80 * KIB + 100 * 7 * 384
+    # An embedding: each of its values, 112 B, as wide as the model unless it asks for fewer dimensions.
+    embedding = SamplingParams.for_embedding(PoolingParams())
+    assert response_charge([7, 9], [embedding] * 2, n=1, hidden_size=512) == 96 * KIB + 2 * 512 * 112 + 2 * 256
+    cut = SamplingParams.for_embedding(PoolingParams(dimensions=8))
+    assert response_charge([7], [cut], n=1, hidden_size=512) == 80 * KIB + 8 * 112
 
 
 def test_the_budget_refuses_what_can_never_fit_and_what_does_not_fit_now():
@@ -115,18 +124,40 @@ CHAT = [{"role": "user", "content": "hi"}]
 def test_what_a_request_holds_stays_under_its_charge(tiny_chat_model, path, body):
     """Traced in one process, a request's memory at its peak (held outputs, the rendered response) is under what
     the budget charged it: the charge's figures are upper bounds (benchmarks/response_memory.py, every kind)."""
-    args = build_parser().parse_args(["serve", str(tiny_chat_model), "--served-model-name", "tiny"])
+    peak, charged = traced_peak_and_charge(tiny_chat_model, path, {"ignore_eos": True, **body})
+    assert 0 < peak < charged, (peak, charged)
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+def test_what_an_embeddings_request_holds_stays_under_its_charge(tmp_path, encoding_format):
+    """128 vectors of a 2,048-wide model, held until the last is done and rendered whole: ~20 MiB, where the
+    request's fixed costs were all it was charged before (2 MiB), so a few hundred such requests took gigabytes."""
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=2048, intermediate_size=64, num_hidden_layers=1, num_attention_heads=16,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    body = {"input": [[i + 1, 2, 3] for i in range(128)], "encoding_format": encoding_format}
+    peak, charged = traced_peak_and_charge(tmp_path, "/v1/embeddings", body)
+    assert 128 * 2048 * 40 < peak < charged, (peak, charged)
+
+
+def traced_peak_and_charge(model: Path, path: str, body: dict[str, object]) -> tuple[int, int]:
+    """One request served in this process (httpx over ASGI): its traced memory at its peak, and what the response
+    budget held for it; the charge must have come back when it ends."""
+    args = build_parser().parse_args(["serve", str(model), "--served-model-name", "tiny"])
     args.model = args.model_tag
     app, engine = build_server(config_from_args(ServerConfig, args), engine_config_from_args(args))
     budget = app.state.tokenloom.response_budget
 
-    async def traced_peak_and_charge() -> tuple[int, int]:
+    async def served() -> tuple[int, int]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             gc.collect()
             tracemalloc.start()
             before = tracemalloc.get_traced_memory()[0]
             try:
-                request = asyncio.create_task(client.post(path, json={"model": "tiny", "ignore_eos": True, **body}))
+                request = asyncio.create_task(client.post(path, json={"model": "tiny", **body}))
                 charged = 0
                 while not request.done():
                     charged = max(charged, budget.held)
@@ -140,11 +171,11 @@ def test_what_a_request_holds_stays_under_its_charge(tiny_chat_model, path, body
 
     engine.start()
     try:
-        peak, charged = asyncio.run(traced_peak_and_charge())
+        peak, charged = asyncio.run(served())
     finally:
         engine.shutdown()
     assert budget.held == 0, "the charge came back"
-    assert 0 < peak < charged, (peak, charged)
+    return peak, charged
 
 
 def test_text_past_the_budget_waits_for_the_tokenizing_before_it_and_a_cancelled_one_holds_until_its_thread_ends():

@@ -203,6 +203,10 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 
+    @property
+    def hidden_size(self) -> int:
+        return self.engine.model_config.hidden_size
+
     def describe(self) -> dict[str, object]:
         """What /version says of the engine: the resolved dtype, the device and the whole configuration."""
         return {

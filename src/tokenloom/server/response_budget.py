@@ -14,7 +14,9 @@ What a request is charged:
 - each logprob its response carries, generated or of the prompt: a token's own, its alternatives, and its entry;
 - the tokens of a request of several sequences (n > 1, or several prompts), whose finished outputs wait in the server
   for the others. A lone sequence's tokens are not charged: while it runs, the KV cache bounds them (each has a slot),
-  and it is answered as it ends.
+  and it is answered as it ends;
+- each value of an embedding: its vector is held until the request's last one is done, then rendered whole (128
+  inputs of a 4,096-wide model are ~45 MB by then, where their fixed costs are 2 MB).
 """
 
 from __future__ import annotations
@@ -30,13 +32,19 @@ SEQUENCE_BYTES = 16 << 10  # a sequence's state in the core, the output side and
 HELD_TOKEN_BYTES = 256  # a token of a finished choice, held and then rendered: 130-290 B traced
 LOGPROB_BYTES = 1280  # one logprob while held and rendered, the heaviest endpoint's: ~1,030 B traced (Responses API)
 STREAMED_LOGPROB_BYTES = 384  # one logprob of a stream: held as it comes, each chunk's rendered alone: ~280 B traced
+EMBEDDING_VALUE_BYTES = 112  # a vector's value, held as a Python float and rendered as JSON: 85 B traced (base64 50)
 
 
 def response_charge(
-    prompt_lengths: Sequence[int], params: Sequence[SamplingParams], n: int, streamed: bool = False
+    prompt_lengths: Sequence[int],
+    params: Sequence[SamplingParams],
+    n: int,
+    streamed: bool = False,
+    hidden_size: int = 0,
 ) -> int:
     """The most a request's response can hold of the server's memory, in bytes (each prompt's params have their
-    max_tokens filled in). A stream's logprobs are never rendered all at once: they cost what the output side keeps."""
+    max_tokens filled in). A stream's logprobs are never rendered all at once: they cost what the output side keeps.
+    hidden_size: the model's, the width of an embedding that asks for no fewer dimensions."""
     sequences = len(prompt_lengths) * n
     charge = REQUEST_BYTES + sequences * SEQUENCE_BYTES
     logprob_bytes = STREAMED_LOGPROB_BYTES if streamed else LOGPROB_BYTES
@@ -48,6 +56,9 @@ def response_charge(
             charge += n * q.max_tokens * (q.logprobs + 2) * logprob_bytes
         if q.prompt_logprobs is not None:
             charge += n * length * (q.prompt_logprobs + 2) * logprob_bytes
+        if q.pooling is not None:
+            assert hidden_size > 0, "an embedding is charged its width"
+            charge += n * (q.pooling.dimensions or hidden_size) * EMBEDDING_VALUE_BYTES
     return charge
 
 

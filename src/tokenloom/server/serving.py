@@ -264,7 +264,8 @@ def _params_within_limits(
             asked = body.sampling_params(max_tokens, logprobs, state.sampling_defaults, structured)
             params.append(_logprobs_resolved(state, asked))  # before the charge, which grows with them
         tokens = sum((len(p) + q.max_tokens) * n for p, q in zip(prompts, params, strict=True))
-        charge = response_charge([len(p) for p in prompts], params, n, streamed=bool(body.stream))
+        lengths = [len(p) for p in prompts]
+        charge = response_charge(lengths, params, n, bool(body.stream), state.engine.hidden_size)
         state.response_budget.take_or_refuse(charge)
         try:
             limiter.acquire(tenant, tokens, sequences)
