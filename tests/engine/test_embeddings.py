@@ -58,6 +58,7 @@ def test_embeddings_in_chunks_beside_generation_and_from_the_prefix_cache(tiny_l
             if output.finished:
                 finals[output.request_id] = output
     assert finals[generating.request_id].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert llm.stats().generated_tokens == 24, "an embedding's sampled token, dropped, is not counted as generated"
     for request, vector in zip(requests, expected, strict=True):
         torch.testing.assert_close(torch.tensor(finals[request.request_id].embedding), vector, atol=1e-5, rtol=0)
     hits = llm.stats().prefix_cache_hits

@@ -38,8 +38,14 @@ def test_the_openai_client_gets_the_offline_embeddings(tiny_chat_model, served):
     cut = torch.nn.functional.normalize(torch.tensor(offline[0][:8]), dim=0)  # offline's are normalized already
     assert plain["object"] == "list" and plain["id"].startswith("embd-")
     torch.testing.assert_close(torch.tensor(plain["data"][0]["embedding"]), cut, atol=1e-6, rtol=0)
+    generated = served.metric("tokenloom:generation_tokens_total")
+    prompt_tokens = served.metric("tokenloom:prompt_tokens_total")
     [ids] = client.embeddings.create(model="tiny", input=[[1, 2, 3, 4]], encoding_format="float").data
     assert len(ids.embedding) == 64
+    # Its prompt is counted; the token it sampled and dropped is not a generated one.
+    assert served.metric("tokenloom:prompt_tokens_total") == prompt_tokens + 4
+    assert served.metric("tokenloom:generation_tokens_total") == generated
+    assert served.metric("tokenloom:request_generation_tokens_sum") == 0
 
 
 @pytest.mark.parametrize(

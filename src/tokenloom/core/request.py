@@ -73,6 +73,11 @@ class Request:
         return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
+    def generates(self) -> bool:
+        """False for an embedding request: the one token it samples is dropped, never a generated token."""
+        return self.sampling_params.pooling is None
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

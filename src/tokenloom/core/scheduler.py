@@ -329,7 +329,7 @@ class Scheduler:
             index = item.start + item.num_tokens - request.num_prompt_tokens  # the output index of its token
             assert request.output_token_ids[index] == PLACEHOLDER_TOKEN, "a placeholder is settled once"
             (request.output_token_ids[index],) = sampled[request.request_id]
-            self.stats.generated_tokens += 1
+            self.stats.generated_tokens += request.generates
             if request.first_token_time is None:
                 request.first_token_time = now
             advanced.append((request, 1))
@@ -401,7 +401,7 @@ class Scheduler:
         """Appends tokens one by one up to the first that meets a stop condition; returns that condition, if any."""
         for token in tokens:
             request.output_token_ids.append(token)
-            self.stats.generated_tokens += 1
+            self.stats.generated_tokens += request.generates
             status = self._stop_status(request, request.num_output_tokens - 1)
             if status is not None:
                 return status
