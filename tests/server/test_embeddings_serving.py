@@ -7,10 +7,12 @@ import httpx
 import openai
 import pytest
 import torch
+import transformers
 from server_process import ServerProcess
 
 from tokenloom import LLM
 
+HI = [{"role": "user", "content": "Hi"}]
 TEXTS = ["The capital of France is Paris.", "Rivers flow to the sea", "Hello"]
 
 
@@ -48,6 +50,26 @@ def test_the_openai_client_gets_the_offline_embeddings(tiny_chat_model, served):
     assert served.metric("tokenloom:request_generation_tokens_sum") == 0
 
 
+def test_a_conversation_is_embedded_through_the_chat_template(tiny_chat_model, served):
+    """vLLM's chat form: messages instead of input, the template applied without the assistant's turn unless asked,
+    one vector, the one of those token ids as input."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_chat_model)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}]
+    counted = []
+    for opened in (False, True):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=opened, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+        body = {"messages": messages, "encoding_format": "float"} | ({"add_generation_prompt": True} if opened else {})
+        reply = httpx.post(f"{served.url}/v1/embeddings", json=body, timeout=60).json()
+        [data] = reply["data"]
+        as_input = httpx.post(f"{served.url}/v1/embeddings", json={"input": ids, "encoding_format": "float"}).json()
+        counted.append(reply["usage"]["prompt_tokens"])
+        assert counted[-1] == len(ids)
+        expected = torch.tensor(as_input["data"][0]["embedding"])  # from cached blocks: a row computed apart
+        torch.testing.assert_close(torch.tensor(data["embedding"]), expected, atol=1e-6, rtol=0)
+    assert counted[1] > counted[0], "add_generation_prompt opened the assistant's turn"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -57,6 +79,10 @@ def test_the_openai_client_gets_the_offline_embeddings(tiny_chat_model, served):
         ({"input": []}, "prompt"),
         ({"input": ["Hi"] * 129}, "input"),
         ({"input": "Hi", "model": "other"}, "model"),
+        ({"input": "Hi", "messages": HI}, "input"),
+        ({}, "input"),
+        ({"messages": HI, "reasoning_effort": "low"}, "reasoning_effort"),
+        ({"messages": HI, "add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
     ],
 )
 def test_what_an_embeddings_request_may_not_carry_is_a_400(served, body, param):

@@ -82,9 +82,7 @@ async def prepared_chat(state: ServerState, body: ChatCompletionRequest) -> Prep
     """The chat template applied to the conversation and its tools, the output's grammar (a forced tool call's, or
     the response format's), and the parser of calls in a free reply. Shared by /v1/chat/completions and
     /v1/responses."""
-    tokenizer = state.engine.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    tokenizer = chat_template_tokenizer(state, "use /v1/completions")
     forced = forced_tool(body, auto_parsed=state.tool_call_parser is not None)
     parser = state.tool_call_parser if body.tools and body.tool_choice in (None, "auto") else None
     structured = forced.spec if forced is not None else body.structured_output()
@@ -93,6 +91,14 @@ async def prepared_chat(state: ServerState, body: ChatCompletionRequest) -> Prep
     prompt_ids = await templated(state.text_budget, tokenizer, conversation, body, tools=tools)
     reasoning, structured = _reasoning_and_grammar(state.reasoning_parser, structured, tokenizer, prompt_ids)
     return PreparedChat(tokenizer, prompt_ids, forced, parser, structured, reasoning)
+
+
+def chat_template_tokenizer(state: ServerState, instead: str) -> Tokenizer:
+    """The model's tokenizer, if it has a chat template to put messages through; else a 400 saying what to do."""
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, f"this model has no chat template; {instead}", "messages")
+    return tokenizer
 
 
 def _reasoning_and_grammar(

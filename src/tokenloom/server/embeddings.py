@@ -1,6 +1,7 @@
 """``POST /v1/embeddings``: OpenAI's embeddings (vLLM's for a decoder-only model): each input's vector is the final
 hidden state of its last token, normalized (pooling_params.py). Admitted like a completion (tenant caps, the queue,
-the response budget), each input one request of a single greedy token that is dropped."""
+the response budget), each input one request of a single greedy token that is dropped. vLLM's chat form takes
+``messages`` instead of ``input``: one conversation through the chat template, embedded as one prompt."""
 
 from __future__ import annotations
 
@@ -16,11 +17,20 @@ from pydantic import BaseModel, Field
 from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenloom.server.chat import chat_template_tokenizer, templated
 from tokenloom.server.errors import APIError
-from tokenloom.server.protocol import MAX_CHOICES, StreamOptions, Text, TokenId, _Common
+from tokenloom.server.protocol import (
+    MAX_CHOICES,
+    ChatMessage,
+    ChatTemplateOptions,
+    StreamOptions,
+    Text,
+    TokenId,
+    _Common,
+)
 from tokenloom.server.response_models import Usage
 from tokenloom.server.serving import check_model, serve_generation, tokenized
-from tokenloom.server.state import ERROR_RESPONSES, server_state
+from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
 from tokenloom.server.streaming import UsageCount
 
 router = APIRouter()
@@ -28,11 +38,16 @@ router = APIRouter()
 # What an embeddings request may carry: OpenAI's fields, and vLLM's that apply to a prompt alone. A generation
 # field (stream, temperature, ...) is refused by name, not ignored.
 EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "normalize",
-                              "truncate_prompt_tokens", "request_id", "priority", "cache_salt"})  # fmt: skip
+                              "truncate_prompt_tokens", "request_id", "priority", "cache_salt", "messages",
+                              "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})  # fmt: skip
 
 
-class EmbeddingRequest(_Common):
-    input: Text | list[TokenId] | Annotated[list[Text], Field(min_length=1)] | list[list[TokenId]]
+class EmbeddingRequest(_Common, ChatTemplateOptions):
+    """OpenAI's request (``input``) or vLLM's chat form (``messages``, through the chat template): one of the two."""
+
+    input: Text | list[TokenId] | Annotated[list[Text], Field(min_length=1)] | list[list[TokenId]] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = False  # vLLM's default for a conversation embedded: no assistant's turn opened
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     normalize: bool = True  # vLLM's
@@ -44,6 +59,7 @@ class EmbeddingRequest(_Common):
 
     def inputs(self) -> list[str | list[int]]:
         given = self.input
+        assert given is not None, "the chat form has no inputs"
         one = isinstance(given, str) or all(isinstance(t, int) for t in given)
         inputs = [cast(str | list[int], given)] if one else list(cast(list[str | list[int]], given))
         if not inputs or len(inputs) > MAX_CHOICES:
@@ -88,8 +104,19 @@ async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
     state = server_state(raw)
     check_model(body, state)
     body.refuse_generation_fields()
-    prompts = [await tokenized(state, text) for text in body.inputs()]
+    prompts = await _prompts(state, body)
     return await serve_generation(state, raw, body, prompts, None, EmbeddingShape(body.encoding_format))
+
+
+async def _prompts(state: ServerState, body: EmbeddingRequest) -> list[list[int]]:
+    """The inputs' token ids, or the conversation's through the chat template (one prompt)."""
+    if (body.input is None) == (body.messages is None):
+        raise APIError(400, "send exactly one of input and messages", "input", "invalid_value")
+    if body.messages is None:
+        return [await tokenized(state, text) for text in body.inputs()]
+    tokenizer = chat_template_tokenizer(state, "send the text as input")
+    conversation = [m.for_template() for m in body.messages]
+    return [await templated(state.text_budget, tokenizer, conversation, body)]
 
 
 class EmbeddingShape:
