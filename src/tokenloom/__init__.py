@@ -11,7 +11,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lora import LoRARequest
-from tokenloom.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from tokenloom.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,4 +29,5 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringRequestOutput",
 ]

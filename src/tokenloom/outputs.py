@@ -85,6 +85,22 @@ class EmbeddingRequestOutput:
         return cls(output.request_id, output.prompt_token_ids, output.finished, EmbeddingOutput(output.embedding))
 
 
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` gives for each pair, as vLLM's with an embedding model: ``output.outputs.score``, the cosine
+    similarity of the two texts' embeddings; the request id and tokens are the pair's, joined."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    finished: bool
+    outputs: ScoringOutput
+
+
 class JoinedDeltas:
     """A request's DELTA outputs joined into the one output that holds them all (the cumulative one), each added at
     the cost of its own length: text, token ids and logprobs joined, the rest the last's."""

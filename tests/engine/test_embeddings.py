@@ -90,3 +90,19 @@ def test_the_real_models_embeddings_in_float32_and_bfloat16(real_model_dir):
     faster = bf16.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
     for output, vector in zip(faster, expected, strict=True):
         assert float(torch.tensor(output.outputs.embedding) @ vector) > 0.999  # cosine (unit vectors): 0.99997 here
+
+
+def test_score_pairs_texts_one_to_many_or_pair_by_pair_by_the_cosine_of_their_embeddings(tiny_llama):
+    """LLM.score, as vLLM's with an embedding model: the cosine similarity of transformers' last hidden states."""
+    states = oracle_states(tiny_llama, PROMPTS)
+    llm = LLM(str(tiny_llama), dtype="float32")
+    query, *documents = ({"prompt_token_ids": p} for p in PROMPTS)
+    one_to_many = llm.score(query, documents, use_tqdm=False)
+    expected = [F.cosine_similarity(states[0], state, dim=0).item() for state in states[1:]]
+    assert [o.outputs.score for o in one_to_many] == pytest.approx(expected, abs=1e-5)
+    assert one_to_many[0].prompt_token_ids == PROMPTS[0] + PROMPTS[1]
+    pairwise = llm.score(documents, [query, query], use_tqdm=False)
+    assert [o.outputs.score for o in pairwise] == pytest.approx(expected, abs=1e-5)  # cosine is symmetric
+    assert llm.score(query, query, use_tqdm=False)[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+        llm.score(documents, [query, query, query], use_tqdm=False)

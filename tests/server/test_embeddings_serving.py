@@ -1,5 +1,5 @@
-"""POST /v1/embeddings through the official openai client: the vectors LLM.embed gives, whatever the encoding; and
-what an embeddings request may not carry refused with a clear 400."""
+"""POST /v1/embeddings through the official openai client: the vectors LLM.embed gives, whatever the encoding; vLLM's
+/score and /rerank over them; and what such a request may not carry refused with a clear 400."""
 
 from __future__ import annotations
 
@@ -68,6 +68,48 @@ def test_a_conversation_is_embedded_through_the_chat_template(tiny_chat_model, s
         expected = torch.tensor(as_input["data"][0]["embedding"])  # from cached blocks: a row computed apart
         torch.testing.assert_close(torch.tensor(data["embedding"]), expected, atol=1e-6, rtol=0)
     assert counted[1] > counted[0], "add_generation_prompt opened the assistant's turn"
+
+
+def test_score_and_rerank_are_the_cosines_llm_score_gives(tiny_chat_model, served):
+    """/score (and /v1/score) one to many and pair by pair; /rerank (and /v1, /v2) the documents by that score, the
+    best first, top_n of them."""
+    llm = LLM(str(tiny_chat_model), dtype="float32")
+    offline = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS, use_tqdm=False)]
+    assert offline[0] == pytest.approx(1.0, abs=1e-5)
+    scored = httpx.post(f"{served.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS}, timeout=60).json()
+    assert scored["object"] == "list" and scored["id"].startswith("score-") and scored["model"] == "tiny"
+    assert [d["index"] for d in scored["data"]] == [0, 1, 2] and {d["object"] for d in scored["data"]} == {"score"}
+    assert [d["score"] for d in scored["data"]] == pytest.approx(offline, abs=1e-5)
+    assert scored["usage"]["prompt_tokens"] == scored["usage"]["total_tokens"] > 2 * len(TEXTS)
+    pairwise = httpx.post(f"{served.url}/v1/score", json={"text_1": TEXTS[::-1], "text_2": TEXTS[::-1]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([1.0] * 3, abs=1e-5)
+    order = sorted(range(3), key=lambda i: -offline[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = httpx.post(f"{served.url}{path}", json={"query": TEXTS[0], "documents": TEXTS, "top_n": 2}).json()
+        assert ranked["id"].startswith("rerank-") and ranked["usage"]["total_tokens"] > 2 * len(TEXTS)
+        assert [r["index"] for r in ranked["results"]] == order[:2]
+        assert [r["document"]["text"] for r in ranked["results"]] == [TEXTS[i] for i in order[:2]]
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([offline[i] for i in order[:2]])
+    every = httpx.post(f"{served.url}/rerank", json={"query": "Paris", "documents": TEXTS}).json()["results"]
+    assert sorted(r["index"] for r in every) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "text_1"),
+        ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+        ("/v1/score", {"text_1": "a", "text_2": "b", "temperature": 0.5}, "temperature"),
+        ("/rerank", {"query": "a", "documents": []}, "documents"),
+        ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+        ("/v2/rerank", {"query": "a", "documents": ["b"], "stream": True}, "stream"),
+        ("/rerank", {"query": "a", "documents": ["b"] * 129}, "documents"),
+    ],
+)
+def test_what_a_score_or_rerank_request_may_not_carry_is_a_400(served, path, body, param):
+    reply = httpx.post(f"{served.url}{path}", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.text
 
 
 @pytest.mark.parametrize(

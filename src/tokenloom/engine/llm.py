@@ -15,9 +15,10 @@ from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lora import LoRARequest
 from tokenloom.model.loader import Tokenizer
-from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
+from tokenloom.scoring import cosine, score_pairs
 from tokenloom.utils import heap_frozen
 
 if TYPE_CHECKING:
@@ -109,6 +110,29 @@ class LLM:
         params = SamplingParams.for_embedding(pooling_params or PoolingParams())
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.of(output) for output in outputs]
+
+    def score(
+        self,
+        data_1: PromptInput | Sequence[PromptInput],
+        data_2: PromptInput | Sequence[PromptInput],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """As vLLM's ``LLM.score`` with an embedding model: data_1's prompt against each of data_2's (1:N), or pair by
+        pair (N:N); each score the cosine similarity of the two prompts' embeddings (scoring.py), each prompt
+        embedded once."""
+        firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = score_pairs(len(firsts), len(seconds))
+        embedded = self.embed([*firsts, *seconds], use_tqdm=use_tqdm, lora_request=lora_request)
+        return [
+            ScoringRequestOutput(
+                f"{embedded[a].request_id}_{embedded[b].request_id}",
+                embedded[a].prompt_token_ids + embedded[b].prompt_token_ids,
+                True,
+                ScoringOutput(cosine(embedded[a].outputs.embedding, embedded[b].outputs.embedding)),
+            )
+            for a, b in pairs
+        ]
 
     def chat(
         self,

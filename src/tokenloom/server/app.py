@@ -1,6 +1,7 @@
 """The FastAPI application: the routers of the endpoint modules (completions.py, chat.py, responses_api.py,
-tokenization.py, health.py: models, health, readiness, metrics, version) over the shared serving base
-(serving.py, streaming.py), behind the guard (guard.py: body size, keys, tenants) and the error handlers here.
+embeddings.py, score.py, tokenization.py, health.py: models, health, readiness, metrics, version) over the shared
+serving base (serving.py, streaming.py), behind the guard (guard.py: body size, keys, tenants) and the error
+handlers here.
 
 Every error leaves as OpenAI's body, {"error": {"message", "type", "param", "code"}}, whatever raised it. A
 request's failure is its own: the engine fails it alone, the others go on.
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 import tokenloom
 from tokenloom.engine.async_engine import AsyncEngine
-from tokenloom.server import chat, completions, embeddings, health, lora_routes, responses_api, tokenization
+from tokenloom.server import chat, completions, embeddings, health, lora_routes, responses_api, score, tokenization
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
@@ -88,7 +89,9 @@ def build_app(
         reasoning_parser=reasoning_parser(reasoning_parser_name),
         options=options,
     )
-    routers = [m.router for m in (health, completions, chat, embeddings, responses_api, tokenization, lora_routes)]
+    routers = [
+        m.router for m in (health, completions, chat, embeddings, score, responses_api, tokenization, lora_routes)
+    ]
     guard = functools.partial(Guard, max_body_bytes=max_body_bytes, max_inflight_body_bytes=max_inflight_body_bytes,
                               body_timeout=body_timeout)  # fmt: skip
     _add_guard(app, guard, metrics, routers, api_keys, tenants)

@@ -6,7 +6,6 @@ the response budget), each input one request of a single greedy token that is dr
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Literal, cast
 
 import numpy as np
@@ -16,34 +15,29 @@ from pydantic import BaseModel, Field
 
 from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
-from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.chat import chat_template_tokenizer, templated
 from tokenloom.server.errors import APIError
+from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape
 from tokenloom.server.protocol import (
     MAX_CHOICES,
     ChatMessage,
     ChatTemplateOptions,
-    StreamOptions,
     Text,
     TokenId,
-    _Common,
 )
 from tokenloom.server.response_models import Usage
 from tokenloom.server.serving import check_model, serve_generation, tokenized
 from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
-from tokenloom.server.streaming import UsageCount
 
 router = APIRouter()
 
-# What an embeddings request may carry: OpenAI's fields, and vLLM's that apply to a prompt alone. A generation
-# field (stream, temperature, ...) is refused by name, not ignored.
-EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user", "normalize",
-                              "truncate_prompt_tokens", "request_id", "priority", "cache_salt", "messages",
-                              "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})  # fmt: skip
 
-
-class EmbeddingRequest(_Common, ChatTemplateOptions):
+class EmbeddingRequest(PooledRequest, ChatTemplateOptions):
     """OpenAI's request (``input``) or vLLM's chat form (``messages``, through the chat template): one of the two."""
+
+    FIELDS = COMMON_FIELDS | {"input", "encoding_format", "dimensions", "normalize", "messages",
+                              "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}  # fmt: skip
+    ENDPOINT = "an embeddings"
 
     input: Text | list[TokenId] | Annotated[list[Text], Field(min_length=1)] | list[list[TokenId]] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
@@ -51,11 +45,6 @@ class EmbeddingRequest(_Common, ChatTemplateOptions):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     normalize: bool = True  # vLLM's
-
-    def refuse_generation_fields(self) -> None:
-        extra = sorted(self.model_fields_set - EMBEDDING_FIELDS)
-        if extra:
-            raise APIError(400, f"{extra[0]} is not a field of an embeddings request", extra[0], "unsupported")
 
     def inputs(self) -> list[str | list[int]]:
         given = self.input
@@ -66,17 +55,8 @@ class EmbeddingRequest(_Common, ChatTemplateOptions):
             raise APIError(400, f"input must hold 1 to {MAX_CHOICES} texts or token lists", "input", "invalid_value")
         return inputs
 
-    def requested_max_tokens(self) -> int | None:
-        return 1  # the one token every request samples, dropped
-
-    def sampling_params(
-        self,
-        max_tokens: int,
-        logprobs: int | None,
-        defaults: dict[str, float] | None = None,
-        structured: StructuredOutputsParams | None = None,
-    ) -> SamplingParams:
-        return SamplingParams.for_embedding(PoolingParams(self.dimensions, self.normalize))
+    def pooling(self) -> PoolingParams:
+        return PoolingParams(self.dimensions, self.normalize)
 
 
 class EmbeddingData(BaseModel):
@@ -119,11 +99,10 @@ async def _prompts(state: ServerState, body: EmbeddingRequest) -> list[list[int]
     return [await templated(state.text_budget, tokenizer, conversation, body)]
 
 
-class EmbeddingShape:
-    """How /v1/embeddings words its outputs: whole only (embeddings are not streamed)."""
+class EmbeddingShape(PooledShape):
+    """How /v1/embeddings words its outputs."""
 
     id_prefix = "embd-"
-    end_frame: str | None = None
 
     def __init__(self, encoding_format: Literal["float", "base64"]) -> None:
         self.encoding_format = encoding_format
@@ -136,18 +115,8 @@ class EmbeddingShape:
         return EmbeddingResponse(id=request_id, created=created, model=model, data=data, usage=counted)
 
     def _encoded(self, final: RequestOutput) -> list[float] | str:
-        if final.embedding is None:
-            raise APIError(500, f"the embedding failed: {final.error}", None, "server_error")
+        vector = self.vector(final)
         if self.encoding_format == "float":
-            return final.embedding
+            return vector
         # OpenAI's base64: the float32 values' little-endian bytes (the openai client asks for it, and decodes it).
-        return base64.b64encode(np.asarray(final.embedding, dtype="<f4").tobytes()).decode()
-
-    def sse_frames(
-        self, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int, model: str,
-        counting: UsageCount, options: StreamOptions,
-    ) -> AsyncGenerator[str]:  # fmt: skip
-        raise AssertionError("an embeddings request is never streamed: stream is refused as a generation field")
-
-    def error_frame(self, error: APIError) -> str:
-        raise AssertionError("an embeddings request is never streamed")
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()

@@ -1,0 +1,66 @@
+"""What the endpoints that answer with vectors of prompts rather than text share (/v1/embeddings, /score, /rerank):
+each prompt is one request of a single greedy token that is dropped, its vector read from its last prompt row
+(pooling_params.py); a generation field is refused by name, and nothing is streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import ClassVar
+
+from tokenloom.outputs import RequestOutput
+from tokenloom.pooling_params import PoolingParams
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenloom.server.errors import APIError
+from tokenloom.server.protocol import StreamOptions, _Common
+from tokenloom.server.streaming import UsageCount
+
+COMMON_FIELDS = frozenset({"model", "user", "truncate_prompt_tokens", "request_id", "priority", "cache_salt"})
+
+
+class PooledRequest(_Common):
+    """A request answered with its prompts' vectors: FIELDS are what it may carry (the generation fields it inherits
+    are refused by name, not ignored)."""
+
+    FIELDS: ClassVar[frozenset[str]] = COMMON_FIELDS
+    ENDPOINT: ClassVar[str]
+
+    def refuse_generation_fields(self) -> None:
+        extra = sorted(self.model_fields_set - self.FIELDS)
+        if extra:
+            raise APIError(400, f"{extra[0]} is not a field of {self.ENDPOINT} request", extra[0], "unsupported")
+
+    def requested_max_tokens(self) -> int | None:
+        return 1  # the one token every request samples, dropped
+
+    def pooling(self) -> PoolingParams:
+        return PoolingParams()
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: dict[str, float] | None = None,
+        structured: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
+        return SamplingParams.for_embedding(self.pooling())
+
+
+class PooledShape:
+    """How a pooled endpoint words its outputs: whole only."""
+
+    end_frame: str | None = None
+
+    @staticmethod
+    def vector(final: RequestOutput) -> list[float]:
+        if final.embedding is None:
+            raise APIError(500, f"the embedding failed: {final.error}", None, "server_error")
+        return final.embedding
+
+    def sse_frames(
+        self, streams: list[AsyncIterator[RequestOutput]], logprobs: bool, request_id: str, created: int, model: str,
+        counting: UsageCount, options: StreamOptions,
+    ) -> AsyncGenerator[str]:  # fmt: skip
+        raise AssertionError("a pooled request is never streamed: stream is refused as a generation field")
+
+    def error_frame(self, error: APIError) -> str:
+        raise AssertionError("a pooled request is never streamed")

@@ -1,0 +1,150 @@
+"""vLLM's ``POST /score`` and ``POST /rerank`` (also ``/v1/score``, ``/v1/rerank`` and Cohere's ``/v2/rerank``) for an
+embedding model: each text embedded once (pooled.py), and a pair's score the cosine similarity of its two vectors
+(scoring.py). /score pairs text_1 with text_2 (1:1, 1:N or N:N); /rerank orders documents by their score against a
+query, the best first."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from tokenloom.outputs import RequestOutput
+from tokenloom.scoring import cosine, score_pairs
+from tokenloom.server.errors import APIError
+from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape
+from tokenloom.server.protocol import MAX_CHOICES, Text
+from tokenloom.server.response_models import Usage
+from tokenloom.server.serving import check_model, serve_generation, tokenized
+from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
+
+router = APIRouter()
+Texts = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class ScoreRequest(PooledRequest):
+    FIELDS = COMMON_FIELDS | {"text_1", "text_2"}
+    ENDPOINT = "a score"
+
+    text_1: Texts
+    text_2: Texts
+
+    def texts_and_pairs(self) -> tuple[list[str], list[tuple[int, int]]]:
+        """The texts to embed (text_1's, then text_2's) and the pairs scored, as indices into them."""
+        firsts = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        seconds = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        try:
+            return [*firsts, *seconds], score_pairs(len(firsts), len(seconds))
+        except ValueError as error:
+            raise APIError(400, str(error), "text_1", "invalid_value") from error
+
+
+class RerankRequest(PooledRequest):
+    FIELDS = COMMON_FIELDS | {"query", "documents", "top_n"}
+    ENDPOINT = "a rerank"
+
+    query: Text
+    documents: Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
+    top_n: Annotated[int, Field(ge=0)] = 0  # the best this many; 0: all, as vLLM's
+
+
+@router.post("/score", responses=ERROR_RESPONSES)
+@router.post("/v1/score", responses=ERROR_RESPONSES)
+async def score(body: ScoreRequest, raw: Request) -> Response:
+    state = server_state(raw)
+    check_model(body, state)
+    body.refuse_generation_fields()
+    texts, pairs = body.texts_and_pairs()
+    return await serve_generation(state, raw, body, await _tokenized(state, texts), None, ScoreShape(pairs))
+
+
+@router.post("/rerank", responses=ERROR_RESPONSES)
+@router.post("/v1/rerank", responses=ERROR_RESPONSES)
+@router.post("/v2/rerank", responses=ERROR_RESPONSES)
+async def rerank(body: RerankRequest, raw: Request) -> Response:
+    state = server_state(raw)
+    check_model(body, state)
+    body.refuse_generation_fields()
+    prompts = await _tokenized(state, [body.query, *body.documents])
+    return await serve_generation(state, raw, body, prompts, None, RerankShape(body.documents, body.top_n))
+
+
+async def _tokenized(state: ServerState, texts: list[str]) -> list[list[int]]:
+    return [await tokenized(state, text) for text in texts]
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: Usage
+
+
+class ScoreShape(PooledShape):
+    """How /score words its outputs: one score a pair, in the order of text_2."""
+
+    id_prefix = "score-"
+
+    def __init__(self, pairs: list[tuple[int, int]]) -> None:
+        self.pairs = pairs
+
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> BaseModel:
+        vectors = [self.vector(final) for final in finals]
+        data = [ScoreData(index=i, score=cosine(vectors[a], vectors[b])) for i, (a, b) in enumerate(self.pairs)]
+        counted = Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
+        return ScoreResponse(id=request_id, created=created, model=model, data=data, usage=counted)
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
+class RerankShape(PooledShape):
+    """How /rerank words its outputs: the documents by their score against the query, the best first (the first
+    given first among equals), top_n of them."""
+
+    id_prefix = "rerank-"
+
+    def __init__(self, documents: list[str], top_n: int) -> None:
+        self.documents, self.top_n = documents, top_n
+
+    def response(
+        self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
+    ) -> BaseModel:
+        query, *documents = [self.vector(final) for final in finals]
+        scores = [cosine(query, document) for document in documents]
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])[: self.top_n or None]
+        results = [RerankResult(index=i, document=RerankDocument(text=self.documents[i]), relevance_score=scores[i])
+                   for i in order]  # fmt: skip
+        counted = RerankUsage(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
+        return RerankResponse(id=request_id, model=model, usage=counted, results=results)
