@@ -59,7 +59,6 @@ VLLM_FLAGS_REFUSED = {
     "--limit-mm-per-prompt": "only text is served (no multimodal inputs)",
     "--kv-transfer-config": "no disaggregated prefill: one engine computes a request's KV",
     "--cpu-offload-gb": "the weights stay on the device",
-    "--hf-overrides": "a checkpoint's config.json is read as it is",
     "--headless": "the engine serves behind its own API server (--core-process puts the core apart)",
     "--compilation-config": "the step is compiled or not (--enforce-eager), with torch.compile's defaults",
     "--max-cudagraph-capture-size": "CUDA graphs are captured up to --max-num-seqs",

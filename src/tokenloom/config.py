@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from tokenloom.hf_overrides import HFOverrides
 from tokenloom.lora import LoRAConfig
 from tokenloom.sampling_params import LogprobsMode
 from tokenloom.speculative_config import SpeculativeConfig, require
@@ -79,8 +80,14 @@ class ModelLoadConfig:
     """The most alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs; a beam
     search of width W asks for 2W), as vLLM's flag; -1: the whole vocabulary. What responses may hold in all stays
     bounded by the server's --max-inflight-response-bytes."""
+    hf_overrides: HFOverrides | None = None
+    """vLLM's JSON, for a reranker only: {"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true} scores each prompt (a query and a
+    document joined, for /score and /rerank) by sigmoid(logit(yes) - logit(no)) at its last token. Other keys are
+    refused (hf_overrides.py)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "hf_overrides", HFOverrides.parse(self.hf_overrides))
         for name in ("num_threads", "max_model_len"):
             _require_positive_or_none(self, name)
         require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}")

@@ -12,7 +12,18 @@ class PoolingParams:
 
     dimensions: int | None = None  # keep the first `dimensions` values (OpenAI's `dimensions`), then normalize
     normalize: bool = True  # to unit length (vLLM's `use_activation` for embeddings; cosine similarity is then a dot)
+    # A reranker's score instead of the vector (hf_overrides.py): the logits of these one or two tokens at the last
+    # row, the vector [sigmoid(l[-1] - l[0])] for two, [sigmoid(l)] for one.
+    classifier_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):
             raise ValueError("PoolingParams: dimensions must be an integer >= 1")
+        if self.classifier_token_ids is not None and len(self.classifier_token_ids) not in (1, 2):
+            raise ValueError("PoolingParams: classifier_token_ids holds one or two token ids")
+
+    def width(self, hidden_size: int) -> int:
+        """How many values the output holds, for a model of this hidden size."""
+        if self.classifier_token_ids is not None:
+            return 1
+        return min(self.dimensions or hidden_size, hidden_size)

@@ -26,6 +26,7 @@ from tokenloom.lora import LoRARequest
 from tokenloom.model.loader import Tokenizer
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,11 @@ class AsyncEngine:
     @property
     def hidden_size(self) -> int:
         return self.engine.model_config.hidden_size
+
+    @property
+    def reranker(self) -> PoolingParams | None:
+        """How a (query, document) prompt is scored when --hf-overrides makes the model a reranker."""
+        return self.engine.reranker
 
     def describe(self) -> dict[str, object]:
         """What /version says of the engine: the resolved dtype, the device and the whole configuration."""

@@ -20,6 +20,7 @@ from tokenloom.core.request import Request, RequestLimits
 from tokenloom.engine.core_outputs import EngineStats, QueueState
 from tokenloom.engine.output_processor import OutputProcessor, RequestState
 from tokenloom.engine.structured_output import GrammarCompiler
+from tokenloom.hf_overrides import HFOverrides
 from tokenloom.lora import LoRARequest
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import Tokenizer
@@ -27,6 +28,7 @@ from tokenloom.model.lora import read_adapter_config
 from tokenloom.model.platform import dtype_name
 from tokenloom.model.token_bias import bad_word_sequences
 from tokenloom.outputs import RequestOutput
+from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams
 
 
@@ -71,6 +73,23 @@ class PreparedRequest:
     state: RequestState
 
 
+def reranker_pooling(overrides: HFOverrides | None, tokenizer: Tokenizer | None, vocab: int) -> PoolingParams | None:
+    """The pooling that scores a prompt as the reranker --hf-overrides makes of the model: its classifier tokens'
+    ids, each a token of the vocabulary (ValueError naming one that is not)."""
+    if overrides is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("hf_overrides: classifier_from_token names tokens, and this checkpoint has no tokenizer")
+    ids = []
+    for token in overrides.classifier_from_token:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        unknown = token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token)
+        if unknown or not 0 <= token_id < vocab:
+            raise ValueError(f"hf_overrides: classifier_from_token {token!r} is not a token of this model's vocabulary")
+        ids.append(token_id)
+    return PoolingParams(classifier_token_ids=tuple(ids))
+
+
 class EngineClient(ABC):
     config: EngineConfig
     model_name: str
@@ -102,6 +121,8 @@ class EngineClient(ABC):
         self._limits = limits
         self._ids = itertools.count()
         self._adapters_checked: set[tuple[str, str]] = set()  # (name, path) of LoRA adapters whose config was read
+        # --hf-overrides' reranker: how /score, /rerank and LLM.score pool a (query, document) prompt; None: by cosine
+        self.reranker = reranker_pooling(self.config.model.hf_overrides, tokenizer, self.model_config.vocab_size)
 
     # ---- on any thread ------------------------------------------------------------------------------------
 

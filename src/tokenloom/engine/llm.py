@@ -118,11 +118,13 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
-        """As vLLM's ``LLM.score`` with an embedding model: data_1's prompt against each of data_2's (1:N), or pair by
-        pair (N:N); each score the cosine similarity of the two prompts' embeddings (scoring.py), each prompt
-        embedded once."""
+        """As vLLM's ``LLM.score``: data_1's prompt against each of data_2's (1:N), or pair by pair (N:N). With an
+        embedding model each score is the cosine similarity of the two prompts' embeddings (scoring.py), each prompt
+        embedded once; with a reranker (hf_overrides) it is the classifier's score of the two joined."""
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
+        if self.engine.reranker is not None:
+            return self._cross_scores(firsts, seconds, pairs, use_tqdm, lora_request)
         embedded = self.embed([*firsts, *seconds], use_tqdm=use_tqdm, lora_request=lora_request)
         return [
             ScoringRequestOutput(
@@ -132,6 +134,26 @@ class LLM:
                 ScoringOutput(cosine(embedded[a].outputs.embedding, embedded[b].outputs.embedding)),
             )
             for a, b in pairs
+        ]
+
+    def _cross_scores(
+        self,
+        firsts: list[PromptInput],
+        seconds: list[PromptInput],
+        pairs: list[tuple[int, int]],
+        use_tqdm: bool,
+        lora_request: LoRARequest | None,
+    ) -> list[ScoringRequestOutput]:
+        """Each pair's two prompts joined (the first's tokens, then the second's) and scored by the reranker."""
+        prompts = [*firsts, *seconds]
+        ids = [self.engine.tokenize(_prompt_of(prompt))[1] for prompt in prompts]
+        joined = [ids[a] + ids[b] for a, b in pairs]
+        pooling = self.engine.reranker
+        assert pooling is not None, "a reranker scores pairs joined"
+        scored = self.embed([{"prompt_token_ids": ids} for ids in joined], pooling, use_tqdm, lora_request)
+        return [
+            ScoringRequestOutput(o.request_id, o.prompt_token_ids, True, ScoringOutput(o.outputs.embedding[0]))
+            for o in scored
         ]
 
     def chat(

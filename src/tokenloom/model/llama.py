@@ -269,6 +269,11 @@ class CausalLM(nn.Module):
         exact = torch.einsum("rh,rkh->rk", normed, head_weight[top].float())
         return logits.scatter_(1, top, exact)
 
+    def token_logits(self, normed: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits of a few tokens for rows already through the final norm (float32): the head's rows for
+        them, exact whatever the head's dtype or packing."""
+        return F.linear(normed, self._head_weight()[token_ids].float())
+
     def _head_weight(self) -> torch.Tensor:
         """The LM head's weight as a plain tensor, also once the head itself is prepacked."""
         plain = getattr(self, "_plain_head_weight", None)

@@ -2,7 +2,8 @@
 
 Both read the final residual stream the forward returns (llama.py), rows of the flat batch: the logprob of each
 prompt token is the row before it through the LM head; an embedding request's vector is its last prompt token's row
-through the final norm (pooling type LAST), cut to the dimensions asked for and normalized.
+through the final norm (pooling type LAST), cut to the dimensions asked for and normalized; a reranker's score is
+read from the same row through a classifier made of the LM head's rows for one or two tokens.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def prompt_logprobs(
     return entries
 
 
+def _classifier_score(model: CausalLM, normed: torch.Tensor, token_ids: tuple[int, ...]) -> torch.Tensor:
+    """A reranker's score of a prompt from its last row: sigmoid(l[yes] - l[no]) for the tokens (no, yes), or
+    sigmoid(l) for one token (hf_overrides.py)."""
+    logits = model.token_logits(normed.unsqueeze(0), list(token_ids))[0]
+    margin = logits[-1] - logits[0] if len(token_ids) == 2 else logits[0]
+    return torch.sigmoid(margin).reshape(1)
+
+
 def embeddings(
     model: CausalLM, hidden: torch.Tensor, rows: list[tuple[str, int, PoolingParams]]
 ) -> Callable[[], dict[str, list[float]]] | None:
@@ -54,6 +63,9 @@ def embeddings(
     normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight.float(), model.norm.eps)
     vectors = []
     for (_, _, params), vector in zip(rows, normed, strict=True):
+        if params.classifier_token_ids is not None:
+            vectors.append(_classifier_score(model, vector, params.classifier_token_ids))
+            continue
         vector = vector[: params.dimensions]
         vectors.append(F.normalize(vector, dim=0) if params.normalize else vector)
     return lambda: {request_id: vector.tolist() for (request_id, _, _), vector in zip(rows, vectors, strict=True)}

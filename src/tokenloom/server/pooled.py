@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import ClassVar
 
+from pydantic import PrivateAttr
+
 from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
@@ -23,6 +25,7 @@ class PooledRequest(_Common):
 
     FIELDS: ClassVar[frozenset[str]] = COMMON_FIELDS
     ENDPOINT: ClassVar[str]
+    _scored_by: PoolingParams | None = PrivateAttr(default=None)  # a reranker's pooling, where the model is one
 
     def refuse_generation_fields(self) -> None:
         extra = sorted(self.model_fields_set - self.FIELDS)
@@ -32,8 +35,12 @@ class PooledRequest(_Common):
     def requested_max_tokens(self) -> int | None:
         return 1  # the one token every request samples, dropped
 
+    def score_with(self, reranker: PoolingParams) -> None:
+        """Its prompts are scored by the reranker's classifier rather than embedded."""
+        self._scored_by = reranker
+
     def pooling(self) -> PoolingParams:
-        return PoolingParams()
+        return self._scored_by or PoolingParams()
 
     def sampling_params(
         self,

@@ -58,7 +58,7 @@ def response_charge(
             charge += n * length * (q.prompt_logprobs + 2) * logprob_bytes
         if q.pooling is not None:
             assert hidden_size > 0, "an embedding is charged its width"
-            charge += n * (q.pooling.dimensions or hidden_size) * EMBEDDING_VALUE_BYTES
+            charge += n * q.pooling.width(hidden_size) * EMBEDDING_VALUE_BYTES
     return charge
 
 

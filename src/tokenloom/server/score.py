@@ -1,10 +1,12 @@
-"""vLLM's ``POST /score`` and ``POST /rerank`` (also ``/v1/score``, ``/v1/rerank`` and Cohere's ``/v2/rerank``) for an
-embedding model: each text embedded once (pooled.py), and a pair's score the cosine similarity of its two vectors
-(scoring.py). /score pairs text_1 with text_2 (1:1, 1:N or N:N); /rerank orders documents by their score against a
-query, the best first."""
+"""vLLM's ``POST /score`` and ``POST /rerank`` (also ``/v1/score``, ``/v1/rerank`` and Cohere's ``/v2/rerank``). With
+an embedding model each text is embedded once (pooled.py) and a pair's score is the cosine similarity of its two
+vectors (scoring.py); with a reranker (--hf-overrides) each pair is one prompt, its two texts' tokens joined, and
+its score the classifier's. /score pairs text_1 with text_2 (1:1, 1:N or N:N); /rerank orders documents by their
+score against a query, the best first."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Request
@@ -57,7 +59,8 @@ async def score(body: ScoreRequest, raw: Request) -> Response:
     check_model(body, state)
     body.refuse_generation_fields()
     texts, pairs = body.texts_and_pairs()
-    return await serve_generation(state, raw, body, await _tokenized(state, texts), None, ScoreShape(pairs))
+    prompts, scorer = await _prompts_and_scorer(state, body, texts, pairs)
+    return await serve_generation(state, raw, body, prompts, None, ScoreShape(scorer))
 
 
 @router.post("/rerank", responses=ERROR_RESPONSES)
@@ -67,12 +70,24 @@ async def rerank(body: RerankRequest, raw: Request) -> Response:
     state = server_state(raw)
     check_model(body, state)
     body.refuse_generation_fields()
-    prompts = await _tokenized(state, [body.query, *body.documents])
-    return await serve_generation(state, raw, body, prompts, None, RerankShape(body.documents, body.top_n))
+    pairs = score_pairs(1, len(body.documents))
+    prompts, scorer = await _prompts_and_scorer(state, body, [body.query, *body.documents], pairs)
+    return await serve_generation(state, raw, body, prompts, None, RerankShape(body.documents, body.top_n, scorer))
 
 
-async def _tokenized(state: ServerState, texts: list[str]) -> list[list[int]]:
-    return [await tokenized(state, text) for text in texts]
+Scorer = Callable[[list[list[float]]], list[float]]  # each pair's score, from the vectors of the prompts served
+
+
+async def _prompts_and_scorer(
+    state: ServerState, body: PooledRequest, texts: list[str], pairs: list[tuple[int, int]]
+) -> tuple[list[list[int]], Scorer]:
+    """The prompts to serve and how their vectors score the pairs: each text embedded, a pair scored by the cosine
+    of its two vectors; or, with a reranker, each pair one prompt (its texts' tokens joined) scored by it."""
+    ids = [await tokenized(state, text) for text in texts]
+    if state.engine.reranker is None:
+        return ids, lambda vectors: [cosine(vectors[a], vectors[b]) for a, b in pairs]
+    body.score_with(state.engine.reranker)
+    return [ids[a] + ids[b] for a, b in pairs], lambda vectors: [vector[0] for vector in vectors]
 
 
 class ScoreData(BaseModel):
@@ -95,14 +110,14 @@ class ScoreShape(PooledShape):
 
     id_prefix = "score-"
 
-    def __init__(self, pairs: list[tuple[int, int]]) -> None:
-        self.pairs = pairs
+    def __init__(self, scorer: Scorer) -> None:
+        self.scorer = scorer
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
     ) -> BaseModel:
-        vectors = [self.vector(final) for final in finals]
-        data = [ScoreData(index=i, score=cosine(vectors[a], vectors[b])) for i, (a, b) in enumerate(self.pairs)]
+        scores = self.scorer([self.vector(final) for final in finals])
+        data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
         counted = Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
         return ScoreResponse(id=request_id, created=created, model=model, data=data, usage=counted)
 
@@ -135,14 +150,13 @@ class RerankShape(PooledShape):
 
     id_prefix = "rerank-"
 
-    def __init__(self, documents: list[str], top_n: int) -> None:
-        self.documents, self.top_n = documents, top_n
+    def __init__(self, documents: list[str], top_n: int, scorer: Scorer) -> None:
+        self.documents, self.top_n, self.scorer = documents, top_n, scorer
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
     ) -> BaseModel:
-        query, *documents = [self.vector(final) for final in finals]
-        scores = [cosine(query, document) for document in documents]
+        scores = self.scorer([self.vector(final) for final in finals])
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: self.top_n or None]
         results = [RerankResult(index=i, document=RerankDocument(text=self.documents[i]), relevance_score=scores[i])
                    for i in order]  # fmt: skip

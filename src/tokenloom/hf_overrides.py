@@ -1,0 +1,65 @@
+"""What ``--hf-overrides`` may hold (vLLM's JSON over a checkpoint's config.json): only the keys that serve a causal
+LM as a reranker whose classifier is made from rows of its LM head, as vLLM serves Qwen3-Reranker:
+
+    --hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"],
+                     "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
+
+A prompt's score is then sigmoid(logit("yes") - logit("no")) at its last token (one token: sigmoid of its logit),
+and /score and /rerank read each (query, document) pair as one prompt, the two texts' tokens joined. Any other key
+would change the model itself, and is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tokenloom.speculative_config import require
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+@dataclass(frozen=True)
+class HFOverrides:
+    architectures: tuple[str, ...] = ()
+    """One name ending in ForSequenceClassification: the model scores its prompts instead of only generating."""
+    classifier_from_token: tuple[str, ...] = ()
+    """The one or two tokens whose LM-head rows make the classifier: [no, yes] scores sigmoid(yes - no)."""
+    is_original_qwen3_reranker: bool = False
+    """vLLM's name for the [no, yes] pair read this way; needs two tokens."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "architectures", tuple(self.architectures))
+        object.__setattr__(self, "classifier_from_token", tuple(self.classifier_from_token))
+        tokens = self.classifier_from_token
+        require(
+            len(self.architectures) == 1 and self.architectures[0].endswith(CLASSIFIER_SUFFIX),
+            f"hf_overrides: architectures must name one *{CLASSIFIER_SUFFIX} (a reranker made from the LM head)",
+        )
+        require(
+            len(tokens) in (1, 2) and all(isinstance(t, str) and t for t in tokens),
+            "hf_overrides: classifier_from_token must list one or two tokens (a checkpoint's own classification "
+            "head is not loaded: the classifier is made from the LM head's rows for these tokens)",
+        )
+        require(
+            not self.is_original_qwen3_reranker or len(tokens) == 2,
+            'hf_overrides: is_original_qwen3_reranker reads two tokens, ["no", "yes"]',
+        )
+
+    @classmethod
+    def parse(cls, value: HFOverrides | dict[str, Any] | str | None) -> HFOverrides | None:
+        """From what a caller gives: an HFOverrides, a dict (``LLM(hf_overrides={...})``) or its JSON."""
+        if value is None or isinstance(value, HFOverrides):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"EngineConfig: hf_overrides is not valid JSON: {error}") from None
+        require(isinstance(value, dict), "hf_overrides must be a JSON object")
+        assert isinstance(value, dict)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        require(not unknown, f"hf_overrides: {unknown} not supported; only {', '.join(sorted(known))} (a reranker)")
+        return cls(**value)
