@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import openai
 import pytest
@@ -11,6 +13,8 @@ import transformers
 from server_process import ServerProcess
 
 from tokenloom import LLM
+
+post = functools.partial(httpx.post, timeout=60)  # a slow CI machine's first requests take seconds
 
 HI = [{"role": "user", "content": "Hi"}]
 TEXTS = ["The capital of France is Paris.", "Rivers flow to the sea", "Hello"]
@@ -28,15 +32,15 @@ def served(tiny_chat_model):
 
 def test_the_openai_client_gets_the_offline_embeddings(tiny_chat_model, served):
     offline = [o.outputs.embedding for o in LLM(str(tiny_chat_model), dtype="float32").embed(TEXTS, use_tqdm=False)]
-    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="none", max_retries=0)
     reply = client.embeddings.create(model="tiny", input=TEXTS)  # the client asks for base64, and decodes it
     assert [d.index for d in reply.data] == [0, 1, 2] and reply.model == "tiny"
     for data, expected in zip(reply.data, offline, strict=True):
         torch.testing.assert_close(torch.tensor(data.embedding), torch.tensor(expected), atol=1e-6, rtol=0)
     # The prompts' tokens, none for the token each request samples and drops.
     assert reply.usage.total_tokens == reply.usage.prompt_tokens > len(TEXTS)
-    plain = httpx.post(f"{served.url}/v1/embeddings", timeout=60,
-                       json={"input": TEXTS[0], "encoding_format": "float", "dimensions": 8}).json()  # fmt: skip
+    plain = post(f"{served.url}/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "float", "dimensions": 8})
+    plain = plain.json()
     cut = torch.nn.functional.normalize(torch.tensor(offline[0][:8]), dim=0)  # offline's are normalized already
     assert plain["object"] == "list" and plain["id"].startswith("embd-")
     torch.testing.assert_close(torch.tensor(plain["data"][0]["embedding"]), cut, atol=1e-6, rtol=0)
@@ -60,9 +64,9 @@ def test_a_conversation_is_embedded_through_the_chat_template(tiny_chat_model, s
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=opened, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
         body = {"messages": messages, "encoding_format": "float"} | ({"add_generation_prompt": True} if opened else {})
-        reply = httpx.post(f"{served.url}/v1/embeddings", json=body, timeout=60).json()
+        reply = post(f"{served.url}/v1/embeddings", json=body).json()
         [data] = reply["data"]
-        as_input = httpx.post(f"{served.url}/v1/embeddings", json={"input": ids, "encoding_format": "float"}).json()
+        as_input = post(f"{served.url}/v1/embeddings", json={"input": ids, "encoding_format": "float"}).json()
         counted.append(reply["usage"]["prompt_tokens"])
         assert counted[-1] == len(ids)
         expected = torch.tensor(as_input["data"][0]["embedding"])  # from cached blocks: a row computed apart
@@ -76,21 +80,21 @@ def test_score_and_rerank_are_the_cosines_llm_score_gives(tiny_chat_model, serve
     llm = LLM(str(tiny_chat_model), dtype="float32")
     offline = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS, use_tqdm=False)]
     assert offline[0] == pytest.approx(1.0, abs=1e-5)
-    scored = httpx.post(f"{served.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS}, timeout=60).json()
+    scored = post(f"{served.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS}).json()
     assert scored["object"] == "list" and scored["id"].startswith("score-") and scored["model"] == "tiny"
     assert [d["index"] for d in scored["data"]] == [0, 1, 2] and {d["object"] for d in scored["data"]} == {"score"}
     assert [d["score"] for d in scored["data"]] == pytest.approx(offline, abs=1e-5)
     assert scored["usage"]["prompt_tokens"] == scored["usage"]["total_tokens"] > 2 * len(TEXTS)
-    pairwise = httpx.post(f"{served.url}/v1/score", json={"text_1": TEXTS[::-1], "text_2": TEXTS[::-1]}).json()
+    pairwise = post(f"{served.url}/v1/score", json={"text_1": TEXTS[::-1], "text_2": TEXTS[::-1]}).json()
     assert [d["score"] for d in pairwise["data"]] == pytest.approx([1.0] * 3, abs=1e-5)
     order = sorted(range(3), key=lambda i: -offline[i])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        ranked = httpx.post(f"{served.url}{path}", json={"query": TEXTS[0], "documents": TEXTS, "top_n": 2}).json()
+        ranked = post(f"{served.url}{path}", json={"query": TEXTS[0], "documents": TEXTS, "top_n": 2}).json()
         assert ranked["id"].startswith("rerank-") and ranked["usage"]["total_tokens"] > 2 * len(TEXTS)
         assert [r["index"] for r in ranked["results"]] == order[:2]
         assert [r["document"]["text"] for r in ranked["results"]] == [TEXTS[i] for i in order[:2]]
         assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([offline[i] for i in order[:2]])
-    every = httpx.post(f"{served.url}/rerank", json={"query": "Paris", "documents": TEXTS}).json()["results"]
+    every = post(f"{served.url}/rerank", json={"query": "Paris", "documents": TEXTS}).json()["results"]
     assert sorted(r["index"] for r in every) == [0, 1, 2]
 
 
@@ -107,7 +111,7 @@ def test_score_and_rerank_are_the_cosines_llm_score_gives(tiny_chat_model, serve
     ],
 )
 def test_what_a_score_or_rerank_request_may_not_carry_is_a_400(served, path, body, param):
-    reply = httpx.post(f"{served.url}{path}", json=body, timeout=60)
+    reply = post(f"{served.url}{path}", json=body)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param, reply.text
 
@@ -128,6 +132,6 @@ def test_what_a_score_or_rerank_request_may_not_carry_is_a_400(served, path, bod
     ],
 )
 def test_what_an_embeddings_request_may_not_carry_is_a_400(served, body, param):
-    reply = httpx.post(f"{served.url}/v1/embeddings", json=body, timeout=60)
+    reply = post(f"{served.url}/v1/embeddings", json=body)
     assert reply.status_code in (400, 404), reply.text
     assert reply.json()["error"]["param"] == param, reply.text
