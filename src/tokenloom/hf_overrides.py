@@ -4,16 +4,17 @@ LM as a reranker whose classifier is made from rows of its LM head, as vLLM serv
     --hf-overrides '{"architectures": ["Qwen3ForSequenceClassification"],
                      "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
 
-A prompt's score is then sigmoid(logit("yes") - logit("no")) at its last token (one token: sigmoid of its logit),
-and /score and /rerank read each (query, document) pair as one prompt, the two texts' tokens joined. Any other key
-would change the model itself, and is refused by name."""
+(or, for any architecture, ``"method": "from_2_way_softmax"`` with the two tokens, or ``"no_post_processing"`` with
+one). A prompt's score is then sigmoid(logit("yes") - logit("no")) at its last token (one token: the sigmoid of its
+logit), and /score and /rerank read each (query, document) pair as one prompt, the two texts joined, as vLLM's
+"LLM as reranker" does. Any other key would change the model itself, and is refused by name."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from tokenloom.speculative_config import require
 
@@ -27,7 +28,10 @@ class HFOverrides:
     classifier_from_token: tuple[str, ...] = ()
     """The one or two tokens whose LM-head rows make the classifier: [no, yes] scores sigmoid(yes - no)."""
     is_original_qwen3_reranker: bool = False
-    """vLLM's name for the [no, yes] pair read this way; needs two tokens."""
+    """vLLM's name for method from_2_way_softmax, for Qwen3-Reranker."""
+    method: Literal["from_2_way_softmax", "no_post_processing"] | None = None
+    """How the tokens' logits score: from_2_way_softmax, two tokens [no, yes], sigmoid(yes - no); no_post_processing,
+    one token, sigmoid of its logit."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "architectures", tuple(self.architectures))
@@ -42,9 +46,20 @@ class HFOverrides:
             "hf_overrides: classifier_from_token must list one or two tokens (a checkpoint's own classification "
             "head is not loaded: the classifier is made from the LM head's rows for these tokens)",
         )
+        method = "from_2_way_softmax" if self.is_original_qwen3_reranker else self.method
         require(
-            not self.is_original_qwen3_reranker or len(tokens) == 2,
-            'hf_overrides: is_original_qwen3_reranker reads two tokens, ["no", "yes"]',
+            method is not None,
+            "hf_overrides: classifier_from_token needs method (from_2_way_softmax or no_post_processing) or "
+            "is_original_qwen3_reranker",
+        )
+        require(
+            method in ("from_2_way_softmax", "no_post_processing"),
+            "hf_overrides: method must be from_2_way_softmax or no_post_processing",
+        )
+        require(
+            len(tokens) == (2 if method == "from_2_way_softmax" else 1),
+            f"hf_overrides: {method} reads "
+            + ('two tokens, ["no", "yes"]' if method == "from_2_way_softmax" else "one token (one score a prompt)"),
         )
 
     @classmethod

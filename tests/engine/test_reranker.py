@@ -5,6 +5,8 @@ refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import hf_oracle
@@ -30,7 +32,7 @@ def test_a_reranker_scores_each_pair_joined_by_its_yes_and_no_logits(tiny_chat_m
     llm = LLM(str(tiny_chat_model), dtype="float32", hf_overrides=QWEN3_RERANKER)
     tokenizer = llm.get_tokenizer()
     no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
-    joined = [tokenizer.encode(QUERY) + tokenizer.encode(document) for document in DOCUMENTS]
+    joined = [tokenizer.encode(QUERY + document) for document in DOCUMENTS]
     expected = oracle_scores(tiny_chat_model, joined, no, yes)
     assert max(expected) - min(expected) > 1e-3, "the documents score apart"
     scored = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
@@ -40,10 +42,15 @@ def test_a_reranker_scores_each_pair_joined_by_its_yes_and_no_logits(tiny_chat_m
     assert [o.outputs.score for o in pairwise] == pytest.approx(expected, abs=1e-5)
     with LLM(str(tiny_chat_model), dtype="float32", hf_overrides=QWEN3_RERANKER, core_process=True) as apart:
         assert [o.outputs.score for o in apart.score(QUERY, DOCUMENTS, use_tqdm=False)] == pytest.approx(expected)
-    one_token = {**QWEN3_RERANKER, "classifier_from_token": ["yes"], "is_original_qwen3_reranker": False}
-    single = LLM(str(tiny_chat_model), dtype="float32", hf_overrides=one_token).score(
-        QUERY, DOCUMENTS[0], use_tqdm=False
-    )
+    # Token ids: the query's, then the document's.
+    ids = [tokenizer.encode(QUERY), tokenizer.encode(DOCUMENTS[1])]
+    [by_ids] = llm.score({"prompt_token_ids": ids[0]}, {"prompt_token_ids": ids[1]}, use_tqdm=False)
+    assert by_ids.prompt_token_ids == ids[0] + ids[1]
+    assert by_ids.outputs.score == pytest.approx(oracle_scores(tiny_chat_model, [ids[0] + ids[1]], no, yes)[0])
+    one_token = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["yes"],
+                 "method": "no_post_processing"}  # fmt: skip
+    one_token_llm = LLM(str(tiny_chat_model), dtype="float32", hf_overrides=one_token)
+    single = one_token_llm.score(QUERY, DOCUMENTS[0], use_tqdm=False)
     model = hf_oracle(tiny_chat_model)
     with torch.no_grad():
         logit = model(torch.tensor([joined[0]])).logits[0, -1, yes]
@@ -57,6 +64,9 @@ def test_a_reranker_scores_each_pair_joined_by_its_yes_and_no_logits(tiny_chat_m
         ({**QWEN3_RERANKER, "architectures": ["Qwen3ForCausalLM"]}, "ForSequenceClassification"),
         ({**QWEN3_RERANKER, "classifier_from_token": ["no", "maybe", "yes"]}, "one or two tokens"),
         ({**QWEN3_RERANKER, "classifier_from_token": ["yes"]}, "reads two tokens"),
+        ({**QWEN3_RERANKER, "is_original_qwen3_reranker": False}, "needs method"),
+        ({**QWEN3_RERANKER, "is_original_qwen3_reranker": False, "method": "no_post_processing"}, "one token"),
+        ({**QWEN3_RERANKER, "is_original_qwen3_reranker": False, "method": "mean"}, "method must be"),
         ({"architectures": ["Qwen3ForSequenceClassification"]}, "head is not loaded"),
         ("{not json", "not valid JSON"),
     ],
@@ -70,6 +80,6 @@ def test_a_classifier_token_outside_the_vocabulary_is_refused_at_start(tiny_chat
     overrides = {**QWEN3_RERANKER, "classifier_from_token": ["no", "definitely-not-a-token"]}
     with pytest.raises(ValueError, match="'definitely-not-a-token' is not a token of this model's vocabulary"):
         LLM(str(tiny_chat_model), dtype="float32", hf_overrides=overrides)
-    assert EngineConfig.from_kwargs(hf_overrides=QWEN3_RERANKER).model.hf_overrides == HFOverrides(
+    assert EngineConfig.from_kwargs(hf_overrides=json.dumps(QWEN3_RERANKER)).model.hf_overrides == HFOverrides(
         ("Qwen3ForSequenceClassification",), ("no", "yes"), True
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -144,10 +144,10 @@ class LLM:
         use_tqdm: bool,
         lora_request: LoRARequest | None,
     ) -> list[ScoringRequestOutput]:
-        """Each pair's two prompts joined (the first's tokens, then the second's) and scored by the reranker."""
-        prompts = [*firsts, *seconds]
-        ids = [self.engine.tokenize(_prompt_of(prompt))[1] for prompt in prompts]
-        joined = [ids[a] + ids[b] for a, b in pairs]
+        """Each pair's two prompts joined (two texts as one text, as vLLM's; else the first's tokens, then the
+        second's) and scored by the reranker."""
+        prompts = [_prompt_of(prompt) for prompt in [*firsts, *seconds]]
+        joined = [_joined(self.engine.tokenize, prompts[a], prompts[b]) for a, b in pairs]
         pooling = self.engine.reranker
         assert pooling is not None, "a reranker scores pairs joined"
         scored = self.embed([{"prompt_token_ids": ids} for ids in joined], pooling, use_tqdm, lora_request)
@@ -269,6 +269,14 @@ def _prompt_of(prompt: PromptInput) -> str | list[int]:
     if isinstance(prompt, dict):
         return list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt else prompt["prompt"]
     return prompt
+
+
+def _joined(
+    tokenize: Callable[[str | list[int]], tuple[str | None, list[int]]], first: str | list[int], second: str | list[int]
+) -> list[int]:
+    if isinstance(first, str) and isinstance(second, str):
+        return tokenize(first + second)[1]
+    return tokenize(first)[1] + tokenize(second)[1]
 
 
 def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:

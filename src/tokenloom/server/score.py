@@ -1,7 +1,7 @@
 """vLLM's ``POST /score`` and ``POST /rerank`` (also ``/v1/score``, ``/v1/rerank`` and Cohere's ``/v2/rerank``). With
 an embedding model each text is embedded once (pooled.py) and a pair's score is the cosine similarity of its two
-vectors (scoring.py); with a reranker (--hf-overrides) each pair is one prompt, its two texts' tokens joined, and
-its score the classifier's. /score pairs text_1 with text_2 (1:1, 1:N or N:N); /rerank orders documents by their
+vectors (scoring.py); with a reranker (--hf-overrides) each pair is one prompt, its two texts joined, and its score
+the classifier's. /score pairs text_1 with text_2 (1:1, 1:N or N:N); /rerank orders documents by their
 score against a query, the best first."""
 
 from __future__ import annotations
@@ -82,12 +82,13 @@ async def _prompts_and_scorer(
     state: ServerState, body: PooledRequest, texts: list[str], pairs: list[tuple[int, int]]
 ) -> tuple[list[list[int]], Scorer]:
     """The prompts to serve and how their vectors score the pairs: each text embedded, a pair scored by the cosine
-    of its two vectors; or, with a reranker, each pair one prompt (its texts' tokens joined) scored by it."""
-    ids = [await tokenized(state, text) for text in texts]
+    of its two vectors; or, with a reranker, each pair one prompt (its two texts joined, as vLLM's) scored by it."""
     if state.engine.reranker is None:
+        ids = [await tokenized(state, text) for text in texts]
         return ids, lambda vectors: [cosine(vectors[a], vectors[b]) for a, b in pairs]
     body.score_with(state.engine.reranker)
-    return [ids[a] + ids[b] for a, b in pairs], lambda vectors: [vector[0] for vector in vectors]
+    joined = [await tokenized(state, texts[a] + texts[b]) for a, b in pairs]
+    return joined, lambda vectors: [vector[0] for vector in vectors]
 
 
 class ScoreData(BaseModel):
