@@ -48,7 +48,6 @@ VLLM_FLAGS_REFUSED = {
     "--api-server-count": "one API process serves; --core-process runs the engine core in a process of its own",
     "--data-parallel-size": "replicas are Ray Serve's here: --ray --num-replicas N",
     "--pipeline-parallel-size": "models larger than a device are split by --tensor-parallel-size only",
-    "--tokenizer": "the tokenizer is the one in the checkpoint directory",
     "--pooler-config": "an embedding is the last token's final hidden state, normalized (a request's dimensions and "
     "normalize change the rest)",
     "--revision": "a local checkpoint directory is served as it is; nothing is downloaded",

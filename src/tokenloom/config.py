@@ -62,6 +62,10 @@ class ModelLoadConfig:
     """Threads torch uses for intra-op work on CPU; None leaves torch's default (the number of cores)."""
     max_model_len: int | None = None
     """The longest sequence (prompt plus output); None takes the model's own context length."""
+    tokenizer: str | None = None
+    """A local directory holding the tokenizer to use (tokenizer.json, tokenizer.model or vocab.json, with its config
+    and chat template), as vLLM's --tokenizer: for a checkpoint that ships none, or a GGUF served with its original
+    model's tokenizer. None: the checkpoint's own. Nothing is downloaded."""
     quantization: Quantization | None = None
     """8-bit weights for every linear of the decoder layers, quantized at load time per output channel, activations
     on the fly: 'int8' (CPU: our VNNI, AMX or AVX2 kernels; 8-bit activation codes per token, or per 64 inputs of a
@@ -97,6 +101,8 @@ class ModelLoadConfig:
         backends = get_args(AttentionBackend)
         require(self.attention_backend in backends, f"attention_backend must be one of {', '.join(backends)}")
         require(isinstance(self.device, str) and bool(self.device), "device must be a torch device string")
+        require(self.tokenizer is None or (isinstance(self.tokenizer, str) and bool(self.tokenizer)),
+                "tokenizer must be a directory")  # fmt: skip
         methods = get_args(Quantization)
         require(self.quantization in (None, *methods), f"quantization must be one of {', '.join(methods)}")
 

@@ -63,10 +63,6 @@ def add_simulate_command(commands) -> argparse.ArgumentParser:
         "--output-lengths", default=None,
         help="a `bench serve` RUN.json whose requests' output lengths stand in for max_tokens (the model's own ends)",
     )  # fmt: skip
-    simulate_parser.add_argument(
-        "--tokenizer", default=None,
-        help="counts the trace's prompt tokens (default: the model's; for a config.json, the embedded model's)",
-    )  # fmt: skip
     simulate_parser.add_argument("--quick", action="store_true", help="profile: a small grid (for tests)")
     simulate_parser.add_argument(
         "--from-steps", default=None, help="profile: refit the steps another profile measured, measuring nothing"

@@ -137,7 +137,7 @@ class CoreProcessEngine(EngineClient):
         self.config = config
         self.device = torch.device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        info = load_model_info(config.model.model)
+        info = load_model_info(config.model.model, config.model.tokenizer)
         self.model_name, self.model_path, self.model_config = info.name, info.path, info.config
         self._in_flight: dict[str, float] = {}  # request id -> arrival time, until its end reaches the API side
         self._stats: EngineStats | None = None

@@ -37,7 +37,9 @@ def load_for_core(
     dtype = resolve_dtype(config.model.dtype, device)
     if loaded is None:
         group = TensorParallelGroup(rank=0, world_size=size)
-        loaded = load_model(config.model.model, config.model.max_model_len, dtype, device, group)
+        loaded = load_model(
+            config.model.model, config.model.max_model_len, dtype, device, group, config.model.tokenizer
+        )
     return loaded, dtype, device
 
 

@@ -71,11 +71,12 @@ class ModelInfo:
     tokenizer: Tokenizer | None
 
 
-def load_model_info(model: str | None) -> ModelInfo:
-    """The checkpoint's name, directory, architecture config and tokenizer (whose EOS fills in a missing one)."""
+def load_model_info(model: str | None, tokenizer_dir: str | None = None) -> ModelInfo:
+    """The checkpoint's name, directory, architecture config and tokenizer (its own, or the one in tokenizer_dir;
+    whose EOS fills in a missing one)."""
     name, path = resolve_checkpoint_dir(model)
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    tokenizer = _load_tokenizer(path)
+    tokenizer = _load_tokenizer(path) if tokenizer_dir is None else _tokenizer_from(tokenizer_dir, config.vocab_size)
     if not config.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
         config = _with_eos(config, (tokenizer.eos_token_id,))
     return ModelInfo(name, path, config, tokenizer)
@@ -87,10 +88,12 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallelGroup = SINGLE,
+    tokenizer_dir: str | None = None,
 ) -> LoadedModel:
-    """Loads weights (this rank's shard of them under tensor parallelism) and tokenizer; max_len sizes the rotary
-    tables (None: the model's own context length). The LoadedModel's config is the whole model's."""
-    info = load_model_info(model)
+    """Loads weights (this rank's shard of them under tensor parallelism) and tokenizer (tokenizer_dir's, if given);
+    max_len sizes the rotary tables (None: the model's own context length). The LoadedModel's config is the whole
+    model's."""
+    info = load_model_info(model, tokenizer_dir)
     name, path, config, tokenizer = info.name, info.path, info.config, info.tokenizer
     max_len = max_len or config.max_position_embeddings
     family = FAMILIES[config.architecture]
@@ -140,6 +143,23 @@ def _read_safetensors(path: Path):
 def load_tokenizer(model: str | None):
     """The tokenizer of a model (a checkpoint directory, a GGUF, or None for the embedded one), without its weights."""
     return _load_tokenizer(resolve_checkpoint_dir(model)[1])
+
+
+def _tokenizer_from(directory: str, vocab_size: int) -> Tokenizer:
+    """The tokenizer in a directory --tokenizer names, whose every token the model has (FileNotFoundError or
+    ValueError saying what is wrong)."""
+    path = Path(directory).expanduser()
+    tokenizer = _load_tokenizer(path) if path.is_dir() else None
+    if tokenizer is None:
+        raise FileNotFoundError(
+            f"--tokenizer {directory!r} is not a local directory holding a tokenizer (tokenizer.json, tokenizer.model "
+            "or vocab.json); nothing is downloaded"
+        )
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"--tokenizer {directory!r} has {len(tokenizer)} tokens; the model's vocabulary has {vocab_size}"
+        )
+    return tokenizer
 
 
 def _load_tokenizer(path: Path):
