@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tokenloom.model import compressed_tensors
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_convert import ensure_converted
 from tokenloom.model.llama import CausalLM
@@ -99,7 +101,7 @@ def load_model(
     family = FAMILIES[config.architecture]
     net = build_on_meta(config, max_len, tp).to_empty(device=device)
     net.rotary.reset_tables()
-    net.load_hf_weights(shard_hf_weights(_read_safetensors(path), tp, family.tensor_parallel))
+    net.load_hf_weights(shard_hf_weights(checkpoint_tensors(path), tp, family.tensor_parallel))
     net = net.to(dtype=dtype).eval()
     return LoadedModel(name=name, path=path, config=config, model=net, tokenizer=tokenizer)
 
@@ -128,7 +130,28 @@ def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
     return replace(config, eos_token_ids=eos)
 
 
-def _read_safetensors(path: Path):
+def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors in float32, a quantized one's weights dequantized (compressed_tensors.py); a
+    quantization method not read here is refused by name."""
+    quantization = json.loads((path / "config.json").read_text()).get("quantization_config")
+    tensors = ((key, t.float() if t.is_floating_point() else t) for key, t in _read_safetensors(path))
+    if quantization is None:
+        yield from tensors
+        return
+    method = quantization.get("quant_method")
+    if method != compressed_tensors.METHOD:
+        raise ValueError(
+            f"{path.name} is quantized with {method!r}, which is not read; checkpoints in the compressed-tensors "
+            "format are (W4A16, W8A16, W8A8, FP8), and --quantization int8 quantizes a plain one at load"
+        )
+    schemes = compressed_tensors.weight_schemes(quantization)
+    quantized = compressed_tensors.quantized_modules(key for key, _ in _read_safetensors(path, keys_only=True))
+    for key, tensor in compressed_tensors.dequantized(tensors, schemes, quantized):
+        yield key, tensor.float()
+
+
+def _read_safetensors(path: Path, keys_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of the checkpoint's files by its key (an empty one in its place where only keys are asked for)."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -137,7 +160,7 @@ def _read_safetensors(path: Path):
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, f.get_tensor(key).float()
+                yield key, torch.empty(0) if keys_only else f.get_tensor(key)
 
 
 def load_tokenizer(model: str | None):
