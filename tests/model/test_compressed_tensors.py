@@ -121,8 +121,13 @@ def test_a_quantization_not_read_is_refused_by_name(tmp_path):
     (awq / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "awq"}}))
     with pytest.raises(ValueError, match="quantized with 'awq', which is not read"):
         LLM(str(awq))
-    nvfp4 = dict(config["quantization_config"], format="nvfp4-pack-quantized")
+    nvfp4 = json.loads(json.dumps(config["quantization_config"])) | {"format": "nvfp4-pack-quantized"}
     nvfp4["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized"
     (awq / "config.json").write_text(json.dumps({**config, "quantization_config": nvfp4}))
     with pytest.raises(ValueError, match=r"format 'nvfp4-pack-quantized' .* is not read"):
+        LLM(str(awq))
+    grouped = json.loads(json.dumps(config["quantization_config"]))
+    grouped["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    (awq / "config.json").write_text(json.dumps({**config, "quantization_config": grouped}))
+    with pytest.raises(ValueError, match="actorder 'group'"):
         LLM(str(awq))

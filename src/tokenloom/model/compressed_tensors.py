@@ -74,6 +74,8 @@ def weight_schemes(quantization_config: dict[str, Any]) -> list[WeightScheme]:
         bits = int(weights["num_bits"])
         if (fmt == "pack-quantized" and bits not in (2, 4, 8)) or (fmt == "float-quantized" and bits != 8):
             raise ValueError(f"compressed-tensors: {bits}-bit weights in the {fmt} format are not read")
+        if weights.get("actorder") in ("group", "dynamic", True):  # columns in groups by a g_idx map, not in order
+            raise ValueError("compressed-tensors: weights with actorder 'group' (a weight_g_idx) are not read")
         strategy = weights.get("strategy") or "tensor"
         if strategy not in ("tensor", "channel", "group"):
             raise ValueError(f"compressed-tensors: the {strategy} weight strategy is not read (tensor, channel, group)")
