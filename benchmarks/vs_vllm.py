@@ -298,8 +298,8 @@ def ensure_vllm(venv: Path) -> Path:
 
 
 @contextlib.contextmanager
-def vllm_server(venv: Path, dtype: str, extra: list[str]):
-    model_dir = resolve_checkpoint_dir(None)[1]
+def vllm_server(venv: Path, dtype: str, extra: list[str], model: str | None = None):
+    model_dir = resolve_checkpoint_dir(model)[1]
     port = free_port()
     env = {
         **os.environ,
@@ -402,6 +402,7 @@ def main() -> None:
         "--rounds", type=int, default=1, help="measure each server this many times, alternating, and add medians"
     )
     parser.add_argument("--write-results", action="store_true", help=f"append the table to {RESULTS.name}")
+    parser.add_argument("--model", default=None, help="a checkpoint directory both engines serve (default: embedded)")
     parser.add_argument(
         "--lora", type=int, default=0, help="serve N rank-16 adapters (random weights) on every server; mixed-64's "
         "requests name them in turn",
@@ -420,11 +421,13 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         servers = []  # (label, url): both stay up, idle while the other is measured
         for flags in args.vllm_args or [""] if args.only in (None, "vllm") else []:
-            url = stack.enter_context(vllm_server(args.vllm_venv, vllm_dtype, shlex.split(flags + lora_flags)))
+            extra = shlex.split(flags + lora_flags)
+            url = stack.enter_context(vllm_server(args.vllm_venv, vllm_dtype, extra, args.model))
             servers.append((f"vLLM 0.32 CPU, --dtype {vllm_dtype} {flags}".rstrip(), url))
         for flags in args.tokenloom_args or [""] if args.only in (None, "tokenloom") else []:
             extra = shlex.split(flags + lora_flags)
             serve_flags = ("--served-model-name", MODEL_NAME, "--max-model-len", "8192", *extra)
+            serve_flags += ("--model", args.model) if args.model else ()
             server = stack.enter_context(LocalServer(*serve_flags))
             dtype = httpx.get(f"{server.url}/version", timeout=10).json().get("dtype", "?")
             servers.append((f"tokenloom {flags or 'default flags'} (dtype {dtype})", server.url))
