@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
         [--tokenloom-args "--max-num-seqs 32"]... [--vllm-args "--kv-cache-dtype fp8"]... [--rounds 3]
         [--workload mixed-64|long-decode|single-stream|beam-search] [--tokenloom-source CHECKOUT]... [--lora N]
+        [--model CHECKPOINT_DIR]
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
 max_tokens 16-256, 8,429 in all; seed 0), sent at t=0 as streaming /v1/completions with ignore_eos and greedy
@@ -21,6 +22,9 @@ at, bound by streaming the weights; the 4k-prompt probe follows.
 Workload beam-search (--workload beam-search): 8 requests at t=0, prompts of 100-400 token ids (seed 0), each
 `use_beam_search` with n=4 and max_tokens 48 (ignore_eos): both engines run vLLM's search, each step one request per
 beam; answered whole, so TTFT is each request's end and there is no ITL.
+
+--model DIR serves that checkpoint on every server instead of the embedded model (a compressed-tensors one made by
+compressed_checkpoint.py, say: vLLM runs its quantized kernels on it, tokenloom dequantizes it at load).
 
 --lora N serves N LoRA adapters of rank 16 (random weights on every projection, benchmarks/lora_speed.py's) on every
 server with the same flags (--enable-lora --max-loras N --lora-modules ...), and mixed-64's requests name them in
