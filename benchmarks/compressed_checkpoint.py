@@ -4,8 +4,9 @@ such a checkpoint on both engines (vs_vllm.py --model DIR).
 
     .venv/bin/python benchmarks/compressed_checkpoint.py --scheme w8a8|w4a16 --out DIR
 
-w8a8: int8 weights per output channel, int8 activations per token at run time (int-quantized); w4a16: int4 weights in
-groups of 128 (pack-quantized). Needs the compressed-tensors library (in the test extras).
+w8a8: int8 weights per output channel, int8 activations per token at run time (int-quantized); w4a16: int4 weights
+in groups of 64 (pack-quantized; SmolLM2's width, 576, is not a multiple of 128). Needs the compressed-tensors
+library (in the test extras).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tokenloom.model.loader import resolve_checkpoint_dir
 SCHEMES = {
     "w8a8": ("int-quantized", QuantizationArgs(num_bits=8, type="int", strategy="channel"),
              QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True)),
-    "w4a16": ("pack-quantized", QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=128), None),
+    "w4a16": ("pack-quantized", QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=64), None),
 }  # fmt: skip
 
 
