@@ -11,12 +11,10 @@ logit), and /score and /rerank read each (query, document) pair as one prompt, t
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokenloom.speculative_config import require
+from tokenloom.speculative_config import parse_json_option, require
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 
@@ -65,16 +63,4 @@ class HFOverrides:
     @classmethod
     def parse(cls, value: HFOverrides | dict[str, Any] | str | None) -> HFOverrides | None:
         """From what a caller gives: an HFOverrides, a dict (``LLM(hf_overrides={...})``) or its JSON."""
-        if value is None or isinstance(value, HFOverrides):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"EngineConfig: hf_overrides is not valid JSON: {error}") from None
-        require(isinstance(value, dict), "hf_overrides must be a JSON object")
-        assert isinstance(value, dict)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        require(not unknown, f"hf_overrides: {unknown} not supported; only {', '.join(sorted(known))} (a reranker)")
-        return cls(**value)
+        return parse_json_option(cls, value, "hf_overrides", " (a reranker's only)")

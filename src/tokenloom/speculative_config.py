@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 SpeculativeMethod = Literal["ngram", "suffix"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -80,19 +81,25 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
         """From what a caller gives: a SpeculativeConfig, a dict (``LLM(speculative_config={...})``) or its JSON."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"EngineConfig: speculative_config is not valid JSON: {error}") from None
-        require(isinstance(value, dict), "speculative_config must be a JSON object")
-        assert isinstance(value, dict)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        require(not unknown, f"speculative_config: unknown key(s) {unknown}; the keys are: {', '.join(sorted(known))}")
-        return cls(**value)
+        return parse_json_option(cls, value, "speculative_config")
+
+
+def parse_json_option(cls: type[T], value: T | dict[str, Any] | str | None, name: str, what: str = "") -> T | None:
+    """An engine option that is a structure of its own (a frozen dataclass), from what a caller gives: the structure,
+    a dict or its JSON; a key that is not one of its fields is refused by name (``what`` says what the keys are for)."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"EngineConfig: {name} is not valid JSON: {error}") from None
+    require(isinstance(value, dict), f"{name} must be a JSON object")
+    assert isinstance(value, dict)
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(value) - known)
+    require(not unknown, f"{name}: unknown key(s) {unknown}; the keys are: {', '.join(sorted(known))}{what}")
+    return cls(**value)
 
 
 def require(ok: bool, message: str) -> None:

@@ -60,7 +60,7 @@ def test_a_reranker_scores_each_pair_joined_by_its_yes_and_no_logits(tiny_chat_m
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({**QWEN3_RERANKER, "rope_scaling": {"factor": 2}}, r"\['rope_scaling'\] not supported"),
+        ({**QWEN3_RERANKER, "rope_scaling": {"factor": 2}}, r"unknown key\(s\) \['rope_scaling'\]"),
         ({**QWEN3_RERANKER, "architectures": ["Qwen3ForCausalLM"]}, "ForSequenceClassification"),
         ({**QWEN3_RERANKER, "classifier_from_token": ["no", "maybe", "yes"]}, "one or two tokens"),
         ({**QWEN3_RERANKER, "classifier_from_token": ["yes"]}, "reads two tokens"),
