@@ -39,6 +39,8 @@ SCHEMES = {
                                                            strategy="channel"), None),
     "fp8-channel": ("float-quantized", QuantizationArgs(num_bits=8, type="float", strategy="channel"), None),
     "fp8-tensor": ("float-quantized", QuantizationArgs(num_bits=8, type="float", strategy="tensor"), None),
+    "fp8-static-input": ("float-quantized", QuantizationArgs(num_bits=8, type="float", strategy="tensor"),
+                         QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False)),
 }  # fmt: skip
 
 
@@ -57,6 +59,8 @@ def quantized_checkpoint(directory, fmt: str, weights: QuantizationArgs, activat
         args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
         if args is not None:
             _set_weight_qparams(module, args)
+        if hasattr(module, "input_scale"):  # a static input scale, as calibration would leave it
+            module.input_scale.data.fill_(0.05)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(directory)

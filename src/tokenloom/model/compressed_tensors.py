@@ -8,8 +8,9 @@ for the pack-quantized format; ``weight`` as int8 codes (int-quantized, naive-qu
 scheme adds ``weight_zero_point`` (packed along the output dimension when the weights are). Each weight becomes
 (code - zero point) x scale in float32, as the format's own library decompresses it, and then the model's dtype (or
 8-bit again under --quantization int8): the checkpoint loads and serves, without its memory saving. Activation
-quantization (W8A8's dynamic per-token int8) is not reproduced: activations run in the model's dtype unless
---quantization int8 is given. The compressed-tensors library itself is not needed.
+quantization (W8A8's dynamic per-token int8, a static input scale) is not reproduced, and its scales are dropped:
+activations run in the model's dtype unless --quantization int8 is given. The compressed-tensors library itself is
+not needed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 METHOD = "compressed-tensors"
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 PARTS = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight")
+# Activation quantization's parameters (static input or output scales, the KV cache's), for what is not reproduced.
+ACTIVATION_PARTS = frozenset({"input_scale", "input_zero_point", "input_global_scale", "output_scale",
+                              "output_zero_point", "k_scale", "v_scale"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ def dequantized(
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors:
         module, _, part = key.rpartition(".")
+        if part in ACTIVATION_PARTS:
+            continue
         if module not in quantized or part not in PARTS:
             yield key, tensor
             continue
