@@ -83,3 +83,14 @@ def test_a_classifier_token_outside_the_vocabulary_is_refused_at_start(tiny_chat
     assert EngineConfig.from_kwargs(hf_overrides=json.dumps(QWEN3_RERANKER)).model.hf_overrides == HFOverrides(
         ("Qwen3ForSequenceClassification",), ("no", "yes"), True
     )
+
+
+def test_scores_and_embeddings_are_the_same_over_two_tensor_parallel_ranks(tiny_chat_model):
+    """Rank 0 holds the whole LM head (the reranker's rows) and the whole final row (the embedding)."""
+    with LLM(str(tiny_chat_model), dtype="float32", hf_overrides=QWEN3_RERANKER) as one:
+        scores = [o.outputs.score for o in one.score(QUERY, DOCUMENTS, use_tqdm=False)]
+        vectors = [o.outputs.embedding for o in one.embed(DOCUMENTS, use_tqdm=False)]
+    with LLM(str(tiny_chat_model), dtype="float32", hf_overrides=QWEN3_RERANKER, tensor_parallel_size=2) as two:
+        assert [o.outputs.score for o in two.score(QUERY, DOCUMENTS, use_tqdm=False)] == pytest.approx(scores, abs=1e-6)
+        for output, vector in zip(two.embed(DOCUMENTS, use_tqdm=False), vectors, strict=True):
+            torch.testing.assert_close(torch.tensor(output.outputs.embedding), torch.tensor(vector), atol=1e-6, rtol=0)
