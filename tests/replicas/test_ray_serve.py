@@ -65,6 +65,9 @@ def test_the_key_is_the_prompts_leading_text_and_picks_a_stable_replica():
     assert replica_named_in_path({"path": "/v1/responses/resp_0f3a"}, ["a1", "b2"]) is None  # a single server's id
     assert replica_named_in_path({"path": "/v1/models"}, ["a1"]) is None and replica_named_in_path({}, ["a1"]) is None
     assert prefix_key({"body": b""}) is None and prefix_key({"body": b"[1]"}) is None
+    # Embedding inputs (texts or token lists) and rerank or score bodies carry no prompt: routed by load alone.
+    assert prefix_key(body(input=["one text", "another"])) is None and prefix_key(body(input=[[1, 2, 3]])) is None
+    assert prefix_key(body(query="q", documents=["d"])) is None and prefix_key(body(text_1="a", text_2="b")) is None
     replicas = ["a1", "b2", "c3"]
     first = rendezvous_order("some prefix", replicas)[0]
     assert all(rendezvous_order("some prefix", replicas)[0] == first for _ in range(3))

@@ -87,7 +87,8 @@ def _prompt_key(body: dict[str, Any]) -> str | None:
     conversation = body.get("input")  # /v1/responses: its instructions come first, as the system message
     if isinstance(conversation, str):
         conversation = [{"role": "user", "content": conversation}]
-    if isinstance(conversation, list):
+    # /v1/embeddings' inputs, a list of texts or token lists, are no conversation: routed by load, not all to one key.
+    if isinstance(conversation, list) and any(isinstance(item, dict) for item in conversation):
         instructions = body.get("instructions")
         first = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
         return _conversation_key(first + conversation)
