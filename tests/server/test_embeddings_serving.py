@@ -98,6 +98,31 @@ def test_score_and_rerank_are_the_cosines_llm_score_gives(tiny_chat_model, serve
     assert sorted(r["index"] for r in every) == [0, 1, 2]
 
 
+def test_vllms_other_spellings_of_a_score_and_what_jina_and_cohere_clients_send(tiny_chat_model, served):
+    """/score's sides as data_1/data_2, queries/documents or queries/items; /rerank's return_documents false (Jina's
+    and Cohere's field); max_tokens_per_doc and max_tokens_per_query: each side cut to its first tokens."""
+    expected = [
+        d["score"] for d in post(f"{served.url}/score", json={"text_1": TEXTS[0], "text_2": TEXTS}).json()["data"]
+    ]
+    for first, second in (("data_1", "data_2"), ("queries", "documents"), ("queries", "items")):
+        scored = post(f"{served.url}/score", json={first: TEXTS[0], second: TEXTS}).json()
+        assert [d["score"] for d in scored["data"]] == pytest.approx(expected, abs=1e-6), (first, second)
+    mixed = post(f"{served.url}/score", json={"text_1": TEXTS[0], "documents": TEXTS})
+    assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "text_1"
+    bare = post(f"{served.url}/rerank", json={"query": TEXTS[0], "documents": TEXTS, "return_documents": False}).json()
+    assert all(r["document"] is None for r in bare["results"]) and len(bare["results"]) == 3
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_chat_model)
+    first_tokens = [tokenizer.decode(tokenizer.encode(t, add_special_tokens=False)[:3]) for t in TEXTS]
+    short = post(f"{served.url}/rerank", json={"query": TEXTS[1], "documents": first_tokens}).json()["results"]
+    cut = post(f"{served.url}/rerank", json={"query": TEXTS[1], "documents": TEXTS, "max_tokens_per_doc": 3}).json()
+    assert [r["index"] for r in cut["results"]] == [r["index"] for r in short]
+    assert [r["relevance_score"] for r in cut["results"]] == pytest.approx([r["relevance_score"] for r in short])
+    assert [r["document"]["text"] for r in cut["results"]] == [TEXTS[r["index"]] for r in cut["results"]]  # as sent
+    query_cut = post(f"{served.url}/score", json={"text_1": TEXTS[1], "text_2": TEXTS[1], "max_tokens_per_query": 3})
+    alone = post(f"{served.url}/score", json={"text_1": first_tokens[1], "text_2": TEXTS[1]})
+    assert query_cut.json()["data"][0]["score"] == pytest.approx(alone.json()["data"][0]["score"], abs=1e-6)
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [

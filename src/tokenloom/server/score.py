@@ -2,7 +2,9 @@
 an embedding model each text is embedded once (pooled.py) and a pair's score is the cosine similarity of its two
 vectors (scoring.py); with a reranker (--hf-overrides) each pair is one prompt, its two texts joined, and its score
 the classifier's. /score pairs text_1 with text_2 (1:1, 1:N or N:N); /rerank orders documents by their
-score against a query, the best first."""
+score against a query, the best first. Both take vLLM's max_tokens_per_query and max_tokens_per_doc (each side's
+text cut to its first tokens), /score its four spellings of the two sides, /rerank Jina's and Cohere's
+return_documents."""
 
 from __future__ import annotations
 
@@ -19,37 +21,60 @@ from tokenloom.server.errors import APIError
 from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape
 from tokenloom.server.protocol import MAX_CHOICES, Text
 from tokenloom.server.response_models import Usage
-from tokenloom.server.serving import check_model, serve_generation, tokenized
+from tokenloom.server.serving import check_model, require_tokenizer, serve_generation, tokenized
 from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
 
 router = APIRouter()
 Texts = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
 
 
-class ScoreRequest(PooledRequest):
-    FIELDS = COMMON_FIELDS | {"text_1", "text_2"}
+# vLLM's names for a score's two sides, one pair of them per request.
+SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
+TRUNCATING = frozenset({"max_tokens_per_query", "max_tokens_per_doc"})
+
+
+class ScoringRequest(PooledRequest):
+    """What /score and /rerank share: vLLM's truncation of each side before the pair is scored."""
+
+    max_tokens_per_query: Annotated[int, Field(ge=0)] = 0  # a query's first this many tokens; 0: all
+    max_tokens_per_doc: Annotated[int, Field(ge=0)] = 0  # a document's first this many tokens; 0: all
+
+
+class ScoreRequest(ScoringRequest):
+    FIELDS = COMMON_FIELDS | TRUNCATING | {name for side in SIDES for name in side}
     ENDPOINT = "a score"
 
-    text_1: Texts
-    text_2: Texts
+    text_1: Texts | None = None
+    text_2: Texts | None = None
+    data_1: Texts | None = None
+    data_2: Texts | None = None
+    queries: Texts | None = None
+    documents: Texts | None = None
+    items: Texts | None = None
 
-    def texts_and_pairs(self) -> tuple[list[str], list[tuple[int, int]]]:
-        """The texts to embed (text_1's, then text_2's) and the pairs scored, as indices into them."""
-        firsts = [self.text_1] if isinstance(self.text_1, str) else self.text_1
-        seconds = [self.text_2] if isinstance(self.text_2, str) else self.text_2
-        try:
-            return [*firsts, *seconds], score_pairs(len(firsts), len(seconds))
-        except ValueError as error:
-            raise APIError(400, str(error), "text_1", "invalid_value") from error
+    def sides(self) -> tuple[list[str], list[str]]:
+        """The texts on each side, from the one pair of vLLM's names the request uses."""
+        named = {name for side in SIDES for name in side if getattr(self, name) is not None}
+        given = [side for side in SIDES if set(side) == named]
+        if len(given) != 1:
+            message = "send text_1 and text_2 (or data_1 and data_2, queries and documents, queries and items)"
+            raise APIError(400, message, "text_1", "invalid_value")
+        first, second = (getattr(self, name) for name in given[0])
+        return _listed(first), _listed(second)
 
 
-class RerankRequest(PooledRequest):
-    FIELDS = COMMON_FIELDS | {"query", "documents", "top_n"}
+def _listed(texts: str | list[str]) -> list[str]:
+    return [texts] if isinstance(texts, str) else texts
+
+
+class RerankRequest(ScoringRequest):
+    FIELDS = COMMON_FIELDS | TRUNCATING | {"query", "documents", "top_n", "return_documents"}
     ENDPOINT = "a rerank"
 
     query: Text
     documents: Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
     top_n: Annotated[int, Field(ge=0)] = 0  # the best this many; 0: all, as vLLM's
+    return_documents: bool = True  # Jina's and Cohere's: false leaves each result's document out
 
 
 @router.post("/score", responses=ERROR_RESPONSES)
@@ -58,7 +83,12 @@ async def score(body: ScoreRequest, raw: Request) -> Response:
     state = server_state(raw)
     check_model(body, state)
     body.refuse_generation_fields()
-    texts, pairs = body.texts_and_pairs()
+    firsts, seconds = body.sides()
+    try:
+        pairs = score_pairs(len(firsts), len(seconds))
+    except ValueError as error:
+        raise APIError(400, str(error), "text_1", "invalid_value") from error
+    texts = await _cut(state, body, firsts, seconds)
     prompts, scorer = await _prompts_and_scorer(state, body, texts, pairs)
     return await serve_generation(state, raw, body, prompts, None, ScoreShape(scorer))
 
@@ -71,8 +101,24 @@ async def rerank(body: RerankRequest, raw: Request) -> Response:
     check_model(body, state)
     body.refuse_generation_fields()
     pairs = score_pairs(1, len(body.documents))
-    prompts, scorer = await _prompts_and_scorer(state, body, [body.query, *body.documents], pairs)
-    return await serve_generation(state, raw, body, prompts, None, RerankShape(body.documents, body.top_n, scorer))
+    texts = await _cut(state, body, [body.query], body.documents)
+    prompts, scorer = await _prompts_and_scorer(state, body, texts, pairs)
+    shown = body.documents if body.return_documents else None
+    return await serve_generation(state, raw, body, prompts, None, RerankShape(shown, body.top_n, scorer))
+
+
+async def _cut(state: ServerState, body: ScoringRequest, firsts: list[str], seconds: list[str]) -> list[str]:
+    """Both sides' texts, each cut to its side's first max_tokens_per_query or max_tokens_per_doc tokens."""
+    limits = [body.max_tokens_per_query] * len(firsts) + [body.max_tokens_per_doc] * len(seconds)
+    texts = [*firsts, *seconds]
+    if not any(limits):
+        return texts
+    tokenizer = require_tokenizer(state.engine)
+    cut = []
+    for text, limit in zip(texts, limits, strict=True):
+        ids = await state.text_budget.run(len(text), tokenizer.encode, text, add_special_tokens=False) if limit else []
+        cut.append(tokenizer.decode(ids[:limit]) if len(ids) > limit else text)
+    return cut
 
 
 Scorer = Callable[[list[list[float]]], list[float]]  # each pair's score, from the vectors of the prompts served
@@ -129,7 +175,7 @@ class RerankDocument(BaseModel):
 
 class RerankResult(BaseModel):
     index: int
-    document: RerankDocument
+    document: RerankDocument | None
     relevance_score: float
 
 
@@ -151,15 +197,16 @@ class RerankShape(PooledShape):
 
     id_prefix = "rerank-"
 
-    def __init__(self, documents: list[str], top_n: int, scorer: Scorer) -> None:
-        self.documents, self.top_n, self.scorer = documents, top_n, scorer
+    def __init__(self, documents: list[str] | None, top_n: int, scorer: Scorer) -> None:
+        self.documents, self.top_n, self.scorer = documents, top_n, scorer  # documents None: left out
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
     ) -> BaseModel:
         scores = self.scorer([self.vector(final) for final in finals])
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: self.top_n or None]
-        results = [RerankResult(index=i, document=RerankDocument(text=self.documents[i]), relevance_score=scores[i])
-                   for i in order]  # fmt: skip
+        shown = self.documents
+        results = [RerankResult(index=i, document=None if shown is None else RerankDocument(text=shown[i]),
+                                relevance_score=scores[i]) for i in order]  # fmt: skip
         counted = RerankUsage(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
         return RerankResponse(id=request_id, model=model, usage=counted, results=results)
