@@ -39,3 +39,45 @@ def test_score_and_rerank_through_a_served_reranker(tiny_chat_model):
         embedded = post(f"{proc.url}/v1/embeddings", json={"input": "Hi", "encoding_format": "float"}).json()
         assert len(embedded["data"][0]["embedding"]) == 64
         proc.wait_idle()
+
+
+# A score template as vLLM's examples give Qwen3-Reranker one: the pair as a "query" and a "document" message.
+TEMPLATE = """<|im_start|>system
+Judge whether the Document meets the requirements of the Query. Answer only "yes" or "no".<|im_end|>
+<|im_start|>user
+<Instruct>: {{ instruction | default("Find passages that answer the query") }}
+<Query>: {{ (messages | selectattr("role", "equalto", "query") | first).content }}
+<Document>: {{ (messages | selectattr("role", "equalto", "document") | first).content }}<|im_end|>
+<|im_start|>assistant
+"""
+
+
+def test_a_served_rerankers_pairs_go_through_its_chat_template(tiny_chat_model, tmp_path):
+    """With --chat-template, as vLLM renders a pair for a reranker: the query and document messages through it, the
+    request's instruction beside them; the score that of the rendered prompt."""
+    template = tmp_path / "reranker.jinja"
+    template.write_text(TEMPLATE)
+    llm = LLM(str(tiny_chat_model), dtype="float32", hf_overrides=OVERRIDES)
+    tokenizer = llm.get_tokenizer()
+
+    def offline(instruction: str | None) -> list[float]:
+        extra = {} if instruction is None else {"instruction": instruction}
+        texts = [tokenizer.apply_chat_template([{"role": "query", "content": "where is the tower?"},
+                                                {"role": "document", "content": d}], chat_template=TEMPLATE,
+                                               tokenize=False, **extra) for d in DOCUMENTS]  # fmt: skip
+        prompts = [{"prompt_token_ids": tokenizer.encode(t)} for t in texts]
+        return [o.outputs.embedding[0] for o in llm.embed(prompts, llm.engine.reranker, use_tqdm=False)]
+
+    flags = ("--served-model-name", "tiny", "--hf-overrides", json.dumps(OVERRIDES), "--chat-template", str(template))
+    with ServerProcess("--model", str(tiny_chat_model), *flags) as proc:
+        body = {"query": "where is the tower?", "documents": DOCUMENTS}
+        ranked = post(f"{proc.url}/rerank", json=body).json()["results"]
+        scores = [r["relevance_score"] for r in sorted(ranked, key=lambda r: r["index"])]
+        assert scores == pytest.approx(offline(None), abs=1e-5)
+        told = post(f"{proc.url}/v1/rerank", json={**body, "instruction": "Judge relevance"}).json()["results"]
+        assert [r["relevance_score"] for r in sorted(told, key=lambda r: r["index"])] == pytest.approx(
+            offline("Judge relevance"), abs=1e-5
+        )
+        assert offline("Judge relevance") != pytest.approx(offline(None), abs=1e-4), "the instruction changed them"
+        reserved = post(f"{proc.url}/rerank", json={**body, "chat_template_kwargs": {"tokenize": True}})
+        assert reserved.status_code == 400 and reserved.json()["error"]["param"] == "chat_template_kwargs"

@@ -220,6 +220,7 @@ def _vllm_options(server: ServerConfig) -> VllmOptions:
         force_include_usage=server.enable_force_include_usage,
         return_tokens_as_token_ids=server.return_tokens_as_token_ids,
         response_role=server.response_role,
+        score_template=server.chat_template is not None,
     )
 
 

@@ -9,7 +9,7 @@ return_documents."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -30,14 +30,21 @@ Texts = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)
 
 # vLLM's names for a score's two sides, one pair of them per request.
 SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
-TRUNCATING = frozenset({"max_tokens_per_query", "max_tokens_per_doc"})
+TRUNCATING = frozenset({"max_tokens_per_query", "max_tokens_per_doc", "instruction", "chat_template_kwargs"})
 
 
 class ScoringRequest(PooledRequest):
-    """What /score and /rerank share: vLLM's truncation of each side before the pair is scored."""
+    """What /score and /rerank share: vLLM's truncation of each side before the pair is scored, and what a reranker's
+    score template reads (--chat-template: the pair as a query message and a document message)."""
 
     max_tokens_per_query: Annotated[int, Field(ge=0)] = 0  # a query's first this many tokens; 0: all
     max_tokens_per_doc: Annotated[int, Field(ge=0)] = 0  # a document's first this many tokens; 0: all
+    instruction: Text | None = None  # vLLM's: the template's `instruction`, as chat_template_kwargs would give it
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_variables(self) -> dict[str, Any]:
+        given = dict(self.chat_template_kwargs or {})
+        return given if self.instruction is None else {"instruction": self.instruction, **given}
 
 
 class ScoreRequest(ScoringRequest):
@@ -125,7 +132,7 @@ Scorer = Callable[[list[list[float]]], list[float]]  # each pair's score, from t
 
 
 async def _prompts_and_scorer(
-    state: ServerState, body: PooledRequest, texts: list[str], pairs: list[tuple[int, int]]
+    state: ServerState, body: ScoringRequest, texts: list[str], pairs: list[tuple[int, int]]
 ) -> tuple[list[list[int]], Scorer]:
     """The prompts to serve and how their vectors score the pairs: each text embedded, a pair scored by the cosine
     of its two vectors; or, with a reranker, each pair one prompt (its two texts joined, as vLLM's) scored by it."""
@@ -133,8 +140,30 @@ async def _prompts_and_scorer(
         ids = [await tokenized(state, text) for text in texts]
         return ids, lambda vectors: [cosine(vectors[a], vectors[b]) for a, b in pairs]
     body.score_with(state.engine.reranker)
-    joined = [await tokenized(state, texts[a] + texts[b]) for a, b in pairs]
+    if state.options.score_template:
+        joined = [await _templated_pair(state, body, texts[a], texts[b]) for a, b in pairs]
+    else:
+        joined = [await tokenized(state, texts[a] + texts[b]) for a, b in pairs]
     return joined, lambda vectors: [vector[0] for vector in vectors]
+
+
+async def _templated_pair(state: ServerState, body: ScoringRequest, query: str, document: str) -> list[int]:
+    """A pair through the server's --chat-template, as vLLM renders it: a "query" message and a "document" one, the
+    request's chat_template_kwargs (and instruction) beside them; the text then tokenized as a prompt."""
+    tokenizer = require_tokenizer(state.engine)
+    variables = body.template_variables()
+    taken = sorted(set(variables) & {"chat_template", "tools", "tokenize", "conversation"})
+    if taken:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+    messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+    try:
+        text = await state.text_budget.run(len(query) + len(document), tokenizer.apply_chat_template, messages,
+                                           tokenize=False, **variables)  # fmt: skip
+    except Exception as error:  # the template refuses the pair
+        raise APIError(
+            400, f"the score template could not render this pair: {error}", "chat_template_kwargs"
+        ) from error
+    return await tokenized(state, text)
 
 
 class ScoreData(BaseModel):

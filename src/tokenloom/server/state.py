@@ -47,6 +47,7 @@ class VllmOptions:
     force_include_usage: bool = False  # every stream ends with its usage
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" unless a request says otherwise
     response_role: str = "assistant"  # a chat reply's role when the request opens the assistant's turn
+    score_template: bool = False  # --chat-template given: a reranker's pairs go through it (query and document roles)
 
 
 @dataclass
