@@ -61,6 +61,7 @@ def test_embeddings_in_chunks_beside_generation_and_from_the_prefix_cache(tiny_l
     assert llm.stats().generated_tokens == 24, "an embedding's sampled token, dropped, is not counted as generated"
     for request, vector in zip(requests, expected, strict=True):
         torch.testing.assert_close(torch.tensor(finals[request.request_id].embedding), vector, atol=1e-5, rtol=0)
+        assert finals[request.request_id].outputs[0].token_ids == [], "its output is its vector, not its token"
     hits = llm.stats().prefix_cache_hits
     again = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
     assert llm.stats().prefix_cache_hits - hits >= 96  # the long prompt's six full blocks

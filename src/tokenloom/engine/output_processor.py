@@ -134,6 +134,9 @@ class OutputProcessor:
         delta = state.params.output_kind is RequestOutputKind.DELTA
         first_token = state.sent_tokens if delta else 0  # the first token (and logprob) this output carries
         token_ids = state.output_token_ids[first_token:]  # a copy either way: the state goes on growing
+        pooled = state.params.pooling is not None  # an embedding request's output is its vector: its token is dropped
+        if pooled:
+            token_ids = []
         if output.error is not None:
             completion = CompletionOutput(0, "", token_ids, finish_reason=output.finish_reason)
             return RequestOutput(
@@ -150,6 +153,7 @@ class OutputProcessor:
             state.prompt_logprobs = None  # sent with the first output (a stream's hold every logprob no longer)
         else:
             text = self._text_since(state, 0, output.finished)
+        text = "" if pooled else text
         cumulative = None if state.logprobs is None else state.cumulative_logprob
         completion = CompletionOutput(
             index=0,

@@ -145,22 +145,34 @@ def checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             "format are (W4A16, W8A16, W8A8, FP8), and --quantization int8 quantizes a plain one at load"
         )
     schemes = compressed_tensors.weight_schemes(quantization)
-    quantized = compressed_tensors.quantized_modules(key for key, _ in _read_safetensors(path, keys_only=True))
+    quantized = compressed_tensors.quantized_modules(_safetensors_keys(path))
     for key, tensor in compressed_tensors.dequantized(tensors, schemes, quantized):
         yield key, tensor.float()
 
 
-def _read_safetensors(path: Path, keys_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of the checkpoint's files by its key (an empty one in its place where only keys are asked for)."""
+def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, f.get_tensor(key)
+
+
+def _safetensors_keys(path: Path) -> Iterator[str]:
+    """The checkpoint's tensor names, none of the tensors read."""
+    from safetensors import safe_open
+
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            yield from f.keys()
+
+
+def _safetensors_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} holds no *.safetensors weights")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, torch.empty(0) if keys_only else f.get_tensor(key)
+    return files
 
 
 def load_tokenizer(model: str | None):

@@ -17,7 +17,7 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.server.chat import chat_template_tokenizer, templated
 from tokenloom.server.errors import APIError
-from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape
+from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape, checked_state
 from tokenloom.server.protocol import (
     MAX_CHOICES,
     ChatMessage,
@@ -26,8 +26,8 @@ from tokenloom.server.protocol import (
     TokenId,
 )
 from tokenloom.server.response_models import Usage
-from tokenloom.server.serving import check_model, serve_generation, tokenized
-from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
+from tokenloom.server.serving import serve_generation, tokenized
+from tokenloom.server.state import ERROR_RESPONSES, ServerState
 
 router = APIRouter()
 
@@ -81,9 +81,7 @@ class EmbeddingResponse(BaseModel):
 
 @router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **ERROR_RESPONSES})
 async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
-    state = server_state(raw)
-    check_model(body, state)
-    body.refuse_generation_fields()
+    state = checked_state(body, raw)
     prompts = await _prompts(state, body)
     return await serve_generation(state, raw, body, prompts, None, EmbeddingShape(body.encoding_format))
 

@@ -285,9 +285,8 @@ class ServerMetrics:
         if last is not None:
             self.itl.observe(now - last)
         self._last_token_time[output.request_id] = now
-        # The server's outputs are DELTA: each carries the tokens its step added (an embedding's one is dropped).
-        added = len(output.outputs[0].token_ids) if output.embedding is None else 0
-        generated = self._generated.get(output.request_id, 0) + added
+        # The server's outputs are DELTA: each carries the tokens its step added.
+        generated = self._generated.get(output.request_id, 0) + len(output.outputs[0].token_ids)
         if not output.finished:
             self._generated[output.request_id] = generated
             return

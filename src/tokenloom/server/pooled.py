@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import ClassVar
 
+from fastapi import Request
 from pydantic import PrivateAttr
 
 from tokenloom.outputs import RequestOutput
@@ -14,6 +15,8 @@ from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import StreamOptions, _Common
+from tokenloom.server.serving import check_model
+from tokenloom.server.state import ServerState, server_state
 from tokenloom.server.streaming import UsageCount
 
 COMMON_FIELDS = frozenset({"model", "user", "truncate_prompt_tokens", "request_id", "priority", "cache_salt"})
@@ -50,6 +53,14 @@ class PooledRequest(_Common):
         structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         return SamplingParams.for_embedding(self.pooling())
+
+
+def checked_state(body: PooledRequest, raw: Request) -> ServerState:
+    """The server's state, once the request names a model served here and carries no generation field."""
+    state = server_state(raw)
+    check_model(body, state)
+    body.refuse_generation_fields()
+    return state
 
 
 class PooledShape:

@@ -17,12 +17,13 @@ from pydantic import BaseModel, Field
 
 from tokenloom.outputs import RequestOutput
 from tokenloom.scoring import cosine, score_pairs
+from tokenloom.server.chat import templated
 from tokenloom.server.errors import APIError
-from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape
-from tokenloom.server.protocol import MAX_CHOICES, Text
+from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape, checked_state
+from tokenloom.server.protocol import MAX_CHOICES, ChatTemplateOptions, Text
 from tokenloom.server.response_models import Usage
-from tokenloom.server.serving import check_model, require_tokenizer, serve_generation, tokenized
-from tokenloom.server.state import ERROR_RESPONSES, ServerState, server_state
+from tokenloom.server.serving import require_tokenizer, serve_generation, tokenized
+from tokenloom.server.state import ERROR_RESPONSES, ServerState
 
 router = APIRouter()
 Texts = Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICES)]
@@ -87,9 +88,7 @@ class RerankRequest(ScoringRequest):
 @router.post("/score", responses=ERROR_RESPONSES)
 @router.post("/v1/score", responses=ERROR_RESPONSES)
 async def score(body: ScoreRequest, raw: Request) -> Response:
-    state = server_state(raw)
-    check_model(body, state)
-    body.refuse_generation_fields()
+    state = checked_state(body, raw)
     firsts, seconds = body.sides()
     try:
         pairs = score_pairs(len(firsts), len(seconds))
@@ -104,9 +103,7 @@ async def score(body: ScoreRequest, raw: Request) -> Response:
 @router.post("/v1/rerank", responses=ERROR_RESPONSES)
 @router.post("/v2/rerank", responses=ERROR_RESPONSES)
 async def rerank(body: RerankRequest, raw: Request) -> Response:
-    state = server_state(raw)
-    check_model(body, state)
-    body.refuse_generation_fields()
+    state = checked_state(body, raw)
     pairs = score_pairs(1, len(body.documents))
     texts = await _cut(state, body, [body.query], body.documents)
     prompts, scorer = await _prompts_and_scorer(state, body, texts, pairs)
@@ -149,21 +146,10 @@ async def _prompts_and_scorer(
 
 async def _templated_pair(state: ServerState, body: ScoringRequest, query: str, document: str) -> list[int]:
     """A pair through the server's --chat-template, as vLLM renders it: a "query" message and a "document" one, the
-    request's chat_template_kwargs (and instruction) beside them; the text then tokenized as a prompt."""
-    tokenizer = require_tokenizer(state.engine)
-    variables = body.template_variables()
-    taken = sorted(set(variables) & {"chat_template", "tools", "tokenize", "conversation"})
-    if taken:
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
+    request's chat_template_kwargs (and instruction) beside them, no assistant's turn opened."""
+    options = ChatTemplateOptions(add_generation_prompt=False, chat_template_kwargs=body.template_variables())
     messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
-    try:
-        text = await state.text_budget.run(len(query) + len(document), tokenizer.apply_chat_template, messages,
-                                           tokenize=False, **variables)  # fmt: skip
-    except Exception as error:  # the template refuses the pair
-        raise APIError(
-            400, f"the score template could not render this pair: {error}", "chat_template_kwargs"
-        ) from error
-    return await tokenized(state, text)
+    return await templated(state.text_budget, require_tokenizer(state.engine), messages, options)
 
 
 class ScoreData(BaseModel):
