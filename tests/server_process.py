@@ -1,7 +1,9 @@
-"""Test helpers over LocalServer: read /metrics samples, and poll them with a deadline."""
+"""Test helpers over LocalServer: read /metrics samples, and poll them with a deadline; requests held open."""
 
 from __future__ import annotations
 
+import select
+import socket
 import threading
 import time
 
@@ -80,3 +82,45 @@ class HeldRequest:
         self._released.set()
         self._thread.join(timeout=120)
         assert not self._thread.is_alive(), "a held request did not end"
+
+
+class StalledBodies:
+    """Connections that each send ``part`` (a request's head and some of its body) and stall, each held by the server
+    until its body deadline (408). A probe sent beside them may reach the server before a stalled part does and take
+    the bytes it needed, so that part is refused (429) instead: ``replace_answered`` puts a new connection in place of
+    each one the server has answered, and keeps the statuses they got, for tests that count refusals."""
+
+    def __init__(self, port: int, part: bytes, count: int) -> None:
+        self.port, self.part = port, part
+        self.replaced_statuses: list[int] = []
+        self.sockets = [self._stall() for _ in range(count)]
+
+    def _stall(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        sock.sendall(self.part)
+        return sock
+
+    def replace_answered(self) -> None:
+        for i, sock in enumerate(self.sockets):
+            if select.select([sock], [], [], 0)[0]:
+                self.replaced_statuses.append(status_of(response_until_closed(sock)))
+                sock.close()
+                self.sockets[i] = self._stall()
+
+    def responses(self) -> list[bytes]:
+        """What each stalled connection is answered, read until the server closes it."""
+        answers = [response_until_closed(sock) for sock in self.sockets]
+        for sock in self.sockets:
+            sock.close()
+        return answers
+
+
+def response_until_closed(sock: socket.socket) -> bytes:
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])

@@ -12,7 +12,7 @@ import socket
 import httpx
 import openai
 import pytest
-from server_process import poll_until
+from server_process import StalledBodies, poll_until, response_until_closed, status_of
 
 from tokenloom.config import EngineConfig
 from tokenloom.replicas.ray_serve import APP_NAME, build_ray_app, merge_expositions, start_ray
@@ -260,36 +260,30 @@ def test_the_ingress_bounds_the_bodies_in_flight_and_the_time_they_take(tiny_cha
     small request served beside them, the stalled ones 408 at the deadline. Each part sent is smaller than one read
     of the proxy's (64 KB), so the ingress counts a stalled body whole at once; and the deadline is long enough that
     a loaded machine sees the budget held before they expire (90 KB parts and a 3 s deadline once saw only 400s under
-    the full suite)."""
+    the full suite). A probe that reaches the ingress before a stalled part refuses that part (CI once saw it): the
+    part is sent again on a new connection."""
     url = deploy(tiny_chat_model, ray_port, "prefix", body_timeout=10.0, inflight=100_000)
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
             b"Content-Length: 100000\r\n\r\n")  # fmt: skip
-    stalled = [socket.create_connection(("127.0.0.1", ray_port), timeout=30) for _ in range(2)]
-    for sock in stalled:
-        sock.sendall(head + b"x" * 40_000)
+    stalled = StalledBodies(ray_port, head + b"x" * 40_000, count=2)
     # A whole 40 KB body is read (a 400 from the replica: not JSON) until the ingress holds both stalled ones, then
     # refused at once.
     whole = head.replace(b"100000", b"40000") + b"x" * 40_000
-    assert poll_until(lambda: _exchanged_status(ray_port, whole), lambda status: status == 429, timeout=15) == 429
+
+    def probe() -> int:
+        stalled.replace_answered()
+        return _exchanged_status(ray_port, whole)
+
+    assert poll_until(probe, lambda status: status == 429, timeout=15) == 429
     small = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert small.status_code == 200, small.text
-    assert [_status_of(sock) for sock in stalled] == [408, 408]
-    for sock in stalled:
-        sock.close()
+    assert [status_of(response) for response in stalled.responses()] == [408, 408]
 
 
 def _exchanged_status(port: int, request: bytes) -> int:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(request)
-        return _status_of(sock)
-
-
-def _status_of(sock) -> int:
-    """The status of the response the server sends on this connection (read until it closes)."""
-    received = b""
-    while chunk := sock.recv(65536):
-        received += chunk
-    return int(received.split(b" ", 2)[1])
+        return status_of(response_until_closed(sock))
 
 
 def test_requests_in_flight_on_a_replica_that_dies_hear_why(tiny_chat_model, ray_port):
