@@ -277,7 +277,9 @@ def test_the_operator_splits_a_long_context_once_per_thread(dtype, two_threads):
         args = (q[i : i + 1], cache_k, cache_v, tables[i : i + 1], lens, block_size, scale)
         auto = cpu_kernel.paged_decode_attention(*args)
         assert torch.equal(auto, cpu_kernel.paged_decode_attention(*args, split_keys=keys)), ctx
-        if keys != NO_SPLIT:  # the same context in splits of 512 is other arithmetic
+        # The same context in splits of 512 is other arithmetic, seen in float32 outputs: rounded to bf16, those of
+        # the kernel that widens bf16 rows (CPUs without AVX-512 BF16) came out the same bits.
+        if keys != NO_SPLIT and dtype == torch.float32:
             assert not torch.equal(auto, cpu_kernel.paged_decode_attention(*args, split_keys=512)), ctx
 
 

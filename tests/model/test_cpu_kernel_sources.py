@@ -22,8 +22,9 @@ from torch.utils.cpp_extension import include_paths
 
 from tokenloom.model.cpu_kernel import SOURCES
 
-# AVX2 and FMA only; AVX-512 without VNNI or BF16; AVX-512 with VNNI, BF16 and AMX (which covers the VNNI paths).
-FAMILIES = ("haswell", "skylake-avx512", "sapphirerapids")
+# AVX2 and FMA only; AVX-512 without VNNI or BF16; AVX-512 with VNNI and no BF16 (the int8 kernels' bf16 stores
+# by integer arithmetic); AVX-512 with VNNI, BF16 and AMX.
+FAMILIES = ("haswell", "skylake-avx512", "cascadelake", "sapphirerapids")
 
 
 def syntax_errors(source: Path, family: str) -> str:

@@ -107,6 +107,26 @@ def test_shifted_codes_are_the_codes_plus_128_and_the_kernel_sums_them_alike(dty
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_int8_kernel_rounds_a_bf16_output_as_torch_does(gated):
+    """A bf16 output is the kernel's float32 output rounded to nearest even, bit for bit (on CPUs without AVX-512
+    BF16 the kernel rounds by integer arithmetic), ties and values near bf16's largest included."""
+    if int8_kernel_isa() is None or (gated and not quantization.small_step_kernel_available()):
+        pytest.skip("no int8 kernel for this CPU, or (gated) no VNNI kernel: the AVX2 one has no gated epilogue")
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(-127, 128, (37, 256), dtype=torch.int8, generator=g)
+    scales = torch.rand(37, 1, generator=g) * 10
+    weight = torch.randint(-127, 128, (64, 256), dtype=torch.int8, generator=g)
+    packed, code_sums = torch.ops.tokenloom.int8_pack_weight(weight)
+    weight_scale = torch.rand(64, generator=g) * 0.01
+    weight_scale[:4] = torch.tensor([1e30, 1.0 + 2**-8, 2**-140, 3e-3])  # near bf16's top, a tie, a denormal
+    outputs = [
+        torch.ops.tokenloom.int8_linear(codes, scales, packed, code_sums, weight_scale, None, dtype, gated)
+        for dtype in (torch.float32, torch.bfloat16)
+    ]
+    assert outputs[1].dtype == torch.bfloat16 and torch.equal(outputs[1], outputs[0].to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 33])
 @pytest.mark.parametrize(("rotated", "group", "gated"), [(True, 64, False), (True, 0, True), (False, 0, False)])
 def test_int8_linear_rows_is_the_quantizer_then_the_kernel_in_one_call(rows, rotated, group, gated):

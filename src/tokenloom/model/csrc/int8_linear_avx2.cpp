@@ -40,7 +40,7 @@
 #include "int8_packing.h"
 #include "work_sharing.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__))
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 #include <immintrin.h>
 
 namespace {
