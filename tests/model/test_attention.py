@@ -11,7 +11,7 @@ from helpers import needs_operator
 
 from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model import cpu_kernel
-from tokenloom.model.attention import AttentionMetadata, DecodeGroup, paged_attention
+from tokenloom.model.attention import AttentionMetadata, DecodeGroup, PrefillSegment, paged_attention
 from tokenloom.model.step_inputs import BlockTableRows, group_by_context_length
 from tokenloom.utils import cdiv
 
@@ -281,6 +281,33 @@ def test_the_operator_splits_a_long_context_once_per_thread(dtype, two_threads):
         # the kernel that widens bf16 rows (CPUs without AVX-512 BF16) came out the same bits.
         if keys != NO_SPLIT and dtype == torch.float32:
             assert not torch.equal(auto, cpu_kernel.paged_decode_attention(*args, split_keys=512)), ctx
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("past", "q_len"), [(1, 1), (40, 8), (37, 100)])
+def test_a_chunk_after_a_past_attends_as_the_causal_mask_says(past, q_len, dtype, tolerance):
+    """A prefill chunk with a past, given without a mask (as the CPU's steps give it): the past and the chunk attended
+    apart and merged, the same as one call masked causally (the chunk the context's last q_len tokens) and as dense
+    attention over the gathered context; grouped-query heads, blocks the chunk ends inside."""
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    ctx = past + q_len
+    q, cache_k, cache_v, tables = blocked_case([ctx], heads, kv_heads, head_dim, block_size, torch.float32, seed=ctx)
+    q = torch.randn(q_len, heads, head_dim, generator=torch.Generator().manual_seed(q_len)).to(dtype)
+    cache_k, cache_v = cache_k.to(dtype), cache_v.to(dtype)
+    table = tables[0, : cdiv(ctx, block_size)]
+    visible = torch.arange(ctx)[None, :] <= torch.arange(past, ctx)[:, None]
+    outs = []
+    for mask in (None, visible):
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), block_size,
+                                 prefills=[PrefillSegment(0, q_len, ctx, table, mask)])  # fmt: skip
+        outs.append(paged_attention(q, None, None, cache_k, cache_v, meta, head_dim**-0.5).float())
+    slots = table[torch.arange(ctx) // block_size] * block_size + torch.arange(ctx) % block_size
+    k, v = (c[slots].float().view(ctx, kv_heads, head_dim).repeat_interleave(3, 1) for c in (cache_k, cache_v))
+    scores = torch.einsum("qhd,chd->hqc", q.float(), k) * head_dim**-0.5
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    reference = torch.einsum("hqc,chd->qhd", weights, v)
+    torch.testing.assert_close(outs[0], outs[1], rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(outs[0], reference, rtol=tolerance, atol=tolerance)
 
 
 def test_split_keys_must_be_whole_blocks():
