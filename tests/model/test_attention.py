@@ -284,11 +284,12 @@ def test_the_operator_splits_a_long_context_once_per_thread(dtype, two_threads):
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize(("past", "q_len"), [(1, 1), (40, 8), (37, 100)])
+@pytest.mark.parametrize(("past", "q_len"), [(1, 1), (40, 8), (37, 100), (1200, 1030)])
 def test_a_chunk_after_a_past_attends_as_the_causal_mask_says(past, q_len, dtype, tolerance):
-    """A prefill chunk with a past, given without a mask (as the CPU's steps give it): the past and the chunk attended
-    apart and merged, the same as one call masked causally (the chunk the context's last q_len tokens) and as dense
-    attention over the gathered context; grouped-query heads, blocks the chunk ends inside."""
+    """A prefill chunk with a past, given without a mask (as the CPU's steps give it; 1,030 queries after 1,200 keys are
+    attended apart from their past and merged, fewer masked): the same as one call given the causal mask (the chunk the
+    context's last q_len tokens) and as dense attention over the gathered context; grouped-query heads, blocks the
+    chunk ends inside."""
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
     ctx = past + q_len
     q, cache_k, cache_v, tables = blocked_case([ctx], heads, kv_heads, head_dim, block_size, torch.float32, seed=ctx)

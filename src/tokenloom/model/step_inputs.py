@@ -217,8 +217,8 @@ class StepInputBuilder:
         table = self.tensor(np.asarray(s.block_ids[: cdiv(ctx_len, self.block_size)], dtype=np.int64))
         if s.start == 0 or self.device.type == "cpu":
             # From an 8-bit cache all attention reads the cached values, this chunk's too, so a request's output does
-            # not depend on how its prompt was chunked, batched or recomputed. On the CPU a past is attended apart
-            # from the chunk (attention._past_and_chunk), without a mask.
+            # not depend on how its prompt was chunked, batched or recomputed. On the CPU attention decides by the
+            # chunk's size whether it needs a mask (attention._prefill_attention).
             return PrefillSegment(q_start, s.num_tokens, ctx_len, table, None)
         visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
         return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self.tensor(visible))
