@@ -310,7 +310,7 @@ APART_FROM_PAIRS = {torch.float32: 1 << 19}
 def _past_and_chunk(query, keys, values, past: int, scale: float) -> torch.Tensor:
     """Causal attention of a chunk's queries after `past` keys, on the CPU: the past seen whole (no mask) and the
     chunk's own keys causally, each by torch's fused CPU kernel, merged by their log-sum-exps. One call with the mask
-    multiplied every masked block too: 2,048 queries after 2,048 keys took it 1.44x the time (benchmarks/RESULTS.md).
+    multiplied every masked block too: 2,048 queries after 2,048 keys took it 1.4-1.5x the time (benchmarks/RESULTS.md).
     [1, heads, n, d] queries over [1, kv_heads, ctx, d] keys and values (grouped heads read them as they are)."""
     assert query.device.type == "cpu", "torch's CPU flash kernel: other devices take the mask"
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
