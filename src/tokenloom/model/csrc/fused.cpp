@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16_vec.h"
 #include "int8_epilogue.h"
 #include "kv_codes.h"
 #include "work_sharing.h"
@@ -47,16 +48,7 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) {
-#if defined(__AVX512BF16__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-  return;
-#endif
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);
-}
+using tokenloom::store16;  // bf16_vec.h: rounded to nearest even with or without AVX-512 BF16
 #elif defined(__AVX2__) && defined(__FMA__)
 // 8 values as float32 (the AVX2 paths of the int8 activations' rotation and quantization).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
