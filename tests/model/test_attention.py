@@ -11,7 +11,7 @@ from helpers import needs_operator
 
 from tokenloom.core.scheduler_output import ScheduledRequest
 from tokenloom.model import cpu_kernel
-from tokenloom.model.attention import AttentionMetadata, DecodeGroup, PrefillSegment, paged_attention
+from tokenloom.model.attention import AttentionMetadata, DecodeGroup, PrefillSegment, attends_apart, paged_attention
 from tokenloom.model.step_inputs import BlockTableRows, group_by_context_length
 from tokenloom.utils import cdiv
 
@@ -286,10 +286,9 @@ def test_the_operator_splits_a_long_context_once_per_thread(dtype, two_threads):
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(("past", "q_len"), [(1, 1), (40, 8), (37, 100), (1200, 1030)])
 def test_a_chunk_after_a_past_attends_as_the_causal_mask_says(past, q_len, dtype, tolerance):
-    """A prefill chunk with a past, given without a mask (as the CPU's steps give it; 1,030 queries after 1,200 keys are
-    attended apart from their past and merged, fewer masked): the same as one call given the causal mask (the chunk the
-    context's last q_len tokens) and as dense attention over the gathered context; grouped-query heads, blocks the
-    chunk ends inside."""
+    """A prefill chunk with a past, given without a mask (attended apart from its past and merged, as the CPU's steps
+    give chunks large enough): the same as one call given the causal mask (the chunk the context's last q_len tokens)
+    and as dense attention over the gathered context; grouped-query heads, blocks the chunk ends inside."""
     heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
     ctx = past + q_len
     q, cache_k, cache_v, tables = blocked_case([ctx], heads, kv_heads, head_dim, block_size, torch.float32, seed=ctx)
@@ -309,6 +308,15 @@ def test_a_chunk_after_a_past_attends_as_the_causal_mask_says(past, q_len, dtype
     reference = torch.einsum("hqc,chd->qhd", weights, v)
     torch.testing.assert_close(outs[0], outs[1], rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(outs[0], reference, rtol=tolerance, atol=tolerance)
+
+
+def test_only_chunks_large_enough_on_the_cpu_are_attended_apart_from_their_past():
+    cpu = torch.device("cpu")
+    assert attends_apart(1030, 2230, torch.float32, cpu) and attends_apart(1030, 2230, torch.bfloat16, cpu)
+    assert attends_apart(512, 1024, torch.float32, cpu) and not attends_apart(512, 1024, torch.bfloat16, cpu)
+    assert not attends_apart(40, 1540, torch.float32, cpu)  # two calls and the merge would cost more
+    assert not attends_apart(2048, 2048, torch.float32, cpu)  # no past: one causal call
+    assert not attends_apart(2048, 4096, torch.float32, torch.device("meta"))  # other devices take the mask
 
 
 def test_split_keys_must_be_whole_blocks():

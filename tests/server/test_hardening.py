@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import httpx
 import pytest
-from server_process import HeldRequest, ServerProcess, StalledBodies, poll_until
+from server_process import HeldRequest, ServerProcess, StalledBodies, poll_until, response_until_closed
 
 from tokenloom.server.errors import APIError
 from tokenloom.server.tenants import Tenant, TenantLimiter
@@ -462,10 +462,7 @@ def _raw_exchange(port: int, request: bytes, timeout: float = 10.0) -> bytes:
     """Sends the bytes as they are and reads until the server closes the connection."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(request)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    return received
+        return response_until_closed(sock)
 
 
 def _status_and_error(response: bytes) -> tuple[int, dict]:

@@ -16,8 +16,8 @@ in place through the block tables, and the cache write is one launch for K and V
 Decode queries (one new token each) go to the C++ operator in cpu_kernel.py where it can be had, which reads
 each context in place; otherwise they are attended a group at a time, each group over its contexts padded to the
 longest. A prefill chunk goes to torch's scaled_dot_product_attention (its fused CPU kernel): causal with no mask
-when the chunk is its whole context; with a past, on the CPU, the past (no mask) and the chunk (causal) attended
-apart and merged by their log-sum-exps, elsewhere with a boolean mask of the chunk's rows over its context. Where
+when the chunk is its whole context; with a past, on the CPU where it pays, the past (no mask) and the chunk (causal)
+attended apart and merged by their log-sum-exps, else with a boolean mask of the chunk's rows over its context. Where
 the bf16 prefill operator is in use, every chunk with a past goes to it in one call a layer, which reads the pasts
 in place (csrc/prefill_attention.cpp's paged_prefill_attention): gathering each chunk's past out of the cache, per
 layer, cost a beam search of 32 beams more time than the attention itself.
@@ -46,8 +46,8 @@ class PrefillSegment:
     ctx_len: int
     block_table: torch.Tensor | None  # [num_blocks] long; None when the chunk is its whole context
     # [q_len, ctx_len] bool, True where a query may attend (causal: the queries are the context's last q_len), for
-    # devices that attend a chunk with a past in one masked call; None: causal (on the CPU, always: a chunk with a
-    # past is attended apart from it, or masked there, by its size: _prefill_attention).
+    # chunks with a past attended in one masked call; None: causal, a past attended apart from the chunk
+    # (attends_apart says which).
     mask: torch.Tensor | None
 
 
@@ -283,21 +283,13 @@ def _prefill_attention(q, k, v, seg: PrefillSegment, scale: float) -> torch.Tens
     num_kv_heads = k.shape[-1] // head_dim
     query = q.transpose(0, 1).unsqueeze(0)
     keys, values = (x.view(-1, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0) for x in (k, v))
-    past, mask = seg.ctx_len - seg.q_len, seg.mask
-    if mask is None and past > 0:
-        if seg.q_len * seg.ctx_len >= APART_FROM_PAIRS.get(q.dtype, 1 << 21):
-            return _past_and_chunk(query, keys, values, past, scale)[0].transpose(0, 1)
-        mask = _chunk_mask(past, seg.q_len, q.device)
+    if seg.mask is None and seg.ctx_len > seg.q_len:  # a past given no mask: attended apart (attends_apart)
+        return _past_and_chunk(query, keys, values, seg.ctx_len - seg.q_len, scale)[0].transpose(0, 1)
     out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != num_kv_heads
-    )
+        query, keys, values, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # fmt: skip
     return out[0].transpose(0, 1)
-
-
-def _chunk_mask(past: int, q_len: int, device: torch.device) -> torch.Tensor:
-    """[q_len, past + q_len] bool: query i sees the past and the chunk's keys up to its own."""
-    ctx_len = past + q_len
-    return torch.arange(ctx_len, device=device)[None, :] <= torch.arange(past, ctx_len, device=device)[:, None]
 
 
 # From how many (query, key) pairs a chunk with a past is attended apart from it on the CPU (_past_and_chunk): below,
@@ -305,6 +297,14 @@ def _chunk_mask(past: int, q_len: int, device: torch.device) -> torch.Tensor:
 # float32 and bf16: 512 queries after 512 keys 1.08x and 0.97x, 256 after 2,048 1.13x and 1.01x, 40 after 1,500 0.94x
 # and 0.93x; 1,024 after 1,024 1.32x and 1.21x).
 APART_FROM_PAIRS = {torch.float32: 1 << 19}
+
+
+def attends_apart(q_len: int, ctx_len: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a chunk of q_len queries at the end of a context of ctx_len is attended apart from its past
+    (_past_and_chunk: on the CPU, where that pays) rather than in one call with the causal mask; the step's inputs
+    ask once a step and give such a chunk no mask."""
+    pairs = q_len * ctx_len
+    return device.type == "cpu" and ctx_len > q_len and pairs >= APART_FROM_PAIRS.get(dtype, 1 << 21)
 
 
 def _past_and_chunk(query, keys, values, past: int, scale: float) -> torch.Tensor:

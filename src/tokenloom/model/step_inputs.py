@@ -20,6 +20,7 @@ from tokenloom.model.attention import (
     GatherWorkspace,
     PagedPrefills,
     PrefillSegment,
+    attends_apart,
 )
 from tokenloom.model.kv_quant import KVFormat
 from tokenloom.model.lora import adapter_rows
@@ -215,10 +216,10 @@ class StepInputBuilder:
         if s.start == 0 and self.kv_format is None:  # the chunk is its whole context: plain causal, no mask at all
             return PrefillSegment(q_start, s.num_tokens, ctx_len, None, None)
         table = self.tensor(np.asarray(s.block_ids[: cdiv(ctx_len, self.block_size)], dtype=np.int64))
-        if s.start == 0 or self.device.type == "cpu":
+        if s.start == 0 or attends_apart(s.num_tokens, ctx_len, self.dtype, self.device):
             # From an 8-bit cache all attention reads the cached values, this chunk's too, so a request's output does
-            # not depend on how its prompt was chunked, batched or recomputed. On the CPU attention decides by the
-            # chunk's size whether it needs a mask (attention._prefill_attention).
+            # not depend on how its prompt was chunked, batched or recomputed. A chunk attended apart from its past
+            # needs no mask.
             return PrefillSegment(q_start, s.num_tokens, ctx_len, table, None)
         visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
         return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self.tensor(visible))
