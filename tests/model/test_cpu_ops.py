@@ -101,55 +101,73 @@ def reference_prefill(q, k, v, past: int, scale: float) -> torch.Tensor:
 
 
 def test_a_missing_operator_is_reported_not_raised():
-    """On a CPU without AVX-512 BF16 the prefill operator is not built; asking for it must not fail the engine."""
+    """On a CPU without AVX-512 BF16 the bf16 operators are not built; asking for them must not fail the engine."""
     assert cpu_kernel.has_operator("paged_decode_attention")
     assert not cpu_kernel.has_operator("no_such_operator")
 
 
+def needs_prefill_op(dtype: torch.dtype) -> None:
+    if not cpu_kernel.has_prefill_op(dtype):
+        pytest.skip(f"the {dtype} prefill operator is built only for CPUs with AVX-512 (and AVX-512 BF16 for bf16)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("n", "past", "heads", "kv_heads", "head_dim"),
-    [(1, 0, 9, 3, 64), (37, 0, 9, 3, 64), (300, 0, 9, 3, 64), (40, 77, 9, 3, 64), (100, 250, 4, 2, 128)],
-)
-def test_bf16_prefill_operator_matches_causal_attention(n, past, heads, kv_heads, head_dim):
-    if not cpu_kernel.has_prefill_op():
-        pytest.skip("the bf16 prefill operator is built only for CPUs with AVX-512 BF16")
+    # whole and partial tiles of rows, contexts within one span of 256 keys and over several, a lone query
+    [(1, 0, 9, 3, 64), (37, 0, 9, 3, 64), (300, 0, 9, 3, 64), (40, 77, 9, 3, 64), (100, 250, 4, 2, 128),
+     (5, 600, 8, 1, 64), (64, 700, 6, 6, 128)],
+)  # fmt: skip
+def test_prefill_operator_matches_causal_attention(dtype, n, past, heads, kv_heads, head_dim):
+    needs_prefill_op(dtype)
     ctx = n + past
     # Views into one fused qkv row, as the model hands them over: strided rows, contiguous heads.
-    qkv = torch.randn(ctx, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(n)).bfloat16()
+    qkv = torch.randn(ctx, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(n)).to(dtype)
     q = qkv[past:, : heads * head_dim].view(n, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim]
     v = qkv[:, (heads + kv_heads) * head_dim :]
     # It writes into a slice of the step's output, leaving the rows around it alone.
-    step_out = torch.full((n + 4, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    step_out = torch.full((n + 4, heads, head_dim), float("nan"), dtype=dtype)
     torch.ops.tokenloom.prefill_attention(q, k, v, head_dim**-0.5, step_out[2 : n + 2])
-    close(step_out[2 : n + 2], reference_prefill(q, k, v, past, head_dim**-0.5), torch.bfloat16)
+    close(step_out[2 : n + 2], reference_prefill(q, k, v, past, head_dim**-0.5), dtype)
     assert step_out[:2].isnan().all() and step_out[n + 2 :].isnan().all()
     # The compiled step hands k over as a buffer of its own: k and v rows with different strides.
     own_k = torch.empty_like(q)
     torch.ops.tokenloom.prefill_attention(q, k.contiguous(), v, head_dim**-0.5, own_k)
-    close(own_k, reference_prefill(q, k, v, past, head_dim**-0.5), torch.bfloat16)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.tokenloom.prefill_attention(q.float(), k.float(), v.float(), 0.1, own_k.float())
+    close(own_k, reference_prefill(q, k, v, past, head_dim**-0.5), dtype)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.tokenloom.prefill_attention(q.to(other), k, v, 0.1, own_k)
     with pytest.raises(RuntimeError, match="shaped as q"):
         torch.ops.tokenloom.prefill_attention(q, k, v, 0.1, own_k[1:])
 
 
+def test_the_prefill_operator_refuses_what_it_was_not_built_for():
+    needs_prefill_op(torch.float32)
+    q, k, out = torch.randn(4, 2, 64), torch.randn(4, 64), torch.empty(4, 2, 64)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.tokenloom.prefill_attention(q.half(), k.half(), k.half(), 0.1, out.half())
+    if not cpu_kernel.has_prefill_op(torch.bfloat16):  # built without AVX-512 BF16: bf16 refused, not miscomputed
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            torch.ops.tokenloom.prefill_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), 0.1, out.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 2, 128, 4)])
-def test_paged_prefill_operator_reads_each_chunks_past_in_the_cache(heads, kv_heads, head_dim, block_size):
-    """Chunks of one step (rows, past): short and long, past shorter and longer than a block, a chunk of one token
-    (a beam search step), two that share their first blocks (two beams of one search); their blocks scattered in the
-    cache. Each equals the contiguous operator on its gathered context, bit for bit (the same sums over the same
-    packed keys), and so the reference; the shared key blocks are packed once."""
+def test_paged_prefill_operator_reads_each_chunks_past_in_the_cache(dtype, heads, kv_heads, head_dim, block_size):
+    """Chunks of one step (rows, past): short and long, past shorter and longer than a block and than a span of 256
+    keys, a chunk of one token (a beam search step), two that share their first blocks (two beams of one search);
+    their blocks scattered in the cache. Each equals the contiguous operator on its gathered context, bit for bit (the
+    same sums over the same packed keys), and so the reference; the shared key blocks are packed once."""
     from tokenloom.model.step_inputs import shared_key_blocks
 
-    if not cpu_kernel.has_prefill_op():
-        pytest.skip("the bf16 prefill operators are built only for CPUs with AVX-512 BF16")
+    needs_prefill_op(dtype)
     g = torch.Generator().manual_seed(block_size)
-    chunks = [(5, 3), (40, 70), (1, 200), (33, 1), (2, 199)]  # the last shares the third's first 192 keys
+    chunks = [(5, 3), (40, 70), (1, 200), (33, 1), (2, 199), (20, 600)]  # the fifth shares the third's first 192 keys
     width = kv_heads * head_dim
     num_blocks = sum(-(-(n + past) // block_size) for n, past in chunks) + 3
-    cache_k = torch.randn(num_blocks * block_size, width, generator=g).bfloat16()
-    cache_v = torch.randn(num_blocks * block_size, width, generator=g).bfloat16()
+    cache_k = torch.randn(num_blocks * block_size, width, generator=g).to(dtype)
+    cache_v = torch.randn(num_blocks * block_size, width, generator=g).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables, segments, row = [], [], 2  # the step's first two rows are someone else's (decodes)
     for n, past in chunks:
@@ -158,7 +176,7 @@ def test_paged_prefill_operator_reads_each_chunks_past_in_the_cache(heads, kv_he
         row += n
     shared = 192 // block_size
     tables[4][:shared] = tables[2][:shared]
-    q = torch.randn(row + 1, heads, head_dim, generator=g).bfloat16()
+    q = torch.randn(row + 1, heads, head_dim, generator=g).to(dtype)
     padded = torch.zeros(len(chunks), max(map(len, tables)), dtype=torch.long)
     for i, table in enumerate(tables):
         padded[i, : len(table)] = torch.tensor(table)
@@ -174,10 +192,10 @@ def test_paged_prefill_operator_reads_each_chunks_past_in_the_cache(heads, kv_he
     for (start, n, ctx), table in zip(segments, tables, strict=True):
         slots = (torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:ctx]
         k, v = cache_k[slots], cache_v[slots]
-        alone = torch.empty(n, heads, head_dim, dtype=torch.bfloat16)
+        alone = torch.empty(n, heads, head_dim, dtype=dtype)
         torch.ops.tokenloom.prefill_attention(q[start : start + n], k, v, scale, alone)
         assert torch.equal(out[start : start + n], alone)
-        close(alone, reference_prefill(q[start : start + n], k, v, ctx - n, scale), torch.bfloat16)
+        close(alone, reference_prefill(q[start : start + n], k, v, ctx - n, scale), dtype)
     with pytest.raises(RuntimeError, match="outside the step's rows"):
         bad = torch.tensor([[row - 1, 5, 10]])
         torch.ops.tokenloom.paged_prefill_attention(q, cache_k, cache_v, bad, padded[:1], units[:1], sources,

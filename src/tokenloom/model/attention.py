@@ -18,9 +18,9 @@ each context in place; otherwise they are attended a group at a time, each group
 longest. A prefill chunk goes to torch's scaled_dot_product_attention (its fused CPU kernel): causal with no mask
 when the chunk is its whole context; with a past, on the CPU where it pays, the past (no mask) and the chunk (causal)
 attended apart and merged by their log-sum-exps, else with a boolean mask of the chunk's rows over its context. Where
-the bf16 prefill operator is in use, every chunk with a past goes to it in one call a layer, which reads the pasts
-in place (csrc/prefill_attention.cpp's paged_prefill_attention): gathering each chunk's past out of the cache, per
-layer, cost a beam search of 32 beams more time than the attention itself.
+our AVX-512 prefill operator is in use (csrc/prefill_attention.cpp, float32 and bf16), it takes every chunk instead,
+and those with a past in one call a layer that reads the pasts in place (paged_prefill_attention): gathering each
+chunk's past out of the cache, per layer, cost a beam search of 32 beams more time than the attention itself.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class AttentionMetadata:
     paged_prefills: PagedPrefills | None = None  # chunks with a past, in one operator call (prefill_op, 16-bit cache)
     workspace: GatherWorkspace = field(default_factory=lambda: GatherWorkspace())
     use_cpu_kernel: bool = False  # the C++ operators (cpu_kernel.py): decode attention, norms, rotary, SiLU
-    prefill_op: bool = False  # prefill attention through the bf16 C++ operator (csrc/prefill_attention.cpp)
+    prefill_op: bool = False  # prefill attention through the C++ operator (csrc/prefill_attention.cpp)
     # The Triton backend's view of the whole batch (triton_attention.py); set, it replaces decodes and prefills.
     flat: FlatBatch | None = None
     num_splits: int = 1  # split-K shares for the Triton kernel (few long decodes)
@@ -329,12 +329,10 @@ def _kv_heads(num_kv_heads: int, group: int, head_dim: int):
 
 
 def uses_prefill_op(backend: str, dtype: torch.dtype, head_dim: int) -> bool:
-    """Prefill attention through our AVX-512 BF16 operator. Not where the CPU has AMX: torch's fused attention (its
-    tiles) beat it at every prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with AMX")."""
-    return (
-        backend == "cpu"
-        and dtype == torch.bfloat16
-        and head_dim in (64, 128)
-        and not cpu_has_amx()
-        and cpu_kernel.has_prefill_op()
-    )
+    """Prefill attention through our AVX-512 operator. In float32 wherever it is built: torch's fused kernel took
+    1.1-5x its time (benchmarks/prefill_attention_f32.py). In bf16 not where the CPU has AMX: torch's fused attention
+    (its tiles) beat it at every prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with
+    AMX")."""
+    if backend != "cpu" or head_dim not in (64, 128) or not cpu_kernel.has_prefill_op(dtype):
+        return False
+    return dtype == torch.float32 or not cpu_has_amx()

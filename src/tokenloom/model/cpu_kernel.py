@@ -2,13 +2,12 @@
 
 Decode attention: plain PyTorch must copy each context out of its scattered blocks before it can multiply (a
 gather), so it reads the context three times: to copy it, to write the copy, to use it. The C++ operator reads it
-once, in float32 or bfloat16. Beside it: the fused norms, rotary and SiLU (fused.cpp), bf16 prefill attention and
-the bf16 linear with its packed weights (bf16_linear.cpp, used by prepack.py), the last two only where the compiler
-targets AVX-512 BF16; the int8 linears (int8_linear.cpp with VNNI, or int8_linear_avx2.cpp where the CPU has AVX2
-but no VNNI, for --quantization int8) and the AMX linears
+once, in float32 or bfloat16. Beside it: the fused norms, rotary and SiLU (fused.cpp), prefill attention (float32
+with AVX-512, bf16 too with AVX-512 BF16), the bf16 linear with its packed weights (bf16_linear.cpp, used by
+prepack.py) only where the compiler targets AVX-512 BF16; the int8 linears (int8_linear.cpp with VNNI, or
+int8_linear_avx2.cpp where the CPU has AVX2 but no VNNI, for --quantization int8) and the AMX linears
 (amx_int8_linear.cpp, amx_bf16_linear.cpp) only where it targets those; the LoRA adapters' deltas (lora.cpp). They
-are built with
-``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
+are built with ``torch.utils.cpp_extension`` (the system C++ compiler and ninja, about
 half a minute) into the tokenloom cache, keyed by the sources, the flags, torch's version and the CPU, and
 registered with ``torch.library``, so their inputs are checked (dtype, shape, contiguity, index types, block ids).
 Without a compiler, on any device but the CPU, for other dtypes, or with TOKENLOOM_CPU_KERNEL=0, the engine uses the
@@ -121,9 +120,12 @@ def has_lora_operator() -> bool:
     return load_kernel() and has_operator("lora_add")
 
 
-def has_prefill_op() -> bool:
-    """The bf16 prefill operator is built only where the compiler targets AVX-512 BF16."""
-    return load_kernel() and has_operator("prefill_attention")
+def has_prefill_op(dtype: torch.dtype) -> bool:
+    """The prefill operators are built where the compiler targets AVX-512: for float32, and for bfloat16 where it
+    also targets AVX-512 BF16."""
+    if not (load_kernel() and has_operator("prefill_attention")):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.tokenloom.prefill_attention_takes_bf16())
 
 
 @functools.cache

@@ -29,7 +29,7 @@ from tokenloom.pooling_params import PoolingParams
 from tokenloom.utils import cdiv
 
 TRITON_BLOCK_N = 32  # keys per tile of the Triton kernel: split-K counts shares in these
-PACKED_KEYS = 32  # keys per packed block of the bf16 prefill operators (csrc/prefill_attention.cpp's kKeys)
+PACKED_KEYS = 32  # keys per packed block of the prefill operators (csrc/prefill_attention.cpp's kKeys)
 
 
 @dataclass
@@ -56,7 +56,7 @@ class StepInputBuilder:
     attention_backend: str  # resolved: torch, cpu or triton
     num_kv_heads: int
     kv_format: KVFormat | None  # an 8-bit cache; None: the model's dtype
-    use_prefill_op: bool  # prefill attention through the bf16 C++ operator
+    use_prefill_op: bool  # prefill attention through the C++ operator (float32 or bf16)
     target_programs: int  # programs that fill the device; split-K shares are added only below it
     with_adapters: bool = False  # LoRA is enabled: each step's rows are grouped by adapter
     workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
@@ -216,10 +216,10 @@ class StepInputBuilder:
         if s.start == 0 and self.kv_format is None:  # the chunk is its whole context: plain causal, no mask at all
             return PrefillSegment(q_start, s.num_tokens, ctx_len, None, None)
         table = self.tensor(np.asarray(s.block_ids[: cdiv(ctx_len, self.block_size)], dtype=np.int64))
-        if s.start == 0 or attends_apart(s.num_tokens, ctx_len, self.dtype, self.device):
+        if s.start == 0 or self.use_prefill_op or attends_apart(s.num_tokens, ctx_len, self.dtype, self.device):
             # From an 8-bit cache all attention reads the cached values, this chunk's too, so a request's output does
-            # not depend on how its prompt was chunked, batched or recomputed. A chunk attended apart from its past
-            # needs no mask.
+            # not depend on how its prompt was chunked, batched or recomputed. The operator, and a chunk attended apart
+            # from its past, need no mask.
             return PrefillSegment(q_start, s.num_tokens, ctx_len, table, None)
         visible = np.arange(ctx_len)[None, :] <= np.arange(s.start, ctx_len)[:, None]
         return PrefillSegment(q_start, s.num_tokens, ctx_len, table, self.tensor(visible))

@@ -1,12 +1,16 @@
-// Causal prefill attention for bfloat16 on CPUs with AVX-512 BF16: tokenloom::prefill_attention.
+// Causal prefill attention on CPUs with AVX-512: tokenloom::prefill_attention and paged_prefill_attention, in
+// float32 (AVX-512F) and in bfloat16 (where the compiler also targets AVX-512 BF16).
 //
 // A chunk of n queries at the end of a context of ctx tokens (the first ctx - n are its past) attends to every key
 // up to its own position. Flash-style: keys stream through in blocks of 32 with an online softmax, so no score
-// matrix is ever materialised. The products run on the bf16 dot-product instruction (exact products, float32
-// sums) over transposed blocks: K^T pairs make 16 query-key dot products one vector, and V pairs make the
-// probability-weighted sum one instruction per 16 output dims and two keys. Probabilities enter that sum rounded
-// to bf16, as transformers' bfloat16 attention rounds them. Built only where the compiler targets AVX-512 BF16;
-// elsewhere the op is not registered and the model uses torch's scaled_dot_product_attention.
+// matrix is ever materialised. The products run over transposed blocks: K^T makes 16 query-key dot products one
+// vector, and V rows make the probability-weighted sum one instruction per 16 output dims. In bf16 each instruction
+// is the bf16 dot product over pairs (exact products, float32 sums; probabilities enter the sum rounded to bf16, as
+// transformers' bfloat16 attention rounds them); in float32 a fused multiply-add. Where neither is built the op is
+// not registered, and the model uses torch's scaled_dot_product_attention.
+//
+// Why float32 too: torch's fused CPU kernel multiplies every block under the causal mask and runs its short prompts
+// at a third of the float32 peak (benchmarks/prefill_attention_f32.py); a CPU without AVX-512 BF16 serves in float32.
 //
 // Two passes. First each KV head's K and V are packed once into those transposed blocks (the packing is per key,
 // not per query, so doing it once instead of once per query block took it off the profile). Then a tile of query
@@ -19,49 +23,203 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
-#include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "avx512_exp.h"
 #include "bf16_vec.h"
 #include "work_sharing.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
 namespace {
 
-using tokenloom::broadcast_pair;
 using tokenloom::kNoMax;
 
 constexpr int kKeys = 32;         // keys per block: two float32 vectors of scores
 constexpr int kQueryTokens = 32;  // query tokens per work item (times the heads sharing a KV head)
 
+// float32: K^T as [HD dims][kKeys] and V as [kKeys][HD], block by block of kKeys. Keys past the end of the context
+// repeat the last one; the masks keep them out.
+// k_row(t), v_row(t): where key t's K and V (this head's HD values) are: rows of a tensor, or slots of the cache.
+//
+// A tile of rows takes its keys a span of kSpanBlocks blocks at a time: first every score of the span (a
+// multiply-add stream with no dependence between blocks), then the span's softmax in one vectorised pass, then the
+// probability-weighted sum of its V rows. Bookkeeping once per 32 keys, as the bf16 kernel does it, left the
+// float32 kernel waiting on each block's maximum and exponentials: 47% of the float32 peak against ~70% this way.
+struct Float32Keys {
+  using Elem = float;
+  using Packed = float;
+  template <int HD>
+  static constexpr int64_t kBlockK = HD * kKeys;
+  template <int HD>
+  static constexpr int64_t kBlockV = kKeys * HD;
+  template <int HD>
+  static constexpr int kTile = HD == 64 ? 6 : 3;  // rows at once: their kTile * HD / 16 sums stay in registers
+  static constexpr int kSpanBlocks = 8;
+  static constexpr int kSpan = kSpanBlocks * kKeys;
+
+  template <int HD, typename KRow, typename VRow>
+  static void pack(const KRow& k_row, const VRow& v_row, int64_t k0, int64_t ctx, float* kt, float* vt) {
+    const int64_t nk = std::min<int64_t>(kKeys, ctx - k0);
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const float* krow = k_row(k0 + std::min(j, nk - 1));
+      for (int d = 0; d < HD; ++d) kt[d * kKeys + j] = krow[d];
+      std::memcpy(vt + j * HD, v_row(k0 + std::min(j, nk - 1)), HD * sizeof(float));
+    }
+  }
+
+  // The R rows' dot products with B consecutive key blocks (B x 32 keys), into s[i][at..at + B x 32).
+  template <int HD, int R, int B>
+  __attribute__((always_inline)) static inline void scores(const float* const* qrows, const float* const* kt,
+                                                           float (*s)[kSpan], int at) {
+    __m512 acc[R][2 * B];
+    for (int i = 0; i < R; ++i) {
+      for (int c = 0; c < 2 * B; ++c) acc[i][c] = _mm512_setzero_ps();
+    }
+    for (int d = 0; d < HD; ++d) {
+      __m512 k[2 * B];
+      for (int c = 0; c < 2 * B; ++c) k[c] = _mm512_loadu_ps(kt[c / 2] + d * kKeys + (c % 2) * 16);
+      for (int i = 0; i < R; ++i) {
+        const __m512 qd = _mm512_set1_ps(qrows[i][d]);
+        for (int c = 0; c < 2 * B; ++c) acc[i][c] = _mm512_fmadd_ps(qd, k[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      for (int c = 0; c < 2 * B; ++c) _mm512_store_ps(s[i] + at + 16 * c, acc[i][c]);
+    }
+  }
+
+  // Row i's scores s[0, n) of a span into probabilities under its running maximum (raised, and what it summed so
+  // far rescaled, if the span's is higher); keys from `visible` on are masked to 0.
+  template <int HD>
+  __attribute__((always_inline)) static inline void softmax_span(float* s, int n, int64_t visible, float scale,
+                                                                 float& row_max, __m512& lane_sums, __m512* acc) {
+    const __m512 sc = _mm512_set1_ps(scale), none = _mm512_set1_ps(kNoMax);
+    __m512 most = none;
+    for (int g = 0; g < n; g += 16) {
+      const int64_t seen = std::clamp<int64_t>(visible - g, 0, 16);
+      const __mmask16 keep = static_cast<__mmask16>((1u << seen) - 1);
+      const __m512 x = _mm512_mask_mul_ps(none, keep, _mm512_load_ps(s + g), sc);
+      most = _mm512_max_ps(most, x);
+      _mm512_store_ps(s + g, x);
+    }
+    const float span_max = _mm512_reduce_max_ps(most);
+    if (span_max > row_max) {
+      if (row_max != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first span)
+        const __m512 correction = _mm512_set1_ps(std::exp(row_max - span_max));
+        for (int l = 0; l < HD / 16; ++l) acc[l] = _mm512_mul_ps(acc[l], correction);
+        lane_sums = _mm512_mul_ps(lane_sums, correction);
+      }
+      row_max = span_max;
+    }
+    const __m512 m = _mm512_set1_ps(row_max);
+    for (int g = 0; g < n; g += 16) {
+      const int64_t seen = std::clamp<int64_t>(visible - g, 0, 16);
+      const __mmask16 keep = static_cast<__mmask16>((1u << seen) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(keep, tokenloom::exp_clamped(_mm512_sub_ps(_mm512_load_ps(s + g), m)));
+      lane_sums = _mm512_add_ps(lane_sums, p);
+      _mm512_store_ps(s + g, p);
+    }
+  }
+
+  // A tile's running state between spans: its rows' sums, probability sums (per lane) and maxima.
+  template <int HD, int R>
+  struct Running {
+    __m512 acc[R][HD / 16];
+    __m512 lane_sums[R];
+    float row_max[R];
+  };
+
+  // The tile's R rows over the span of keys from k0 (span: how many of them any row sees).
+  template <int HD, int R, typename Blocks>
+  static void attend_span(const float* const* qrows, const int64_t* keys, const Blocks& blocks, float scale,
+                          int64_t k0, int span, Running<HD, R>& state) {
+    constexpr int kLanes = HD / 16;
+    // In locals, so they stay in registers: the scores' float stores could alias the state's vectors.
+    __m512 acc[R][kLanes], lane_sums[R];
+    float row_max[R];
+    std::memcpy(acc, state.acc, sizeof(acc));
+    std::memcpy(lane_sums, state.lane_sums, sizeof(lane_sums));
+    std::memcpy(row_max, state.row_max, sizeof(row_max));
+    alignas(64) float s[R][kSpan];
+    const int64_t first = k0 / kKeys;
+    const int nb = (span + kKeys - 1) / kKeys;
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const float* kt[2] = {blocks.key(first + b), blocks.key(first + b + 1)};
+      scores<HD, R, 2>(qrows, kt, s, b * kKeys);
+    }
+    if (b < nb) {
+      const float* kt[1] = {blocks.key(first + b)};
+      scores<HD, R, 1>(qrows, kt, s, b * kKeys);
+    }
+    for (int i = 0; i < R; ++i) {
+      softmax_span<HD>(s[i], nb * kKeys, keys[i] - k0, scale, row_max[i], lane_sums[i], acc[i]);
+    }
+    for (int j = 0; j < span; ++j) {
+      const float* vrow = blocks.value(first + j / kKeys) + (j % kKeys) * HD;
+      for (int l = 0; l < kLanes; ++l) {
+        const __m512 vv = _mm512_loadu_ps(vrow + l * 16);
+        for (int i = 0; i < R; ++i) acc[i][l] = _mm512_fmadd_ps(_mm512_set1_ps(s[i][j]), vv, acc[i][l]);
+      }
+    }
+    std::memcpy(state.acc, acc, sizeof(acc));
+    std::memcpy(state.lane_sums, lane_sums, sizeof(lane_sums));
+    std::memcpy(state.row_max, row_max, sizeof(row_max));
+  }
+
+  // Query rows (token and head pairs; keys[r]: how many keys row r sees) into orows. Tiles of kTile rows share each
+  // load of K^T and V; every tile takes a span before any takes the next, so a span's keys (128 KB) are read from
+  // L2 by every tile rather than each tile streaming a long context from L3 (at 4,096 keys, 0.78x torch's time).
+  // A last partial tile repeats its last row, which writes the same output twice.
+  template <int HD, typename Blocks>
+  static void attend_rows(const float* const* qrows, const int64_t* keys, float* const* orows, int64_t rows,
+                          const Blocks& blocks, float scale) {
+    constexpr int R = kTile<HD>;
+    constexpr int kLanes = HD / 16;
+    const int64_t tiles = (rows + R - 1) / R;
+    std::vector<const float*> tq(tiles * R);
+    std::vector<int64_t> tk(tiles * R);
+    int64_t most = 0;
+    for (int64_t r = 0; r < tiles * R; ++r) {
+      tq[r] = qrows[std::min(r, rows - 1)];
+      tk[r] = keys[std::min(r, rows - 1)];
+      most = std::max(most, tk[r]);
+    }
+    std::vector<Running<HD, R>> states(tiles);
+    for (Running<HD, R>& st : states) {
+      for (int i = 0; i < R; ++i) {
+        for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_setzero_ps();
+        st.lane_sums[i] = _mm512_setzero_ps();
+        st.row_max[i] = kNoMax;
+      }
+    }
+    for (int64_t k0 = 0; k0 < most; k0 += kSpan) {
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t seen = *std::max_element(tk.begin() + t * R, tk.begin() + (t + 1) * R) - k0;
+        if (seen <= 0) continue;
+        const int span = static_cast<int>(std::min<int64_t>(kSpan, seen));
+        attend_span<HD, R>(tq.data() + t * R, tk.data() + t * R, blocks, scale, k0, span, states[t]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const Running<HD, R>& st = states[r / R];
+      const int i = static_cast<int>(r % R);
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
+      for (int l = 0; l < kLanes; ++l) _mm512_storeu_ps(orows[r] + l * 16, _mm512_mul_ps(st.acc[i][l], inv));
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
 inline uint32_t pair_at(const c10::BFloat16* row, int64_t d) {
   uint32_t out;
   std::memcpy(&out, row + d, sizeof(out));
   return out;
-}
-
-// One KV head's keys and values in the layout the dot products want, block by block of kKeys:
-// K^T as [HD / 2 dim pairs][kKeys] and V as [kKeys / 2 key pairs][HD], each element a pair of bf16.
-// Keys past the end of the context repeat the last one; the masks keep them out.
-// k_row(t), v_row(t): where key t's K and V (this head's HD values) are: rows of a tensor, or slots of the cache.
-template <int HD, typename KRow, typename VRow>
-void pack_block(const KRow& k_row, const VRow& v_row, int64_t k0, int64_t ctx, uint32_t* kt, uint32_t* vt) {
-  constexpr int kPairs = HD / 2;
-  const int64_t nk = std::min<int64_t>(kKeys, ctx - k0);
-  for (int64_t j = 0; j < kKeys; ++j) {
-    const c10::BFloat16* krow = k_row(k0 + std::min(j, nk - 1));
-    for (int p = 0; p < kPairs; ++p) kt[p * kKeys + j] = pair_at(krow, 2 * p);
-  }
-  for (int64_t j = 0; j < kKeys / 2; ++j) {
-    const int64_t a = k0 + std::min(2 * j, nk - 1), b = k0 + std::min(2 * j + 1, nk - 1);
-    const uint16_t* va = reinterpret_cast<const uint16_t*>(v_row(a));
-    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_row(b));
-    for (int d = 0; d < HD; ++d) vt[j * HD + d] = va[d] | (static_cast<uint32_t>(vb[d]) << 16);
-  }
 }
 
 // A tile's running state: R rows' accumulators, the sums of their probabilities (per lane) and their maxima.
@@ -72,193 +230,268 @@ struct TileState {
   float row_max[R];
 };
 
-// One block of keys (k0 on) for the tile's R rows. Half: only its first 16 keys can be seen by any row (the causal
-// edge), so the other 16 are skipped rather than computed and masked.
+// Row i's scores for one block of keys (lo: its first 16, hi: the rest) into probabilities: the keys it cannot see
+// (visible: how many of the block's it sees) masked to 0, what it summed before rescaled if this block raises its
+// maximum, the new probabilities added to its sums. Half: the block's last 16 keys are seen by no row of the tile.
+// e^x to the ~4e-5 that probabilities rounded to bf16 need.
 template <int HD, int R, bool Half>
-__attribute__((always_inline)) inline void attend_block(TileState<HD, R>& st, const c10::BFloat16* const* qrows,
-                                                        const int64_t* keys, int64_t k0, const uint32_t* kt,
-                                                        const uint32_t* vt, float scale) {
-  constexpr int kPairs = HD / 2;
+__attribute__((always_inline)) inline void block_softmax(TileState<HD, R>& st, int i, __m512 lo, __m512 hi,
+                                                         int64_t visible, float scale, __m512& p_lo, __m512& p_hi) {
   constexpr int kLanes = HD / 16;
-  __m512 lo[R], hi[R];
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  for (int p = 0; p < kPairs; ++p) {
-    const __m512bh k_lo = (__m512bh)_mm512_loadu_si512(kt + p * kKeys);
-    const __m512bh k_hi = Half ? k_lo : (__m512bh)_mm512_loadu_si512(kt + p * kKeys + 16);
-    for (int i = 0; i < R; ++i) {
-      const __m512bh qp = broadcast_pair(qrows[i] + 2 * p);
-      lo[i] = _mm512_dpbf16_ps(lo[i], qp, k_lo);
-      if constexpr (!Half) hi[i] = _mm512_dpbf16_ps(hi[i], qp, k_hi);
+  visible = std::clamp<int64_t>(visible, 0, kKeys);
+  const uint32_t keep = visible >= kKeys ? 0xFFFFFFFFu : (1u << visible) - 1;
+  const __mmask16 keep_lo = static_cast<__mmask16>(keep), keep_hi = Half ? 0 : static_cast<__mmask16>(keep >> 16);
+  const __m512 none = _mm512_set1_ps(kNoMax), sc = _mm512_set1_ps(scale);
+  const __m512 s_lo = _mm512_mask_mul_ps(none, keep_lo, lo, sc);
+  const __m512 s_hi = Half ? none : _mm512_mask_mul_ps(none, keep_hi, hi, sc);
+  const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi));
+  if (block_max > st.row_max[i]) {
+    if (st.row_max[i] != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first block)
+      const __m512 correction = _mm512_set1_ps(std::exp(st.row_max[i] - block_max));
+      for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_mul_ps(st.acc[i][l], correction);
+      st.lane_sums[i] = _mm512_mul_ps(st.lane_sums[i], correction);
     }
+    st.row_max[i] = block_max;
   }
-  alignas(64) uint32_t prob_pairs[R][kKeys / 2];
-  for (int i = 0; i < R; ++i) {
-    const int64_t visible = std::clamp<int64_t>(keys[i] - k0, 0, kKeys);
-    const uint32_t keep = visible >= kKeys ? 0xFFFFFFFFu : (1u << visible) - 1;
-    const __mmask16 keep_lo = static_cast<__mmask16>(keep), keep_hi = Half ? 0 : static_cast<__mmask16>(keep >> 16);
-    const __m512 none = _mm512_set1_ps(kNoMax), sc = _mm512_set1_ps(scale);
-    const __m512 s_lo = _mm512_mask_mul_ps(none, keep_lo, lo[i], sc);
-    const __m512 s_hi = Half ? none : _mm512_mask_mul_ps(none, keep_hi, hi[i], sc);
-    const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi));
-    if (block_max > st.row_max[i]) {
-      if (st.row_max[i] != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first block)
-        const __m512 correction = _mm512_set1_ps(std::exp(st.row_max[i] - block_max));
-        for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_mul_ps(st.acc[i][l], correction);
-        st.lane_sums[i] = _mm512_mul_ps(st.lane_sums[i], correction);
-      }
-      st.row_max[i] = block_max;
-    }
-    const __m512 m = _mm512_set1_ps(st.row_max[i]);
-    const __m512 p_lo = _mm512_maskz_mov_ps(keep_lo, tokenloom::exp_nonpositive(_mm512_sub_ps(s_lo, m)));
-    // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
-    _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));
-    if constexpr (Half) {
-      st.lane_sums[i] = _mm512_add_ps(st.lane_sums[i], p_lo);
-    } else {
-      const __m512 p_hi = _mm512_maskz_mov_ps(keep_hi, tokenloom::exp_nonpositive(_mm512_sub_ps(s_hi, m)));
-      st.lane_sums[i] = _mm512_add_ps(st.lane_sums[i], _mm512_add_ps(p_lo, p_hi));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i] + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
-    }
-  }
-  for (int j = 0; j < (Half ? kKeys / 4 : kKeys / 2); ++j) {
-    for (int l = 0; l < kLanes; ++l) {
-      const __m512bh vv = (__m512bh)_mm512_loadu_si512(vt + j * HD + l * 16);
-      for (int i = 0; i < R; ++i) st.acc[i][l] = _mm512_dpbf16_ps(st.acc[i][l], broadcast_pair(&prob_pairs[i][j]), vv);
-    }
-  }
+  const __m512 m = _mm512_set1_ps(st.row_max[i]);
+  p_lo = _mm512_maskz_mov_ps(keep_lo, tokenloom::exp_nonpositive(_mm512_sub_ps(s_lo, m)));
+  p_hi = Half ? _mm512_setzero_ps() : _mm512_maskz_mov_ps(keep_hi, tokenloom::exp_nonpositive(_mm512_sub_ps(s_hi, m)));
+  st.lane_sums[i] = _mm512_add_ps(st.lane_sums[i], _mm512_add_ps(p_lo, p_hi));
 }
 
-// R query rows (token and head pairs) against every key block they see. R independent chains of dot products keep
-// the vector unit busy, and each block of K^T and V is loaded once for R rows. keys[i]: how many keys row i sees.
-template <int HD, int R, typename Blocks>
-inline void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, const Blocks& blocks, float scale,
-                        c10::BFloat16* const* orows) {
-  constexpr int kLanes = HD / 16;
-  int64_t most = 0;
-  for (int i = 0; i < R; ++i) most = std::max(most, keys[i]);
-  TileState<HD, R> st;
-  for (int i = 0; i < R; ++i) {
-    for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_setzero_ps();
-    st.lane_sums[i] = _mm512_setzero_ps();
-    st.row_max[i] = kNoMax;
-  }
-  int64_t k0 = 0, b = 0;
-  for (; k0 + kKeys / 2 < most; k0 += kKeys, ++b) {
-    attend_block<HD, R, false>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
-  }
-  if (k0 < most) attend_block<HD, R, true>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
-  for (int i = 0; i < R; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
-    for (int l = 0; l < kLanes; ++l) {
-      const __m256bh x = _mm512_cvtneps_pbh(_mm512_mul_ps(st.acc[i][l], inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orows[i] + l * 16), (__m256i)x);
+// bf16: K^T as [HD / 2 dim pairs][kKeys] and V as [kKeys / 2 key pairs][HD], each element a pair of bf16.
+struct Bf16Keys {
+  using Elem = c10::BFloat16;
+  using Packed = uint32_t;
+  template <int HD>
+  static constexpr int64_t kBlockK = (HD / 2) * kKeys;
+  template <int HD>
+  static constexpr int64_t kBlockV = (kKeys / 2) * HD;
+
+  template <int HD, typename KRow, typename VRow>
+  static void pack(const KRow& k_row, const VRow& v_row, int64_t k0, int64_t ctx, uint32_t* kt, uint32_t* vt) {
+    constexpr int kPairs = HD / 2;
+    const int64_t nk = std::min<int64_t>(kKeys, ctx - k0);
+    for (int64_t j = 0; j < kKeys; ++j) {
+      const c10::BFloat16* krow = k_row(k0 + std::min(j, nk - 1));
+      for (int p = 0; p < kPairs; ++p) kt[p * kKeys + j] = pair_at(krow, 2 * p);
+    }
+    for (int64_t j = 0; j < kKeys / 2; ++j) {
+      const int64_t a = k0 + std::min(2 * j, nk - 1), b = k0 + std::min(2 * j + 1, nk - 1);
+      const uint16_t* va = reinterpret_cast<const uint16_t*>(v_row(a));
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_row(b));
+      for (int d = 0; d < HD; ++d) vt[j * HD + d] = va[d] | (static_cast<uint32_t>(vb[d]) << 16);
     }
   }
-}
+
+  // One block of keys (k0 on) for the tile's R rows: dim pairs of the queries against K^T's pairs, then key pairs'
+  // probabilities against V's.
+  template <int HD, int R, bool Half>
+  __attribute__((always_inline)) static inline void attend(TileState<HD, R>& st, const c10::BFloat16* const* qrows,
+                                                           const int64_t* keys, int64_t k0, const uint32_t* kt,
+                                                           const uint32_t* vt, float scale) {
+    using tokenloom::broadcast_pair;
+    constexpr int kPairs = HD / 2;
+    constexpr int kLanes = HD / 16;
+    __m512 lo[R], hi[R];
+    for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+    for (int p = 0; p < kPairs; ++p) {
+      const __m512bh k_lo = (__m512bh)_mm512_loadu_si512(kt + p * kKeys);
+      const __m512bh k_hi = Half ? k_lo : (__m512bh)_mm512_loadu_si512(kt + p * kKeys + 16);
+      for (int i = 0; i < R; ++i) {
+        const __m512bh qp = broadcast_pair(qrows[i] + 2 * p);
+        lo[i] = _mm512_dpbf16_ps(lo[i], qp, k_lo);
+        if constexpr (!Half) hi[i] = _mm512_dpbf16_ps(hi[i], qp, k_hi);
+      }
+    }
+    // Probabilities as bf16 pairs (key 2j, key 2j + 1), each broadcast against V's pairs for 16 dims.
+    alignas(64) uint32_t prob_pairs[R][kKeys / 2];
+    for (int i = 0; i < R; ++i) {
+      __m512 p_lo, p_hi;
+      block_softmax<HD, R, Half>(st, i, lo[i], hi[i], keys[i] - k0, scale, p_lo, p_hi);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i]), (__m256i)_mm512_cvtneps_pbh(p_lo));
+      if constexpr (!Half) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(prob_pairs[i] + 8), (__m256i)_mm512_cvtneps_pbh(p_hi));
+      }
+    }
+    for (int j = 0; j < (Half ? kKeys / 4 : kKeys / 2); ++j) {
+      for (int l = 0; l < kLanes; ++l) {
+        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vt + j * HD + l * 16);
+        for (int i = 0; i < R; ++i) {
+          st.acc[i][l] = _mm512_dpbf16_ps(st.acc[i][l], broadcast_pair(&prob_pairs[i][j]), vv);
+        }
+      }
+    }
+  }
+
+  // R query rows (token and head pairs) against every key block they see. R independent chains of dot products keep
+  // the vector unit busy, and each block of K^T and V is loaded once for R rows. keys[i]: how many keys row i sees.
+  template <int HD, int R, typename Blocks>
+  static void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, const Blocks& blocks, float scale,
+                          c10::BFloat16* const* orows) {
+    constexpr int kLanes = HD / 16;
+    int64_t most = 0;
+    for (int i = 0; i < R; ++i) most = std::max(most, keys[i]);
+    TileState<HD, R> st;
+    for (int i = 0; i < R; ++i) {
+      for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_setzero_ps();
+      st.lane_sums[i] = _mm512_setzero_ps();
+      st.row_max[i] = kNoMax;
+    }
+    int64_t k0 = 0, b = 0;
+    for (; k0 + kKeys / 2 < most; k0 += kKeys, ++b) {
+      attend<HD, R, false>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
+    }
+    if (k0 < most) attend<HD, R, true>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
+    for (int i = 0; i < R; ++i) {
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
+      for (int l = 0; l < kLanes; ++l) tokenloom::store16(orows[i] + l * 16, _mm512_mul_ps(st.acc[i][l], inv));
+    }
+  }
+
+  template <int HD, typename Blocks>
+  static void attend_rows(const c10::BFloat16* const* qrows, const int64_t* keys, c10::BFloat16* const* orows,
+                          int64_t rows, const Blocks& blocks, float scale) {
+    constexpr int kTile = HD == 64 ? 4 : 2;  // rows at once: kTile * HD / 16 accumulators stay in registers
+    int64_t r = 0;
+    for (; r + kTile <= rows; r += kTile) attend_tile<HD, kTile>(qrows + r, keys + r, blocks, scale, orows + r);
+    for (; r < rows; ++r) attend_tile<HD, 1>(qrows + r, keys + r, blocks, scale, orows + r);
+  }
+};
+#endif  // __AVX512BF16__
 
 // One KV head, query tokens [q0, q1) of the chunk, every query head of the group, over the head's packed keys.
 // Where a head's packed key blocks are: one after another (a contiguous context), or, for chunks of a step that
 // share keys, each block one of the step's packed units.
-template <int HD>
+template <typename Kind, int HD>
 struct ContiguousBlocks {
-  const uint32_t* k;
-  const uint32_t* v;
-  const uint32_t* key(int64_t b) const { return k + b * (HD / 2) * kKeys; }
-  const uint32_t* value(int64_t b) const { return v + b * (kKeys / 2) * HD; }
+  using Packed = typename Kind::Packed;
+  const Packed* k;
+  const Packed* v;
+  const Packed* key(int64_t b) const { return k + b * Kind::template kBlockK<HD>; }
+  const Packed* value(int64_t b) const { return v + b * Kind::template kBlockV<HD>; }
 };
 
-template <int HD>
+template <typename Kind, int HD>
 struct SharedBlocks {
-  const uint32_t* head;  // the step's packed units, offset to this KV head's place in each
+  using Packed = typename Kind::Packed;
+  const Packed* head;    // the step's packed units, offset to this KV head's place in each
   const int64_t* units;  // the unit of each of the chunk's key blocks
   int64_t per_unit;      // every head's K and V blocks
-  const uint32_t* key(int64_t b) const { return head + units[b] * per_unit; }
-  const uint32_t* value(int64_t b) const { return key(b) + (HD / 2) * kKeys; }
+  const Packed* key(int64_t b) const { return head + units[b] * per_unit; }
+  const Packed* value(int64_t b) const { return key(b) + Kind::template kBlockK<HD>; }
 };
 
-template <int HD, typename Blocks>
-void attend_queries(const c10::BFloat16* q, int64_t q_stride, const Blocks& blocks, int64_t past, int64_t q0,
-                    int64_t q1, int64_t group, float scale, c10::BFloat16* out, int64_t out_stride) {
-  constexpr int kTile = HD == 64 ? 4 : 2;  // rows at once: kTile * HD / 16 accumulators stay in registers
+template <typename Kind, int HD, typename Blocks>
+void attend_queries(const typename Kind::Elem* q, int64_t q_stride, const Blocks& blocks, int64_t past, int64_t q0,
+                    int64_t q1, int64_t group, float scale, typename Kind::Elem* out, int64_t out_stride) {
+  using Elem = typename Kind::Elem;
   const int64_t rows = (q1 - q0) * group;
-  const c10::BFloat16* qrows[kTile];
-  c10::BFloat16* orows[kTile];
-  int64_t keys[kTile];
-  auto load_row = [&](int64_t row, int i) {
+  std::vector<const Elem*> qrows(rows);
+  std::vector<Elem*> orows(rows);
+  std::vector<int64_t> keys(rows);
+  for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = q0 + row / group, h = row % group;
-    keys[i] = past + t + 1;  // causal: the keys up to the token's own position
-    qrows[i] = q + t * q_stride + h * HD;
-    orows[i] = out + t * out_stride + h * HD;
-  };
-  int64_t r = 0;
-  for (; r + kTile <= rows; r += kTile) {
-    for (int i = 0; i < kTile; ++i) load_row(r + i, i);
-    attend_tile<HD, kTile>(qrows, keys, blocks, scale, orows);
+    keys[row] = past + t + 1;  // causal: the keys up to the token's own position
+    qrows[row] = q + t * q_stride + h * HD;
+    orows[row] = out + t * out_stride + h * HD;
   }
-  for (; r < rows; ++r) {
-    load_row(r, 0);
-    attend_tile<HD, 1>(qrows, keys, blocks, scale, orows);
-  }
+  Kind::template attend_rows<HD>(qrows.data(), keys.data(), orows.data(), rows, blocks, scale);
 }
 
-template <int HD>
+// The calling thread's buffer for the packed keys, of at least `size` elements: grown, never shrunk, as a fresh one
+// each layer would be mapped and page-faulted in anew. Every element a call reads its packing pass writes first: no
+// zero fill. Only the caller asks (a helper thread would find a buffer of its own).
+template <typename Packed>
+Packed* packing_buffer(int64_t size) {
+  thread_local std::vector<Packed> buffer;
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
+template <typename Kind, int HD>
 void prefill_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale, at::Tensor& out) {
+  using Elem = typename Kind::Elem;
+  using Packed = typename Kind::Packed;
   const int64_t n = q.size(0), heads = q.size(1), ctx = k.size(0);
   const int64_t kv_heads = k.size(1) / HD, group = heads / kv_heads, past = ctx - n;
-  const auto* q_ptr = q.const_data_ptr<c10::BFloat16>();
-  const auto* k_ptr = k.const_data_ptr<c10::BFloat16>();
-  const auto* v_ptr = v.const_data_ptr<c10::BFloat16>();
-  auto* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  const auto* q_ptr = q.const_data_ptr<Elem>();
+  const auto* k_ptr = k.const_data_ptr<Elem>();
+  const auto* v_ptr = v.const_data_ptr<Elem>();
+  auto* out_ptr = out.mutable_data_ptr<Elem>();
   const int64_t key_blocks = (ctx + kKeys - 1) / kKeys;
-  const int64_t block_k = (HD / 2) * kKeys, block_v = (kKeys / 2) * HD;
+  const int64_t block_k = Kind::template kBlockK<HD>, block_v = Kind::template kBlockV<HD>;
   const int64_t per_head = key_blocks * (block_k + block_v);
-  // Every element is written by the packing pass before any is read: no zero fill (it runs once per layer and
-  // segment).
-  const std::unique_ptr<uint32_t[]> packed(new uint32_t[kv_heads * per_head]);
+  Packed* packed = packing_buffer<Packed>(kv_heads * per_head);
   // Both passes share their units through work_sharing.h (no wait for a sleeping OpenMP worker).
   tokenloom::WorkSharing& threads = tokenloom::WorkSharing::instance();
   threads.run(kv_heads * key_blocks, [&](int64_t item) {
     const int64_t g = item / key_blocks, b = item % key_blocks;
-    uint32_t* head = packed.get() + g * per_head;
+    Packed* head = packed + g * per_head;
     const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
-    pack_block<HD>([&](int64_t t) { return k_ptr + t * k_stride + g * HD; },
-                   [&](int64_t t) { return v_ptr + t * v_stride + g * HD; }, b * kKeys, ctx, head + b * block_k,
-                   head + key_blocks * block_k + b * block_v);
+    Kind::template pack<HD>([&](int64_t t) { return k_ptr + t * k_stride + g * HD; },
+                            [&](int64_t t) { return v_ptr + t * v_stride + g * HD; }, b * kKeys, ctx,
+                            head + b * block_k, head + key_blocks * block_k + b * block_v);
   });
   const int64_t query_blocks = (n + kQueryTokens - 1) / kQueryTokens;
   // Later query blocks see more keys: they are taken first, so the last units taken are short.
   threads.run(query_blocks * kv_heads, [&](int64_t item) {
     const int64_t block = query_blocks - 1 - item / kv_heads, g = item % kv_heads;
     const int64_t q0 = block * kQueryTokens, q1 = std::min(n, q0 + kQueryTokens);
-    const uint32_t* head = packed.get() + g * per_head;
-    const ContiguousBlocks<HD> blocks{head, head + key_blocks * block_k};
-    attend_queries<HD>(q_ptr + g * group * HD, q.stride(0), blocks, past, q0, q1, group, scale,
-                       out_ptr + g * group * HD, out.stride(0));
+    const Packed* head = packed + g * per_head;
+    const ContiguousBlocks<Kind, HD> blocks{head, head + key_blocks * block_k};
+    attend_queries<Kind, HD>(q_ptr + g * group * HD, q.stride(0), blocks, past, q0, q1, group, scale,
+                             out_ptr + g * group * HD, out.stride(0));
   });
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kTakesBf16 = true;
+#else
+constexpr bool kTakesBf16 = false;
+#endif
+
+// f(Kind{}, head size as an integral constant) for the tensors' dtype and a head size of 64 or 128.
+template <typename F>
+void for_kind(at::ScalarType dtype, int64_t d, const F& f) {
+  using D64 = std::integral_constant<int, 64>;
+  using D128 = std::integral_constant<int, 128>;
+  if (dtype == at::kFloat) {
+    d == 64 ? f(Float32Keys{}, D64{}) : f(Float32Keys{}, D128{});
+    return;
+  }
+#if defined(__AVX512BF16__)
+  d == 64 ? f(Bf16Keys{}, D64{}) : f(Bf16Keys{}, D128{});
+#endif
+}
+
+// The operators' dtypes: float32, or bfloat16 where built with AVX-512 BF16; q, the keys and out all of one.
+void check_dtypes(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  const at::ScalarType dtype = (*tensors.begin())->scalar_type();
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == dtype, op, ": CPU tensors of one dtype");
+  }
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": float32 or bfloat16 tensors only");
+  TORCH_CHECK(dtype == at::kFloat || kTakesBf16, op, ": bfloat16 needs a CPU with AVX-512 BF16 (float32 does not)");
 }
 
 // q: [n, heads, d] (rows may be strided, heads contiguous); k, v: [ctx, kv_heads * d] (rows may be strided);
 // out: shaped as q (rows may be strided, heads contiguous), a slice of the step's output.
 void prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor out) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16,
-              "prefill_attention: bfloat16 CPU tensors only");
+  check_dtypes("prefill_attention", {&q, &k, &v, &out});
   TORCH_CHECK(q.dim() == 3 && k.dim() == 2 && v.dim() == 2 && k.sizes() == v.sizes(),
               "prefill_attention: q [n, heads, d], k and v [ctx, kv_heads * d]");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), ctx = k.size(0);
   TORCH_CHECK(d == 64 || d == 128, "prefill_attention: head size 64 or 128");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(1) == 1 && v.stride(1) == 1,
               "prefill_attention: heads and dims must be contiguous");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kBFloat16 && out.device().is_cpu() &&
-                  out.stride(2) == 1 && out.stride(1) == d,
-              "prefill_attention: out must be shaped as q, bfloat16, heads and dims contiguous");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == d,
+              "prefill_attention: out must be shaped as q, heads and dims contiguous");
   TORCH_CHECK(k.size(1) % d == 0 && heads % (k.size(1) / d) == 0, "prefill_attention: heads must group over KV heads");
   TORCH_CHECK(n >= 1 && ctx >= n, "prefill_attention: the chunk must lie within its context");
-  if (d == 64) {
-    prefill_all<64>(q, k, v, static_cast<float>(scale), out);
-  } else {
-    prefill_all<128>(q, k, v, static_cast<float>(scale), out);
-  }
+  for_kind(q.scalar_type(), d, [&](auto kind, auto hd) {
+    prefill_all<decltype(kind), decltype(hd)::value>(q, k, v, static_cast<float>(scale), out);
+  });
 }
 
 // Segment s of a step: its queries are rows [start, start + n) of q, the last n tokens of a context of ctx tokens
@@ -276,13 +509,15 @@ inline int64_t segment_of(const std::vector<int64_t>& firsts, int64_t unit) {
   return std::upper_bound(firsts.begin(), firsts.end(), unit) - firsts.begin() - 1;
 }
 
-template <int HD>
+template <typename Kind, int HD>
 void paged_prefill_all(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
                        const at::Tensor& segments, const at::Tensor& tables, const at::Tensor& key_units,
                        const at::Tensor& unit_sources, int64_t block_size, float scale, at::Tensor& out) {
   const int64_t num_segments = segments.size(0), heads = q.size(1), kv_heads = cache_k.size(1) / HD;
   const int64_t group = heads / kv_heads, num_units = unit_sources.size(0);
-  const int64_t block_k = (HD / 2) * kKeys, block_v = (kKeys / 2) * HD, per_head = block_k + block_v;
+  using Elem = typename Kind::Elem;
+  using Packed = typename Kind::Packed;
+  const int64_t block_k = Kind::template kBlockK<HD>, per_head = block_k + Kind::template kBlockV<HD>;
   const int64_t per_unit = kv_heads * per_head;
   const int64_t* info = segments.const_data_ptr<int64_t>();
   const int64_t* units = key_units.const_data_ptr<int64_t>();
@@ -308,24 +543,21 @@ void paged_prefill_all(const at::Tensor& q, const at::Tensor& cache_k, const at:
                     sources[2 * u + 1] * kKeys < segs[sources[2 * u]].ctx,
                 "paged_prefill_attention: a unit's source outside its chunk");
   }
-  // Grown, never shrunk: a fresh buffer each layer would be mapped and page-faulted in anew.
-  thread_local std::vector<uint32_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < num_units * per_unit) buffer.resize(num_units * per_unit);
-  uint32_t* packed = buffer.data();  // the caller's buffer: a helper thread naming `buffer` would find its own
-  const auto* q_ptr = q.const_data_ptr<c10::BFloat16>();
-  const auto* k_ptr = cache_k.const_data_ptr<c10::BFloat16>();
-  const auto* v_ptr = cache_v.const_data_ptr<c10::BFloat16>();
-  auto* out_ptr = out.mutable_data_ptr<c10::BFloat16>();
+  Packed* packed = packing_buffer<Packed>(num_units * per_unit);
+  const auto* q_ptr = q.const_data_ptr<Elem>();
+  const auto* k_ptr = cache_k.const_data_ptr<Elem>();
+  const auto* v_ptr = cache_v.const_data_ptr<Elem>();
+  auto* out_ptr = out.mutable_data_ptr<Elem>();
   const int64_t k_stride = cache_k.stride(0), v_stride = cache_v.stride(0);
   tokenloom::WorkSharing& threads = tokenloom::WorkSharing::instance();
   threads.run(num_units * kv_heads, [&](int64_t item) {
     const int64_t u = item / kv_heads, g = item % kv_heads;
     const Segment& seg = segs[sources[2 * u]];
     auto slot = [&](int64_t t) { return seg.table[t / block_size] * block_size + t % block_size; };
-    uint32_t* head = packed + u * per_unit + g * per_head;
-    pack_block<HD>([&](int64_t t) { return k_ptr + slot(t) * k_stride + g * HD; },
-                   [&](int64_t t) { return v_ptr + slot(t) * v_stride + g * HD; }, sources[2 * u + 1] * kKeys,
-                   seg.ctx, head, head + block_k);
+    Packed* head = packed + u * per_unit + g * per_head;
+    Kind::template pack<HD>([&](int64_t t) { return k_ptr + slot(t) * k_stride + g * HD; },
+                            [&](int64_t t) { return v_ptr + slot(t) * v_stride + g * HD; },
+                            sources[2 * u + 1] * kKeys, seg.ctx, head, head + block_k);
   });
   threads.run(attend_firsts[num_segments], [&](int64_t item) {
     const int64_t s = segment_of(attend_firsts, item), piece = item - attend_firsts[s];
@@ -333,9 +565,10 @@ void paged_prefill_all(const at::Tensor& q, const at::Tensor& cache_k, const at:
     const int64_t query_blocks = (seg.n + kQueryTokens - 1) / kQueryTokens;
     const int64_t block = query_blocks - 1 - piece / kv_heads, g = piece % kv_heads;  // later blocks first
     const int64_t q0 = block * kQueryTokens, q1 = std::min(seg.n, q0 + kQueryTokens);
-    const SharedBlocks<HD> blocks{packed + g * per_head, seg.units, per_unit};
-    attend_queries<HD>(q_ptr + seg.start * q.stride(0) + g * group * HD, q.stride(0), blocks, seg.ctx - seg.n, q0,
-                       q1, group, scale, out_ptr + seg.start * out.stride(0) + g * group * HD, out.stride(0));
+    const SharedBlocks<Kind, HD> blocks{packed + g * per_head, seg.units, per_unit};
+    attend_queries<Kind, HD>(q_ptr + seg.start * q.stride(0) + g * group * HD, q.stride(0), blocks, seg.ctx - seg.n,
+                             q0, q1, group, scale, out_ptr + seg.start * out.stride(0) + g * group * HD,
+                             out.stride(0));
   });
 }
 
@@ -348,9 +581,7 @@ void paged_prefill_all(const at::Tensor& q, const at::Tensor& cache_k, const at:
 void paged_prefill_attention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
                              const at::Tensor& segments, const at::Tensor& tables, const at::Tensor& key_units,
                              const at::Tensor& unit_sources, int64_t block_size, double scale, at::Tensor out) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kBFloat16 && cache_k.scalar_type() == at::kBFloat16 &&
-                  cache_v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "paged_prefill_attention: bfloat16 CPU tensors only");
+  check_dtypes("paged_prefill_attention", {&q, &cache_k, &cache_v, &out});
   TORCH_CHECK(q.dim() == 3 && cache_k.dim() == 2 && cache_k.sizes() == cache_v.sizes() && out.sizes() == q.sizes(),
               "paged_prefill_attention: q and out [T, heads, d], the caches [slots, kv_heads * d]");
   const int64_t d = q.size(2);
@@ -368,19 +599,19 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& cache_k, con
                   unit_sources.size(1) == 2 && block_size >= 1,
               "paged_prefill_attention: segments [S, 3], tables [S, blocks], key_units [S, key blocks], "
               "unit_sources [U, 2]");
-  if (d == 64) {
-    paged_prefill_all<64>(q, cache_k, cache_v, segments, tables, key_units, unit_sources, block_size,
-                          static_cast<float>(scale), out);
-  } else {
-    paged_prefill_all<128>(q, cache_k, cache_v, segments, tables, key_units, unit_sources, block_size,
-                           static_cast<float>(scale), out);
-  }
+  for_kind(q.scalar_type(), d, [&](auto kind, auto hd) {
+    paged_prefill_all<decltype(kind), decltype(hd)::value>(q, cache_k, cache_v, segments, tables, key_units,
+                                                           unit_sources, block_size, static_cast<float>(scale), out);
+  });
 }
+
+bool prefill_attention_takes_bf16() { return kTakesBf16; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
+  m.def("prefill_attention_takes_bf16() -> bool", &prefill_attention_takes_bf16);
   m.def(
       "paged_prefill_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor segments, Tensor tables, "
       "Tensor key_units, Tensor unit_sources, int block_size, float scale, Tensor(a!) out) -> ()");
@@ -391,4 +622,4 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) {
   m.impl("paged_prefill_attention", &paged_prefill_attention);
 }
 
-#endif  // __AVX512BF16__
+#endif  // __AVX512F__
