@@ -8,9 +8,10 @@ wait for a sleeping OpenMP thread to wake; with AMX the same layout serves both 
 rows, and ``tokenloom::bf16_amx_linear`` (csrc/amx_bf16_linear.cpp) for larger ones, which ran the decoder's layer
 shapes 1.2-1.5x faster than oneDNN's packed linear at 64-2,048 rows (benchmarks/RESULTS.md). The LM head stays with
 oneDNN under AMX (its 49,152-wide weight streamed faster there at 13-64 rows), with our layout beside it for steps
-of a few rows. float32 weights on a CPU with AVX2 but not AVX-512 are packed in blocks of 16 features for
-``tokenloom::f32_linear`` (csrc/f32_linear.cpp), which ran a step's linears 1.1-1.4x faster than oneDNN's packed
-float32 linear at 1-2,048 rows on a Zen 3; on other CPUs float32 weights go to oneDNN's layout. On other devices, or
+of a few rows. float32 weights on a CPU with AVX2 are packed in blocks of 16 features for ``tokenloom::f32_linear``
+(csrc/f32_linear.cpp), which ran a step's linears 1.1-1.4x faster than oneDNN's packed float32 linear at 1-2,048 rows
+on a Zen 3, and with AVX-512 1.3-1.8x at decode sizes (1-64 rows), 0.92x at prefill sizes, on a Xeon; on other CPUs
+float32 weights go to oneDNN's layout. On other devices, or
 without either, the model keeps its plain ``nn.Linear`` layers.
 
 The compiled step (compiled.py) cannot take a oneDNN tensor as a graph input, and inductor's own prepacking
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from tokenloom.model import cpu_kernel
-from tokenloom.model.platform import cpu_can_reorder_bf16, cpu_has_amx, cpu_has_avx512
+from tokenloom.model.platform import cpu_can_reorder_bf16, cpu_has_amx
 
 DECODE_ROWS_HINT = 64  # the batch size oneDNN picks its blocked layout for: a full decode step
 PACK_BLOCK = 16  # output features per block of bf16_pack_weight's layout (kBlock in csrc/bf16_linear.cpp)
@@ -93,13 +94,12 @@ def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None, amx_kernel
 
 
 def _takes_f32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a float32 weight is packed for our f32_linear: whole blocks of 16 output features, a CPU with AVX2 but
-    not AVX-512 (where it was measured against oneDNN), and the operator built."""
+    """Whether a float32 weight is packed for our f32_linear: whole blocks of 16 output features, and the operator
+    built (a CPU with AVX2 and FMA; with AVX-512 its wider tiles)."""
     return (
         weight.dtype == torch.float32
         and weight.shape[0] % PACK_BLOCK == 0
         and (bias is None or bias.dtype == torch.float32)
-        and not cpu_has_avx512()
         and cpu_kernel.load_kernel()
         and cpu_kernel.has_operator("f32_linear")
     )
