@@ -42,6 +42,14 @@ using tokenloom::kNoMax;
 constexpr int kKeys = 32;         // keys per block: two float32 vectors of scores
 constexpr int kQueryTokens = 32;  // query tokens per work item (times the heads sharing a KV head)
 
+// A tile's running state (in float32, kept between spans): R rows' accumulators, the sums of their probabilities (per lane) and their maxima.
+template <int HD, int R>
+struct TileState {
+  __m512 acc[R][HD / 16];
+  __m512 lane_sums[R];
+  float row_max[R];
+};
+
 // float32: K^T as [HD dims][kKeys] and V as [kKeys][HD], block by block of kKeys. Keys past the end of the context
 // repeat the last one; the masks keep them out.
 // k_row(t), v_row(t): where key t's K and V (this head's HD values) are: rows of a tensor, or slots of the cache.
@@ -128,18 +136,10 @@ struct Float32Keys {
     }
   }
 
-  // A tile's running state between spans: its rows' sums, probability sums (per lane) and maxima.
-  template <int HD, int R>
-  struct Running {
-    __m512 acc[R][HD / 16];
-    __m512 lane_sums[R];
-    float row_max[R];
-  };
-
   // The tile's R rows over the span of keys from k0 (span: how many of them any row sees).
   template <int HD, int R, typename Blocks>
   static void attend_span(const float* const* qrows, const int64_t* keys, const Blocks& blocks, float scale,
-                          int64_t k0, int span, Running<HD, R>& state) {
+                          int64_t k0, int span, TileState<HD, R>& state) {
     constexpr int kLanes = HD / 16;
     // In locals, so they stay in registers: the scores' float stores could alias the state's vectors.
     __m512 acc[R][kLanes], lane_sums[R];
@@ -192,8 +192,8 @@ struct Float32Keys {
       tk[r] = keys[std::min(r, rows - 1)];
       most = std::max(most, tk[r]);
     }
-    std::vector<Running<HD, R>> states(tiles);
-    for (Running<HD, R>& st : states) {
+    std::vector<TileState<HD, R>> states(tiles);
+    for (TileState<HD, R>& st : states) {
       for (int i = 0; i < R; ++i) {
         for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_setzero_ps();
         st.lane_sums[i] = _mm512_setzero_ps();
@@ -209,7 +209,7 @@ struct Float32Keys {
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const Running<HD, R>& st = states[r / R];
+      const TileState<HD, R>& st = states[r / R];
       const int i = static_cast<int>(r % R);
       const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
       for (int l = 0; l < kLanes; ++l) _mm512_storeu_ps(orows[r] + l * 16, _mm512_mul_ps(st.acc[i][l], inv));
@@ -223,14 +223,6 @@ inline uint32_t pair_at(const c10::BFloat16* row, int64_t d) {
   std::memcpy(&out, row + d, sizeof(out));
   return out;
 }
-
-// A tile's running state: R rows' accumulators, the sums of their probabilities (per lane) and their maxima.
-template <int HD, int R>
-struct TileState {
-  __m512 acc[R][HD / 16];
-  __m512 lane_sums[R];
-  float row_max[R];
-};
 
 // Row i's scores for one block of keys (lo: its first 16, hi: the rest) into probabilities: the keys it cannot see
 // (visible: how many of the block's it sees) masked to 0, what it summed before rescaled if this block raises its
