@@ -330,7 +330,7 @@ def _kv_heads(num_kv_heads: int, group: int, head_dim: int):
 
 def uses_prefill_op(backend: str, dtype: torch.dtype, head_dim: int) -> bool:
     """Prefill attention through our AVX-512 operator. In float32 wherever it is built: torch's fused kernel took
-    1.1-5x its time (benchmarks/prefill_attention_f32.py). In bf16 not where the CPU has AMX: torch's fused attention
+    1.1-5.5x its time (benchmarks/prefill_attention_f32.py). In bf16 not where the CPU has AMX: torch's fused attention
     (its tiles) beat it at every prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with
     AMX")."""
     if backend != "cpu" or head_dim not in (64, 128) or not cpu_kernel.has_prefill_op(dtype):

@@ -10,7 +10,7 @@ shapes 1.2-1.5x faster than oneDNN's packed linear at 64-2,048 rows (benchmarks/
 oneDNN under AMX (its 49,152-wide weight streamed faster there at 13-64 rows), with our layout beside it for steps
 of a few rows. float32 weights on a CPU with AVX2 are packed in blocks of 16 features for ``tokenloom::f32_linear``
 (csrc/f32_linear.cpp), which ran a step's linears 1.1-1.4x faster than oneDNN's packed float32 linear at 1-2,048 rows
-on a Zen 3, and with AVX-512 1.3-1.8x at decode sizes (1-64 rows), 0.92x at prefill sizes, on a Xeon; on other CPUs
+on a Zen 3, and with AVX-512 1.2-1.8x at decode sizes (1-64 rows), 0.92-0.95x at prefill sizes, on a Xeon; on other CPUs
 float32 weights go to oneDNN's layout. On other devices, or
 without either, the model keeps its plain ``nn.Linear`` layers.
 

@@ -13,8 +13,9 @@
 //
 // With AVX-512 the same layout goes two blocks at a time, tiles of up to 12 rows x 32 features (24 sums in
 // registers), a unit's rows in panels of 96 so that a prefill chunk's inputs stay in L2 while the weights pass. On an
-// AVX-512 Xeon without BF16 (where the model runs in float32) that ran a step's 120 linears 1.3-1.8x faster than
-// oneDNN at 1-64 rows, 0.92x at 256-1,024 (benchmarks/float32_cpu_ops.py).
+// AVX-512 Xeon without BF16 (where the model runs in float32) that ran a step's 120 linears 1.2-1.8x faster than
+// oneDNN at 1-64 rows, 0.92-0.95x at 256-2,048 (benchmarks/float32_cpu_ops.py): oneDNN keeps a lead at prefill sizes,
+// but a weight in both layouts would double the float32 weights' memory.
 
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -76,15 +77,12 @@ constexpr std::array<TileFn, sizeof...(R)> tiles512(std::integer_sequence<int, R
   return {&tile512<R + 1, NB>...};
 }
 
-template <int... NB>
-constexpr std::array<std::array<TileFn, kTileRows512>, sizeof...(NB)> tiles512_all(std::integer_sequence<int, NB...>) {
-  return {tiles512<NB + 1>(std::make_integer_sequence<int, kTileRows512>{})...};
-}
-
-// The tile for `rows` (1 to kTileRows512) rows of nb (1 to kTileBlocks) blocks.
+// The tile for `rows` (1 to kTileRows512) rows of nb (1 or 2) blocks.
 TileFn tile512_for(int64_t rows, int64_t nb) {
-  static constexpr auto all = tiles512_all(std::make_integer_sequence<int, kTileBlocks>{});
-  return all[nb - 1][rows - 1];
+  static_assert(kTileBlocks == 2, "a tile is one block or two");
+  static constexpr auto one = tiles512<1>(std::make_integer_sequence<int, kTileRows512>{});
+  static constexpr auto two = tiles512<2>(std::make_integer_sequence<int, kTileRows512>{});
+  return (nb == 2 ? two : one)[rows - 1];
 }
 
 // Units of up to kPanelRows rows x a group of the tiles' blocks (at least kMinUnitBytes of weights): a decode step's few

@@ -42,12 +42,21 @@ using tokenloom::kNoMax;
 constexpr int kKeys = 32;         // keys per block: two float32 vectors of scores
 constexpr int kQueryTokens = 32;  // query tokens per work item (times the heads sharing a KV head)
 
-// A tile's running state (in float32, kept between spans): R rows' accumulators, the sums of their probabilities (per lane) and their maxima.
+// A tile's running state (in float32 kept between spans): R rows' accumulators, the sums of their probabilities (per
+// lane) and their maxima, made empty.
 template <int HD, int R>
 struct TileState {
   __m512 acc[R][HD / 16];
   __m512 lane_sums[R];
   float row_max[R];
+
+  TileState() {
+    for (int i = 0; i < R; ++i) {
+      for (int l = 0; l < HD / 16; ++l) acc[i][l] = _mm512_setzero_ps();
+      lane_sums[i] = _mm512_setzero_ps();
+      row_max[i] = kNoMax;
+    }
+  }
 };
 
 // float32: K^T as [HD dims][kKeys] and V as [kKeys][HD], block by block of kKeys. Keys past the end of the context
@@ -185,24 +194,17 @@ struct Float32Keys {
     constexpr int kLanes = HD / 16;
     const int64_t tiles = (rows + R - 1) / R;
     std::vector<const float*> tq(tiles * R);
-    std::vector<int64_t> tk(tiles * R);
-    int64_t most = 0;
+    std::vector<int64_t> tk(tiles * R), tile_keys(tiles, 0);  // tile_keys: how many keys the tile's rows see at most
     for (int64_t r = 0; r < tiles * R; ++r) {
       tq[r] = qrows[std::min(r, rows - 1)];
       tk[r] = keys[std::min(r, rows - 1)];
-      most = std::max(most, tk[r]);
+      tile_keys[r / R] = std::max(tile_keys[r / R], tk[r]);
     }
+    const int64_t most = *std::max_element(tile_keys.begin(), tile_keys.end());
     std::vector<TileState<HD, R>> states(tiles);
-    for (TileState<HD, R>& st : states) {
-      for (int i = 0; i < R; ++i) {
-        for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_setzero_ps();
-        st.lane_sums[i] = _mm512_setzero_ps();
-        st.row_max[i] = kNoMax;
-      }
-    }
     for (int64_t k0 = 0; k0 < most; k0 += kSpan) {
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t seen = *std::max_element(tk.begin() + t * R, tk.begin() + (t + 1) * R) - k0;
+        const int64_t seen = tile_keys[t] - k0;
         if (seen <= 0) continue;
         const int span = static_cast<int>(std::min<int64_t>(kSpan, seen));
         attend_span<HD, R>(tq.data() + t * R, tk.data() + t * R, blocks, scale, k0, span, states[t]);
@@ -327,11 +329,6 @@ struct Bf16Keys {
     int64_t most = 0;
     for (int i = 0; i < R; ++i) most = std::max(most, keys[i]);
     TileState<HD, R> st;
-    for (int i = 0; i < R; ++i) {
-      for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_setzero_ps();
-      st.lane_sums[i] = _mm512_setzero_ps();
-      st.row_max[i] = kNoMax;
-    }
     int64_t k0 = 0, b = 0;
     for (; k0 + kKeys / 2 < most; k0 += kKeys, ++b) {
       attend<HD, R, false>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
