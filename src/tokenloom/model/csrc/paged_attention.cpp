@@ -5,10 +5,10 @@
 // this kernel reads every cached row in place, once. Work is split over (sequence, KV head) pairs: the query
 // heads that share a KV head are served by the same pass over its rows; a long context's pair is cut further into
 // up to one split per thread, merged after (decode_all), so one sequence keeps every thread busy.
-// Softmax and sums are in float32 whatever the storage dtype. The float32 path with AVX2 and FMA sweeps K and V in
-// chunks as the bf16 one does (attend_f32_avx2); elsewhere, and for bfloat16 without AVX-512 BF16, rows are widened
-// as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its probabilities rounded to
-// bf16 for the products with V as transformers' bfloat16 attention rounds them.
+// Softmax and sums are in float32 whatever the storage dtype. The float32 path with AVX-512 (attend_f32_avx512) or
+// AVX2 and FMA (attend_f32_avx2) sweeps K and V in chunks as the bf16 one does; elsewhere, and for bfloat16 without
+// AVX-512 BF16, rows are widened as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its
+// probabilities rounded to bf16 for the products with V as transformers' bfloat16 attention rounds them.
 
 #include <torch/library.h>
 
@@ -241,6 +241,121 @@ inline void raise_running_max(float chunk_max, float& run_max, float& run_sum, f
     run_sum *= correction;
   }
   run_max = chunk_max;
+}
+#endif  // __AVX512F__
+
+#if defined(__AVX512F__)
+// The same attention for float32 queries over a float32 cache with AVX-512 (where the model runs in float32 on an
+// AVX-512 CPU without BF16): attend_bf16_avx512's sweep, in float32 throughout. q.k 16 keys at a time, their sums
+// transposed into one vector (sum_each); each chunk's softmax in vectors; p.v with kPass query heads' accumulators
+// in registers. Against the AVX2 kernel below (8 floats a vector, a scalar softmax) on a 2-core Xeon: 15-19 ns per
+// key and KV head where it took 21-35 with the cache in L2, 1.1-1.2x faster from memory, where both wait on the
+// cache's bytes (benchmarks/RESULTS.md). Units of all of a row's KV heads (each block read in one sweep) were slower.
+template <int HD>
+void attend_f32_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t ctx,
+                       int64_t group, int64_t row, int64_t block_stride, int64_t block_size, float scale,
+                       const HeadsOut<float>& out, std::vector<float>& scratch) {
+  static_assert(HD % 16 == 0, "whole vectors of 16 floats");
+  constexpr int kVecs = HD / 16;                      // vectors per row
+  constexpr int kPass = (32 - kVecs - 2) / kVecs;     // query heads whose accumulators fit beside a V row
+  constexpr int kChunk = 64;                          // keys per step of the online softmax
+  const int64_t heads = group;                        // the query heads that share this KV head
+  scratch.resize(heads * (2 * HD + kChunk + 2));
+  float* qf = scratch.data();             // [heads][HD]: the queries, times the softmax scale
+  float* acc = qf + heads * HD;           // [heads][HD]
+  float* probs = acc + heads * HD;        // [heads][kChunk]: the chunk's scores, then its probabilities
+  float* run_max = probs + heads * kChunk;
+  float* run_sum = run_max + heads;
+  for (int64_t i = 0; i < heads * HD; ++i) qf[i] = q[i] * scale;
+  std::fill(acc, acc + heads * HD, 0.0f);
+  std::fill(run_max, run_max + heads, kNoMax);
+  std::fill(run_sum, run_sum + heads, 0.0f);
+  const float* rows[16];
+  const int64_t contiguous = block_size % 16 == 0 ? 16 : 1;  // rows known to follow a group's first
+  for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kChunk, ctx); t0 += 16) {
+    prefetch_group(k_cache, v_cache, table, t0, row, block_stride, block_size, HD, /*with_v=*/false);
+  }
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
+    for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+      group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, rows);
+      if (t0 + 16 <= ctx) prefetch_rows(v_cache + (rows[0] - k_cache), row, HD, contiguous);  // for the V pass
+      for (int64_t h = 0; h < heads; ++h) {
+        __m512 qv[kVecs];
+        for (int c = 0; c < kVecs; ++c) qv[c] = _mm512_loadu_ps(qf + h * HD + 16 * c);
+        __m512 dots[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(rows[j]));
+          for (int c = 1; c < kVecs; ++c) sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[j] + 16 * c), sum);
+          dots[j] = sum;
+        }
+        _mm512_storeu_ps(probs + h * kChunk + (t0 - c0), sum_each(dots));
+      }
+    }
+    // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
+    const int groups = static_cast<int>((keys + 15) / 16);
+    auto live_keys = [&](int g) {  // the chunk's keys among the 16 of group g
+      return static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
+    };
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = probs + h * kChunk;
+      __m512 most = _mm512_set1_ps(kNoMax);
+      for (int g = 0; g < groups; ++g) most = _mm512_mask_max_ps(most, live_keys(g), most, _mm512_loadu_ps(s + 16 * g));
+      raise_running_max<HD>(_mm512_reduce_max_ps(most), run_max[h], run_sum[h], acc + h * HD);
+      const __m512 m = _mm512_set1_ps(run_max[h]);
+      __m512 total = _mm512_setzero_ps();
+      for (int g = 0; g < groups; ++g) {
+        const __m512 p =
+            _mm512_maskz_mov_ps(live_keys(g), tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
+        _mm512_storeu_ps(s + 16 * g, p);
+        total = _mm512_add_ps(total, p);
+      }
+      run_sum[h] += _mm512_reduce_add_ps(total);
+    }
+    // The chunk's V rows, weighted, kPass query heads at a time (their accumulators in registers); the next chunk's K
+    // rows fetched meanwhile.
+    for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
+      with_count<kPass>(static_cast<int>(std::min<int64_t>(kPass, heads - h0)), [&]<int N>() {
+        __m512 sums[N][kVecs];
+#pragma GCC unroll 16
+        for (int h = 0; h < N; ++h) {
+#pragma GCC unroll 16
+          for (int c = 0; c < kVecs; ++c) sums[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + 16 * c);
+        }
+        for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+          group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, rows);
+          if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
+            prefetch_group(k_cache, v_cache, table, t0 + kChunk, row, block_stride, block_size, HD, false);
+          }
+          const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));
+          for (int j = 0; j < live; ++j) {
+            __m512 v[kVecs];
+#pragma GCC unroll 16
+            for (int c = 0; c < kVecs; ++c) v[c] = _mm512_loadu_ps(rows[j] + 16 * c);
+#pragma GCC unroll 16
+            for (int h = 0; h < N; ++h) {
+              const __m512 w = _mm512_set1_ps(probs[(h0 + h) * kChunk + (t0 - c0) + j]);
+#pragma GCC unroll 16
+              for (int c = 0; c < kVecs; ++c) sums[h][c] = _mm512_fmadd_ps(w, v[c], sums[h][c]);
+            }
+          }
+        }
+#pragma GCC unroll 16
+        for (int h = 0; h < N; ++h) {
+#pragma GCC unroll 16
+          for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(acc + (h0 + h) * HD + 16 * c, sums[h][c]);
+        }
+      });
+    }
+  }
+  float* dst = out.split != nullptr ? out.split : out.out;
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.0f / run_sum[h]);
+    for (int c = 0; c < kVecs; ++c) {
+      _mm512_storeu_ps(dst + h * HD + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + h * HD + 16 * c), inv));
+    }
+    out.denominator(h, run_max[h], run_sum[h]);
+  }
 }
 #endif  // __AVX512F__
 
@@ -1041,6 +1156,19 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
     if (head_dim == 128) {
       attend_bf16_avx512<128, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size,
                                     at.scale_offset, s, out_head, scratch);
+      return;
+    }
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> && Kind == tokenloom::kPlain) {
+    if (head_dim == 64) {
+      attend_f32_avx512<64>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, s, out_head, scratch);
+      return;
+    }
+    if (head_dim == 128) {
+      attend_f32_avx512<128>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, s, out_head,
+                             scratch);
       return;
     }
   }
