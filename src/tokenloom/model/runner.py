@@ -25,6 +25,7 @@ from tokenloom.model.forward_context import forward_context
 from tokenloom.model.gptq import recording_input_hessians
 from tokenloom.model.gptq_cache import cache_enabled as gptq_cache_enabled
 from tokenloom.model.gptq_cache import codes_key, load_codes, save_gptq_codes
+from tokenloom.model.huge_pages import zeros_on_huge_pages
 from tokenloom.model.kv_quant import kv_format
 from tokenloom.model.llama import CausalLM
 from tokenloom.model.penalties import SeenTokens
@@ -213,8 +214,8 @@ class ModelRunner:
         # slot of zeros is codes 0 with scale 0: the value 0).
         self.kv_caches = [
             (
-                torch.zeros(num_slots, row, dtype=dtype, device=self.device),
-                torch.zeros(num_slots, row, dtype=dtype, device=self.device),
+                zeros_on_huge_pages(num_slots, row, dtype, self.device),
+                zeros_on_huge_pages(num_slots, row, dtype, self.device),
             )
             for _ in range(self.model.config.num_layers)
         ]
