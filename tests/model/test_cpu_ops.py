@@ -344,15 +344,6 @@ def test_f32_linear_refuses_what_it_cannot_take():
         torch.ops.tokenloom.f32_linear(torch.randn(2, 16), packed, torch.randn(16))
 
 
-def test_the_avx512_check_reads_a_flag_torch_reports():
-    """cpu_has_avx512 reads torch's own name for AVX-512 F (a misspelt key would read as absent on every CPU)."""
-    from tokenloom.model import platform
-
-    capabilities = torch.cpu.get_capabilities()
-    assert "avx512_f" in capabilities
-    assert platform.cpu_has_avx512() is bool(capabilities["avx512_f"])
-
-
 def test_a_float32_linear_runs_our_kernel_where_it_is_built():
     """float32 weights: packed for f32_linear (every step, the compiled graph's operator too); the same linear, bias
     included. A shape our kernel cannot take (out features not a multiple of 16) goes to oneDNN."""

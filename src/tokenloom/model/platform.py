@@ -31,12 +31,6 @@ def cpu_has_amx() -> bool:
     return bool(_cpu_capabilities().get("amx_bf16"))
 
 
-def cpu_has_avx512() -> bool:
-    """True when the CPU has AVX-512 F: there oneDNN's float32 matmuls use 16-wide vectors, where our float32 linear
-    (csrc/f32_linear.cpp) uses AVX2's 8."""
-    return bool(_cpu_capabilities().get("avx512_f"))
-
-
 def _cpu_capabilities() -> Mapping[str, object]:
     return torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
 
