@@ -1,21 +1,22 @@
 """The two float32 hot spots of a CPU without AVX-512 BF16 (where dtype auto is float32), each part alone.
 
-    .venv/bin/python benchmarks/float32_cpu_ops.py [--attention 64x400,16x4000] [--rows 1,8,32,64,512,2048]
-                                                  [--step-rows 1,2,4,8,12,16,32,64]
+    .venv/bin/python benchmarks/float32_cpu_ops.py [--attention 64x400,16x4000] [--kv-pages small,huge]
+                                                  [--rows 1,8,32,64,512,2048] [--step-rows 1,2,4,8,12,16,32,64]
 
 Decode attention: tokenloom::paged_decode_attention over a float32 paged cache of SmolLM2-135M's shape (9 query
 heads, 3 KV heads of 64 dims, blocks of 16 tokens, scattered), 30 layers of it so that the cache is read from
 memory as in a step, for S sequences of C tokens each: milliseconds for the 30 layers, the cache bytes read per
 second, and nanoseconds per key and KV head (best of 5); `--kv-cache-dtype auto,int8` repeats each case over an
-8-bit cache of the same tokens (kv_quant.py's entries: 64 codes and a scale per token and KV head). Linears:
+8-bit cache of the same tokens (kv_quant.py's entries: 64 codes and a scale per token and KV head), and
+`--kv-pages small,huge` on 4 KiB pages and on 2 MiB ones (the engine's, huge_pages.py; the default). Linears:
 F.linear against the same weight in oneDNN's packed float32 layout (what the engine uses on the CPU, prepack.py),
 and where this CPU has an int8 kernel the same weight as --quantization int8 runs it (quantization.Int8Linear: the
 activations' codes made per call, then our int8 kernel), at SmolLM2's shapes (fused qkv, o, fused gate/up, down,
 LM head), microseconds per call (best of 5 repeats). A step's linears: the 120 decoder linears of 30 layers of
 distinct weights (425 MB, so read from memory as in a decode step, where one weight repeated would sit in the cache),
-oneDNN's packed layout against tokenloom::f32_linear over the same weights in its blocks (what an AVX2 CPU runs
-every float32 step on), rounds alternated, best of 4: milliseconds and the weights' GB/s. Prints markdown
-tables. CPU only; a benchmark, not a test.
+oneDNN's packed layout against tokenloom::f32_linear over the same weights in its blocks (what the engine runs
+every float32 step on where the operators are built), rounds alternated, best of 4: milliseconds and the weights'
+GB/s. Prints markdown tables. CPU only; a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from int8_linear_breakdown import milliseconds
 
 from tokenloom.model import cpu_kernel, kv_quant
+from tokenloom.model.huge_pages import zeros_on_huge_pages
 from tokenloom.model.prepack import DECODE_ROWS_HINT, f32_pack_weight
 from tokenloom.model.quantization import Int8Linear, int8_available
 
@@ -40,7 +42,7 @@ LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]: qkv, o, gate_up, down, head
 
 
-def attention_row(seqs: int, ctx: int, kv_dtype: str) -> str:
+def attention_row(seqs: int, ctx: int, kv_dtype: str, pages: str = "huge") -> str:
     g = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-ctx // BLOCK)
     num_blocks = seqs * blocks_per_seq
@@ -49,7 +51,10 @@ def attention_row(seqs: int, ctx: int, kv_dtype: str) -> str:
 
     def cache() -> torch.Tensor:
         values = torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM, generator=g)
-        return values.flatten(1) if fmt is None else kv_quant.encode(values, fmt).flatten(1)
+        rows = values.flatten(1) if fmt is None else kv_quant.encode(values, fmt).flatten(1)
+        if pages == "small":
+            return rows
+        return zeros_on_huge_pages(rows.shape[0], rows.shape[1], rows.dtype, rows.device).copy_(rows)
 
     caches = [(cache(), cache()) for _ in range(LAYERS)]
     tables = torch.randperm(num_blocks, generator=g).view(seqs, blocks_per_seq).contiguous()
@@ -64,7 +69,8 @@ def attention_row(seqs: int, ctx: int, kv_dtype: str) -> str:
     seconds = milliseconds(step, repeats=1, rounds=5) / 1e3
     cache_bytes = LAYERS * seqs * ctx * caches[0][0].shape[1] * caches[0][0].element_size() * 2
     per_key = seconds / (LAYERS * seqs * ctx * KV_HEADS) * 1e9
-    return f"| {seqs} x {ctx} | {kv_dtype} | {seconds * 1e3:.1f} | {cache_bytes / seconds / 1e9:.1f} | {per_key:.1f} |"
+    rate = cache_bytes / seconds / 1e9
+    return f"| {seqs} x {ctx} | {kv_dtype} | {pages} | {seconds * 1e3:.1f} | {rate:.1f} | {per_key:.1f} |"
 
 
 def linear_rows(rows: list[int]) -> list[str]:
@@ -126,25 +132,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attention", default="64x400,16x4000", help="sequences x context, comma-separated")
     parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated: auto (float32), int8, fp8_e4m3, ...")
-    parser.add_argument("--rows", default="1,8,32,64,512,2048")
-    parser.add_argument("--step-rows", default="1,2,4,8,12,16,32,64", help="rows of a step's 120 decoder linears")
+    parser.add_argument(
+        "--kv-pages", default="huge", help="small, huge or both (small,huge): the cache on 4 KiB or 2 MiB pages"
+    )
+    parser.add_argument("--rows", default="1,8,32,64,512,2048", help="rows of one linear ('': none)")
+    parser.add_argument(
+        "--step-rows", default="1,2,4,8,12,16,32,64", help="rows of a step's 120 decoder linears ('': none)"
+    )
     args = parser.parse_args()
     if not cpu_kernel.load_kernel():
         raise SystemExit("the CPU operators could not be built here")
     print(f"load average before: {os.getloadavg()[0]:.2f}; torch threads: {torch.get_num_threads()}")
-    print("| sequences x context | KV cache | ms per 30 layers | cache GB/s | ns per key and KV head |")
-    print("|---|---|---:|---:|---:|")
+    print("| sequences x context | KV cache | pages | ms per 30 layers | cache GB/s | ns per key and KV head |")
+    print("|---|---|---|---:|---:|---:|")
     for case in args.attention.split(","):
         seqs, ctx = (int(part) for part in case.split("x"))
         for kv_dtype in args.kv_cache_dtype.split(","):
-            print(attention_row(seqs, ctx, kv_dtype))
-    print()
-    int8 = " int8 us | packed / int8 |" if int8_available() else ""
-    print(f"| weight [out x in] | rows | F.linear us | oneDNN packed us | F.linear / packed |{int8}")
-    print("|---|---:|---:|---:|---:|" + "---:|---:|" * bool(int8))
-    for line in linear_rows([int(r) for r in args.rows.split(",")]):
-        print(line)
-    if cpu_kernel.has_operator("f32_linear"):
+            for pages in args.kv_pages.split(","):
+                print(attention_row(seqs, ctx, kv_dtype, pages))
+    if args.rows:
+        int8 = " int8 us | packed / int8 |" if int8_available() else ""
+        print(f"\n| weight [out x in] | rows | F.linear us | oneDNN packed us | F.linear / packed |{int8}")
+        print("|---|---:|---:|---:|---:|" + "---:|---:|" * bool(int8))
+        for line in linear_rows([int(r) for r in args.rows.split(",")]):
+            print(line)
+    if args.step_rows and cpu_kernel.has_operator("f32_linear"):
         print("\n| step rows | 120 decoder linears, oneDNN packed: ms (GB/s) | f32_linear | packed / ours |")
         print("|---:|---:|---:|---:|")
         for line in step_linear_rows([int(r) for r in args.step_rows.split(",")]):
