@@ -81,13 +81,53 @@ struct Float32Keys {
   static constexpr int kSpanBlocks = 8;
   static constexpr int kSpan = kSpanBlocks * kKeys;
 
+  // K transposed 16 keys x 16 dims at a time in registers, V copied. One element a store, the packing cost chunks of
+  // 4-16 queries after a long past (every past block packed for few queries) 8-19% more time a layer
+  // (benchmarks/RESULTS.md); prompts of 2,048 after 2,048 the same.
   template <int HD, typename KRow, typename VRow>
   static void pack(const KRow& k_row, const VRow& v_row, int64_t k0, int64_t ctx, float* kt, float* vt) {
+    static_assert(kKeys % 16 == 0 && HD % 16 == 0, "whole 16 x 16 squares");
     const int64_t nk = std::min<int64_t>(kKeys, ctx - k0);
+    const float* rows[kKeys];
     for (int64_t j = 0; j < kKeys; ++j) {
-      const float* krow = k_row(k0 + std::min(j, nk - 1));
-      for (int d = 0; d < HD; ++d) kt[d * kKeys + j] = krow[d];
+      rows[j] = k_row(k0 + std::min(j, nk - 1));
       std::memcpy(vt + j * HD, v_row(k0 + std::min(j, nk - 1)), HD * sizeof(float));
+    }
+    for (int j0 = 0; j0 < kKeys; j0 += 16) {
+      for (int d0 = 0; d0 < HD; d0 += 16) {
+        __m512 square[16];
+        for (int i = 0; i < 16; ++i) square[i] = _mm512_loadu_ps(rows[j0 + i] + d0);
+        transpose16(square);
+        for (int d = 0; d < 16; ++d) _mm512_storeu_ps(kt + (d0 + d) * kKeys + j0, square[d]);
+      }
+    }
+  }
+
+  // r[i] lane j -> r[j] lane i, for a 16 x 16 square of floats: pairs, then quads within 128-bit lanes, then lanes.
+  static inline void transpose16(__m512* r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    __m512 u[16];  // u[4q + c], 128-bit lane L: rows 4q .. 4q + 3 of column 4L + c
+    for (int q = 0; q < 4; ++q) {
+      const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
+      const __m512d c = _mm512_castps_pd(t[4 * q + 2]), d = _mm512_castps_pd(t[4 * q + 3]);
+      u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+      u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+      u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+      u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int c = 0; c < 4; ++c) {  // column 4L + c gathers lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+      const __m512 low01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
+      const __m512 high01 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+      const __m512 low23 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+      const __m512 high23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+      r[c] = _mm512_shuffle_f32x4(low01, high01, 0x88);
+      r[4 + c] = _mm512_shuffle_f32x4(low01, high01, 0xDD);
+      r[8 + c] = _mm512_shuffle_f32x4(low23, high23, 0x88);
+      r[12 + c] = _mm512_shuffle_f32x4(low23, high23, 0xDD);
     }
   }
 
