@@ -81,9 +81,9 @@ struct Float32Keys {
   static constexpr int kSpanBlocks = 8;
   static constexpr int kSpan = kSpanBlocks * kKeys;
 
-  // K transposed 16 keys x 16 dims at a time in registers, V copied. One element a store, the packing cost chunks of
-  // 4-16 queries after a long past (every past block packed for few queries) 8-19% more time a layer
-  // (benchmarks/RESULTS.md); prompts of 2,048 after 2,048 the same.
+  // K transposed 16 keys x 16 dims at a time in registers, V copied. One element a store, the packing made chunks of
+  // 4-64 queries after a long past (every past block packed for few queries) 1.06-1.22x slower a layer, 2 x 200 after
+  // 2,000 1.03x (benchmarks/short_chunks_after_past.py); prompts of 2,048 after 2,048 the same.
   template <int HD, typename KRow, typename VRow>
   static void pack(const KRow& k_row, const VRow& v_row, int64_t k0, int64_t ctx, float* kt, float* vt) {
     static_assert(kKeys % 16 == 0 && HD % 16 == 0, "whole 16 x 16 squares");
