@@ -16,27 +16,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np
 import torch
+from int8_linear_breakdown import milliseconds
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.step_inputs import shared_key_blocks
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-
-
-def best_ms(call, rounds: int = 7, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        best = min(best, (time.perf_counter() - started) / repeats * 1e3)
-    return best
 
 
 def case_row(segments: int, queries: int, past: int) -> str:
@@ -66,7 +59,8 @@ def case_row(segments: int, queries: int, past: int) -> str:
     torch.testing.assert_close(paged_out, decode_out, atol=1e-4, rtol=1e-4)
     paged_ms, decode_ms = float("inf"), float("inf")
     for _ in range(2):
-        paged_ms, decode_ms = min(paged_ms, best_ms(paged)), min(decode_ms, best_ms(as_decodes))
+        paged_ms = min(paged_ms, milliseconds(paged, repeats=5, rounds=7))
+        decode_ms = min(decode_ms, milliseconds(as_decodes, repeats=5, rounds=7))
     flop = 4 * segments * queries * HEADS * ctx * HEAD_DIM
     return (f"| {segments} x {queries} after {past} | {paged_ms:.2f} ({flop / paged_ms / 1e6:.0f} GFLOP/s) | "
             f"{decode_ms:.2f} |")  # fmt: skip

@@ -242,6 +242,20 @@ inline void raise_running_max(float chunk_max, float& run_max, float& run_sum, f
   }
   run_max = chunk_max;
 }
+
+// A chunk's keys among the 16 of its group g (a chunk of `keys` scores; the last group may be partial).
+inline __mmask16 live_keys(int64_t keys, int g) {
+  return static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
+}
+
+// The largest of a chunk's `keys` scores.
+inline float chunk_max(const float* scores, int64_t keys) {
+  __m512 most = _mm512_set1_ps(kNoMax);
+  for (int g = 0; g < (keys + 15) / 16; ++g) {
+    most = _mm512_mask_max_ps(most, live_keys(keys, g), most, _mm512_loadu_ps(scores + 16 * g));
+  }
+  return _mm512_reduce_max_ps(most);
+}
 #endif  // __AVX512F__
 
 #if defined(__AVX512F__)
@@ -294,19 +308,14 @@ void attend_f32_avx512(const float* q, const float* k_cache, const float* v_cach
     }
     // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
     const int groups = static_cast<int>((keys + 15) / 16);
-    auto live_keys = [&](int g) {  // the chunk's keys among the 16 of group g
-      return static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
-    };
     for (int64_t h = 0; h < heads; ++h) {
       float* s = probs + h * kChunk;
-      __m512 most = _mm512_set1_ps(kNoMax);
-      for (int g = 0; g < groups; ++g) most = _mm512_mask_max_ps(most, live_keys(g), most, _mm512_loadu_ps(s + 16 * g));
-      raise_running_max<HD>(_mm512_reduce_max_ps(most), run_max[h], run_sum[h], acc + h * HD);
+      raise_running_max<HD>(chunk_max(s, keys), run_max[h], run_sum[h], acc + h * HD);
       const __m512 m = _mm512_set1_ps(run_max[h]);
       __m512 total = _mm512_setzero_ps();
       for (int g = 0; g < groups; ++g) {
-        const __m512 p =
-            _mm512_maskz_mov_ps(live_keys(g), tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
+        const __m512 p = _mm512_maskz_mov_ps(live_keys(keys, g),
+                                             tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
         _mm512_storeu_ps(s + 16 * g, p);
         total = _mm512_add_ps(total, p);
       }
@@ -458,21 +467,14 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
     }
     // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
     const int groups = static_cast<int>((keys + 15) / 16);
-    auto live_keys = [&](int g) {  // the chunk's keys among the 16 of group g
-      return static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
-    };
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kChunk;
-      __m512 most = _mm512_set1_ps(kNoMax);
-      for (int g = 0; g < groups; ++g) {
-        most = _mm512_mask_max_ps(most, live_keys(g), most, _mm512_loadu_ps(s + 16 * g));
-      }
-      const float chunk_max = _mm512_reduce_max_ps(most);
-      raise_running_max<HD>(chunk_max, run_max[h], run_sum[h], acc + h * HD);
+      raise_running_max<HD>(chunk_max(s, keys), run_max[h], run_sum[h], acc + h * HD);
       const __m512 m = _mm512_set1_ps(run_max[h]);
       __m512 total = _mm512_setzero_ps();
       for (int g = 0; g < groups; ++g) {
-        const __m512 p = _mm512_maskz_mov_ps(live_keys(g), tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
+        const __m512 p = _mm512_maskz_mov_ps(live_keys(keys, g),
+                                             tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
         // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
         __m512 weight = p;
         if constexpr (Kind != tokenloom::kPlain) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
@@ -727,19 +729,14 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
     }
     // Online softmax, as attend_bf16_avx512; then each 16 keys' weights (p x V's scale) as bytes.
     const int groups = static_cast<int>((keys + 15) / 16);
-    auto live_keys = [&](int g) {
-      return static_cast<__mmask16>(keys - 16 * g >= 16 ? 0xFFFF : (1u << (keys - 16 * g)) - 1);
-    };
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kChunk;
-      __m512 most = _mm512_set1_ps(kNoMax);
-      for (int g = 0; g < groups; ++g) most = _mm512_mask_max_ps(most, live_keys(g), most, _mm512_loadu_ps(s + 16 * g));
-      const float chunk_max = _mm512_reduce_max_ps(most);
-      raise_running_max<HD>(chunk_max, run_max[h], run_sum[h], acc + h * HD);
+      raise_running_max<HD>(chunk_max(s, keys), run_max[h], run_sum[h], acc + h * HD);
       const __m512 m = _mm512_set1_ps(run_max[h]);
       __m512 total = _mm512_setzero_ps();
       for (int g = 0; g < groups; ++g) {
-        const __m512 p = _mm512_maskz_mov_ps(live_keys(g), tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
+        const __m512 p = _mm512_maskz_mov_ps(live_keys(keys, g),
+                                             tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
         total = _mm512_add_ps(total, p);
         const __m512 w = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
         const float w_max = _mm512_reduce_max_ps(w);
