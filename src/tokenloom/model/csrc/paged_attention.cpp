@@ -256,6 +256,27 @@ inline float chunk_max(const float* scores, int64_t keys) {
   }
   return _mm512_reduce_max_ps(most);
 }
+
+// The online softmax over a chunk of `keys` scores for each of `heads` query heads (head h's at scores + h * stride):
+// its running maximum raised (what it summed so far rescaled), each group of 16 keys' probabilities (0 past the
+// chunk) handed to use(h, g, p), and added to its running sum.
+template <int HD, typename Use>
+inline void softmax_chunk(const float* scores, int64_t stride, int64_t heads, int64_t keys, float* run_max,
+                          float* run_sum, float* acc, Use&& use) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* s = scores + h * stride;
+    raise_running_max<HD>(chunk_max(s, keys), run_max[h], run_sum[h], acc + h * HD);
+    const __m512 m = _mm512_set1_ps(run_max[h]);
+    __m512 total = _mm512_setzero_ps();
+    for (int g = 0; g < (keys + 15) / 16; ++g) {
+      const __m512 p = _mm512_maskz_mov_ps(live_keys(keys, g),
+                                           tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
+      use(h, g, p);
+      total = _mm512_add_ps(total, p);
+    }
+    run_sum[h] += _mm512_reduce_add_ps(total);
+  }
+}
 #endif  // __AVX512F__
 
 #if defined(__AVX512F__)
@@ -306,21 +327,10 @@ void attend_f32_avx512(const float* q, const float* k_cache, const float* v_cach
         _mm512_storeu_ps(probs + h * kChunk + (t0 - c0), sum_each(dots));
       }
     }
-    // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
-    const int groups = static_cast<int>((keys + 15) / 16);
-    for (int64_t h = 0; h < heads; ++h) {
-      float* s = probs + h * kChunk;
-      raise_running_max<HD>(chunk_max(s, keys), run_max[h], run_sum[h], acc + h * HD);
-      const __m512 m = _mm512_set1_ps(run_max[h]);
-      __m512 total = _mm512_setzero_ps();
-      for (int g = 0; g < groups; ++g) {
-        const __m512 p = _mm512_maskz_mov_ps(live_keys(keys, g),
-                                             tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
-        _mm512_storeu_ps(s + 16 * g, p);
-        total = _mm512_add_ps(total, p);
-      }
-      run_sum[h] += _mm512_reduce_add_ps(total);
-    }
+    // Online softmax: the scores become their probabilities, in place.
+    softmax_chunk<HD>(probs, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
+      _mm512_storeu_ps(probs + h * kChunk + 16 * g, p);
+    });
     // The chunk's V rows, weighted, kPass query heads at a time (their accumulators in registers); the next chunk's K
     // rows fetched meanwhile.
     for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
@@ -466,24 +476,13 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
       }
     }
     // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
-    const int groups = static_cast<int>((keys + 15) / 16);
-    for (int64_t h = 0; h < heads; ++h) {
-      float* s = scores + h * kChunk;
-      raise_running_max<HD>(chunk_max(s, keys), run_max[h], run_sum[h], acc + h * HD);
-      const __m512 m = _mm512_set1_ps(run_max[h]);
-      __m512 total = _mm512_setzero_ps();
-      for (int g = 0; g < groups; ++g) {
-        const __m512 p = _mm512_maskz_mov_ps(live_keys(keys, g),
-                                             tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
-        // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
-        __m512 weight = p;
-        if constexpr (Kind != tokenloom::kPlain) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
-        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weight);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
-        total = _mm512_add_ps(total, p);
-      }
-      run_sum[h] += _mm512_reduce_add_ps(total);
-    }
+    softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
+      // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
+      __m512 weight = p;
+      if constexpr (Kind != tokenloom::kPlain) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weight);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
+    });
     // The chunk's V rows, weighted, for kPass query heads at a time (their accumulators live in registers: N is
     // known when compiled, and every loop over them unrolled). Two keys per bf16 dot product: rows 2i and 2i + 1
     // interleaved into pairs of dims.
@@ -728,25 +727,14 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
       }
     }
     // Online softmax, as attend_bf16_avx512; then each 16 keys' weights (p x V's scale) as bytes.
-    const int groups = static_cast<int>((keys + 15) / 16);
-    for (int64_t h = 0; h < heads; ++h) {
-      float* s = scores + h * kChunk;
-      raise_running_max<HD>(chunk_max(s, keys), run_max[h], run_sum[h], acc + h * HD);
-      const __m512 m = _mm512_set1_ps(run_max[h]);
-      __m512 total = _mm512_setzero_ps();
-      for (int g = 0; g < groups; ++g) {
-        const __m512 p = _mm512_maskz_mov_ps(live_keys(keys, g),
-                                             tokenloom::exp_clamped(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * g), m)));
-        total = _mm512_add_ps(total, p);
-        const __m512 w = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
-        const float w_max = _mm512_reduce_max_ps(w);
-        const float to_byte = w_max > 0.0f ? 255.0f / w_max : 0.0f;
-        w_mul[h * (kChunk / 16) + g] = w_max / 255.0f;
-        const __m512i bytes = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(to_byte)));  // rounded to nearest
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + h * kChunk + 16 * g), _mm512_cvtusepi32_epi8(bytes));
-      }
-      run_sum[h] += _mm512_reduce_add_ps(total);
-    }
+    softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
+      const __m512 w = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
+      const float w_max = _mm512_reduce_max_ps(w);
+      const float to_byte = w_max > 0.0f ? 255.0f / w_max : 0.0f;
+      w_mul[h * (kChunk / 16) + g] = w_max / 255.0f;
+      const __m512i bytes = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(to_byte)));  // rounded to nearest
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + h * kChunk + 16 * g), _mm512_cvtusepi32_epi8(bytes));
+    });
     // p.v, kPass heads at a time: per 16 keys, 4 keys per integer dot product (their codes interleaved per dim).
     for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
       const int n = static_cast<int>(std::min<int64_t>(kPass, heads - h0));
