@@ -440,12 +440,12 @@ def streamed_chat(url: str, key: str, body: dict) -> tuple[list[int], str, list,
 
 
 @pytest.mark.parametrize("asked", [None, 5, 1])
-def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_n(flagged_server, asked):
-    """--stream-interval 3 (vLLM's flag): the first token is sent without waiting for the interval, after it each
-    chunk carries at least three (the last fewer); a request's own stream_interval raises it, never lowers it; the
-    text and logprobs are the whole response's. (A reader a step behind finds the second token joined to the first,
-    as vLLM's output collector joins them: the first chunk is asked to be short of the interval, not one token;
-    OutputQueue's own test wakes the reader at the first output exactly.)"""
+def test_a_stream_interval_sends_chunks_of_n_after_the_first(flagged_server, asked):
+    """--stream-interval 3 (vLLM's flag): after the first chunk each chunk carries at least three tokens (the last
+    fewer); a request's own stream_interval raises it, never lowers it; the text and logprobs are the whole
+    response's. The first chunk is sent at the first output without waiting for the interval (OutputQueue's own test
+    wakes the reader there exactly), but a reader some steps behind finds the tokens since joined to it, as vLLM's
+    output collector joins them: its size here is how far the reader lagged, so it is not asked."""
     import openai
 
     body = dict(
@@ -456,8 +456,8 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_chunks_of_n(flagge
     whole = openai.OpenAI(base_url=f"{flagged_server.url}/v1", api_key="k1", max_retries=0, timeout=60)
     reply = whole.chat.completions.create(**body).choices[0]
     interval = max(3, asked or 1)
-    assert total == sum(counts) == 17 and counts[0] < interval
-    assert all(count >= interval for count in counts[1:-1]) and counts[-1] >= 1
+    assert total == sum(counts) == 17 and counts[0] >= 1
+    assert all(count >= interval for count in counts[1:-1]) and counts[-1] >= 1, counts
     assert len(counts) <= 2 + (16 // interval), counts
     assert text == reply.message.content
     assert [entry.token for entry in logprobs] == [entry.token for entry in reply.logprobs.content]
@@ -467,7 +467,8 @@ def test_a_requests_stream_interval_is_vllms_field_and_zero_is_a_400(server):
     body = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=9, temperature=0)
     asked = {**body, "extra_body": {"ignore_eos": True, "stream_interval": 4}}
     counts, _, _, total = streamed_chat(server.url, KEY, asked)
-    assert total == 9 and counts[0] < 4 and all(count >= 4 for count in counts[1:-1]) and len(counts) <= 3
+    # The first chunk: as many tokens as the reader found waiting (see the test above), so its size is not asked.
+    assert total == 9 and all(count >= 4 for count in counts[1:-1]) and len(counts) <= 3, counts
     refused = post(server, "/v1/chat/completions", {**body, "stream": True, "stream_interval": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_interval", refused.text
 
