@@ -277,9 +277,7 @@ inline void softmax_chunk(const float* scores, int64_t stride, int64_t heads, in
     run_sum[h] += _mm512_reduce_add_ps(total);
   }
 }
-#endif  // __AVX512F__
 
-#if defined(__AVX512F__)
 // The same attention for float32 queries over a float32 cache with AVX-512 (where the model runs in float32 on an
 // AVX-512 CPU without BF16): attend_bf16_avx512's sweep, in float32 throughout. q.k 16 keys at a time, their sums
 // transposed into one vector (sum_each); each chunk's softmax in vectors; p.v with kPass query heads' accumulators
