@@ -152,6 +152,37 @@ def row_error_bound(name: str, dtype: torch.dtype, head_dim: int) -> float:
     return 1e-4 if exact else AVX2_INT8_ROW_ERROR if avx2_int8 else ROW_ERROR[name]
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_decode_operator_widens_every_finite_code_exactly(name, dtype, head_dim):
+    """Every code of the format (but fp8's NaN and infinities) as a V value: a context of one token attends to its
+    V row alone, so the operator's output is the code's value times the scale, which float32 and bf16 hold exactly."""
+    needs_operator()
+    fmt = kv_quant.kv_format(name)
+    assert fmt is not None
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(codes.view(fmt.code_dtype).float())
+    codes = codes[finite]
+    rows = -(-len(codes) // head_dim)
+    row_codes = torch.cat([codes, codes[: rows * head_dim - len(codes)]]).view(rows, 1, head_dim)
+    scale = torch.full((rows, 1, 1), 0.5).view(torch.uint8)  # 4 bytes of float32 per (token, head)
+    entries = torch.cat([row_codes, scale.view(rows, 1, 4)], -1)
+    cache_v = torch.zeros(rows * BLOCK, head_dim + 4, dtype=torch.uint8)
+    cache_v[::BLOCK] = entries[:, 0]  # row i in slot 0 of block i
+    tables = torch.arange(rows).view(rows, 1)
+    q = torch.randn(rows, 2, head_dim).to(dtype)  # two query heads on the one KV head
+    out = cpu_kernel.paged_decode_attention(
+        q, torch.zeros_like(cache_v), cache_v, tables, torch.ones(rows, dtype=torch.long), BLOCK, head_dim**-0.5,
+        kv_kind=fmt.kind,
+    )  # fmt: skip
+    expected = kv_quant.decode(entries, fmt, torch.float32).view(rows, 1, head_dim).expand(rows, 2, head_dim)
+    if name == "int8" and dtype == torch.float32:  # the integer kernels round the probability 1 to 8 or 16 bits
+        assert row_error(out, expected) <= row_error_bound(name, dtype, head_dim)
+    else:
+        assert torch.equal(out.float(), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", FORMATS)
 def test_split_contexts_of_an_8_bit_cache_merge_to_the_whole(name, dtype):

@@ -278,16 +278,36 @@ inline void softmax_chunk(const float* scores, int64_t stride, int64_t heads, in
   }
 }
 
-// The same attention for float32 queries over a float32 cache with AVX-512 (where the model runs in float32 on an
-// AVX-512 CPU without BF16): attend_bf16_avx512's sweep, in float32 throughout. q.k 16 keys at a time, their sums
-// transposed into one vector (sum_each); each chunk's softmax in vectors; p.v with kPass query heads' accumulators
-// in registers. Against the AVX2 kernel below (8 floats a vector, a scalar softmax) on a 2-core Xeon: 15-19 ns per
-// key and KV head where it took 21-35 with the cache in L2, 1.1-1.2x faster from memory, where both wait on the
-// cache's bytes (benchmarks/RESULTS.md). Units of all of a row's KV heads (each block read in one sweep) were slower.
-template <int HD>
-void attend_f32_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t ctx,
-                       int64_t group, int64_t row, int64_t block_stride, int64_t block_size, float scale,
-                       const HeadsOut<float>& out, std::vector<float>& scratch) {
+// A float32 kernel's cache element: a float, or an 8-bit cache's byte.
+template <int64_t Kind>
+using F32Elem = std::conditional_t<Kind == tokenloom::kPlain, float, uint8_t>;
+
+// Vector c (dims 16c .. 16c + 15) of a row: a float32 row's, or an 8-bit row's codes widened (times code_unit).
+template <int64_t Kind>
+inline __m512 row_vector(const F32Elem<Kind>* row, int c) {
+  if constexpr (Kind == tokenloom::kPlain) {
+    return _mm512_loadu_ps(row + 16 * c);
+  } else {
+    return tokenloom::widen16<Kind>(row + 16 * c);
+  }
+}
+
+// The same attention for float32 queries with AVX-512 (where the model runs in float32 on an AVX-512 CPU without
+// BF16): attend_bf16_avx512's sweep, in float32 throughout. q.k 16 keys at a time, their sums transposed into one
+// vector (sum_each); each chunk's softmax in vectors; p.v with kPass query heads' accumulators in registers. Against
+// the AVX2 kernel below (8 floats a vector, a scalar softmax) on a 2-core Xeon: 15-19 ns per key and KV head where
+// it took 21-35 with the cache in L2, 1.1-1.2x faster from memory, where both wait on the cache's bytes
+// (benchmarks/RESULTS.md). Units of all of a row's KV heads (each block read in one sweep) were slower.
+// An 8-bit cache (Kind != kPlain) is read as attend_bf16_avx512 reads it: each group of 16 K rows widened to float32
+// once, into a buffer the query heads share, V's codes widened in registers as each pass multiplies them, and the
+// scales applied apart (K's onto the scores, V's onto the probabilities after the running sum).
+template <int HD, int64_t Kind>
+void attend_f32_avx512(const float* q, const F32Elem<Kind>* k_cache, const F32Elem<Kind>* v_cache,
+                       const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_stride,
+                       int64_t block_size, int64_t scale_offset, float scale, const HeadsOut<float>& out,
+                       std::vector<float>& scratch) {
+  using Elem = F32Elem<Kind>;
+  constexpr bool kCodes = Kind != tokenloom::kPlain;
   static_assert(HD % 16 == 0, "whole vectors of 16 floats");
   constexpr int kVecs = HD / 16;                      // vectors per row
   constexpr int kPass = (32 - kVecs - 2) / kVecs;     // query heads whose accumulators fit beside a V row
@@ -303,16 +323,35 @@ void attend_f32_avx512(const float* q, const float* k_cache, const float* v_cach
   std::fill(acc, acc + heads * HD, 0.0f);
   std::fill(run_max, run_max + heads, kNoMax);
   std::fill(run_sum, run_sum + heads, 0.0f);
+  const Elem* raw[16];
   const float* rows[16];
+  alignas(64) float widened[kCodes ? 16 * HD : 1];  // an 8-bit cache's 16 K rows, as float32
+  alignas(64) float k_scales[16];
+  alignas(64) float v_scales[kChunk];  // the chunk's
+  const int entry = kCodes ? static_cast<int>(row) : HD;  // elements fetched of each row
   const int64_t contiguous = block_size % 16 == 0 ? 16 : 1;  // rows known to follow a group's first
   for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kChunk, ctx); t0 += 16) {
-    prefetch_group(k_cache, v_cache, table, t0, row, block_stride, block_size, HD, /*with_v=*/false);
+    prefetch_group(k_cache, v_cache, table, t0, row, block_stride, block_size, entry, /*with_v=*/kCodes);
   }
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
     for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-      group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, rows);
-      if (t0 + 16 <= ctx) prefetch_rows(v_cache + (rows[0] - k_cache), row, HD, contiguous);  // for the V pass
+      group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
+      if constexpr (kCodes) {
+        for (int j = 0; j < 16; ++j) {
+          for (int c = 0; c < kVecs; ++c) _mm512_store_ps(widened + j * HD + 16 * c, row_vector<Kind>(raw[j], c));
+          rows[j] = widened + j * HD;
+          k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
+          const int64_t t = t0 - c0 + j;
+          if (t < kChunk) {
+            v_scales[t] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
+                          tokenloom::code_unit(Kind);
+          }
+        }
+      } else {
+        std::copy(raw, raw + 16, rows);
+        if (t0 + 16 <= ctx) prefetch_rows(v_cache + (raw[0] - k_cache), row, HD, contiguous);  // for the V pass
+      }
       for (int64_t h = 0; h < heads; ++h) {
         __m512 qv[kVecs];
         for (int c = 0; c < kVecs; ++c) qv[c] = _mm512_loadu_ps(qf + h * HD + 16 * c);
@@ -322,11 +361,14 @@ void attend_f32_avx512(const float* q, const float* k_cache, const float* v_cach
           for (int c = 1; c < kVecs; ++c) sum = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows[j] + 16 * c), sum);
           dots[j] = sum;
         }
-        _mm512_storeu_ps(probs + h * kChunk + (t0 - c0), sum_each(dots));
+        __m512 scores = sum_each(dots);
+        if constexpr (kCodes) scores = _mm512_mul_ps(scores, _mm512_load_ps(k_scales));
+        _mm512_storeu_ps(probs + h * kChunk + (t0 - c0), scores);
       }
     }
-    // Online softmax: the scores become their probabilities, in place.
+    // Online softmax: the scores become their probabilities (an 8-bit cache's: times V's scales), in place.
     softmax_chunk<HD>(probs, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
+      if constexpr (kCodes) p = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
       _mm512_storeu_ps(probs + h * kChunk + 16 * g, p);
     });
     // The chunk's V rows, weighted, kPass query heads at a time (their accumulators in registers); the next chunk's K
@@ -340,15 +382,15 @@ void attend_f32_avx512(const float* q, const float* k_cache, const float* v_cach
           for (int c = 0; c < kVecs; ++c) sums[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + 16 * c);
         }
         for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-          group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, rows);
+          group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
           if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
-            prefetch_group(k_cache, v_cache, table, t0 + kChunk, row, block_stride, block_size, HD, false);
+            prefetch_group(k_cache, v_cache, table, t0 + kChunk, row, block_stride, block_size, entry, kCodes);
           }
           const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));
           for (int j = 0; j < live; ++j) {
             __m512 v[kVecs];
 #pragma GCC unroll 16
-            for (int c = 0; c < kVecs; ++c) v[c] = _mm512_loadu_ps(rows[j] + 16 * c);
+            for (int c = 0; c < kVecs; ++c) v[c] = row_vector<Kind>(raw[j], c);
 #pragma GCC unroll 16
             for (int h = 0; h < N; ++h) {
               const __m512 w = _mm512_set1_ps(probs[(h0 + h) * kChunk + (t0 - c0) + j]);
@@ -1143,15 +1185,17 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
     }
   }
 #endif
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, float> && Kind == tokenloom::kPlain) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // An int8 cache without VNNI stays on attend_int8_avx2's integer products (not measured against widening here).
+  if constexpr (std::is_same_v<T, float> && Kind != tokenloom::kInt8) {
     if (head_dim == 64) {
-      attend_f32_avx512<64>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, s, out_head, scratch);
+      attend_f32_avx512<64, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size,
+                                  at.scale_offset, s, out_head, scratch);
       return;
     }
     if (head_dim == 128) {
-      attend_f32_avx512<128>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, s, out_head,
-                             scratch);
+      attend_f32_avx512<128, Kind>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size,
+                                   at.scale_offset, s, out_head, scratch);
       return;
     }
   }
