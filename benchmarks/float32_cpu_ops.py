@@ -16,7 +16,9 @@ LM head), microseconds per call (best of 5 repeats). A step's linears: the 120 d
 distinct weights (425 MB, so read from memory as in a decode step, where one weight repeated would sit in the cache),
 oneDNN's packed layout against tokenloom::f32_linear over the same weights in its blocks (what the engine runs
 every float32 step on where the operators are built), rounds alternated, best of 4: milliseconds and the weights'
-GB/s. Prints markdown tables. CPU only; a benchmark, not a test.
+GB/s; where tokenloom::q4_linear is built (AVX-512), the same 120 weights in GGUF's Q4_1 blocks through it
+(--quantization gguf; every path then multiplies the dequantized Q4_1 weights). Prints markdown tables. CPU only; a
+benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -29,16 +31,20 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).parent))
 
+import gguf
+import numpy as np
 import torch
 import torch.nn.functional as F
 from int8_linear_breakdown import milliseconds
 
 from tokenloom.model import cpu_kernel, kv_quant
+from tokenloom.model.gguf_linear import Q4Linear, q4_available, q4_groups
 from tokenloom.model.huge_pages import zeros_on_huge_pages
 from tokenloom.model.prepack import DECODE_ROWS_HINT, f32_pack_weight
 from tokenloom.model.quantization import Int8Linear, int8_available
 
 LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # [out, in]: qkv, o, gate_up, down, head
 
 
@@ -100,9 +106,24 @@ def linear_rows(rows: list[int]) -> list[str]:
     return lines
 
 
+def q4_1_weights(count: int) -> list[Q4Linear]:
+    """`count` passes over SMOLLM's four decoder shapes, random weights in GGUF's Q4_1 blocks."""
+    rng = np.random.default_rng(0)
+    layers = []
+    for _ in range(count):
+        for o, i in SHAPES[:4]:
+            raw = gguf.quants.quantize(0.05 * rng.standard_normal((o, i), dtype=np.float32), Q4_1)
+            layers.append(Q4Linear(q4_groups(raw, "Q4_1", (o, i)), None))
+    return layers
+
+
 def step_linear_rows(rows: list[int]) -> list[str]:
     g = torch.Generator().manual_seed(0)
-    plain = [0.05 * torch.randn(o, i, generator=g) for _ in range(LAYERS) for o, i in SHAPES[:4]]
+    q4 = q4_1_weights(LAYERS) if q4_available() else []
+    # With q4_linear: every path multiplies the same (dequantized Q4_1) weights.
+    plain = [layer.dequantized() for layer in q4] or [
+        0.05 * torch.randn(o, i, generator=g) for _ in range(LAYERS) for o, i in SHAPES[:4]
+    ]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS_HINT) for w in plain]
     ours_packed = [f32_pack_weight(w) for w in plain]
     weight_bytes = sum(w.numel() * w.element_size() for w in plain)
@@ -118,19 +139,27 @@ def step_linear_rows(rows: list[int]) -> list[str]:
             for w, p in zip(plain, ours_packed, strict=True):
                 torch.ops.tokenloom.f32_linear(inputs[w.shape[1]], p, None)  # noqa: B023
 
-        best = {"onednn": float("inf"), "ours": float("inf")}
+        def four_bit() -> None:
+            for layer in q4:
+                layer.rows_forward(inputs[layer.in_features])  # noqa: B023
+
+        runs = [("onednn", onednn), ("ours", ours)] + [("q4", four_bit)] * bool(q4)
+        best = dict.fromkeys([name for name, _ in runs], float("inf"))
         for _ in range(4):
-            for name, run in (("onednn", onednn), ("ours", ours)):
+            for name, run in runs:
                 best[name] = min(best[name], milliseconds(run, 1, rounds=1))
         a, b = best["onednn"], best["ours"]
         rate = weight_bytes / 1e6
-        lines.append(f"| {m} | {a:.1f} ({rate / a:.1f}) | {b:.1f} ({rate / b:.1f}) | {a / b:.2f}x |")
+        line = f"| {m} | {a:.1f} ({rate / a:.1f}) | {b:.1f} ({rate / b:.1f}) | {a / b:.2f}x |"
+        if q4:
+            line += f" {best['q4']:.1f} | {b / best['q4']:.2f}x |"
+        lines.append(line)
     return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--attention", default="64x400,16x4000", help="sequences x context, comma-separated")
+    parser.add_argument("--attention", default="64x400,16x4000", help="sequences x context, comma-separated ('': none)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="comma-separated: auto (float32), int8, fp8_e4m3, ...")
     parser.add_argument(
         "--kv-pages", default="huge", help="small, huge or both (small,huge): the cache on 4 KiB or 2 MiB pages"
@@ -145,7 +174,7 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f}; torch threads: {torch.get_num_threads()}")
     print("| sequences x context | KV cache | pages | ms per 30 layers | cache GB/s | ns per key and KV head |")
     print("|---|---|---|---:|---:|---:|")
-    for case in args.attention.split(","):
+    for case in filter(None, args.attention.split(",")):
         seqs, ctx = (int(part) for part in case.split("x"))
         for kv_dtype in args.kv_cache_dtype.split(","):
             for pages in args.kv_pages.split(","):
@@ -157,8 +186,9 @@ def main() -> None:
         for line in linear_rows([int(r) for r in args.rows.split(",")]):
             print(line)
     if args.step_rows and cpu_kernel.has_operator("f32_linear"):
-        print("\n| step rows | 120 decoder linears, oneDNN packed: ms (GB/s) | f32_linear | packed / ours |")
-        print("|---:|---:|---:|---:|")
+        q4 = " q4_linear (Q4_1) ms | f32_linear / q4 |" if q4_available() else ""
+        print(f"\n| step rows | 120 decoder linears, oneDNN packed: ms (GB/s) | f32_linear | packed / ours |{q4}")
+        print("|---:|---:|---:|---:|" + "---:|---:|" * bool(q4))
         for line in step_linear_rows([int(r) for r in args.step_rows.split(",")]):
             print(line)
     print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/quantization_speed.py [--rounds 2] [--engines default "--quantization int8" ...]
 
-Four engines, built once and measured in turn, alternating their order each round (this machine's speed drifts):
-the default (dtype auto), --kv-cache-dtype int8, --quantization int8, and both. Workloads: mixed-64 (the 64
+Engines built once and measured in turn, alternating their order each round (this machine's speed drifts): the
+default (dtype auto), --kv-cache-dtype int8, --quantization int8 (and int8_w8a16), both, and --quantization gguf
+(the embedded GGUF's 4-bit linears as stored; AVX-512 CPUs). Workloads: mixed-64 (the 64
 requests of offline_throughput.py at once, ignore_eos, greedy: output tok/s) and batch-1 decode (one 32-token prompt,
 256 output tokens: tok/s after the first token). Medians over the rounds.
 """
@@ -31,6 +32,7 @@ CONFIGS = {
     "--quantization int8": {"quantization": "int8"},
     "--quantization int8_w8a16": {"quantization": "int8_w8a16"},
     "both": {"kv_cache_dtype": "int8", "quantization": "int8"},
+    "--quantization gguf": {"quantization": "gguf"},
 }
 
 

@@ -32,7 +32,7 @@ SchedulingPolicy = Literal["fcfs", "priority", "fair"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
-Quantization = Literal["int8", "int8_w8a16", "fp8"]
+Quantization = Literal["int8", "int8_w8a16", "fp8", "gguf"]
 DTYPES: tuple[str, ...] = get_args(DType)
 POLICY_NAMES: tuple[str, ...] = get_args(SchedulingPolicy)
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
@@ -72,7 +72,9 @@ class ModelLoadConfig:
     token where the CPU has VNNI and no AMX, 16-bit ones on AVX2), 'int8_w8a16' (16-bit activation codes on every
     CPU) or 'fp8' (CUDA, Hopper or later: torch._scaled_mm). The embeddings keep the model's dtype; an int8 model's
     logits come from an int8 copy of the LM head, each row's best candidates recomputed from the plain weight
-    (model/quantization.py). None: the checkpoint's weights in the model's dtype."""
+    (model/quantization.py). 'gguf': a GGUF checkpoint's 4-bit linears (Q4_0, Q4_1, Q4_K) kept as stored and
+    multiplied as they are widened to float32 (model/gguf_linear.py: the dequantized model's outputs from 0.16 of its
+    bytes; AVX-512 CPUs, one rank). None: the checkpoint's weights in the model's dtype."""
     seed: int = 0
     """Seeds the sampler of requests that give no seed of their own."""
     logprobs_mode: LogprobsMode = "raw_logprobs"
@@ -281,6 +283,9 @@ class EngineConfig:
             # both need each step's tokens on the host before the next step is scheduled.
             require(self.speculative.speculative_config is None, "async_scheduling does not speculate")
             require(self.parallel.tensor_parallel_size == 1, "async_scheduling runs on one rank")
+        if self.model.quantization == "gguf":  # the GGUF's blocks are not sharded, nor wrapped by adapters
+            require(self.parallel.tensor_parallel_size == 1 and not self.lora.enable_lora,
+                    "--quantization gguf is served on one rank, without LoRA adapters")  # fmt: skip
 
     @classmethod
     def field_names(cls) -> list[str]:

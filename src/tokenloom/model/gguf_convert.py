@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,19 +77,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported; tokenloom reads {', '.join(gguf_names())}"
         )
-    hf_arch, model_type, permuted = family.architecture, family.gguf.model_type, family.gguf.permuted_qk
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    hf_arch, model_type = family.architecture, family.gguf.model_type
     tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for name, tensor, heads in hf_tensors(reader):
         array = np.ascontiguousarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         array = array.reshape([int(d) for d in reversed(tensor.shape)])
-        name = _hf_tensor_name(tensor.name)
-        if permuted and name.endswith("q_proj.weight"):
-            array = _unpermute(array, num_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            array = _unpermute(array, num_kv_heads)
-        tensors[name] = array
+        tensors[name] = array if heads is None else unpermute_rows(array, heads)
     tokenizer = _convert_tokenizer(gguf_path)
     config = _hf_config(reader, arch, hf_arch, model_type, tensors, tokenizer)
     save_file(tensors, str(out_dir / "model.safetensors"))
@@ -133,8 +127,27 @@ def _hf_tensor_name(gguf_name: str) -> str:
     return f"{_TENSOR_NAMES[parts[0]]}.{parts[1]}"
 
 
-def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's Q/K row permutation (interleaved rotary pairs) back to HF's rotate-half layout."""
+def hf_tensors(reader) -> Iterator[tuple[str, Any, int | None]]:
+    """Each tensor of a GGUF file (a gguf.GGUFReader's) with its Hugging Face name and, for Q and K weights that
+    llama.cpp permuted, the heads to unpermute its rows by (unpermute_rows); None for every other tensor."""
+    arch = _field(reader, "general.architecture")
+    family = gguf_family(arch)
+    permuted = family is not None and family.gguf is not None and family.gguf.permuted_qk
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    for tensor in reader.tensors:
+        name = _hf_tensor_name(tensor.name)
+        heads = None
+        if permuted and name.endswith("q_proj.weight"):
+            heads = num_heads
+        elif permuted and name.endswith("k_proj.weight"):
+            heads = num_kv_heads
+        yield name, tensor, heads
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation (interleaved rotary pairs) back to HF's rotate-half layout; a row may
+    be values or a quantized row's blocks."""
     rows = weight.shape[0]
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 

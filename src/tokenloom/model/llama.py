@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -209,6 +210,7 @@ class CausalLM(nn.Module):
         self.gated_projections = GATED_PROJECTIONS
         # Rank 0 alone computes logits and samples (parallel_runner.py): the other ranks make no copies of the head.
         self.computes_logits = tp.rank == 0
+        self.gguf_file: Path | None = None  # the GGUF its weights came from (loader.py), for --quantization gguf
 
     def forward(
         self, input_ids, positions, kv_caches: list[KVCache] | None = None, meta: AttentionMetadata | None = None
@@ -317,7 +319,7 @@ class CausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            target, part, parts = _fused_target(name)
+            target, part, parts = fused_target(name)
             if target is None:
                 _copy_into(params, name, tensor)
                 loaded.add(name)
@@ -342,7 +344,9 @@ _FUSED = {
 }
 
 
-def _fused_target(name: str) -> tuple[str | None, str, tuple[str, ...]]:
+def fused_target(name: str) -> tuple[str | None, str, tuple[str, ...]]:
+    """A checkpoint's name for a member of a projection the model fuses -> the fused name, the member and all the
+    members in the fused order; (None, "", ()) for any other name."""
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in _FUSED:

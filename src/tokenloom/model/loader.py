@@ -48,13 +48,20 @@ def default_gguf_path() -> Path:
     return path
 
 
+def gguf_file_of(model: str | None) -> Path | None:
+    """The GGUF file a model argument names (the embedded default's for None); None for a checkpoint directory."""
+    if model is None:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def resolve_checkpoint_dir(model: str | None) -> tuple[str, Path]:
     """Returns the model's display name and a local Hugging Face directory holding it."""
-    if model is None:
-        return DEFAULT_MODEL_NAME, ensure_converted(default_gguf_path())
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path.stem, ensure_converted(path)
+    gguf = gguf_file_of(model)
+    if gguf is not None:
+        return DEFAULT_MODEL_NAME if model is None else gguf.stem, ensure_converted(gguf)
+    path = Path(str(model)).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path.name, path
     raise FileNotFoundError(
@@ -103,6 +110,7 @@ def load_model(
     net.rotary.reset_tables()
     net.load_hf_weights(shard_hf_weights(checkpoint_tensors(path), tp, family.tensor_parallel))
     net = net.to(dtype=dtype).eval()
+    net.gguf_file = gguf_file_of(model)
     return LoadedModel(name=name, path=path, config=config, model=net, tokenizer=tokenizer)
 
 

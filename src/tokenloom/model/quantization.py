@@ -62,7 +62,7 @@ from tokenloom.model import cpu_kernel
 from tokenloom.model.gptq import calibration_ids, gptq_codes
 from tokenloom.model.prepack import PACK_BLOCK, gate_and_up_interleaved, unit_stride_rows
 
-QUANTIZATIONS = ("int8", "int8_w8a16", "fp8")
+QUANTIZATIONS = ("int8", "int8_w8a16", "fp8", "gguf")
 INT8_METHODS = ("int8", "int8_w8a16")  # int8 weights; int8_w8a16 with 16-bit activation codes on every CPU
 ROWS_HINT = 64  # the batch size oneDNN packs the weight for: a full decode step
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -116,6 +116,11 @@ def check_quantization(name: str | None, device: torch.device) -> None:
         raise ValueError(
             f"--quantization {name} runs our int8 kernels (AVX-512 VNNI or AVX2) and oneDNN's on a CPU; "
             f"here the device is {device.type}" + ("" if device.type != "cpu" else " and they are not available")
+        )
+    if name == "gguf" and (device.type != "cpu" or not cpu_kernel.has_operator("q4_linear")):
+        raise ValueError(
+            "--quantization gguf runs tokenloom::q4_linear, built for CPUs with AVX-512; here "
+            + (f"the device is {device.type}" if device.type != "cpu" else "the operator is not available")
         )
     if name == "fp8" and (device.type != "cuda" or not hasattr(torch, "_scaled_mm")):
         raise ValueError(

@@ -1,0 +1,166 @@
+"""A GGUF checkpoint's 4-bit linears served as they are stored (``--quantization gguf``), as vLLM and llama.cpp
+serve a GGUF.
+
+Without it a GGUF is dequantized at load (gguf_convert.py) and every linear streams float32 (or bf16) weights: at
+batch 1 a decode step reads 5.3x the bytes it does here (24 per 32 weights: codes, a float32 scale and offset; the
+checkpoint's Q4_1 holds 20, its scale and offset in fp16). With it each decoder
+linear whose GGUF tensors are all Q4_0, Q4_1 or Q4_K keeps them as codes 0-15 with a float32 scale and offset per
+32 inputs (all three formats are code * scale + offset per group of 32), and ``tokenloom::q4_linear`` (csrc/
+f32_linear.cpp) widens each weight to float32 by one FMA as it multiplies, rounding as gguf's dequantization does:
+the outputs are the dequantized model's, bit for bit, where that model runs f32_linear (float32 on AVX-512). Other
+tensors (the embeddings and LM head, Q6_K or Q8_0 linears) are dequantized as before. AVX-512 CPUs only, one rank;
+other activations' dtypes are run in float32 and returned in theirs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenloom.model import cpu_kernel
+from tokenloom.model.prepack import unit_stride_rows
+
+GROUP = 32  # inputs per scale and offset (kQ4Group in csrc/f32_linear.cpp)
+BLOCK = 16  # output features per packed block
+FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+# A linear's codes [N, K] uint8 (0-15), scales and offsets [N, K / 32] float32.
+Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def q4_available() -> bool:
+    return cpu_kernel.has_operator("q4_linear")
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: the low nibbles are elements 0-15, the high ones 16-31 (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def q4_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
+    """A GGUF tensor's raw blocks ([N, bytes per row] uint8) in one of FORMATS -> its codes, scales and offsets, so
+    that codes * scale + offset (one rounding) is gguf.quants.dequantize's value."""
+    n, k = shape
+    if fmt == "Q4_0":  # 18 bytes: d, 16 bytes of codes; value = d * (code - 8)
+        blocks = raw.reshape(n, k // GROUP, 18)
+        scale = _half(blocks[..., 0:2])
+        return _nibbles(blocks[..., 2:]).reshape(n, k), scale, -8 * scale
+    if fmt == "Q4_1":  # 20 bytes: d, m, 16 bytes of codes; value = d * code + m
+        blocks = raw.reshape(n, k // GROUP, 20)
+        return _nibbles(blocks[..., 4:]).reshape(n, k), _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+    if fmt == "Q4_K":  # 144 bytes per 256: d, dmin, 12 bytes of 6-bit scales and mins, 4 x 32 bytes of codes
+        import gguf
+
+        supers = raw.reshape(n * k // 256, 144)
+        d, dmin = _half(supers[:, 0:2]), _half(supers[:, 2:4])
+        sc, mins = gguf.quants.Q4_K.get_scale_min(supers[:, 4:16])
+        qs = supers[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & 0x0F).reshape(n, k)
+        scale = (d[:, None] * sc.astype(np.float32)).reshape(n, k // GROUP)
+        return codes, scale, -(dmin[:, None] * mins.astype(np.float32)).reshape(n, k // GROUP)
+    raise ValueError(f"{fmt} is not a 4-bit format q4_linear reads ({', '.join(FORMATS)})")
+
+
+def q4_pack_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[N, K] codes, [N, K / 32] scales and offsets -> q4_linear's layout: codes [N / 16, K / 32, 256] (per block and
+    group, 16 pairs of inputs x 16 features, input 2p's code in the low nibble), scales and offsets
+    [N / 16, K / 32, 16]."""
+    n, k = codes.shape
+    assert n % BLOCK == 0 and k % GROUP == 0, "q4_linear takes N a multiple of 16 and K of 32"
+    c = codes.to(torch.uint8).view(n // BLOCK, BLOCK, k // GROUP, GROUP // 2, 2)
+    pairs = c[..., 0] | (c[..., 1] << 4)  # [blocks, 16 features, groups, 16 pairs]
+    packed = pairs.permute(0, 2, 3, 1).contiguous().view(n // BLOCK, k // GROUP, GROUP // 2 * BLOCK)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(n // BLOCK, BLOCK, k // GROUP).transpose(1, 2).contiguous()
+
+    return packed, per_block(scales), per_block(offsets)
+
+
+class Q4Linear(nn.Module):
+    """A linear over a 4-bit GGUF weight (see the module's docstring): q4_linear, in float32."""
+
+    def __init__(self, groups: Groups, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        codes, scales, offsets = (torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
+        self.out_features, self.in_features = codes.shape
+        self.codes, self.scales, self.offsets = q4_pack_weight(codes, scales, offsets)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rows_forward(unit_stride_rows(x)).view(*x.shape[:-1], self.out_features)
+
+    def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.tokenloom.q4_linear(rows.float(), self.codes, self.scales, self.offsets, self.bias)
+        return out if rows.dtype == torch.float32 else out.to(rows.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] in float32, as gguf's dequantization gives it."""
+        n, k = self.out_features, self.in_features
+        pairs = self.codes.view(n // BLOCK, k // GROUP, GROUP // 2, BLOCK)
+        codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).view(n // BLOCK, k // GROUP, GROUP, BLOCK).float()
+        values = torch.addcmul(self.offsets[:, :, None, :], codes, self.scales[:, :, None, :])
+        return values.permute(0, 3, 1, 2).reshape(n, k)
+
+
+def gguf_linear_groups(path: Path) -> dict[str, Groups]:
+    """The decoder linears of a GGUF file whose tensors are all 4-bit (FORMATS), by the model's name for the linear
+    (``layers.0.self_attn.qkv_proj``): a fused projection's members concatenated in the order the model fuses them,
+    Q and K rows unpermuted as gguf_convert unpermutes them."""
+    import gguf
+
+    from tokenloom.model.gguf_convert import hf_tensors, unpermute_rows
+    from tokenloom.model.llama import fused_target
+
+    parts: dict[str, dict[str, Groups | None]] = {}
+    members_of: dict[str, tuple[str, ...]] = {}
+    for name, tensor, heads in hf_tensors(gguf.GGUFReader(str(path))):
+        if ".layers." not in name or not name.endswith(".weight") or len(tensor.shape) != 2:
+            continue
+        module = name.removeprefix("model.").removesuffix(".weight")
+        target, part, members = fused_target(module)
+        n, k = (int(d) for d in reversed(tensor.shape))
+        fmt = tensor.tensor_type.name
+        groups = None
+        if fmt in FORMATS and k % (256 if fmt == "Q4_K" else GROUP) == 0:
+            raw = np.asarray(tensor.data).reshape(n, -1)
+            groups = q4_groups(raw if heads is None else unpermute_rows(raw, heads), fmt, (n, k))
+        key = target or module
+        parts.setdefault(key, {})[part] = groups
+        members_of[key] = members or ("",)
+    linears: dict[str, Groups] = {}
+    for key, got in parts.items():
+        found = [got.get(member) for member in members_of[key]]
+        whole = [groups for groups in found if groups is not None]
+        if len(whole) == len(found):
+            codes, scales, offsets = (np.concatenate(arrays) for arrays in zip(*whole, strict=True))
+            linears[key] = codes, scales, offsets
+    return linears
+
+
+def serve_gguf_linears(layers: nn.Module, path: Path) -> tuple[int, int]:
+    """Every nn.Linear of the decoder `layers` (a model's ``layers`` list) whose GGUF tensors are all 4-bit becomes a
+    Q4Linear of them; returns how many did and how many kept their dequantized weight. A Q4Linear's weight is
+    checked, bit for bit, against the one loaded from the dequantized checkpoint (rounded to the model's dtype)."""
+    groups = gguf_linear_groups(path)
+    replaced = kept = 0
+    for prefix, parent in list(layers.named_modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            found = groups.get(f"layers.{prefix}.{name}")
+            if found is None or found[0].shape != tuple(child.weight.shape) or found[0].shape[0] % BLOCK:
+                kept += 1
+                continue
+            layer = Q4Linear(found, child.bias)
+            if not torch.equal(layer.dequantized().to(child.weight.dtype), child.weight.detach()):
+                raise ValueError(f"{path.name}: layers.{prefix}.{name}'s 4-bit weight is not the checkpoint's")
+            setattr(parent, name, layer)
+            replaced += 1
+    return replaced, kept
