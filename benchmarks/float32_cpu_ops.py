@@ -16,7 +16,7 @@ LM head), microseconds per call (best of 5 repeats). A step's linears: the 120 d
 distinct weights (425 MB, so read from memory as in a decode step, where one weight repeated would sit in the cache),
 oneDNN's packed layout against tokenloom::f32_linear over the same weights in its blocks (what the engine runs
 every float32 step on where the operators are built), rounds alternated, best of 4: milliseconds and the weights'
-GB/s; where tokenloom::q4_linear is built (AVX-512), the same 120 weights in GGUF's Q4_1 blocks through it
+GB/s; where tokenloom::gguf_linear is built (AVX-512), the same 120 weights in GGUF's Q4_1 blocks through it
 (--quantization gguf; every path then multiplies the dequantized Q4_1 weights). Prints markdown tables. CPU only; a
 benchmark, not a test.
 """
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from int8_linear_breakdown import milliseconds
 
 from tokenloom.model import cpu_kernel, kv_quant
-from tokenloom.model.gguf_linear import Q4Linear, q4_available, q4_groups
+from tokenloom.model.gguf_linear import GGUFLinear, gguf_groups, gguf_linear_available
 from tokenloom.model.huge_pages import zeros_on_huge_pages
 from tokenloom.model.prepack import DECODE_ROWS_HINT, f32_pack_weight
 from tokenloom.model.quantization import Int8Linear, int8_available
@@ -106,21 +106,21 @@ def linear_rows(rows: list[int]) -> list[str]:
     return lines
 
 
-def q4_1_weights(count: int) -> list[Q4Linear]:
+def q4_1_weights(count: int) -> list[GGUFLinear]:
     """`count` passes over SMOLLM's four decoder shapes, random weights in GGUF's Q4_1 blocks."""
     rng = np.random.default_rng(0)
     layers = []
     for _ in range(count):
         for o, i in SHAPES[:4]:
             raw = gguf.quants.quantize(0.05 * rng.standard_normal((o, i), dtype=np.float32), Q4_1)
-            layers.append(Q4Linear(q4_groups(raw, "Q4_1", (o, i)), None))
+            layers.append(GGUFLinear(gguf_groups(raw, "Q4_1", (o, i)), None))
     return layers
 
 
 def step_linear_rows(rows: list[int]) -> list[str]:
     g = torch.Generator().manual_seed(0)
-    q4 = q4_1_weights(LAYERS) if q4_available() else []
-    # With q4_linear: every path multiplies the same (dequantized Q4_1) weights.
+    q4 = q4_1_weights(LAYERS) if gguf_linear_available() else []
+    # With gguf_linear: every path multiplies the same (dequantized Q4_1) weights.
     plain = [layer.dequantized() for layer in q4] or [
         0.05 * torch.randn(o, i, generator=g) for _ in range(LAYERS) for o, i in SHAPES[:4]
     ]
@@ -186,7 +186,7 @@ def main() -> None:
         for line in linear_rows([int(r) for r in args.rows.split(",")]):
             print(line)
     if args.step_rows and cpu_kernel.has_operator("f32_linear"):
-        q4 = " q4_linear (Q4_1) ms | f32_linear / q4 |" if q4_available() else ""
+        q4 = " gguf_linear (Q4_1) ms | f32_linear / Q4_1 |" if gguf_linear_available() else ""
         print(f"\n| step rows | 120 decoder linears, oneDNN packed: ms (GB/s) | f32_linear | packed / ours |{q4}")
         print("|---:|---:|---:|---:|" + "---:|---:|" * bool(q4))
         for line in step_linear_rows([int(r) for r in args.step_rows.split(",")]):

@@ -72,9 +72,9 @@ class ModelLoadConfig:
     token where the CPU has VNNI and no AMX, 16-bit ones on AVX2), 'int8_w8a16' (16-bit activation codes on every
     CPU) or 'fp8' (CUDA, Hopper or later: torch._scaled_mm). The embeddings keep the model's dtype; an int8 model's
     logits come from an int8 copy of the LM head, each row's best candidates recomputed from the plain weight
-    (model/quantization.py). 'gguf': a GGUF checkpoint's 4-bit linears (Q4_0, Q4_1, Q4_K) kept as stored and
-    multiplied as they are widened to float32 (model/gguf_linear.py: the dequantized model's outputs from 0.16 of its
-    bytes; AVX-512 CPUs, one rank). None: the checkpoint's weights in the model's dtype."""
+    (model/quantization.py). 'gguf': a GGUF checkpoint's Q4_0, Q4_1, Q4_K and Q8_0 linears and LM head kept as
+    stored and multiplied as they are widened to float32 (model/gguf_linear.py: the dequantized model's outputs from
+    0.19-0.31 of its bytes; AVX-512 CPUs, one rank). None: the checkpoint's weights in the model's dtype."""
     seed: int = 0
     """Seeds the sampler of requests that give no seed of their own."""
     logprobs_mode: LogprobsMode = "raw_logprobs"

@@ -12,14 +12,14 @@ from helpers import needs_operator
 
 from tokenloom import LLM, EngineConfig, SamplingParams
 from tokenloom.model import cpu_kernel, gguf_linear
-from tokenloom.model.gguf_linear import Q4Linear, q4_groups
+from tokenloom.model.gguf_linear import GGUFLinear, gguf_groups
 from tokenloom.model.prepack import f32_pack_weight
 from tokenloom.model.quantization import check_quantization
 
 
 def raw_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """A weight [n, k] in a GGUF format's blocks ([n, bytes per row] uint8), as gguf-py quantizes it (Q4_0, Q4_1)
-    or, for Q4_K (which gguf-py does not quantize), blocks of random codes, scales and mins."""
+    """A weight [n, k] in a GGUF format's blocks ([n, bytes per row] uint8), as gguf-py quantizes it (Q4_0, Q4_1,
+    Q8_0) or, for Q4_K (which gguf-py does not quantize), blocks of random codes, scales and mins."""
     rng = np.random.default_rng(seed)
     qtype = gguf.GGMLQuantizationType[fmt]
     if fmt != "Q4_K":
@@ -37,35 +37,36 @@ def dequantized(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(n, k)
 
 
-def needs_q4_operator() -> None:
+def needs_gguf_operator() -> None:
     needs_operator()
-    if not gguf_linear.q4_available():
-        pytest.skip("tokenloom::q4_linear is built for CPUs with AVX-512 only")
+    if not gguf_linear.gguf_linear_available():
+        pytest.skip("tokenloom::gguf_linear is built for CPUs with AVX-512 only")
 
 
 @pytest.mark.parametrize("fmt", gguf_linear.FORMATS)
 def test_codes_scales_and_offsets_are_ggufs_values_bit_for_bit(fmt):
     n, k = 48, 512
     raw = raw_blocks(fmt, n, k)
-    codes, scales, offsets = q4_groups(raw, fmt, (n, k))
-    assert codes.shape == (n, k) and codes.max() <= 15 and scales.shape == offsets.shape == (n, k // 32)
+    codes, scales, offsets = gguf_groups(raw, fmt, (n, k))
+    assert codes.shape == (n, k) and scales.shape == offsets.shape == (n, k // 32)
+    assert codes.dtype == np.int8 if fmt == "Q8_0" else codes.max() <= 15
     values = (
         codes.reshape(n, k // 32, 32) * scales[..., None] + offsets[..., None]
     )  # one rounding: the product is exact
     assert torch.equal(torch.from_numpy(values.reshape(n, k).astype(np.float32)), dequantized(raw, fmt, n, k))
     # The packed layout gives the same weight back.
-    assert torch.equal(Q4Linear((codes, scales, offsets), None).dequantized(), dequantized(raw, fmt, n, k))
+    assert torch.equal(GGUFLinear((codes, scales, offsets), None).dequantized(), dequantized(raw, fmt, n, k))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 97, 200])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1"])
-def test_q4_linear_is_f32_linear_over_the_dequantized_weight_bit_for_bit(fmt, rows):
-    needs_q4_operator()
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_linear_is_f32_linear_over_the_dequantized_weight_bit_for_bit(fmt, rows):
+    needs_gguf_operator()
     n, k = 80, 576  # 5 blocks: tiles of two blocks and one of one
     raw = raw_blocks(fmt, n, k, seed=rows)
     weight = dequantized(raw, fmt, n, k)
     bias = torch.randn(n) if rows % 2 else None
-    layer = Q4Linear(q4_groups(raw, fmt, (n, k)), bias)
+    layer = GGUFLinear(gguf_groups(raw, fmt, (n, k)), bias)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = layer.rows_forward(x)
     assert torch.equal(out, torch.ops.tokenloom.f32_linear(x, f32_pack_weight(weight), bias))
@@ -77,18 +78,21 @@ def test_q4_linear_is_f32_linear_over_the_dequantized_weight_bit_for_bit(fmt, ro
                                rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
-def test_the_embedded_gguf_serves_its_4_bit_linears_with_the_dequantized_models_tokens():
-    needs_q4_operator()
+def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tokens():
+    needs_gguf_operator()
     prompts = [{"prompt_token_ids": [1, 504, 3458, 282, 4914, 314]}, {"prompt_token_ids": [1, 2683, 418, 346, 47]}]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     served = LLM(None, dtype="float32", quantization="gguf")
     model = served.engine.core.runner.model
-    linears = [m for m in model.layers.modules() if isinstance(m, Q4Linear)]
-    assert len(linears) == 4 * len(model.layers)  # qkv, o, gate/up and down of every layer: all Q4_1
-    ours = [o.outputs[0].token_ids for o in served.generate(prompts, params, use_tqdm=False)]
+    linears = [m for m in model.layers.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 4 * len(model.layers) and {m.bits for m in linears} == {4}  # every layer's, all Q4_1
+    assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.bits == 8  # the tied embedding's Q8_0
+    ours = served.generate(prompts, params, use_tqdm=False)
     del served, model, linears
-    plain = LLM(None, dtype="float32")
-    assert ours == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain = LLM(None, dtype="float32").generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
 
 
 def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_llama, monkeypatch):
@@ -100,6 +104,6 @@ def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_llama, monkeypatc
     with pytest.raises(ValueError, match="AVX-512"):
         check_quantization("gguf", torch.device("cpu"))
     monkeypatch.undo()
-    if gguf_linear.q4_available():
+    if gguf_linear.gguf_linear_available():
         with pytest.raises(ValueError, match="not a GGUF"):
             LLM(str(tiny_llama), dtype="float32", quantization="gguf")

@@ -280,7 +280,7 @@ def test_an_int8_models_logits_are_its_int8_heads_but_where_they_decide_the_toke
     stream = 3 * torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     logits = model.compute_logits(stream)
     normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight.float(), model.norm.eps)
-    exact = normed @ model._head_weight().float().T
+    exact = normed @ model.head_weight().float().T
     top = logits.topk(REFINED_TOP_K).indices
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
     torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top))
@@ -313,7 +313,7 @@ def test_a_float32_models_linears_are_packed_on_the_cpu_and_give_the_plain_matmu
                 torch.testing.assert_close(layer(x), F.linear(x, plain[name]))
         stream = 3 * torch.randn(rows, model.config.hidden_size, generator=g)
         normed = F.rms_norm(stream, (stream.shape[-1],), model.norm.weight, model.norm.eps)
-        torch.testing.assert_close(model.compute_logits(stream), normed @ model._head_weight().T)
+        torch.testing.assert_close(model.compute_logits(stream), normed @ model.head_weight().T)
 
 
 @pytest.mark.parametrize("method", [None, "int8"])
@@ -331,7 +331,7 @@ def test_only_the_rank_that_computes_logits_copies_the_head(tiny_llama, method):
         model.prepack_weights(layers=method is None)
         head = model._int8_head if method else model.lm_head
         assert isinstance(head, Int8Linear if method else PackedLinear) == copies
-        assert model._head_weight() is not None  # the plain weight stays: the embedding, or the head as loaded
+        assert model.head_weight() is not None  # the plain weight stays: the embedding, or the head as loaded
 
 
 def alone(tiny_llama, method: str) -> list[list[int]]:

@@ -1,15 +1,16 @@
-"""A GGUF checkpoint's 4-bit linears served as they are stored (``--quantization gguf``), as vLLM and llama.cpp
+"""A GGUF checkpoint's quantized linears served as they are stored (``--quantization gguf``), as vLLM and llama.cpp
 serve a GGUF.
 
 Without it a GGUF is dequantized at load (gguf_convert.py) and every linear streams float32 (or bf16) weights: at
-batch 1 a decode step reads 5.3x the bytes it does here (24 per 32 weights: codes, a float32 scale and offset; the
-checkpoint's Q4_1 holds 20, its scale and offset in fp16). With it each decoder
-linear whose GGUF tensors are all Q4_0, Q4_1 or Q4_K keeps them as codes 0-15 with a float32 scale and offset per
-32 inputs (all three formats are code * scale + offset per group of 32), and ``tokenloom::q4_linear`` (csrc/
-f32_linear.cpp) widens each weight to float32 by one FMA as it multiplies, rounding as gguf's dequantization does:
-the outputs are the dequantized model's, bit for bit, where that model runs f32_linear (float32 on AVX-512). Other
-tensors (the embeddings and LM head, Q6_K or Q8_0 linears) are dequantized as before. AVX-512 CPUs only, one rank;
-other activations' dtypes are run in float32 and returned in theirs.
+batch 1 a decode step reads 5.3x the bytes of a 4-bit linear here (24 per 32 weights: 16 of codes, a float32 scale
+and offset; the checkpoint's Q4_1 holds 20, its scale and offset in fp16). With it every decoder linear whose GGUF
+tensors are all Q4_0, Q4_1, Q4_K or Q8_0, and the LM head where it is one of those (the embedding's, when tied), keep
+their codes with a float32 scale and offset per 32 inputs (all four formats are code * scale + offset per group of
+32: codes 0-15, or -128-127 with offset 0), and ``tokenloom::gguf_linear`` (csrc/f32_linear.cpp) widens each weight
+to float32 by one FMA as it multiplies, rounding as gguf's dequantization does: the outputs are the dequantized
+model's, bit for bit, where that model runs f32_linear (float32 on AVX-512). Other tensors (the embeddings' lookup,
+Q5 or Q6 linears) are dequantized as before. AVX-512 CPUs only, one rank; other activations' dtypes are run in
+float32 and returned in theirs.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from torch import nn
 from tokenloom.model import cpu_kernel
 from tokenloom.model.prepack import unit_stride_rows
 
-GROUP = 32  # inputs per scale and offset (kQ4Group in csrc/f32_linear.cpp)
+GROUP = 32  # inputs per scale and offset (kGroup in csrc/f32_linear.cpp)
 BLOCK = 16  # output features per packed block
-FORMATS = ("Q4_0", "Q4_1", "Q4_K")
-# A linear's codes [N, K] uint8 (0-15), scales and offsets [N, K / 32] float32.
+FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+# A linear's codes [N, K] (uint8 0-15, or int8), scales and offsets [N, K / 32] float32.
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def q4_available() -> bool:
-    return cpu_kernel.has_operator("q4_linear")
+def gguf_linear_available() -> bool:
+    return cpu_kernel.has_operator("gguf_linear")
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
@@ -43,7 +44,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def q4_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
+def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
     """A GGUF tensor's raw blocks ([N, bytes per row] uint8) in one of FORMATS -> its codes, scales and offsets, so
     that codes * scale + offset (one rounding) is gguf.quants.dequantize's value."""
     n, k = shape
@@ -64,55 +65,66 @@ def q4_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
         codes = (qs & 0x0F).reshape(n, k)
         scale = (d[:, None] * sc.astype(np.float32)).reshape(n, k // GROUP)
         return codes, scale, -(dmin[:, None] * mins.astype(np.float32)).reshape(n, k // GROUP)
-    raise ValueError(f"{fmt} is not a 4-bit format q4_linear reads ({', '.join(FORMATS)})")
+    if fmt == "Q8_0":  # 34 bytes: d, 32 int8 codes; value = d * code
+        blocks = raw.reshape(n, k // GROUP, 34)
+        scale = _half(blocks[..., 0:2])
+        return blocks[..., 2:].copy().view(np.int8).reshape(n, k), scale, np.zeros_like(scale)
+    raise ValueError(f"{fmt} is not a format gguf_linear reads ({', '.join(FORMATS)})")
 
 
-def q4_pack_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """[N, K] codes, [N, K / 32] scales and offsets -> q4_linear's layout: codes [N / 16, K / 32, 256] (per block and
-    group, 16 pairs of inputs x 16 features, input 2p's code in the low nibble), scales and offsets
-    [N / 16, K / 32, 16]."""
+def gguf_pack_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[N, K] codes (uint8 0-15: 4 bits; int8: 8), [N, K / 32] scales and offsets -> gguf_linear's layout: codes
+    [N / 16, K / 32, 256 or 512] (per block and group, input by input, each input's 16 features side by side; 4-bit
+    codes two inputs a byte, input 2p in the low nibble), scales and offsets [N / 16, K / 32, 16]."""
     n, k = codes.shape
-    assert n % BLOCK == 0 and k % GROUP == 0, "q4_linear takes N a multiple of 16 and K of 32"
-    c = codes.to(torch.uint8).view(n // BLOCK, BLOCK, k // GROUP, GROUP // 2, 2)
-    pairs = c[..., 0] | (c[..., 1] << 4)  # [blocks, 16 features, groups, 16 pairs]
-    packed = pairs.permute(0, 2, 3, 1).contiguous().view(n // BLOCK, k // GROUP, GROUP // 2 * BLOCK)
+    assert n % BLOCK == 0 and k % GROUP == 0, "gguf_linear takes N a multiple of 16 and K of 32"
+    by_input = codes.view(n // BLOCK, BLOCK, k // GROUP, GROUP).permute(0, 2, 3, 1)  # [blocks, groups, 32, 16]
+    if codes.dtype == torch.int8:
+        packed = by_input.contiguous().view(torch.uint8).view(n // BLOCK, k // GROUP, GROUP * BLOCK)
+    else:
+        pairs = by_input.reshape(n // BLOCK, k // GROUP, GROUP // 2, 2, BLOCK)
+        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n // BLOCK, k // GROUP, GROUP // 2 * BLOCK)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
         return t.float().view(n // BLOCK, BLOCK, k // GROUP).transpose(1, 2).contiguous()
 
-    return packed, per_block(scales), per_block(offsets)
+    return packed.contiguous(), per_block(scales), per_block(offsets)
 
 
-class Q4Linear(nn.Module):
-    """A linear over a 4-bit GGUF weight (see the module's docstring): q4_linear, in float32."""
+class GGUFLinear(nn.Module):
+    """A linear over a GGUF weight's codes (see the module's docstring): gguf_linear, in float32."""
 
     def __init__(self, groups: Groups, bias: torch.Tensor | None) -> None:
         super().__init__()
         codes, scales, offsets = (torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
         self.out_features, self.in_features = codes.shape
-        self.codes, self.scales, self.offsets = q4_pack_weight(codes, scales, offsets)
+        self.bits = 8 if codes.dtype == torch.int8 else 4
+        self.codes, self.scales, self.offsets = gguf_pack_weight(codes, scales, offsets)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.rows_forward(unit_stride_rows(x)).view(*x.shape[:-1], self.out_features)
 
     def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.tokenloom.q4_linear(rows.float(), self.codes, self.scales, self.offsets, self.bias)
+        out = torch.ops.tokenloom.gguf_linear(rows.float(), self.codes, self.scales, self.offsets, self.bias)
         return out if rows.dtype == torch.float32 else out.to(rows.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] in float32, as gguf's dequantization gives it."""
-        n, k = self.out_features, self.in_features
-        pairs = self.codes.view(n // BLOCK, k // GROUP, GROUP // 2, BLOCK)
-        codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).view(n // BLOCK, k // GROUP, GROUP, BLOCK).float()
+        blocks, groups = self.out_features // BLOCK, self.in_features // GROUP
+        if self.bits == 8:
+            codes = self.codes.view(torch.int8).view(blocks, groups, GROUP, BLOCK).float()
+        else:
+            pairs = self.codes.view(blocks, groups, GROUP // 2, BLOCK)
+            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).view(blocks, groups, GROUP, BLOCK).float()
         values = torch.addcmul(self.offsets[:, :, None, :], codes, self.scales[:, :, None, :])
-        return values.permute(0, 3, 1, 2).reshape(n, k)
+        return values.permute(0, 3, 1, 2).reshape(self.out_features, self.in_features)
 
 
-def gguf_linear_groups(path: Path) -> dict[str, Groups]:
-    """The decoder linears of a GGUF file whose tensors are all 4-bit (FORMATS), by the model's name for the linear
-    (``layers.0.self_attn.qkv_proj``): a fused projection's members concatenated in the order the model fuses them,
-    Q and K rows unpermuted as gguf_convert unpermutes them."""
+def gguf_weight_groups(path: Path) -> dict[str, Groups]:
+    """The 2-D weights of a GGUF file in one of FORMATS, by the model's name for them (``layers.0.self_attn.qkv_proj``,
+    ``lm_head``, ``embed_tokens``): a fused projection's members (all in formats of the same code width)
+    concatenated in the order the model fuses them, Q and K rows unpermuted as gguf_convert unpermutes them."""
     import gguf
 
     from tokenloom.model.gguf_convert import hf_tensors, unpermute_rows
@@ -121,7 +133,7 @@ def gguf_linear_groups(path: Path) -> dict[str, Groups]:
     parts: dict[str, dict[str, Groups | None]] = {}
     members_of: dict[str, tuple[str, ...]] = {}
     for name, tensor, heads in hf_tensors(gguf.GGUFReader(str(path))):
-        if ".layers." not in name or not name.endswith(".weight") or len(tensor.shape) != 2:
+        if not name.endswith(".weight") or len(tensor.shape) != 2:
             continue
         module = name.removeprefix("model.").removesuffix(".weight")
         target, part, members = fused_target(module)
@@ -130,37 +142,51 @@ def gguf_linear_groups(path: Path) -> dict[str, Groups]:
         groups = None
         if fmt in FORMATS and k % (256 if fmt == "Q4_K" else GROUP) == 0:
             raw = np.asarray(tensor.data).reshape(n, -1)
-            groups = q4_groups(raw if heads is None else unpermute_rows(raw, heads), fmt, (n, k))
+            groups = gguf_groups(raw if heads is None else unpermute_rows(raw, heads), fmt, (n, k))
         key = target or module
         parts.setdefault(key, {})[part] = groups
         members_of[key] = members or ("",)
-    linears: dict[str, Groups] = {}
+    weights: dict[str, Groups] = {}
     for key, got in parts.items():
         found = [got.get(member) for member in members_of[key]]
         whole = [groups for groups in found if groups is not None]
-        if len(whole) == len(found):
+        if len(whole) == len(found) and len({groups[0].dtype for groups in whole}) == 1:
             codes, scales, offsets = (np.concatenate(arrays) for arrays in zip(*whole, strict=True))
-            linears[key] = codes, scales, offsets
-    return linears
+            weights[key] = codes, scales, offsets
+    return weights
 
 
-def serve_gguf_linears(layers: nn.Module, path: Path) -> tuple[int, int]:
-    """Every nn.Linear of the decoder `layers` (a model's ``layers`` list) whose GGUF tensors are all 4-bit becomes a
-    Q4Linear of them; returns how many did and how many kept their dequantized weight. A Q4Linear's weight is
-    checked, bit for bit, against the one loaded from the dequantized checkpoint (rounded to the model's dtype)."""
-    groups = gguf_linear_groups(path)
+def checked_layer(groups: Groups, bias: torch.Tensor | None, plain: torch.Tensor, what: str) -> GGUFLinear:
+    """A GGUFLinear of `groups`, whose weight is checked, bit for bit, against `plain`: the one loaded from the
+    dequantized checkpoint (rounded to the model's dtype)."""
+    layer = GGUFLinear(groups, bias)
+    if not torch.equal(layer.dequantized().to(plain.dtype), plain.detach()):
+        raise ValueError(f"{what}: the GGUF's weight is not the one the dequantized checkpoint loaded")
+    return layer
+
+
+def serve_gguf_linears(layers: nn.Module, weights: dict[str, Groups]) -> tuple[int, int]:
+    """Every nn.Linear of the decoder `layers` (a model's ``layers`` list) whose GGUF weight is in `weights`
+    (gguf_weight_groups) becomes a GGUFLinear of it; returns how many did and how many kept their dequantized
+    weight."""
     replaced = kept = 0
     for prefix, parent in list(layers.named_modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            found = groups.get(f"layers.{prefix}.{name}")
+            found = weights.get(f"layers.{prefix}.{name}")
             if found is None or found[0].shape != tuple(child.weight.shape) or found[0].shape[0] % BLOCK:
                 kept += 1
                 continue
-            layer = Q4Linear(found, child.bias)
-            if not torch.equal(layer.dequantized().to(child.weight.dtype), child.weight.detach()):
-                raise ValueError(f"{path.name}: layers.{prefix}.{name}'s 4-bit weight is not the checkpoint's")
-            setattr(parent, name, layer)
+            setattr(parent, name, checked_layer(found, child.bias, child.weight, f"layers.{prefix}.{name}"))
             replaced += 1
     return replaced, kept
+
+
+def gguf_head(weights: dict[str, Groups], plain: torch.Tensor) -> GGUFLinear | None:
+    """The LM head over its GGUF weight (the output's, or the tied embedding's), where gguf_linear reads it; `plain`
+    is the head's weight as loaded."""
+    found = weights.get("lm_head", weights.get("embed_tokens"))
+    if found is None or found[0].shape != tuple(plain.shape) or found[0].shape[0] % BLOCK:
+        return None
+    return checked_layer(found, None, plain, "the LM head")

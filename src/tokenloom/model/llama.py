@@ -251,7 +251,7 @@ class CausalLM(nn.Module):
         of each row's best REFINED_TOP_K candidates are computed again in float32, from the float32 normed row.
         With int8 weights every logit comes from the head's int8 copy (quantization.int8_head), refined the same way.
         """
-        head_weight = self._head_weight()
+        head_weight = self.head_weight()
         cpu_operators = stream.device.type == "cpu" and cpu_kernel.has_row_topk()  # every build has both used here
         if cpu_operators:
             normed = torch.ops.tokenloom.rms_norm(stream, self.norm.weight, self.norm.eps)
@@ -274,9 +274,9 @@ class CausalLM(nn.Module):
     def token_logits(self, normed: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits of a few tokens for rows already through the final norm (float32): the head's rows for
         them, exact whatever the head's dtype or packing."""
-        return F.linear(normed, self._head_weight()[token_ids].float())
+        return F.linear(normed, self.head_weight()[token_ids].float())
 
-    def _head_weight(self) -> torch.Tensor:
+    def head_weight(self) -> torch.Tensor:
         """The LM head's weight as a plain tensor, also once the head itself is prepacked."""
         plain = getattr(self, "_plain_head_weight", None)
         if plain is not None:
@@ -286,7 +286,7 @@ class CausalLM(nn.Module):
     def prepack_weights(self, layers: bool = True) -> None:
         """Every linear's weight (or the LM head's alone) into oneDNN's layout, once (see prepack.py); a tied LM
         head gets its own copy, where this rank computes logits."""
-        self._plain_head_weight = self._head_weight().detach()  # kept plain: the top logits are refined from it
+        self._plain_head_weight = self.head_weight().detach()  # kept plain: the top logits are refined from it
         head = self._plain_head_weight
         head_bytes = head.numel() * head.element_size() if self.computes_logits else 0
         small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0))
@@ -296,6 +296,12 @@ class CausalLM(nn.Module):
         # A tied embedding stays, for lookups. An int8 model's logits come from its int8 head: no packed copy.
         if self._int8_head is None and self.computes_logits:
             self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
+
+    def serve_head(self, head: nn.Module) -> None:
+        """The logits from `head`, a form of the LM head's weight (a GGUF's own blocks: gguf_linear.py); the plain
+        weight is kept, for the refinement of bf16 logits and token_logits."""
+        self._plain_head_weight = self.head_weight().detach()
+        self.lm_head = head
 
     def quantize_weights(
         self,
@@ -307,7 +313,7 @@ class CausalLM(nn.Module):
         hessians, keyed by a linear's name under `layers` (gptq.recording_input_hessians(model.layers)), make GPTQ
         round its int8 codes; codes, keyed the same, are an earlier load's (gptq_cache.py)."""
         self._operator_layers = None
-        self._int8_head = int8_head(self._head_weight(), method) if self.computes_logits else None
+        self._int8_head = int8_head(self.head_weight(), method) if self.computes_logits else None
         return quantize_linears(self.layers, method, gated=self.gated_projections, hessians=hessians, codes=codes)
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -117,9 +117,9 @@ def check_quantization(name: str | None, device: torch.device) -> None:
             f"--quantization {name} runs our int8 kernels (AVX-512 VNNI or AVX2) and oneDNN's on a CPU; "
             f"here the device is {device.type}" + ("" if device.type != "cpu" else " and they are not available")
         )
-    if name == "gguf" and (device.type != "cpu" or not cpu_kernel.has_operator("q4_linear")):
+    if name == "gguf" and (device.type != "cpu" or not cpu_kernel.has_operator("gguf_linear")):
         raise ValueError(
-            "--quantization gguf runs tokenloom::q4_linear, built for CPUs with AVX-512; here "
+            "--quantization gguf runs tokenloom::gguf_linear, built for CPUs with AVX-512; here "
             + (f"the device is {device.type}" if device.type != "cpu" else "the operator is not available")
         )
     if name == "fp8" and (device.type != "cuda" or not hasattr(torch, "_scaled_mm")):

@@ -22,7 +22,7 @@ from tokenloom.model.attention import AttentionMetadata, resolve_backend, uses_p
 from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
-from tokenloom.model.gguf_linear import serve_gguf_linears
+from tokenloom.model.gguf_linear import FORMATS, GGUFLinear, gguf_head, gguf_weight_groups, serve_gguf_linears
 from tokenloom.model.gptq import recording_input_hessians
 from tokenloom.model.gptq_cache import cache_enabled as gptq_cache_enabled
 from tokenloom.model.gptq_cache import codes_key, load_codes, save_gptq_codes
@@ -161,12 +161,15 @@ class ModelRunner:
         step's LoRA adapters add their deltas to their rows (lora.py); returns the adapters' set where LoRA is on."""
         if self.inputs.with_adapters:
             self.model.gated_projections = frozenset()  # the adapters add to gate and up before silu(gate) * up
+        gguf_head = None
         if quantization == "gguf":
-            self._serve_gguf()
+            gguf_head = self._serve_gguf()
         elif quantization is not None:
             self._quantize(quantization, calibration)
         if can_prepack(self.device, self.dtype):
             self.model.prepack_weights(layers=quantization in (None, "gguf"))
+        if gguf_head is not None:
+            self.model.serve_head(gguf_head)
         if lora is None or not lora.enable_lora:
             return None
         adapters = lora_adapters.AdapterSet(
@@ -176,13 +179,18 @@ class ModelRunner:
         self.model.operator_layers_changed()
         return adapters
 
-    def _serve_gguf(self) -> None:
+    def _serve_gguf(self) -> GGUFLinear | None:
+        """The decoder's linears over the GGUF's own blocks; returns the LM head's, to serve once the rest is packed."""
         check_quantization("gguf", self.device)
         if self.model.gguf_file is None:
-            raise ValueError("--quantization gguf serves a GGUF checkpoint's 4-bit linears; this model is not a GGUF")
-        replaced, kept = serve_gguf_linears(self.model.layers, self.model.gguf_file)
+            raise ValueError("--quantization gguf serves a GGUF checkpoint's own blocks; this model is not a GGUF")
+        weights = gguf_weight_groups(self.model.gguf_file)
+        replaced, kept = serve_gguf_linears(self.model.layers, weights)
         self.model.operator_layers_changed()
-        logger.info("%d linears kept the GGUF's 4-bit weights, %d dequantized (not Q4_0, Q4_1 or Q4_K)", replaced, kept)
+        head = gguf_head(weights, self.model.head_weight()) if self.model.computes_logits else None
+        logger.info("served from the GGUF's blocks: %d decoder linears (%d dequantized: not %s), the LM head: %s",
+                    replaced, kept, ", ".join(FORMATS), "yes" if head is not None else "no")  # fmt: skip
+        return head
 
     def _quantize(self, method: str, calibration: list[list[int]] | None) -> None:
         check_quantization(method, self.device)

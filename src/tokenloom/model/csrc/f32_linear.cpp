@@ -109,50 +109,61 @@ void linear_avx512(const float* xp, int64_t ldx, const float* wp, int64_t m, int
   tokenloom::WorkSharing::instance().run(panels * groups, body);
 }
 
-// --- 4-bit weights, widened to float32 as they are used: tokenloom::q4_linear (--quantization gguf) ---
+// --- A GGUF's 4- and 8-bit weights, widened to float32 as they are used: tokenloom::gguf_linear ---
 //
-// A GGUF checkpoint's 4-bit linears (Q4_0, Q4_1, Q4_K: every group of 32 inputs of a feature is code * scale +
-// offset, codes 0-15) in blocks of 16 features, as f32_linear's, with the codes of two inputs in a byte: per block and
-// group, 16 pairs of inputs x 16 features (byte = code of input 2p | code of input 2p + 1 << 4), then the group's 16
-// scales and 16 offsets in float32 beside (q4_pack_weight in quantization_gguf.py). A weight is widened
-// to float32 by one FMA (code * scale + offset, rounded once, as gguf's dequantization rounds it), and the sums run
-// input by input as f32_linear's tiles run them: the outputs are f32_linear's over the dequantized weight, bit for bit,
-// from 0.19 of its bytes (per 32 weights, 16 bytes of codes and a float32 scale and offset).
+// A GGUF checkpoint's quantized linears (--quantization gguf) whose every group of 32 inputs of a feature is
+// code * scale + offset: Q4_0, Q4_1, Q4_K (codes 0-15) and Q8_0 (codes -128-127, offset 0), in blocks of 16 features
+// as f32_linear's. Per block and group: the codes, input by input, each input's 16 features side by side (4-bit:
+// two inputs a byte, input 2p in the low nibble), then the group's 16 scales and 16 offsets in float32 beside
+// (gguf_pack_weight in gguf_linear.py). A weight is widened to float32 by one FMA (code * scale + offset, rounded
+// once, as gguf's dequantization rounds it), and the sums run input by input as f32_linear's tiles run them: the
+// outputs are f32_linear's over the dequantized weight, bit for bit, from 0.19 (4-bit) or 0.31 (8-bit) of its bytes.
 // A step of up to 8 rows widens each block in registers; more rows widen each pair of blocks once per panel into a
-// buffer that f32_linear's tiles read (on a 2-core AVX-512 Xeon a step's 120 linears took 1/2.9 of f32_linear's time
-// at 1 row, 1/1.9 at 8 with registers where the buffer gave 1/1.6, 1/1.1 at 64, the same at 1,024: RESULTS.md).
-constexpr int64_t kQ4Group = 32;          // inputs per scale and offset
-constexpr int64_t kQ4Rows = 8;            // steps of up to this many rows widen in registers
-constexpr int64_t kQ4GroupBytes = 256;    // a block's codes for one group: 16 pairs x 16 features
+// buffer that f32_linear's tiles read (on a 2-core AVX-512 Xeon a step's 120 linears in Q4_1 took 1/2.9 of
+// f32_linear's time at 1 row, 1/1.9 at 8 with registers where the buffer gave 1/1.6, 1/1.1 at 64, the same at 1,024:
+// RESULTS.md).
+constexpr int64_t kGroup = 32;        // inputs per scale and offset
+constexpr int64_t kGroupedRows = 8;   // steps of up to this many rows widen in registers
 
-struct Q4Weight {
-  const uint8_t* codes;   // [blocks][groups][16 pairs][16 features]
+template <int Bits>
+constexpr int64_t kGroupBytes = kGroup * kBlock * Bits / 8;  // a block's codes for one group
+
+struct GroupedWeight {
+  const uint8_t* codes;   // [blocks][groups][kGroupBytes]
   const float* scales;    // [blocks][groups][16]
   const float* offsets;   // [blocks][groups][16]
   int64_t groups;
 };
 
 // Inputs 2p and 2p + 1 of group g of block b, as float32: codes * scale + offset.
-inline void q4_widen_pair(const Q4Weight& w, int64_t b, int64_t g, int p, __m512 scale, __m512 offset, __m512& even,
-                          __m512& odd) {
-  const uint8_t* at = w.codes + (b * w.groups + g) * kQ4GroupBytes + p * 16;
-  const __m512i pairs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
-  even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xF))), scale, offset);
-  odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 4)), scale, offset);
+template <int Bits>
+inline void widen_pair(const GroupedWeight& w, int64_t b, int64_t g, int p, __m512 scale, __m512 offset,
+                       __m512& even, __m512& odd) {
+  const uint8_t* group = w.codes + (b * w.groups + g) * kGroupBytes<Bits>;
+  if constexpr (Bits == 4) {
+    const __m512i pairs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + p * 16)));
+    even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xF))), scale, offset);
+    odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 4)), scale, offset);
+  } else {
+    static_assert(Bits == 8, "4- or 8-bit codes");
+    const __m128i* at = reinterpret_cast<const __m128i*>(group + p * 32);
+    even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at))), scale, offset);
+    odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1))), scale, offset);
+  }
 }
 
 // Blocks b .. b + NB - 1 widened into `dst` as f32_pack_weight lays them out ([NB][K][16]).
-template <int NB>
-void q4_widen_blocks(const Q4Weight& w, int64_t b, float* dst) {
-  const int64_t k = w.groups * kQ4Group;
+template <int NB, int Bits>
+void widen_blocks(const GroupedWeight& w, int64_t b, float* dst) {
+  const int64_t k = w.groups * kGroup;
   for (int nb = 0; nb < NB; ++nb) {
     for (int64_t g = 0; g < w.groups; ++g) {
       const __m512 scale = _mm512_loadu_ps(w.scales + ((b + nb) * w.groups + g) * kBlock);
       const __m512 offset = _mm512_loadu_ps(w.offsets + ((b + nb) * w.groups + g) * kBlock);
-      float* out = dst + nb * k * kBlock + g * kQ4Group * kBlock;
-      for (int p = 0; p < kQ4Group / 2; ++p) {
+      float* out = dst + nb * k * kBlock + g * kGroup * kBlock;
+      for (int p = 0; p < kGroup / 2; ++p) {
         __m512 even, odd;
-        q4_widen_pair(w, b + nb, g, p, scale, offset, even, odd);
+        widen_pair<Bits>(w, b + nb, g, p, scale, offset, even, odd);
         _mm512_storeu_ps(out + 2 * p * kBlock, even);
         _mm512_storeu_ps(out + (2 * p + 1) * kBlock, odd);
       }
@@ -160,9 +171,11 @@ void q4_widen_blocks(const Q4Weight& w, int64_t b, float* dst) {
   }
 }
 
-// tile512 for R rows (at most kQ4Rows) of NB blocks of a 4-bit weight, each pair of inputs widened in registers.
-template <int R, int NB>
-void q4_tile(const float* x, int64_t ldx, const Q4Weight& w, int64_t b, const float* bias, float* y, int64_t ldy) {
+// tile512 for R rows (at most kGroupedRows) of NB blocks of a grouped weight, each pair of inputs widened in
+// registers.
+template <int R, int NB, int Bits>
+void grouped_tile(const float* x, int64_t ldx, const GroupedWeight& w, int64_t b, const float* bias, float* y,
+                  int64_t ldy) {
   __m512 sums[R][NB];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -174,10 +187,10 @@ void q4_tile(const float* x, int64_t ldx, const Q4Weight& w, int64_t b, const fl
       scale[nb] = _mm512_loadu_ps(w.scales + ((b + nb) * w.groups + g) * kBlock);
       offset[nb] = _mm512_loadu_ps(w.offsets + ((b + nb) * w.groups + g) * kBlock);
     }
-    for (int p = 0; p < kQ4Group / 2; ++p) {
+    for (int p = 0; p < kGroup / 2; ++p) {
       __m512 even[NB], odd[NB];
-      for (int nb = 0; nb < NB; ++nb) q4_widen_pair(w, b + nb, g, p, scale[nb], offset[nb], even[nb], odd[nb]);
-      const int64_t i = g * kQ4Group + 2 * p;
+      for (int nb = 0; nb < NB; ++nb) widen_pair<Bits>(w, b + nb, g, p, scale[nb], offset[nb], even[nb], odd[nb]);
+      const int64_t i = g * kGroup + 2 * p;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 first = _mm512_set1_ps(x[r * ldx + i]), second = _mm512_set1_ps(x[r * ldx + i + 1]);
@@ -195,24 +208,26 @@ void q4_tile(const float* x, int64_t ldx, const Q4Weight& w, int64_t b, const fl
   }
 }
 
-using Q4TileFn = void (*)(const float*, int64_t, const Q4Weight&, int64_t, const float*, float*, int64_t);
+using GroupedTileFn = void (*)(const float*, int64_t, const GroupedWeight&, int64_t, const float*, float*, int64_t);
 
-template <int NB, int... R>
-constexpr std::array<Q4TileFn, sizeof...(R)> q4_tiles(std::integer_sequence<int, R...>) {
-  return {&q4_tile<R + 1, NB>...};
+template <int NB, int Bits, int... R>
+constexpr std::array<GroupedTileFn, sizeof...(R)> grouped_tiles(std::integer_sequence<int, R...>) {
+  return {&grouped_tile<R + 1, NB, Bits>...};
 }
 
-Q4TileFn q4_tile_for(int64_t rows, int64_t nb) {
-  static constexpr auto one = q4_tiles<1>(std::make_integer_sequence<int, kQ4Rows>{});
-  static constexpr auto two = q4_tiles<2>(std::make_integer_sequence<int, kQ4Rows>{});
+template <int Bits>
+GroupedTileFn grouped_tile_for(int64_t rows, int64_t nb) {
+  static constexpr auto one = grouped_tiles<1, Bits>(std::make_integer_sequence<int, kGroupedRows>{});
+  static constexpr auto two = grouped_tiles<2, Bits>(std::make_integer_sequence<int, kGroupedRows>{});
   return (nb == 2 ? two : one)[rows - 1];
 }
 
-// linear_avx512's units over a 4-bit weight: a few rows widen in registers; a panel of more widens each pair of
+// linear_avx512's units over a grouped weight: a few rows widen in registers; a panel of more widens each pair of
 // blocks once into a buffer of this thread's and runs f32_linear's tiles over it.
-void q4_linear_avx512(const float* xp, int64_t ldx, const Q4Weight& w, int64_t m, int64_t blocks, const float* bias,
-                      float* op) {
-  const int64_t k = w.groups * kQ4Group, n = blocks * kBlock, sides = (blocks + kTileBlocks - 1) / kTileBlocks;
+template <int Bits>
+void grouped_linear_avx512(const float* xp, int64_t ldx, const GroupedWeight& w, int64_t m, int64_t blocks,
+                           const float* bias, float* op) {
+  const int64_t k = w.groups * kGroup, n = blocks * kBlock, sides = (blocks + kTileBlocks - 1) / kTileBlocks;
   const int64_t side_bytes = kTileBlocks * k * kBlock * 4;  // as float32: the widening is most of the work
   const int64_t sides_per_unit = std::max<int64_t>(1, kMinUnitBytes / std::max<int64_t>(1, side_bytes));
   const int64_t groups = (sides + sides_per_unit - 1) / sides_per_unit;
@@ -223,15 +238,15 @@ void q4_linear_avx512(const float* xp, int64_t ldx, const Q4Weight& w, int64_t m
     for (int64_t side = g * sides_per_unit; side < std::min(sides, (g + 1) * sides_per_unit); ++side) {
       const int64_t b = kTileBlocks * side, nb = std::min<int64_t>(kTileBlocks, blocks - b), f = b * kBlock;
       const float* bb = bias ? bias + f : nullptr;
-      if (r1 - r0 <= kQ4Rows) {
-        q4_tile_for(r1 - r0, nb)(xp + r0 * ldx, ldx, w, b, bb, op + r0 * n + f, n);
+      if (r1 - r0 <= kGroupedRows) {
+        grouped_tile_for<Bits>(r1 - r0, nb)(xp + r0 * ldx, ldx, w, b, bb, op + r0 * n + f, n);
         continue;
       }
       widened.resize(kTileBlocks * k * kBlock);
       if (nb == 2) {
-        q4_widen_blocks<2>(w, b, widened.data());
+        widen_blocks<2, Bits>(w, b, widened.data());
       } else {
-        q4_widen_blocks<1>(w, b, widened.data());
+        widen_blocks<1, Bits>(w, b, widened.data());
       }
       for (int64_t r = r0; r < r1; r += kTileRows512) {
         const int64_t rows = std::min<int64_t>(kTileRows512, r1 - r);
@@ -332,33 +347,39 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 }
 
 #if defined(__AVX512F__)
-// x [M, K] float32 (rows of unit stride), a 4-bit weight from q4_pack_weight (codes [N / 16, K / 32, 256] uint8,
-// scales and offsets [N / 16, K / 32, 16] float32), bias [N] or none -> [M, N].
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
-                     const std::optional<at::Tensor>& bias) {
+// x [M, K] float32 (rows of unit stride), a grouped weight from gguf_pack_weight (codes [N / 16, K / 32, 256] uint8
+// for 4 bits, 512 for 8; scales and offsets [N / 16, K / 32, 16] float32), bias [N] or none -> [M, N].
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& offsets, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "q4_linear: x must be float32 [M, K] with rows of unit stride");
+              "gguf_linear: x must be float32 [M, K] with rows of unit stride");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
-                  codes.size(2) == kQ4GroupBytes,
-              "q4_linear: codes must be contiguous uint8 [N / 16, K / 32, 256] from q4_pack_weight");
+                  (codes.size(2) == kGroupBytes<4> || codes.size(2) == kGroupBytes<8>),
+              "gguf_linear: codes must be contiguous uint8 [N / 16, K / 32, 256 or 512] from gguf_pack_weight");
   const int64_t m = x.size(0), blocks = codes.size(0), groups = codes.size(1), n = blocks * kBlock;
-  TORCH_CHECK(x.size(1) == groups * kQ4Group, "q4_linear: the weight's K is not x's");
+  TORCH_CHECK(x.size(1) == groups * kGroup, "gguf_linear: the weight's K is not x's");
   for (const at::Tensor* t : {&scales, &offsets}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == blocks &&
                     t->size(1) == groups && t->size(2) == kBlock,
-                "q4_linear: scales and offsets must be contiguous float32 [N / 16, K / 32, 16]");
+                "gguf_linear: scales and offsets must be contiguous float32 [N / 16, K / 32, 16]");
   }
   const float* bias_data = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "q4_linear: bias must be float32 [N]");
+                "gguf_linear: bias must be float32 [N]");
     bias_data = bias->const_data_ptr<float>();
   }
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
-  const Q4Weight w{codes.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(), offsets.const_data_ptr<float>(),
-                   groups};
-  q4_linear_avx512(x.const_data_ptr<float>(), x.stride(0), w, m, blocks, bias_data, out.mutable_data_ptr<float>());
+  const GroupedWeight w{codes.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
+                        offsets.const_data_ptr<float>(), groups};
+  const float* xp = x.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  if (codes.size(2) == kGroupBytes<4>) {
+    grouped_linear_avx512<4>(xp, x.stride(0), w, m, blocks, bias_data, op);
+  } else {
+    grouped_linear_avx512<8>(xp, x.stride(0), w, m, blocks, bias_data, op);
+  }
   return out;
 }
 #endif  // __AVX512F__
@@ -371,10 +392,10 @@ TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("f32_linear", &f32_linear); }
 
 #if defined(__AVX512F__)
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
-  m.def("q4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("q4_linear", &q4_linear); }
+TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("gguf_linear", &gguf_linear); }
 #endif
 
 #endif  // AVX2 and FMA
