@@ -15,7 +15,9 @@ float32 and returned in theirs.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +25,11 @@ from torch import nn
 
 from tokenloom.model import cpu_kernel
 from tokenloom.model.prepack import unit_stride_rows
+
+if TYPE_CHECKING:
+    from tokenloom.model.llama import CausalLM
+
+logger = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per scale and offset (kGroup in csrc/f32_linear.cpp)
 BLOCK = 16  # output features per packed block
@@ -190,3 +197,17 @@ def gguf_head(weights: dict[str, Groups], plain: torch.Tensor) -> GGUFLinear | N
     if found is None or found[0].shape != tuple(plain.shape) or found[0].shape[0] % BLOCK:
         return None
     return checked_layer(found, None, plain, "the LM head")
+
+
+def serve_gguf(model: CausalLM) -> GGUFLinear | None:
+    """A model's decoder linears over its GGUF's own blocks where gguf_linear reads them; returns its LM head's, to
+    serve (CausalLM.serve_head) once the rest is packed."""
+    if model.gguf_file is None:
+        raise ValueError("--quantization gguf serves a GGUF checkpoint's own blocks; this model is not a GGUF")
+    weights = gguf_weight_groups(model.gguf_file)
+    replaced, kept = serve_gguf_linears(model.layers, weights)
+    model.operator_layers_changed()
+    head = gguf_head(weights, model.head_weight()) if model.computes_logits else None
+    logger.info("served from the GGUF's blocks: %d decoder linears (%d dequantized: not %s), the LM head: %s",
+                replaced, kept, ", ".join(FORMATS), "yes" if head is not None else "no")  # fmt: skip
+    return head

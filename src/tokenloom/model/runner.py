@@ -22,7 +22,7 @@ from tokenloom.model.attention import AttentionMetadata, resolve_backend, uses_p
 from tokenloom.model.compiled import CompiledForward, compile_model
 from tokenloom.model.cuda_graphs import DecodeGraphs, DecodeInputs
 from tokenloom.model.forward_context import forward_context
-from tokenloom.model.gguf_linear import FORMATS, GGUFLinear, gguf_head, gguf_weight_groups, serve_gguf_linears
+from tokenloom.model.gguf_linear import serve_gguf
 from tokenloom.model.gptq import recording_input_hessians
 from tokenloom.model.gptq_cache import cache_enabled as gptq_cache_enabled
 from tokenloom.model.gptq_cache import codes_key, load_codes, save_gptq_codes
@@ -163,7 +163,8 @@ class ModelRunner:
             self.model.gated_projections = frozenset()  # the adapters add to gate and up before silu(gate) * up
         gguf_head = None
         if quantization == "gguf":
-            gguf_head = self._serve_gguf()
+            check_quantization("gguf", self.device)
+            gguf_head = serve_gguf(self.model)
         elif quantization is not None:
             self._quantize(quantization, calibration)
         if can_prepack(self.device, self.dtype):
@@ -178,19 +179,6 @@ class ModelRunner:
         lora_adapters.attach(self.model.layers, adapters.step)
         self.model.operator_layers_changed()
         return adapters
-
-    def _serve_gguf(self) -> GGUFLinear | None:
-        """The decoder's linears over the GGUF's own blocks; returns the LM head's, to serve once the rest is packed."""
-        check_quantization("gguf", self.device)
-        if self.model.gguf_file is None:
-            raise ValueError("--quantization gguf serves a GGUF checkpoint's own blocks; this model is not a GGUF")
-        weights = gguf_weight_groups(self.model.gguf_file)
-        replaced, kept = serve_gguf_linears(self.model.layers, weights)
-        self.model.operator_layers_changed()
-        head = gguf_head(weights, self.model.head_weight()) if self.model.computes_logits else None
-        logger.info("served from the GGUF's blocks: %d decoder linears (%d dequantized: not %s), the LM head: %s",
-                    replaced, kept, ", ".join(FORMATS), "yes" if head is not None else "no")  # fmt: skip
-        return head
 
     def _quantize(self, method: str, calibration: list[list[int]] | None) -> None:
         check_quantization(method, self.device)
