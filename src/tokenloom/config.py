@@ -74,7 +74,7 @@ class ModelLoadConfig:
     logits come from an int8 copy of the LM head, each row's best candidates recomputed from the plain weight
     (model/quantization.py). 'gguf': a GGUF checkpoint's Q4_0, Q4_1, Q4_K and Q8_0 linears and LM head kept as
     stored and multiplied as they are widened to float32 (model/gguf_linear.py: the dequantized model's outputs from
-    0.19-0.31 of its bytes; AVX-512 CPUs, one rank). None: the checkpoint's weights in the model's dtype."""
+    0.19-0.31 of its bytes; CPUs with AVX2 and FMA, one rank). None: the checkpoint's weights in the model's dtype."""
     seed: int = 0
     """Seeds the sampler of requests that give no seed of their own."""
     logprobs_mode: LogprobsMode = "raw_logprobs"

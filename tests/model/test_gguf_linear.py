@@ -40,7 +40,7 @@ def dequantized(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.Tensor:
 def needs_gguf_operator() -> None:
     needs_operator()
     if not gguf_linear.gguf_linear_available():
-        pytest.skip("tokenloom::gguf_linear is built for CPUs with AVX-512 only")
+        pytest.skip("tokenloom::gguf_linear is built for CPUs with AVX2 and FMA")
 
 
 @pytest.mark.parametrize("fmt", gguf_linear.FORMATS)
@@ -101,7 +101,7 @@ def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_llama, monkeypatc
     with pytest.raises(ValueError, match="device is meta"):
         check_quantization("gguf", torch.device("meta"))
     monkeypatch.setattr(cpu_kernel, "has_operator", lambda name: False)
-    with pytest.raises(ValueError, match="AVX-512"):
+    with pytest.raises(ValueError, match="AVX2 and FMA"):
         check_quantization("gguf", torch.device("cpu"))
     monkeypatch.undo()
     if gguf_linear.gguf_linear_available():

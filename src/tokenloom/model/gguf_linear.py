@@ -8,9 +8,9 @@ tensors are all Q4_0, Q4_1, Q4_K or Q8_0, and the LM head where it is one of tho
 their codes with a float32 scale and offset per 32 inputs (all four formats are code * scale + offset per group of
 32: codes 0-15, or -128-127 with offset 0), and ``tokenloom::gguf_linear`` (csrc/f32_linear.cpp) widens each weight
 to float32 by one FMA as it multiplies, rounding as gguf's dequantization does: the outputs are the dequantized
-model's, bit for bit, where that model runs f32_linear (float32 on AVX-512). Other tensors (the embeddings' lookup,
-Q5 or Q6 linears) are dequantized as before. AVX-512 CPUs only, one rank; other activations' dtypes are run in
-float32 and returned in theirs.
+model's, bit for bit, where that model runs f32_linear (float32, where the operators are built). Other tensors (the
+embeddings' lookup, Q5 or Q6 linears) are dequantized as before. CPUs with AVX2 and FMA (where f32_linear is built),
+one rank; other activations' dtypes are run in float32 and returned in theirs.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def check_quantization(name: str | None, device: torch.device) -> None:
         )
     if name == "gguf" and (device.type != "cpu" or not cpu_kernel.has_operator("gguf_linear")):
         raise ValueError(
-            "--quantization gguf runs tokenloom::gguf_linear, built for CPUs with AVX-512; here "
+            "--quantization gguf runs tokenloom::gguf_linear, built for CPUs with AVX2 and FMA; here "
             + (f"the device is {device.type}" if device.type != "cpu" else "the operator is not available")
         )
     if name == "fp8" and (device.type != "cuda" or not hasattr(torch, "_scaled_mm")):

@@ -41,6 +41,31 @@ constexpr int64_t kMinUnitBytes = 64 << 10;  // a unit's weight bytes: enough to
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t);
 
+// --- A GGUF's 4- and 8-bit weights, widened to float32 as they are used: tokenloom::gguf_linear ---
+//
+// A GGUF checkpoint's quantized linears (--quantization gguf) whose every group of 32 inputs of a feature is
+// code * scale + offset: Q4_0, Q4_1, Q4_K (codes 0-15) and Q8_0 (codes -128-127, offset 0), in blocks of 16 features
+// as f32_linear's. Per block and group: the codes, input by input, each input's 16 features side by side (4-bit:
+// two inputs a byte, input 2p in the low nibble), then the group's 16 scales and 16 offsets in float32 beside
+// (gguf_pack_weight in gguf_linear.py). A weight is widened to float32 by one FMA (code * scale + offset, rounded
+// once, as gguf's dequantization rounds it), and the sums run input by input as f32_linear's tiles run them: the
+// outputs are f32_linear's over the dequantized weight, bit for bit, from 0.19 (4-bit) or 0.31 (8-bit) of its bytes.
+// A step of a few rows (AVX-512: 8, AVX2: 2) widens each block in registers; more rows widen each block (AVX-512: each
+// pair of blocks, once per panel) into a buffer that f32_linear's tiles read (on a 2-core AVX-512 Xeon a step's 120
+// linears in Q4_1 took 1/2.9 of f32_linear's time at 1 row, 1/1.9 at 8 with registers where the buffer gave 1/1.6,
+// 1/1.1 at 64, the same at 1,024: RESULTS.md).
+constexpr int64_t kGroup = 32;  // inputs per scale and offset
+
+template <int Bits>
+constexpr int64_t kGroupBytes = kGroup * kBlock * Bits / 8;  // a block's codes for one group
+
+struct GroupedWeight {
+  const uint8_t* codes;   // [blocks][groups][kGroupBytes]
+  const float* scales;    // [blocks][groups][16]
+  const float* offsets;   // [blocks][groups][16]
+  int64_t groups;
+};
+
 #if defined(__AVX512F__)
 // AVX-512: a tile of up to 12 rows x NB blocks side by side (NB = 2: 32 features, 24 sums): each input loads each
 // block's 16 weights once (one vector) and broadcasts each row's value, 24 FMAs for 14 loads.
@@ -109,31 +134,8 @@ void linear_avx512(const float* xp, int64_t ldx, const float* wp, int64_t m, int
   tokenloom::WorkSharing::instance().run(panels * groups, body);
 }
 
-// --- A GGUF's 4- and 8-bit weights, widened to float32 as they are used: tokenloom::gguf_linear ---
-//
-// A GGUF checkpoint's quantized linears (--quantization gguf) whose every group of 32 inputs of a feature is
-// code * scale + offset: Q4_0, Q4_1, Q4_K (codes 0-15) and Q8_0 (codes -128-127, offset 0), in blocks of 16 features
-// as f32_linear's. Per block and group: the codes, input by input, each input's 16 features side by side (4-bit:
-// two inputs a byte, input 2p in the low nibble), then the group's 16 scales and 16 offsets in float32 beside
-// (gguf_pack_weight in gguf_linear.py). A weight is widened to float32 by one FMA (code * scale + offset, rounded
-// once, as gguf's dequantization rounds it), and the sums run input by input as f32_linear's tiles run them: the
-// outputs are f32_linear's over the dequantized weight, bit for bit, from 0.19 (4-bit) or 0.31 (8-bit) of its bytes.
-// A step of up to 8 rows widens each block in registers; more rows widen each pair of blocks once per panel into a
-// buffer that f32_linear's tiles read (on a 2-core AVX-512 Xeon a step's 120 linears in Q4_1 took 1/2.9 of
-// f32_linear's time at 1 row, 1/1.9 at 8 with registers where the buffer gave 1/1.6, 1/1.1 at 64, the same at 1,024:
-// RESULTS.md).
-constexpr int64_t kGroup = 32;        // inputs per scale and offset
-constexpr int64_t kGroupedRows = 8;   // steps of up to this many rows widen in registers
-
-template <int Bits>
-constexpr int64_t kGroupBytes = kGroup * kBlock * Bits / 8;  // a block's codes for one group
-
-struct GroupedWeight {
-  const uint8_t* codes;   // [blocks][groups][kGroupBytes]
-  const float* scales;    // [blocks][groups][16]
-  const float* offsets;   // [blocks][groups][16]
-  int64_t groups;
-};
+// gguf_linear with AVX-512: 16 features a vector.
+constexpr int64_t kGroupedRows = 8;  // steps of up to this many rows widen in registers
 
 // Inputs 2p and 2p + 1 of group g of block b, as float32: codes * scale + offset.
 template <int Bits>
@@ -318,6 +320,117 @@ void linear_avx2(const float* xp, int64_t ldx, const float* wp, int64_t m, int64
   };
   tokenloom::WorkSharing::instance().run(units, body);
 }
+
+// gguf_linear with AVX2: a block's 16 features in two vectors of 8, as tile's.
+constexpr int64_t kGroupedRows8 = 2;  // rows widened in registers: 4 sums, 4 widened vectors, 4 scales and offsets
+
+// Inputs 2p and 2p + 1 of group g of block b, features 0-7 and 8-15, as float32: codes * scale + offset.
+template <int Bits>
+inline void widen_pair8(const GroupedWeight& w, int64_t b, int64_t g, int p, const __m256* scale,
+                        const __m256* offset, __m256* even, __m256* odd) {
+  const uint8_t* group = w.codes + (b * w.groups + g) * kGroupBytes<Bits>;
+  for (int half = 0; half < 2; ++half) {
+    if constexpr (Bits == 4) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + p * 16 + 8 * half));
+      const __m256i pairs = _mm256_cvtepu8_epi32(bytes);
+      const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(0xF)));
+      even[half] = _mm256_fmadd_ps(low, scale[half], offset[half]);
+      odd[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(pairs, 4)), scale[half], offset[half]);
+    } else {
+      static_assert(Bits == 8, "4- or 8-bit codes");
+      const uint8_t* at = group + p * 32 + 8 * half;
+      const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
+      const __m256 second =
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 16))));
+      even[half] = _mm256_fmadd_ps(first, scale[half], offset[half]);
+      odd[half] = _mm256_fmadd_ps(second, scale[half], offset[half]);
+    }
+  }
+}
+
+// Group g's scales and offsets of block b, features 0-7 and 8-15.
+inline void group_terms8(const GroupedWeight& w, int64_t b, int64_t g, __m256* scale, __m256* offset) {
+  for (int half = 0; half < 2; ++half) {
+    scale[half] = _mm256_loadu_ps(w.scales + (b * w.groups + g) * kBlock + 8 * half);
+    offset[half] = _mm256_loadu_ps(w.offsets + (b * w.groups + g) * kBlock + 8 * half);
+  }
+}
+
+// Block b widened into `dst` as f32_pack_weight lays it out ([K][16]).
+template <int Bits>
+void widen_block8(const GroupedWeight& w, int64_t b, float* dst) {
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 scale[2], offset[2];
+    group_terms8(w, b, g, scale, offset);
+    for (int p = 0; p < kGroup / 2; ++p) {
+      __m256 even[2], odd[2];
+      widen_pair8<Bits>(w, b, g, p, scale, offset, even, odd);
+      float* out = dst + (g * kGroup + 2 * p) * kBlock;
+      for (int half = 0; half < 2; ++half) {
+        _mm256_storeu_ps(out + 8 * half, even[half]);
+        _mm256_storeu_ps(out + kBlock + 8 * half, odd[half]);
+      }
+    }
+  }
+}
+
+// tile for R rows (at most kGroupedRows8) of block b of a grouped weight, each pair of inputs widened in registers.
+template <int R, int Bits>
+void grouped_tile8(const float* x, int64_t ldx, const GroupedWeight& w, int64_t b, const float* bias, float* y,
+                   int64_t ldy) {
+  __m256 low[R], high[R];
+  for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    __m256 scale[2], offset[2];
+    group_terms8(w, b, g, scale, offset);
+    for (int p = 0; p < kGroup / 2; ++p) {
+      __m256 even[2], odd[2];
+      widen_pair8<Bits>(w, b, g, p, scale, offset, even, odd);
+      const int64_t i = g * kGroup + 2 * p;
+      for (int r = 0; r < R; ++r) {
+        const __m256 first = _mm256_broadcast_ss(x + r * ldx + i), second = _mm256_broadcast_ss(x + r * ldx + i + 1);
+        low[r] = _mm256_fmadd_ps(first, even[0], low[r]);
+        high[r] = _mm256_fmadd_ps(first, even[1], high[r]);
+        low[r] = _mm256_fmadd_ps(second, odd[0], low[r]);
+        high[r] = _mm256_fmadd_ps(second, odd[1], high[r]);
+      }
+    }
+  }
+  const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(low[r], b0));
+    _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(high[r], b1));
+  }
+}
+
+// linear_avx2's units over a grouped weight: one or two rows widen in registers; more widen each block once into a
+// buffer of this thread's and run tile over it.
+template <int Bits>
+void grouped_linear_avx2(const float* xp, int64_t ldx, const GroupedWeight& w, int64_t m, int64_t blocks,
+                         const float* bias, float* op) {
+  const int64_t k = w.groups * kGroup, n = blocks * kBlock;
+  const int64_t block_bytes = k * kBlock * 4;  // as float32: the widening is most of the work
+  const int64_t blocks_per_unit = std::max<int64_t>(1, kMinUnitBytes / std::max<int64_t>(1, block_bytes));
+  const int64_t units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
+  const std::function<void(int64_t)> body = [&](int64_t unit) {
+    thread_local std::vector<float> widened;
+    for (int64_t b = unit * blocks_per_unit; b < std::min(blocks, (unit + 1) * blocks_per_unit); ++b) {
+      const int64_t f = b * kBlock;
+      const float* bb = bias ? bias + f : nullptr;
+      if (m <= kGroupedRows8) {
+        (m == 1 ? &grouped_tile8<1, Bits> : &grouped_tile8<2, Bits>)(xp, ldx, w, b, bb, op + f, n);
+        continue;
+      }
+      widened.resize(k * kBlock);
+      widen_block8<Bits>(w, b, widened.data());
+      for (int64_t r = 0; r < m; r += kTileRows) {
+        tile_for(std::min<int64_t>(kTileRows, m - r))(xp + r * ldx, ldx, widened.data(), k, bb, op + r * n + f, n);
+      }
+    }
+  };
+  tokenloom::WorkSharing::instance().run(units, body);
+}
 #endif  // !__AVX512F__
 
 // x [M, K] float32 (rows of unit stride), a weight from f32_pack_weight [N / 16, K x 16], bias [N] or none -> [M, N].
@@ -346,7 +459,6 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   return out;
 }
 
-#if defined(__AVX512F__)
 // x [M, K] float32 (rows of unit stride), a grouped weight from gguf_pack_weight (codes [N / 16, K / 32, 256] uint8
 // for 4 bits, 512 for 8; scales and offsets [N / 16, K / 32, 16] float32), bias [N] or none -> [M, N].
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
@@ -375,14 +487,21 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                         offsets.const_data_ptr<float>(), groups};
   const float* xp = x.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
+#if defined(__AVX512F__)
   if (codes.size(2) == kGroupBytes<4>) {
     grouped_linear_avx512<4>(xp, x.stride(0), w, m, blocks, bias_data, op);
   } else {
     grouped_linear_avx512<8>(xp, x.stride(0), w, m, blocks, bias_data, op);
   }
+#else
+  if (codes.size(2) == kGroupBytes<4>) {
+    grouped_linear_avx2<4>(xp, x.stride(0), w, m, blocks, bias_data, op);
+  } else {
+    grouped_linear_avx2<8>(xp, x.stride(0), w, m, blocks, bias_data, op);
+  }
+#endif
   return out;
 }
-#endif  // __AVX512F__
 
 }  // namespace
 
@@ -390,12 +509,10 @@ TORCH_LIBRARY_FRAGMENT(tokenloom, m) { m.def("f32_linear(Tensor x, Tensor packed
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("f32_linear", &f32_linear); }
 
-#if defined(__AVX512F__)
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("gguf_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenloom, CPU, m) { m.impl("gguf_linear", &gguf_linear); }
-#endif
 
 #endif  // AVX2 and FMA
