@@ -3,6 +3,12 @@ so that the served model is the dequantized one bit for bit where that one runs 
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -107,3 +113,15 @@ def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_llama, monkeypatc
     if gguf_linear.gguf_linear_available():
         with pytest.raises(ValueError, match="not a GGUF"):
             LLM(str(tiny_llama), dtype="float32", quantization="gguf")
+
+
+def test_the_avx2_build_gives_f32_linears_outputs_too(tmp_path):
+    """Where this CPU has AVX-512, the engine's build never runs gguf_linear's AVX2 path: build it apart."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if os.uname().machine != "x86_64" or " avx2" not in flags or " fma" not in flags:
+        pytest.skip("runs x86 code for AVX2 and FMA")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here")
+    script = Path(__file__).with_name("f32_linear_avx2_build.py")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-2000:]
