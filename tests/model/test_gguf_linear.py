@@ -101,6 +101,21 @@ def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tok
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
 
 
+def test_a_ggufs_groups_are_read_once_then_from_the_cache(tmp_path, monkeypatch):
+    from tokenloom.model.gguf_convert import converted_dir_for
+    from tokenloom.model.loader import default_gguf_path
+
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))
+    path = default_gguf_path()
+    read = gguf_linear.cached_weight_groups(path)
+    assert (converted_dir_for(path) / gguf_linear.GROUPS_FILE).exists()
+    monkeypatch.setattr(gguf_linear, "gguf_weight_groups", lambda path: pytest.fail("read the GGUF again"))
+    cached = gguf_linear.cached_weight_groups(path)
+    assert read.keys() == cached.keys() and "layers.0.self_attn.qkv_proj" in cached and "embed_tokens" in cached
+    for key, groups in read.items():
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(groups, cached[key], strict=True))
+
+
 def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_llama, monkeypatch):
     with pytest.raises(ValueError, match="one rank"):
         EngineConfig.from_kwargs(quantization="gguf", tensor_parallel_size=2)

@@ -16,6 +16,7 @@ one rank; other activations' dtypes are run in float32 and returned in theirs.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -199,12 +200,41 @@ def gguf_head(weights: dict[str, Groups], plain: torch.Tensor) -> GGUFLinear | N
     return checked_layer(found, None, plain, "the LM head")
 
 
+# In a directory of the GGUF's cache directory (gguf_convert.converted_dir_for), where the loader, which reads its
+# *.safetensors, does not look.
+GROUPS_FILE = Path("blocks") / "groups.safetensors"
+
+
+def cached_weight_groups(path: Path) -> dict[str, Groups]:
+    """gguf_weight_groups, kept in the GGUF's cache directory after the first start: reading a GGUF's metadata (the
+    tokenizer's 49,152 strings for the embedded model) takes gguf-py ~2.5 s, the cached groups a fraction of that."""
+    from safetensors.numpy import load_file, save_file
+
+    from tokenloom.model.gguf_convert import converted_dir_for
+
+    cached = converted_dir_for(path) / GROUPS_FILE
+    if cached.exists():
+        arrays = load_file(str(cached))
+        keys = {name.rsplit(".", 1)[0] for name in arrays}
+        return {key: (arrays[f"{key}.codes"], arrays[f"{key}.scales"], arrays[f"{key}.offsets"]) for key in keys}
+    weights = gguf_weight_groups(path)
+    arrays = {f"{key}.{part}": a for key, groups in weights.items() for part, a in zip(PARTS, groups, strict=True)}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = cached.with_name(f".{cached.name}.{os.getpid()}")
+    save_file(arrays, str(staging))
+    staging.replace(cached)  # whole or not at all, whichever process writes it
+    return weights
+
+
+PARTS = ("codes", "scales", "offsets")
+
+
 def serve_gguf(model: CausalLM) -> GGUFLinear | None:
     """A model's decoder linears over its GGUF's own blocks where gguf_linear reads them; returns its LM head's, to
     serve (CausalLM.serve_head) once the rest is packed."""
     if model.gguf_file is None:
         raise ValueError("--quantization gguf serves a GGUF checkpoint's own blocks; this model is not a GGUF")
-    weights = gguf_weight_groups(model.gguf_file)
+    weights = cached_weight_groups(model.gguf_file)
     replaced, kept = serve_gguf_linears(model.layers, weights)
     model.operator_layers_changed()
     head = gguf_head(weights, model.head_weight()) if model.computes_logits else None
