@@ -73,6 +73,18 @@ constexpr int kTileRows512 = 12;
 constexpr int kTileBlocks = 2;  // blocks side by side in a tile (8 x 3 and 6 x 4 tiles measured the same)
 constexpr int64_t kPanelRows = 96;  // rows a unit takes: their inputs stay in L2 while every block of the unit passes
 
+// A tile's sums (+ bias) into its R rows x NB blocks of the output.
+template <int R, int NB>
+inline void store_sums(const __m512 (&sums)[R][NB], const float* bias, float* y, int64_t ldy) {
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < NB; ++b) {
+      const __m512 bb = bias ? _mm512_loadu_ps(bias + b * kBlock) : _mm512_setzero_ps();
+      _mm512_storeu_ps(y + r * ldy + b * kBlock, _mm512_add_ps(sums[r][b], bb));
+    }
+  }
+}
+
 template <int R, int NB>
 void tile512(const float* x, int64_t ldx, const float* block, int64_t k, const float* bias, float* y, int64_t ldy) {
   __m512 sums[R][NB];
@@ -89,13 +101,7 @@ void tile512(const float* x, int64_t ldx, const float* block, int64_t k, const f
       for (int b = 0; b < NB; ++b) sums[r][b] = _mm512_fmadd_ps(value, w[b], sums[r][b]);
     }
   }
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < NB; ++b) {
-      const __m512 bb = bias ? _mm512_loadu_ps(bias + b * kBlock) : _mm512_setzero_ps();
-      _mm512_storeu_ps(y + r * ldy + b * kBlock, _mm512_add_ps(sums[r][b], bb));
-    }
-  }
+  store_sums<R, NB>(sums, bias, y, ldy);
 }
 
 template <int NB, int... R>
@@ -111,27 +117,40 @@ TileFn tile512_for(int64_t rows, int64_t nb) {
   return (nb == 2 ? two : one)[rows - 1];
 }
 
-// Units of up to kPanelRows rows x a group of the tiles' blocks (at least kMinUnitBytes of weights): a decode step's few
-// rows read each weight once, a prefill chunk's panels each read the weights from L3 while their inputs stay in L2.
-void linear_avx512(const float* xp, int64_t ldx, const float* wp, int64_t m, int64_t k, int64_t blocks,
-                   const float* bias, float* op) {
-  const int64_t n = blocks * kBlock, sides = (blocks + kTileBlocks - 1) / kTileBlocks;  // tiles' blocks side by side
+// Units of up to kPanelRows rows x a group of the tiles' blocks (at least kMinUnitBytes of float32 weights): a decode
+// step's few rows read each weight once, a prefill chunk's panels each read the weights from L3 while their inputs
+// stay in L2. Each unit's sides (kTileBlocks blocks side by side: the first b, nb of them) go to side(r0, r1, b, nb).
+template <typename Side>
+void run_panels(int64_t m, int64_t k, int64_t blocks, Side&& side) {
+  const int64_t sides = (blocks + kTileBlocks - 1) / kTileBlocks;
   const int64_t side_bytes = kTileBlocks * k * kBlock * 4;
   const int64_t sides_per_unit = std::max<int64_t>(1, kMinUnitBytes / std::max<int64_t>(1, side_bytes));
   const int64_t groups = (sides + sides_per_unit - 1) / sides_per_unit;
   const int64_t panels = (m + kPanelRows - 1) / kPanelRows;
   const std::function<void(int64_t)> body = [&](int64_t unit) {
     const int64_t r0 = unit / groups * kPanelRows, r1 = std::min(m, r0 + kPanelRows), g = unit % groups;
-    for (int64_t side = g * sides_per_unit; side < std::min(sides, (g + 1) * sides_per_unit); ++side) {
-      const int64_t b = kTileBlocks * side, nb = std::min<int64_t>(kTileBlocks, blocks - b), f = b * kBlock;
-      for (int64_t r = r0; r < r1; r += kTileRows512) {
-        const int64_t rows = std::min<int64_t>(kTileRows512, r1 - r);
-        tile512_for(rows, nb)(xp + r * ldx, ldx, wp + b * k * kBlock, k, bias ? bias + f : nullptr, op + r * n + f,
-                              n);
-      }
+    for (int64_t s = g * sides_per_unit; s < std::min(sides, (g + 1) * sides_per_unit); ++s) {
+      side(r0, r1, kTileBlocks * s, std::min<int64_t>(kTileBlocks, blocks - kTileBlocks * s));
     }
   };
   tokenloom::WorkSharing::instance().run(panels * groups, body);
+}
+
+// Rows r0 .. r1 of x by NB blocks (1 or 2) of a weight in f32_pack_weight's layout, in tiles of up to 12 rows.
+inline void panel_tiles(const float* xp, int64_t ldx, const float* block, int64_t r0, int64_t r1, int64_t k,
+                        int64_t nb, const float* bias, float* y, int64_t n) {
+  for (int64_t r = r0; r < r1; r += kTileRows512) {
+    tile512_for(std::min<int64_t>(kTileRows512, r1 - r), nb)(xp + r * ldx, ldx, block, k, bias, y + r * n, n);
+  }
+}
+
+void linear_avx512(const float* xp, int64_t ldx, const float* wp, int64_t m, int64_t k, int64_t blocks,
+                   const float* bias, float* op) {
+  const int64_t n = blocks * kBlock;
+  run_panels(m, k, blocks, [&](int64_t r0, int64_t r1, int64_t b, int64_t nb) {
+    const int64_t f = b * kBlock;
+    panel_tiles(xp, ldx, wp + b * k * kBlock, r0, r1, k, nb, bias ? bias + f : nullptr, op + f, n);
+  });
 }
 
 // gguf_linear with AVX-512: 16 features a vector.
@@ -201,13 +220,7 @@ void grouped_tile(const float* x, int64_t ldx, const GroupedWeight& w, int64_t b
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    for (int nb = 0; nb < NB; ++nb) {
-      const __m512 bb = bias ? _mm512_loadu_ps(bias + nb * kBlock) : _mm512_setzero_ps();
-      _mm512_storeu_ps(y + r * ldy + nb * kBlock, _mm512_add_ps(sums[r][nb], bb));
-    }
-  }
+  store_sums<R, NB>(sums, bias, y, ldy);
 }
 
 using GroupedTileFn = void (*)(const float*, int64_t, const GroupedWeight&, int64_t, const float*, float*, int64_t);
@@ -229,34 +242,23 @@ GroupedTileFn grouped_tile_for(int64_t rows, int64_t nb) {
 template <int Bits>
 void grouped_linear_avx512(const float* xp, int64_t ldx, const GroupedWeight& w, int64_t m, int64_t blocks,
                            const float* bias, float* op) {
-  const int64_t k = w.groups * kGroup, n = blocks * kBlock, sides = (blocks + kTileBlocks - 1) / kTileBlocks;
-  const int64_t side_bytes = kTileBlocks * k * kBlock * 4;  // as float32: the widening is most of the work
-  const int64_t sides_per_unit = std::max<int64_t>(1, kMinUnitBytes / std::max<int64_t>(1, side_bytes));
-  const int64_t groups = (sides + sides_per_unit - 1) / sides_per_unit;
-  const int64_t panels = (m + kPanelRows - 1) / kPanelRows;
-  const std::function<void(int64_t)> body = [&](int64_t unit) {
-    const int64_t r0 = unit / groups * kPanelRows, r1 = std::min(m, r0 + kPanelRows), g = unit % groups;
-    thread_local std::vector<float> widened;
-    for (int64_t side = g * sides_per_unit; side < std::min(sides, (g + 1) * sides_per_unit); ++side) {
-      const int64_t b = kTileBlocks * side, nb = std::min<int64_t>(kTileBlocks, blocks - b), f = b * kBlock;
-      const float* bb = bias ? bias + f : nullptr;
-      if (r1 - r0 <= kGroupedRows) {
-        grouped_tile_for<Bits>(r1 - r0, nb)(xp + r0 * ldx, ldx, w, b, bb, op + r0 * n + f, n);
-        continue;
-      }
-      widened.resize(kTileBlocks * k * kBlock);
-      if (nb == 2) {
-        widen_blocks<2, Bits>(w, b, widened.data());
-      } else {
-        widen_blocks<1, Bits>(w, b, widened.data());
-      }
-      for (int64_t r = r0; r < r1; r += kTileRows512) {
-        const int64_t rows = std::min<int64_t>(kTileRows512, r1 - r);
-        tile512_for(rows, nb)(xp + r * ldx, ldx, widened.data(), k, bb, op + r * n + f, n);
-      }
+  const int64_t k = w.groups * kGroup, n = blocks * kBlock;
+  run_panels(m, k, blocks, [&](int64_t r0, int64_t r1, int64_t b, int64_t nb) {
+    const int64_t f = b * kBlock;
+    const float* bb = bias ? bias + f : nullptr;
+    if (r1 - r0 <= kGroupedRows) {
+      grouped_tile_for<Bits>(r1 - r0, nb)(xp + r0 * ldx, ldx, w, b, bb, op + r0 * n + f, n);
+      return;
     }
-  };
-  tokenloom::WorkSharing::instance().run(panels * groups, body);
+    thread_local std::vector<float> widened;
+    widened.resize(kTileBlocks * k * kBlock);
+    if (nb == 2) {
+      widen_blocks<2, Bits>(w, b, widened.data());
+    } else {
+      widen_blocks<1, Bits>(w, b, widened.data());
+    }
+    panel_tiles(xp, ldx, widened.data(), r0, r1, k, nb, bb, op + f, n);
+  });
 }
 #endif  // __AVX512F__
 
@@ -300,25 +302,34 @@ TileFn tile_for(int64_t rows) {
   }
 }
 
-// Every row of x by every block of the weight, in units of blocks worth a helper's taking, 6-row tiles.
-void linear_avx2(const float* xp, int64_t ldx, const float* wp, int64_t m, int64_t k, int64_t blocks,
-                 const float* bias_data, float* op) {
-  const int64_t n = blocks * kBlock;
+// Units of blocks worth a helper's taking (at least kMinUnitBytes of float32 weights), each block handed to block(b).
+template <typename Block>
+void run_blocks(int64_t k, int64_t blocks, Block&& block) {
   const int64_t block_bytes = k * kBlock * 4;
   const int64_t blocks_per_unit = std::max<int64_t>(1, kMinUnitBytes / std::max<int64_t>(1, block_bytes));
   const int64_t units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
   const std::function<void(int64_t)> body = [&](int64_t unit) {
-    const int64_t b1 = std::min(blocks, (unit + 1) * blocks_per_unit);
-    for (int64_t b = unit * blocks_per_unit; b < b1; ++b) {
-      const int64_t f = b * kBlock;
-      const float* block = wp + b * k * kBlock;
-      const float* bb = bias_data ? bias_data + f : nullptr;
-      for (int64_t r = 0; r < m; r += kTileRows) {
-        tile_for(std::min<int64_t>(kTileRows, m - r))(xp + r * ldx, ldx, block, k, bb, op + r * n + f, n);
-      }
-    }
+    for (int64_t b = unit * blocks_per_unit; b < std::min(blocks, (unit + 1) * blocks_per_unit); ++b) block(b);
   };
   tokenloom::WorkSharing::instance().run(units, body);
+}
+
+// Every row of x by one block ([K, 16]) in 6-row tiles.
+inline void block_tiles(const float* xp, int64_t ldx, const float* block, int64_t m, int64_t k, const float* bias,
+                        float* y, int64_t n) {
+  for (int64_t r = 0; r < m; r += kTileRows) {
+    tile_for(std::min<int64_t>(kTileRows, m - r))(xp + r * ldx, ldx, block, k, bias, y + r * n, n);
+  }
+}
+
+// Every row of x by every block of the weight.
+void linear_avx2(const float* xp, int64_t ldx, const float* wp, int64_t m, int64_t k, int64_t blocks,
+                 const float* bias_data, float* op) {
+  const int64_t n = blocks * kBlock;
+  run_blocks(k, blocks, [&](int64_t b) {
+    const int64_t f = b * kBlock;
+    block_tiles(xp, ldx, wp + b * k * kBlock, m, k, bias_data ? bias_data + f : nullptr, op + f, n);
+  });
 }
 
 // gguf_linear with AVX2: a block's 16 features in two vectors of 8, as tile's.
@@ -356,22 +367,29 @@ inline void group_terms8(const GroupedWeight& w, int64_t b, int64_t g, __m256* s
   }
 }
 
-// Block b widened into `dst` as f32_pack_weight lays it out ([K][16]).
-template <int Bits>
-void widen_block8(const GroupedWeight& w, int64_t b, float* dst) {
+// Block b's inputs two at a time, widened: use(i, even, odd) for inputs i and i + 1, features 0-7 and 8-15 of each.
+template <int Bits, typename Use>
+inline void for_each_pair8(const GroupedWeight& w, int64_t b, Use&& use) {
   for (int64_t g = 0; g < w.groups; ++g) {
     __m256 scale[2], offset[2];
     group_terms8(w, b, g, scale, offset);
     for (int p = 0; p < kGroup / 2; ++p) {
       __m256 even[2], odd[2];
       widen_pair8<Bits>(w, b, g, p, scale, offset, even, odd);
-      float* out = dst + (g * kGroup + 2 * p) * kBlock;
-      for (int half = 0; half < 2; ++half) {
-        _mm256_storeu_ps(out + 8 * half, even[half]);
-        _mm256_storeu_ps(out + kBlock + 8 * half, odd[half]);
-      }
+      use(g * kGroup + 2 * p, even, odd);
     }
   }
+}
+
+// Block b widened into `dst` as f32_pack_weight lays it out ([K][16]).
+template <int Bits>
+void widen_block8(const GroupedWeight& w, int64_t b, float* dst) {
+  for_each_pair8<Bits>(w, b, [&](int64_t i, const __m256* even, const __m256* odd) {
+    for (int half = 0; half < 2; ++half) {
+      _mm256_storeu_ps(dst + i * kBlock + 8 * half, even[half]);
+      _mm256_storeu_ps(dst + (i + 1) * kBlock + 8 * half, odd[half]);
+    }
+  });
 }
 
 // tile for R rows (at most kGroupedRows8) of block b of a grouped weight, each pair of inputs widened in registers.
@@ -380,22 +398,15 @@ void grouped_tile8(const float* x, int64_t ldx, const GroupedWeight& w, int64_t 
                    int64_t ldy) {
   __m256 low[R], high[R];
   for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < w.groups; ++g) {
-    __m256 scale[2], offset[2];
-    group_terms8(w, b, g, scale, offset);
-    for (int p = 0; p < kGroup / 2; ++p) {
-      __m256 even[2], odd[2];
-      widen_pair8<Bits>(w, b, g, p, scale, offset, even, odd);
-      const int64_t i = g * kGroup + 2 * p;
-      for (int r = 0; r < R; ++r) {
-        const __m256 first = _mm256_broadcast_ss(x + r * ldx + i), second = _mm256_broadcast_ss(x + r * ldx + i + 1);
-        low[r] = _mm256_fmadd_ps(first, even[0], low[r]);
-        high[r] = _mm256_fmadd_ps(first, even[1], high[r]);
-        low[r] = _mm256_fmadd_ps(second, odd[0], low[r]);
-        high[r] = _mm256_fmadd_ps(second, odd[1], high[r]);
-      }
+  for_each_pair8<Bits>(w, b, [&](int64_t i, const __m256* even, const __m256* odd) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 first = _mm256_broadcast_ss(x + r * ldx + i), second = _mm256_broadcast_ss(x + r * ldx + i + 1);
+      low[r] = _mm256_fmadd_ps(first, even[0], low[r]);
+      high[r] = _mm256_fmadd_ps(first, even[1], high[r]);
+      low[r] = _mm256_fmadd_ps(second, odd[0], low[r]);
+      high[r] = _mm256_fmadd_ps(second, odd[1], high[r]);
     }
-  }
+  });
   const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
   const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
   for (int r = 0; r < R; ++r) {
@@ -410,43 +421,38 @@ template <int Bits>
 void grouped_linear_avx2(const float* xp, int64_t ldx, const GroupedWeight& w, int64_t m, int64_t blocks,
                          const float* bias, float* op) {
   const int64_t k = w.groups * kGroup, n = blocks * kBlock;
-  const int64_t block_bytes = k * kBlock * 4;  // as float32: the widening is most of the work
-  const int64_t blocks_per_unit = std::max<int64_t>(1, kMinUnitBytes / std::max<int64_t>(1, block_bytes));
-  const int64_t units = (blocks + blocks_per_unit - 1) / blocks_per_unit;
-  const std::function<void(int64_t)> body = [&](int64_t unit) {
-    thread_local std::vector<float> widened;
-    for (int64_t b = unit * blocks_per_unit; b < std::min(blocks, (unit + 1) * blocks_per_unit); ++b) {
-      const int64_t f = b * kBlock;
-      const float* bb = bias ? bias + f : nullptr;
-      if (m <= kGroupedRows8) {
-        (m == 1 ? &grouped_tile8<1, Bits> : &grouped_tile8<2, Bits>)(xp, ldx, w, b, bb, op + f, n);
-        continue;
-      }
-      widened.resize(k * kBlock);
-      widen_block8<Bits>(w, b, widened.data());
-      for (int64_t r = 0; r < m; r += kTileRows) {
-        tile_for(std::min<int64_t>(kTileRows, m - r))(xp + r * ldx, ldx, widened.data(), k, bb, op + r * n + f, n);
-      }
+  run_blocks(k, blocks, [&](int64_t b) {
+    const int64_t f = b * kBlock;
+    const float* bb = bias ? bias + f : nullptr;
+    if (m <= kGroupedRows8) {
+      (m == 1 ? &grouped_tile8<1, Bits> : &grouped_tile8<2, Bits>)(xp, ldx, w, b, bb, op + f, n);
+      return;
     }
-  };
-  tokenloom::WorkSharing::instance().run(units, body);
+    thread_local std::vector<float> widened;
+    widened.resize(k * kBlock);
+    widen_block8<Bits>(w, b, widened.data());
+    block_tiles(xp, ldx, widened.data(), m, k, bb, op + f, n);
+  });
 }
 #endif  // !__AVX512F__
 
+// A linear's input rows (float32 [M, K], rows of unit stride) checked, and its bias's data (float32 [N], or none).
+const float* checked_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1, op,
+              ": x must be float32 [M, K] with rows of unit stride");
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, op,
+              ": bias must be float32 [N]");
+  return bias->const_data_ptr<float>();
+}
+
 // x [M, K] float32 (rows of unit stride), a weight from f32_pack_weight [N / 16, K x 16], bias [N] or none -> [M, N].
 at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "f32_linear: x must be float32 [M, K] with rows of unit stride");
   TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 2 && packed.is_contiguous(),
               "f32_linear: the weight must be a contiguous float32 [N / 16, K x 16] from f32_pack_weight");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * kBlock;
+  const float* bias_data = checked_inputs("f32_linear", x, bias, n);
   TORCH_CHECK(packed.size(1) == k * kBlock, "f32_linear: the weight's K is not x's");
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "f32_linear: bias must be float32 [N]");
-    bias_data = bias->const_data_ptr<float>();
-  }
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
 #if defined(__AVX512F__)
@@ -463,23 +469,16 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 // for 4 bits, 512 for 8; scales and offsets [N / 16, K / 32, 16] float32), bias [N] or none -> [M, N].
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& offsets, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "gguf_linear: x must be float32 [M, K] with rows of unit stride");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
                   (codes.size(2) == kGroupBytes<4> || codes.size(2) == kGroupBytes<8>),
               "gguf_linear: codes must be contiguous uint8 [N / 16, K / 32, 256 or 512] from gguf_pack_weight");
   const int64_t m = x.size(0), blocks = codes.size(0), groups = codes.size(1), n = blocks * kBlock;
+  const float* bias_data = checked_inputs("gguf_linear", x, bias, n);
   TORCH_CHECK(x.size(1) == groups * kGroup, "gguf_linear: the weight's K is not x's");
   for (const at::Tensor* t : {&scales, &offsets}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == blocks &&
                     t->size(1) == groups && t->size(2) == kBlock,
                 "gguf_linear: scales and offsets must be contiguous float32 [N / 16, K / 32, 16]");
-  }
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "gguf_linear: bias must be float32 [N]");
-    bias_data = bias->const_data_ptr<float>();
   }
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
