@@ -29,7 +29,7 @@ def main(build_dir: str) -> int:
         raw = gguf.quants.quantize(0.05 * rng.standard_normal((n, k), dtype=np.float32), gguf.GGMLQuantizationType[fmt])
         layer = GGUFLinear(gguf_groups(raw, fmt, (n, k)), None)
         weight = layer.dequantized()
-        for rows in (1, 2, 3, 13):
+        for rows in (1, 2, 3, 4, 13):
             x, bias = torch.randn(rows, k), torch.randn(n) if rows % 2 else None
             ours = torch.ops.tokenloom.gguf_linear(x, layer.codes, layer.scales, layer.offsets, bias)
             if not torch.equal(ours, torch.ops.tokenloom.f32_linear(x, f32_pack_weight(weight), bias)):
