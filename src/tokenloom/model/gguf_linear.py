@@ -164,9 +164,13 @@ def gguf_weight_groups(path: Path) -> dict[str, Groups]:
     return weights
 
 
-def checked_layer(groups: Groups, bias: torch.Tensor | None, plain: torch.Tensor, what: str) -> GGUFLinear:
-    """A GGUFLinear of `groups`, whose weight is checked, bit for bit, against `plain`: the one loaded from the
-    dequantized checkpoint (rounded to the model's dtype)."""
+def checked_layer(
+    groups: Groups | None, bias: torch.Tensor | None, plain: torch.Tensor, what: str
+) -> GGUFLinear | None:
+    """A GGUFLinear of `groups` where they fit gguf_linear and `plain`'s shape (else None), its weight checked, bit
+    for bit, against `plain`: the one loaded from the dequantized checkpoint (rounded to the model's dtype)."""
+    if groups is None or groups[0].shape != tuple(plain.shape) or groups[0].shape[0] % BLOCK:
+        return None
     layer = GGUFLinear(groups, bias)
     if not torch.equal(layer.dequantized().to(plain.dtype), plain.detach()):
         raise ValueError(f"{what}: the GGUF's weight is not the one the dequantized checkpoint loaded")
@@ -182,11 +186,12 @@ def serve_gguf_linears(layers: nn.Module, weights: dict[str, Groups]) -> tuple[i
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            found = weights.get(f"layers.{prefix}.{name}")
-            if found is None or found[0].shape != tuple(child.weight.shape) or found[0].shape[0] % BLOCK:
+            what = f"layers.{prefix}.{name}"
+            layer = checked_layer(weights.get(what), child.bias, child.weight, what)
+            if layer is None:
                 kept += 1
                 continue
-            setattr(parent, name, checked_layer(found, child.bias, child.weight, f"layers.{prefix}.{name}"))
+            setattr(parent, name, layer)
             replaced += 1
     return replaced, kept
 
@@ -194,15 +199,13 @@ def serve_gguf_linears(layers: nn.Module, weights: dict[str, Groups]) -> tuple[i
 def gguf_head(weights: dict[str, Groups], plain: torch.Tensor) -> GGUFLinear | None:
     """The LM head over its GGUF weight (the output's, or the tied embedding's), where gguf_linear reads it; `plain`
     is the head's weight as loaded."""
-    found = weights.get("lm_head", weights.get("embed_tokens"))
-    if found is None or found[0].shape != tuple(plain.shape) or found[0].shape[0] % BLOCK:
-        return None
-    return checked_layer(found, None, plain, "the LM head")
+    return checked_layer(weights.get("lm_head", weights.get("embed_tokens")), None, plain, "the LM head")
 
 
 # In a directory of the GGUF's cache directory (gguf_convert.converted_dir_for), where the loader, which reads its
 # *.safetensors, does not look.
 GROUPS_FILE = Path("blocks") / "groups.safetensors"
+PARTS = ("codes", "scales", "offsets")  # a Groups' arrays, as the cache file names them
 
 
 def cached_weight_groups(path: Path) -> dict[str, Groups]:
@@ -216,7 +219,7 @@ def cached_weight_groups(path: Path) -> dict[str, Groups]:
     if cached.exists():
         arrays = load_file(str(cached))
         keys = {name.rsplit(".", 1)[0] for name in arrays}
-        return {key: (arrays[f"{key}.codes"], arrays[f"{key}.scales"], arrays[f"{key}.offsets"]) for key in keys}
+        return {key: tuple(arrays[f"{key}.{part}"] for part in PARTS) for key in keys}  # type: ignore[misc]
     weights = gguf_weight_groups(path)
     arrays = {f"{key}.{part}": a for key, groups in weights.items() for part, a in zip(PARTS, groups, strict=True)}
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -226,18 +229,15 @@ def cached_weight_groups(path: Path) -> dict[str, Groups]:
     return weights
 
 
-PARTS = ("codes", "scales", "offsets")
-
-
-def serve_gguf(model: CausalLM) -> GGUFLinear | None:
-    """A model's decoder linears over its GGUF's own blocks where gguf_linear reads them; returns its LM head's, to
-    serve (CausalLM.serve_head) once the rest is packed."""
+def serve_gguf(model: CausalLM) -> None:
+    """A model's decoder linears and LM head over its GGUF's own blocks, where gguf_linear reads them."""
     if model.gguf_file is None:
         raise ValueError("--quantization gguf serves a GGUF checkpoint's own blocks; this model is not a GGUF")
     weights = cached_weight_groups(model.gguf_file)
     replaced, kept = serve_gguf_linears(model.layers, weights)
     model.operator_layers_changed()
     head = gguf_head(weights, model.head_weight()) if model.computes_logits else None
+    if head is not None:
+        model.serve_head(head)
     logger.info("served from the GGUF's blocks: %d decoder linears (%d dequantized: not %s), the LM head: %s",
                 replaced, kept, ", ".join(FORMATS), "yes" if head is not None else "no")  # fmt: skip
-    return head

@@ -293,13 +293,15 @@ class CausalLM(nn.Module):
         if layers:
             prepack_linears(self.layers, gated=self.gated_projections, small_batch=small)
             self._operator_layers = None
-        # A tied embedding stays, for lookups. An int8 model's logits come from its int8 head: no packed copy.
-        if self._int8_head is None and self.computes_logits:
+        # A tied embedding stays, for lookups. An int8 model's logits come from its int8 head, a served head's
+        # (serve_head) from its own form: no packed copy.
+        plain_head = self.lm_head is None or isinstance(self.lm_head, nn.Linear)
+        if self._int8_head is None and self.computes_logits and plain_head:
             self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
 
     def serve_head(self, head: nn.Module) -> None:
-        """The logits from `head`, a form of the LM head's weight (a GGUF's own blocks: gguf_linear.py); the plain
-        weight is kept, for the refinement of bf16 logits and token_logits."""
+        """The logits from `head`, a form of the LM head's weight (a GGUF's own blocks: gguf_linear.py), which
+        prepack_weights then leaves; the plain weight is kept, for the refinement of bf16 logits and token_logits."""
         self._plain_head_weight = self.head_weight().detach()
         self.lm_head = head
 

@@ -161,16 +161,13 @@ class ModelRunner:
         step's LoRA adapters add their deltas to their rows (lora.py); returns the adapters' set where LoRA is on."""
         if self.inputs.with_adapters:
             self.model.gated_projections = frozenset()  # the adapters add to gate and up before silu(gate) * up
-        gguf_head = None
         if quantization == "gguf":
             check_quantization("gguf", self.device)
-            gguf_head = serve_gguf(self.model)
+            serve_gguf(self.model)
         elif quantization is not None:
             self._quantize(quantization, calibration)
         if can_prepack(self.device, self.dtype):
             self.model.prepack_weights(layers=quantization in (None, "gguf"))
-        if gguf_head is not None:
-            self.model.serve_head(gguf_head)
         if lora is None or not lora.enable_lora:
             return None
         adapters = lora_adapters.AdapterSet(

@@ -342,11 +342,8 @@ void attend_f32_avx512(const float* q, const F32Elem<Kind>* k_cache, const F32El
           for (int c = 0; c < kVecs; ++c) _mm512_store_ps(widened + j * HD + 16 * c, row_vector<Kind>(raw[j], c));
           rows[j] = widened + j * HD;
           k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
-          const int64_t t = t0 - c0 + j;
-          if (t < kChunk) {
-            v_scales[t] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
-                          tokenloom::code_unit(Kind);
-          }
+          v_scales[t0 - c0 + j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
+                                  tokenloom::code_unit(Kind);
         }
       } else {
         std::copy(raw, raw + 16, rows);
@@ -491,9 +488,8 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
         widen_rows<HD, Kind>(raw, widened, rows);
         for (int j = 0; j < 16; ++j) {
           k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
-          const int64_t t = t0 - c0 + j;
-          if (t < kChunk) v_scales[t] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
-                                        tokenloom::code_unit(Kind);
+          v_scales[t0 - c0 + j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
+                                  tokenloom::code_unit(Kind);
         }
       }
       for (int64_t h = 0; h < heads; ++h) {
