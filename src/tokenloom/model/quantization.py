@@ -59,7 +59,6 @@ import torch
 from torch import nn
 
 from tokenloom.model import cpu_kernel
-from tokenloom.model.gguf_linear import gguf_linear_available
 from tokenloom.model.gptq import calibration_ids, gptq_codes
 from tokenloom.model.prepack import PACK_BLOCK, gate_and_up_interleaved, unit_stride_rows
 
@@ -118,7 +117,7 @@ def check_quantization(name: str | None, device: torch.device) -> None:
             f"--quantization {name} runs our int8 kernels (AVX-512 VNNI or AVX2) and oneDNN's on a CPU; "
             f"here the device is {device.type}" + ("" if device.type != "cpu" else " and they are not available")
         )
-    if name == "gguf" and (device.type != "cpu" or not gguf_linear_available()):
+    if name == "gguf" and (device.type != "cpu" or not cpu_kernel.has_operator("gguf_linear")):
         raise ValueError(
             "--quantization gguf runs tokenloom::gguf_linear, built for CPUs with AVX2 and FMA; here "
             + (f"the device is {device.type}" if device.type != "cpu" else "the operator is not available")
