@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from int8_linear_breakdown import milliseconds
 
 from tokenloom.model import cpu_kernel, kv_quant
-from tokenloom.model.gguf_linear import GGUFLinear, gguf_groups, gguf_linear_available
+from tokenloom.model.gguf_linear import GGUFLinear, gguf_groups
 from tokenloom.model.huge_pages import zeros_on_huge_pages
 from tokenloom.model.prepack import DECODE_ROWS_HINT, f32_pack_weight
-from tokenloom.model.quantization import Int8Linear, int8_available
+from tokenloom.model.quantization import Int8Linear, gguf_linear_available, int8_available
 
 LAYERS, BLOCK, KV_HEADS, HEADS, HEAD_DIM = 30, 16, 3, 9, 64
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
@@ -119,7 +119,7 @@ def q4_1_weights(count: int) -> list[GGUFLinear]:
 
 def step_linear_rows(rows: list[int]) -> list[str]:
     g = torch.Generator().manual_seed(0)
-    q4 = q4_1_weights(LAYERS) if gguf_linear_available() else []
+    q4 = q4_1_weights(LAYERS) if gguf_linear_available(torch.device("cpu")) else []
     # With gguf_linear: every path multiplies the same (dequantized Q4_1) weights.
     plain = [layer.dequantized() for layer in q4] or [
         0.05 * torch.randn(o, i, generator=g) for _ in range(LAYERS) for o, i in SHAPES[:4]
@@ -186,7 +186,7 @@ def main() -> None:
         for line in linear_rows([int(r) for r in args.rows.split(",")]):
             print(line)
     if args.step_rows and cpu_kernel.has_operator("f32_linear"):
-        q4 = " gguf_linear (Q4_1) ms | f32_linear / Q4_1 |" if gguf_linear_available() else ""
+        q4 = " gguf_linear (Q4_1) ms | f32_linear / Q4_1 |" if gguf_linear_available(torch.device("cpu")) else ""
         print(f"\n| step rows | 120 decoder linears, oneDNN packed: ms (GB/s) | f32_linear | packed / ours |{q4}")
         print("|---:|---:|---:|---:|" + "---:|---:|" * bool(q4))
         for line in step_linear_rows([int(r) for r in args.step_rows.split(",")]):

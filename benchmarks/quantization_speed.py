@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/quantization_speed.py [--rounds 2] [--engines default "--quantization int8" ...]
 
 Engines built once and measured in turn, alternating their order each round (this machine's speed drifts): the
-default (dtype auto), --kv-cache-dtype int8 and fp8_e4m3, --quantization int8 (and int8_w8a16), both, and
+default (dtype auto, the embedded GGUF dequantized: --quantization none, as the engine's default was before it served
+a GGUF's blocks in float32), --kv-cache-dtype int8 and fp8_e4m3, --quantization int8 (and int8_w8a16), both, and
 --quantization gguf (the embedded GGUF's blocks as stored). Workloads: mixed-64 (the 64
 requests of offline_throughput.py at once, ignore_eos, greedy: output tok/s) and batch-1 decode (one 32-token prompt,
 256 output tokens: tok/s after the first token). Medians over the rounds.
@@ -26,10 +27,11 @@ from offline_throughput import mixed_workload
 from tokenloom import LLM, SamplingParams
 from tokenloom.bench.provenance import cpu_flags
 
+PLAIN = {"quantization": "none"}  # the GGUF dequantized, in the model's dtype
 CONFIGS = {
-    "default": {},
-    "--kv-cache-dtype int8": {"kv_cache_dtype": "int8"},
-    "--kv-cache-dtype fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
+    "default": PLAIN,
+    "--kv-cache-dtype int8": {**PLAIN, "kv_cache_dtype": "int8"},
+    "--kv-cache-dtype fp8_e4m3": {**PLAIN, "kv_cache_dtype": "fp8_e4m3"},
     "--quantization int8": {"quantization": "int8"},
     "--quantization int8_w8a16": {"quantization": "int8_w8a16"},
     "both": {"kv_cache_dtype": "int8", "quantization": "int8"},

@@ -32,7 +32,7 @@ SchedulingPolicy = Literal["fcfs", "priority", "fair"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 KVCacheDType = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
-Quantization = Literal["int8", "int8_w8a16", "fp8", "gguf"]
+Quantization = Literal["int8", "int8_w8a16", "fp8", "gguf", "none"]
 DTYPES: tuple[str, ...] = get_args(DType)
 POLICY_NAMES: tuple[str, ...] = get_args(SchedulingPolicy)
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
@@ -72,9 +72,12 @@ class ModelLoadConfig:
     token where the CPU has VNNI and no AMX, 16-bit ones on AVX2), 'int8_w8a16' (16-bit activation codes on every
     CPU) or 'fp8' (CUDA, Hopper or later: torch._scaled_mm). The embeddings keep the model's dtype; an int8 model's
     logits come from an int8 copy of the LM head, each row's best candidates recomputed from the plain weight
-    (model/quantization.py). 'gguf': a GGUF checkpoint's Q4_0, Q4_1, Q4_K and Q8_0 linears and LM head kept as
-    stored and multiplied as they are widened to float32 (model/gguf_linear.py: the dequantized model's outputs from
-    0.19-0.31 of its bytes; CPUs with AVX2 and FMA, one rank). None: the checkpoint's weights in the model's dtype."""
+    (model/quantization.py). 'gguf': a GGUF checkpoint's Q4, Q5, Q6_K and Q8_0 linears and LM head kept as stored
+    and multiplied as they are widened to float32 (model/gguf_linear.py: the dequantized model's outputs from
+    0.19-0.38 of its bytes; CPUs with AVX2 and FMA, one rank). None (auto): a GGUF checkpoint's own blocks where they
+    give the dequantized model's outputs bit for bit (float32 on a CPU with the operator, one rank, eager, no LoRA:
+    engine/core_setup.py's served_quantization), as vLLM serves a GGUF quantized; else the checkpoint's weights in
+    the model's dtype. 'none': the checkpoint's weights in the model's dtype, a GGUF dequantized."""
     seed: int = 0
     """Seeds the sampler of requests that give no seed of their own."""
     logprobs_mode: LogprobsMode = "raw_logprobs"

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import sys
 
-import gguf
-import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf_blocks import raw_blocks
 from torch.utils.cpp_extension import load
 
 from tokenloom.model.cpu_kernel import SOURCES
@@ -22,12 +21,10 @@ def main(build_dir: str) -> int:
     load(name="f32_linear_avx2", sources=[str(csrc / "f32_linear.cpp")], extra_include_paths=[str(csrc)],
          extra_cflags=["-O2", "-march=haswell", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
          build_directory=build_dir, is_python_module=False)  # fmt: skip
-    rng = np.random.default_rng(0)
     failures = []
-    for fmt in ("Q4_1", "Q8_0"):
-        n, k = 48, 576
-        raw = gguf.quants.quantize(0.05 * rng.standard_normal((n, k), dtype=np.float32), gguf.GGMLQuantizationType[fmt])
-        layer = GGUFLinear(gguf_groups(raw, fmt, (n, k)), None)
+    for fmt in ("Q4_1", "Q8_0", "Q6_K"):  # (bits, group): (4, 32), (8, 32), (8, 16)
+        n, k = 48, 768
+        layer = GGUFLinear(gguf_groups(raw_blocks(fmt, n, k), fmt, (n, k)), None)
         weight = layer.dequantized()
         for rows in (1, 2, 3, 4, 13):
             x, bias = torch.randn(rows, k), torch.randn(n) if rows % 2 else None

@@ -14,28 +14,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf_blocks import raw_blocks
 from helpers import needs_operator
 
 from tokenloom import LLM, EngineConfig, SamplingParams
 from tokenloom.model import cpu_kernel, gguf_linear
 from tokenloom.model.gguf_linear import GGUFLinear, gguf_groups
 from tokenloom.model.prepack import f32_pack_weight
-from tokenloom.model.quantization import check_quantization
-
-
-def raw_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """A weight [n, k] in a GGUF format's blocks ([n, bytes per row] uint8), as gguf-py quantizes it (Q4_0, Q4_1,
-    Q8_0) or, for Q4_K (which gguf-py does not quantize), blocks of random codes, scales and mins."""
-    rng = np.random.default_rng(seed)
-    qtype = gguf.GGMLQuantizationType[fmt]
-    if fmt != "Q4_K":
-        weight = rng.standard_normal((n, k), dtype=np.float32) * 0.05
-        weight[:, 3] += 0.4  # an outlier input, as real weights have
-        return gguf.quants.quantize(weight, qtype)
-    blocks = rng.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
-    halves = (rng.random((n * k // 256, 2)) * 0.01 + 1e-3).astype(np.float16)  # d and dmin: finite, positive
-    blocks[:, 0:4] = halves.view(np.uint8)
-    return blocks.reshape(n, -1)
+from tokenloom.model.quantization import check_quantization, gguf_linear_available
 
 
 def dequantized(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.Tensor:
@@ -45,19 +31,24 @@ def dequantized(raw: np.ndarray, fmt: str, n: int, k: int) -> torch.Tensor:
 
 def needs_gguf_operator() -> None:
     needs_operator()
-    if not gguf_linear.gguf_linear_available():
+    if not gguf_linear_available(torch.device("cpu")):
         pytest.skip("tokenloom::gguf_linear is built for CPUs with AVX2 and FMA")
+
+
+def width(fmt: str) -> int:
+    """Inputs in a test weight of this format: whole blocks of 256 for the K-quants, an odd number of 32s else."""
+    return 768 if fmt.endswith("_K") else 576
 
 
 @pytest.mark.parametrize("fmt", gguf_linear.FORMATS)
 def test_codes_scales_and_offsets_are_ggufs_values_bit_for_bit(fmt):
-    n, k = 48, 512
+    n, k, group = 48, 512, 16 if fmt == "Q6_K" else 32
     raw = raw_blocks(fmt, n, k)
     codes, scales, offsets = gguf_groups(raw, fmt, (n, k))
-    assert codes.shape == (n, k) and scales.shape == offsets.shape == (n, k // 32)
-    assert codes.dtype == np.int8 if fmt == "Q8_0" else codes.max() <= 15
+    assert codes.shape == (n, k) and scales.shape == offsets.shape == (n, k // group)
+    assert codes.dtype == np.int8 if fmt[:2] in ("Q5", "Q6", "Q8") else codes.max() <= 15
     values = (
-        codes.reshape(n, k // 32, 32) * scales[..., None] + offsets[..., None]
+        codes.reshape(n, k // group, group) * scales[..., None] + offsets[..., None]
     )  # one rounding: the product is exact
     assert torch.equal(torch.from_numpy(values.reshape(n, k).astype(np.float32)), dequantized(raw, fmt, n, k))
     # The packed layout gives the same weight back.
@@ -65,10 +56,10 @@ def test_codes_scales_and_offsets_are_ggufs_values_bit_for_bit(fmt):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 97, 200])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_1", "Q6_K", "Q8_0"])
 def test_gguf_linear_is_f32_linear_over_the_dequantized_weight_bit_for_bit(fmt, rows):
     needs_gguf_operator()
-    n, k = 80, 576  # 5 blocks: tiles of two blocks and one of one
+    n, k = 80, width(fmt)  # 5 blocks: tiles of two blocks and one of one
     raw = raw_blocks(fmt, n, k, seed=rows)
     weight = dequantized(raw, fmt, n, k)
     bias = torch.randn(n) if rows % 2 else None
@@ -84,21 +75,64 @@ def test_gguf_linear_is_f32_linear_over_the_dequantized_weight_bit_for_bit(fmt, 
                                rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
+@pytest.mark.parametrize("rows", [1, 13])
+def test_a_fused_projection_of_mixed_formats_is_one_8_bit_weight(rows):
+    """A Q4_K_M file's query and key in Q4_K, its value in Q6_K: one weight, 8-bit codes in groups of 16."""
+    needs_gguf_operator()
+    k, members = 512, [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)]
+    raws = [raw_blocks(fmt, n, k, seed=i) for i, (fmt, n) in enumerate(members)]
+    parts = [gguf_groups(raw, fmt, (n, k)) for raw, (fmt, n) in zip(raws, members, strict=True)]
+    fused = gguf_linear.in_one_form(parts)
+    layer = GGUFLinear(fused, None)
+    assert (layer.bits, layer.group) == (8, 16)
+    weight = torch.cat([dequantized(raw, fmt, n, k) for raw, (fmt, n) in zip(raws, members, strict=True)])
+    assert torch.equal(layer.dequantized(), weight)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(layer.rows_forward(x), torch.ops.tokenloom.f32_linear(x, f32_pack_weight(weight), None))
+    same = gguf_linear.in_one_form([gguf_groups(raws[0], "Q4_K", (64, k))] * 2)  # one format: kept as it is
+    assert same[0].dtype == np.uint8 and gguf_linear.group_size(same) == 32
+
+
 def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tokens():
+    """In float32 by default (quantization None), as with --quantization gguf; 'none' dequantizes."""
     needs_gguf_operator()
     prompts = [{"prompt_token_ids": [1, 504, 3458, 282, 4914, 314]}, {"prompt_token_ids": [1, 2683, 418, 346, 47]}]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
-    served = LLM(None, dtype="float32", quantization="gguf")
+    served = LLM(None, dtype="float32")
+    assert served.engine.quantization == "gguf"
     model = served.engine.core.runner.model
     linears = [m for m in model.layers.modules() if isinstance(m, GGUFLinear)]
     assert len(linears) == 4 * len(model.layers) and {m.bits for m in linears} == {4}  # every layer's, all Q4_1
     assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.bits == 8  # the tied embedding's Q8_0
     ours = served.generate(prompts, params, use_tqdm=False)
     del served, model, linears
-    plain = LLM(None, dtype="float32").generate(prompts, params, use_tqdm=False)
+    dequantized = LLM(None, dtype="float32", quantization="none")
+    assert dequantized.engine.quantization is None
+    assert not any(isinstance(m, GGUFLinear) for m in dequantized.engine.core.runner.model.modules())
+    plain = dequantized.generate(prompts, params, use_tqdm=False)
     for a, b in zip(ours, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
+
+
+def test_a_gguf_is_served_from_its_blocks_by_default_only_where_that_is_exact(monkeypatch):
+    from tokenloom.engine.core_setup import served_quantization
+
+    needs_gguf_operator()
+    gguf, cpu = Path("model.gguf"), torch.device("cpu")
+
+    def served(gguf_file: Path | None = gguf, dtype: torch.dtype = torch.float32, **options) -> str | None:
+        return served_quantization(EngineConfig.from_kwargs(**options), gguf_file, dtype, cpu)
+
+    assert served() == "gguf"
+    assert served(quantization="none") is None and served(quantization="int8") == "int8"
+    assert served(gguf_file=None) is None  # a checkpoint directory: its weights as stored
+    assert served(dtype=torch.bfloat16) is None  # the blocks run in float32: not the bf16 model's outputs
+    assert served(tensor_parallel_size=2) is None  # the blocks are not sharded
+    assert served(enable_lora=True) is None and served(enforce_eager=False) is None  # adapters, torch.compile
+    assert served_quantization(EngineConfig(), gguf, torch.float32, torch.device("meta")) is None
+    monkeypatch.setattr(cpu_kernel, "has_operator", lambda name: False)
+    assert served() is None
 
 
 def test_a_ggufs_groups_are_read_once_then_from_the_cache(tmp_path, monkeypatch):
@@ -125,7 +159,7 @@ def test_gguf_quantization_is_refused_where_it_cannot_run(tiny_llama, monkeypatc
     with pytest.raises(ValueError, match="AVX2 and FMA"):
         check_quantization("gguf", torch.device("cpu"))
     monkeypatch.undo()
-    if gguf_linear.gguf_linear_available():
+    if gguf_linear_available(torch.device("cpu")):
         with pytest.raises(ValueError, match="not a GGUF"):
             LLM(str(tiny_llama), dtype="float32", quantization="gguf")
 

@@ -50,6 +50,7 @@ def test_models_version_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     version = httpx.get(f"{server.url}/version", headers=AUTH).json()
     assert version["engine_config"]["max_model_len"] == 512 and "version" in version
+    assert version["quantization"] is None  # not a GGUF: its weights as stored
     assert httpx.get(f"{server.url}/health").status_code == 200  # public
     assert httpx.get(f"{server.url}/ready").json()["status"] == "ready"
 
@@ -393,8 +394,15 @@ def test_sigterm_drains_in_flight_request_and_exits_zero(tiny_chat_model):
 
 @pytest.mark.real_model
 def test_real_model_chat_says_paris():
+    import torch
+
+    from tokenloom.model.quantization import gguf_linear_available
+
     proc = ServerProcess("--max-num-seqs", "4")
     try:
+        version = httpx.get(f"{proc.url}/version", timeout=10).json()
+        from_blocks = version["dtype"] == "float32" and gguf_linear_available(torch.device("cpu"))
+        assert version["quantization"] == ("gguf" if from_blocks else None)  # the embedded GGUF's own blocks
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
             model="SmolLM2-135M-Instruct",

@@ -99,6 +99,7 @@ class EngineClient(ABC):
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
+    quantization: str | None  # the form the weights are served in (core_setup.served_quantization)
 
     @property
     def max_logprobs(self) -> int:

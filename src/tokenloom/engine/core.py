@@ -24,7 +24,7 @@ from tokenloom.core.request import Request, RequestLimits, RequestStatus
 from tokenloom.core.scheduler import Scheduler
 from tokenloom.core.scheduler_output import SchedulerOutput
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineCoreOutputs, EngineStats, QueueState, StepStats
-from tokenloom.engine.core_setup import make_runner
+from tokenloom.engine.core_setup import make_runner, served_quantization
 from tokenloom.engine.kv_sizing import (
     configured_kv_blocks,
     kv_block_bytes,
@@ -65,9 +65,11 @@ class EngineCore:
         per_block = self.kv_bytes_per_block()
         self.num_kv_blocks = 1 if sized_by_device else configured_kv_blocks(config, per_block, self.max_model_len)
         self.num_swap_blocks = swap_blocks_for(config, per_block)
+        self.quantization = served_quantization(config, loaded.model.gguf_file, dtype, device)
         self.runner = make_runner(
-            config, loaded, device, dtype, self.num_kv_blocks, self.num_swap_blocks, self.max_model_len
-        )
+            config, loaded, device, dtype, self.num_kv_blocks, self.num_swap_blocks, self.max_model_len,
+            self.quantization,
+        )  # fmt: skip
         if sized_by_device:
             self.num_kv_blocks = self._kv_blocks_from_device_memory(device)
             self.runner.allocate_kv_cache(self.num_kv_blocks)

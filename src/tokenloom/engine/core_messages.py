@@ -76,6 +76,7 @@ class CoreInfo:
     max_model_len: int
     request_limits: RequestLimits
     compiled: bool
+    quantization: str | None  # core_setup.served_quantization's choice
 
 
 @dataclass(frozen=True)

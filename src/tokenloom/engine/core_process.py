@@ -68,7 +68,8 @@ def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> Non
     with child_end(inputs_path, outputs_path) as (inputs, outputs):
         try:
             core = EngineCore(config, *load_for_core(config))
-            info = CoreInfo(core.max_model_len, core.request_limits(), core.runner.compiled is not None)
+            info = CoreInfo(core.max_model_len, core.request_limits(), core.runner.compiled is not None,
+                            core.quantization)  # fmt: skip
             send(outputs, CoreReady(info))
             with heap_frozen(collect_first=True):
                 _serve(core, inputs, outputs)
@@ -163,14 +164,15 @@ class CoreProcessEngine(EngineClient):
         started = time.monotonic()
         self._process.start()
         core_info = self._wait_until_ready()
-        self.max_model_len = core_info.max_model_len
+        self.max_model_len, self.quantization = core_info.max_model_len, core_info.quantization
         self._init_client(info.tokenizer, core_info.request_limits)
         kv = self.kv_cache()
         logger.info(
-            "engine core process %d ready in %.1fs (%s step): KV cache in %s, %d tokens (%d blocks)",
+            "engine core process %d ready in %.1fs (%s step, quantization=%s): KV cache in %s, %d tokens (%d blocks)",
             self._process.pid,
             time.monotonic() - started,
             "compiled" if core_info.compiled else "eager",
+            self.quantization or "none",
             kv.dtype,
             kv.num_tokens,
             kv.num_blocks,

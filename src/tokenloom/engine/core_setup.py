@@ -4,6 +4,7 @@ one, or rank 0 of a tensor-parallel group whose workers it starts (``make_runner
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,7 +13,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.model.loader import LoadedModel, load_model
 from tokenloom.model.parallel import TensorParallelGroup
 from tokenloom.model.platform import resolve_dtype
-from tokenloom.model.quantization import calibration_for
+from tokenloom.model.quantization import calibration_for, gguf_linear_available
 from tokenloom.model.runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -43,6 +44,23 @@ def load_for_core(
     return loaded, dtype, device
 
 
+def served_quantization(
+    config: EngineConfig, gguf_file: Path | None, dtype: torch.dtype, device: torch.device
+) -> str | None:
+    """The form the runner serves the weights in: the quantization asked for, None for the checkpoint's weights in
+    the model's dtype ('none'). Where none is asked, a GGUF checkpoint's own blocks (gguf_linear.py) wherever they
+    give the dequantized model's outputs bit for bit and nothing needs the dequantized linears: float32 on a CPU
+    with the operator, one rank, an eager step, no LoRA adapters. As vLLM serves a GGUF quantized; here the same
+    tokens and logprobs from a fifth of the linears' bytes, 1.4-2x faster at batch 1 (benchmarks/RESULTS.md)."""
+    asked = config.model.quantization
+    if asked is not None:
+        return None if asked == "none" else asked
+    exact = gguf_file is not None and dtype == torch.float32 and gguf_linear_available(device)
+    plain_linears = (config.parallel.tensor_parallel_size > 1 or config.lora.enable_lora
+                     or config.compiles_step(device.type))  # fmt: skip
+    return "gguf" if exact and not plain_linears else None
+
+
 def make_runner(
     config: EngineConfig,
     loaded: LoadedModel,
@@ -51,11 +69,13 @@ def make_runner(
     num_kv_blocks: int,
     num_swap_blocks: int,
     max_model_len: int,
+    quantization: str | None,
 ) -> ModelRunner:
-    """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts. Rank 0
-    alone samples, so its sampler alone takes the logprobs mode."""
+    """This process's runner: the only one, or rank 0 of a tensor-parallel group whose workers it starts, with the
+    weights in the form served_quantization chose. Rank 0 alone samples, so its sampler alone takes the logprobs
+    mode."""
     size = config.parallel.tensor_parallel_size
-    calibration = calibration_for(config.model.quantization, loaded.tokenizer, loaded.config.vocab_size)
+    calibration = calibration_for(quantization, loaded.tokenizer, loaded.config.vocab_size)
     runner: ModelRunner
     if size == 1:
         runner = ModelRunner(
@@ -69,7 +89,7 @@ def make_runner(
             compile_step=config.compiles_step(device.type),
             attention_backend=config.model.attention_backend,
             kv_cache_dtype=config.cache.kv_cache_dtype,
-            quantization=config.model.quantization,
+            quantization=quantization,
             calibration=calibration,
             lora=config.lora,
         )
@@ -78,7 +98,7 @@ def make_runner(
         # a GPU image serving one rank may lack (tests/engine/test_gpu_image_imports.py).
         from tokenloom.model.parallel_runner import TensorParallelRunner, TensorParallelWorkers
 
-        spec = _worker_spec(config, dtype, num_kv_blocks, num_swap_blocks, max_model_len)
+        spec = _worker_spec(config, dtype, num_kv_blocks, num_swap_blocks, max_model_len, quantization)
         runner = TensorParallelRunner(loaded.model, TensorParallelWorkers(spec), device, calibration)
     runner.sampler.logprobs_mode = config.model.logprobs_mode
     return runner
@@ -90,6 +110,7 @@ def _worker_spec(
     num_kv_blocks: int,
     num_swap_blocks: int,
     max_model_len: int,
+    quantization: str | None,
 ) -> WorkerSpec:
     """What each tensor-parallel worker builds its rank from."""
     from tokenloom.model.parallel_runner import WorkerSpec, backend_for, free_local_init_method
@@ -110,5 +131,5 @@ def _worker_spec(
         num_threads=torch.get_num_threads(),
         attention_backend=config.model.attention_backend,
         kv_cache_dtype=config.cache.kv_cache_dtype,
-        quantization=config.model.quantization,
+        quantization=quantization,
     )

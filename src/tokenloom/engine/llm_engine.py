@@ -33,18 +33,19 @@ class LLMEngine(EngineClient):
         loaded, self.dtype, self.device = load_for_core(config, loaded)
         self.model_name, self.model_path, self.model_config = loaded.name, loaded.path, loaded.config
         self.core = EngineCore(config, loaded, self.dtype, self.device)
-        self.max_model_len = self.core.max_model_len
+        self.max_model_len, self.quantization = self.core.max_model_len, self.core.quantization
         self._init_client(loaded.tokenizer, self.core.request_limits(), self.core.structured.compiler)
         kv = self.kv_cache()
         logger.info(
-            "loaded %s in %.1fs on %s in %s (dtype=%s, %s): KV cache in %s, %d tokens (%d blocks of %d, %d swap "
-            "blocks), max_model_len %d",
+            "loaded %s in %.1fs on %s in %s (dtype=%s, %s, quantization=%s): KV cache in %s, %d tokens (%d blocks of "
+            "%d, %d swap blocks), max_model_len %d",
             loaded.name,
             time.monotonic() - started,
             self.device,
             dtype_name(self.dtype),
             config.model.dtype,
             "eager" if self.core.runner.compiled is None else "compiled",
+            self.quantization or "none",
             kv.dtype,
             kv.num_tokens,
             self.core.num_kv_blocks,

@@ -1,16 +1,17 @@
-"""A GGUF checkpoint's quantized linears served as they are stored (``--quantization gguf``), as vLLM and llama.cpp
-serve a GGUF.
+"""A GGUF checkpoint's quantized linears served as they are stored (``--quantization gguf``, and by default in
+float32: engine/core_setup.py), as vLLM and llama.cpp serve a GGUF.
 
 Without it a GGUF is dequantized at load (gguf_convert.py) and every linear streams float32 (or bf16) weights: at
 batch 1 a decode step reads 5.3x the bytes of a 4-bit linear here (24 per 32 weights: 16 of codes, a float32 scale
 and offset; the checkpoint's Q4_1 holds 20, its scale and offset in fp16). With it every decoder linear whose GGUF
-tensors are all Q4_0, Q4_1, Q4_K or Q8_0, and the LM head where it is one of those (the embedding's, when tied), keep
-their codes with a float32 scale and offset per 32 inputs (all four formats are code * scale + offset per group of
-32: codes 0-15, or -128-127 with offset 0), and ``tokenloom::gguf_linear`` (csrc/f32_linear.cpp) widens each weight
-to float32 by one FMA as it multiplies, rounding as gguf's dequantization does: the outputs are the dequantized
-model's, bit for bit, where that model runs f32_linear (float32, where the operators are built). Other tensors (the
-embeddings' lookup, Q5 or Q6 linears) are dequantized as before. CPUs with AVX2 and FMA (where f32_linear is built),
-one rank; other activations' dtypes are run in float32 and returned in theirs.
+tensors are all in FORMATS (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), and the LM head where it is one of
+those (the embedding's, when tied), keep their codes with a float32 scale and offset per 32 inputs (16 for Q6_K):
+every one of these formats is code * scale + offset per group, codes 0-15 kept 4 bits wide, the 5- and 6-bit ones
+and Q8_0's in a byte. ``tokenloom::gguf_linear`` (csrc/f32_linear.cpp) widens each weight to float32 by one FMA as
+it multiplies, rounding as gguf's dequantization does: the outputs are the dequantized model's, bit for bit, where
+that model runs f32_linear (float32, where the operators are built). Other tensors (the embeddings' lookup, other
+formats) are dequantized as before. CPUs with AVX2 and FMA (where f32_linear is built), one rank; other
+activations' dtypes are run in float32 and returned in theirs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenloom.model import cpu_kernel
 from tokenloom.model.prepack import unit_stride_rows
 
 if TYPE_CHECKING:
@@ -33,18 +33,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per scale and offset (kGroup in csrc/f32_linear.cpp)
+K_GROUP = 16  # Q6_K's: 8-bit codes only
 BLOCK = 16  # output features per packed block
-FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+SUPER_BLOCK = 256  # inputs per block of the K-quants
 # A linear's codes [N, K] (uint8 0-15, or int8), scales and offsets [N, K / 32] float32.
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def gguf_linear_available() -> bool:
-    return cpu_kernel.has_operator("gguf_linear")
-
-
 def _half(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32) -> [..., 32] values with bit i of it as bit 4 of element i."""
+    bits = qh.copy().view("<u4") >> np.arange(32, dtype=np.uint32)
+    return ((bits & 1) << 4).astype(np.uint8)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -54,25 +58,44 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
     """A GGUF tensor's raw blocks ([N, bytes per row] uint8) in one of FORMATS -> its codes, scales and offsets, so
-    that codes * scale + offset (one rounding) is gguf.quants.dequantize's value."""
+    that codes * scale + offset (one rounding) is gguf.quants.dequantize's value: gguf computes scale * code (+ or -
+    offset), whose product is exact in float32 for every format here (at most 24 significant bits: an fp16 scale's
+    11, a K-quant's sub-block scale's 6-7, a code's 4-6), so the one FMA rounds where gguf's sum or product does."""
     n, k = shape
-    if fmt == "Q4_0":  # 18 bytes: d, 16 bytes of codes; value = d * (code - 8)
-        blocks = raw.reshape(n, k // GROUP, 18)
+    if fmt in ("Q4_0", "Q5_0"):  # d, (Q5: 32 fifth bits), 16 bytes of nibbles; value = d * (code - 8 or 16)
+        blocks = raw.reshape(n, k // GROUP, -1)
         scale = _half(blocks[..., 0:2])
-        return _nibbles(blocks[..., 2:]).reshape(n, k), scale, -8 * scale
-    if fmt == "Q4_1":  # 20 bytes: d, m, 16 bytes of codes; value = d * code + m
-        blocks = raw.reshape(n, k // GROUP, 20)
-        return _nibbles(blocks[..., 4:]).reshape(n, k), _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
-    if fmt == "Q4_K":  # 144 bytes per 256: d, dmin, 12 bytes of 6-bit scales and mins, 4 x 32 bytes of codes
-        import gguf
+        if fmt == "Q4_0":
+            return _nibbles(blocks[..., 2:]).reshape(n, k), scale, -8 * scale
+        codes = (_nibbles(blocks[..., 6:]) | _fifth_bits(blocks[..., 2:6])).astype(np.int8) - 16
+        return codes.reshape(n, k), scale, np.zeros_like(scale)
+    if fmt in ("Q4_1", "Q5_1"):  # d, m, (Q5: 32 fifth bits), 16 bytes of nibbles; value = d * code + m
+        blocks = raw.reshape(n, k // GROUP, -1)
+        scale, offset = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+        if fmt == "Q4_1":
+            return _nibbles(blocks[..., 4:]).reshape(n, k), scale, offset
+        codes = (_nibbles(blocks[..., 8:]) | _fifth_bits(blocks[..., 4:8])).astype(np.int8)
+        return codes.reshape(n, k), scale, offset
+    if fmt in ("Q4_K", "Q5_K"):  # per 256: d, dmin, 12 bytes of 6-bit scales and mins, (Q5: 32 bytes of fifth bits)
+        import gguf  # and 128 bytes of nibbles; value = d * scale * code - dmin * min, scale and min per 32
 
-        supers = raw.reshape(n * k // 256, 144)
+        supers = raw.reshape(n * k // 256, -1)
         d, dmin = _half(supers[:, 0:2]), _half(supers[:, 2:4])
         sc, mins = gguf.quants.Q4_K.get_scale_min(supers[:, 4:16])
-        qs = supers[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        codes = (qs & 0x0F).reshape(n, k)
+        nibbles = supers[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (nibbles & 0x0F).reshape(-1, 8, 32)
+        if fmt == "Q5_K":  # bit g of byte i of the 32: element i of group g
+            high = supers[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            codes = (codes | ((high & 1) << 4)).astype(np.int8)
         scale = (d[:, None] * sc.astype(np.float32)).reshape(n, k // GROUP)
-        return codes, scale, -(dmin[:, None] * mins.astype(np.float32)).reshape(n, k // GROUP)
+        return codes.reshape(n, k), scale, -(dmin[:, None] * mins.astype(np.float32)).reshape(n, k // GROUP)
+    if fmt == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d; per 16 inputs:
+        supers = raw.reshape(n * k // 256, 210)  # value = d * scale * (code - 32)
+        low = supers[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        high = supers[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        codes = ((low & 0x0F).reshape(-1, 8, 32) | ((high & 3).reshape(-1, 8, 32) << 4)).astype(np.int8) - 32
+        scale = _half(supers[:, 208:210])[:, None] * supers[:, 192:208].view(np.int8).astype(np.float32)
+        return codes.reshape(n, k), scale.reshape(n, k // K_GROUP), np.zeros((n, k // K_GROUP), np.float32)
     if fmt == "Q8_0":  # 34 bytes: d, 32 int8 codes; value = d * code
         blocks = raw.reshape(n, k // GROUP, 34)
         scale = _half(blocks[..., 0:2])
@@ -80,21 +103,31 @@ def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
     raise ValueError(f"{fmt} is not a format gguf_linear reads ({', '.join(FORMATS)})")
 
 
+def group_size(groups: Groups) -> int:
+    """Inputs per scale and offset: 32, or Q6_K's 16."""
+    codes, scales, _ = groups
+    return codes.shape[1] // scales.shape[1]
+
+
 def gguf_pack_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """[N, K] codes (uint8 0-15: 4 bits; int8: 8), [N, K / 32] scales and offsets -> gguf_linear's layout: codes
-    [N / 16, K / 32, 256 or 512] (per block and group, input by input, each input's 16 features side by side; 4-bit
-    codes two inputs a byte, input 2p in the low nibble), scales and offsets [N / 16, K / 32, 16]."""
+    """[N, K] codes (uint8 0-15: 4 bits; int8: 8), [N, K / G] scales and offsets (G = 32, or 16 for 8-bit codes) ->
+    gguf_linear's layout: codes [N / 16, K / G, G x 16 x bits / 8] (per block and group, input by input, each
+    input's 16 features side by side; 4-bit codes two inputs a byte, input 2p in the low nibble), scales and offsets
+    [N / 16, K / G, 16]."""
     n, k = codes.shape
-    assert n % BLOCK == 0 and k % GROUP == 0, "gguf_linear takes N a multiple of 16 and K of 32"
-    by_input = codes.view(n // BLOCK, BLOCK, k // GROUP, GROUP).permute(0, 2, 3, 1)  # [blocks, groups, 32, 16]
+    g = k // scales.shape[1]
+    assert n % BLOCK == 0 and (g == GROUP or (g == K_GROUP and codes.dtype == torch.int8)) and k % g == 0, (
+        "gguf_linear takes N a multiple of 16 and groups of 32 inputs (16 with 8-bit codes)"
+    )
+    by_input = codes.view(n // BLOCK, BLOCK, k // g, g).permute(0, 2, 3, 1)  # [blocks, groups, g, 16]
     if codes.dtype == torch.int8:
-        packed = by_input.contiguous().view(torch.uint8).view(n // BLOCK, k // GROUP, GROUP * BLOCK)
+        packed = by_input.contiguous().view(torch.uint8).view(n // BLOCK, k // g, g * BLOCK)
     else:
-        pairs = by_input.reshape(n // BLOCK, k // GROUP, GROUP // 2, 2, BLOCK)
-        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n // BLOCK, k // GROUP, GROUP // 2 * BLOCK)
+        pairs = by_input.reshape(n // BLOCK, k // g, g // 2, 2, BLOCK)
+        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n // BLOCK, k // g, g // 2 * BLOCK)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
-        return t.float().view(n // BLOCK, BLOCK, k // GROUP).transpose(1, 2).contiguous()
+        return t.float().view(n // BLOCK, BLOCK, k // g).transpose(1, 2).contiguous()
 
     return packed.contiguous(), per_block(scales), per_block(offsets)
 
@@ -107,6 +140,7 @@ class GGUFLinear(nn.Module):
         codes, scales, offsets = (torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
         self.out_features, self.in_features = codes.shape
         self.bits = 8 if codes.dtype == torch.int8 else 4
+        self.group = group_size(groups)
         self.codes, self.scales, self.offsets = gguf_pack_weight(codes, scales, offsets)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
@@ -119,20 +153,38 @@ class GGUFLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] in float32, as gguf's dequantization gives it."""
-        blocks, groups = self.out_features // BLOCK, self.in_features // GROUP
+        blocks, groups, g = self.out_features // BLOCK, self.in_features // self.group, self.group
         if self.bits == 8:
-            codes = self.codes.view(torch.int8).view(blocks, groups, GROUP, BLOCK).float()
+            codes = self.codes.view(torch.int8).view(blocks, groups, g, BLOCK).float()
         else:
-            pairs = self.codes.view(blocks, groups, GROUP // 2, BLOCK)
-            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).view(blocks, groups, GROUP, BLOCK).float()
+            pairs = self.codes.view(blocks, groups, g // 2, BLOCK)
+            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).view(blocks, groups, g, BLOCK).float()
         values = torch.addcmul(self.offsets[:, :, None, :], codes, self.scales[:, :, None, :])
         return values.permute(0, 3, 1, 2).reshape(self.out_features, self.in_features)
 
 
+def in_one_form(parts: list[Groups]) -> Groups:
+    """A fused projection's members' groups concatenated (rows of the first, then the next...): where their code
+    widths or group sizes differ (a Q4_K_M file's Q4_K query and key with its Q6_K value), every member in 8-bit
+    codes at the smallest group, its scales and offsets repeated: the same values, the same single rounding."""
+    if len({codes.dtype for codes, _, _ in parts}) > 1 or len({group_size(p) for p in parts}) > 1:
+        g = min(group_size(p) for p in parts)
+        parts = [_regrouped(p, g) for p in parts]
+    codes, scales, offsets = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+    return codes, scales, offsets
+
+
+def _regrouped(groups: Groups, g: int) -> Groups:
+    """The same weight with 8-bit codes and a scale and offset per g inputs (g divides its group)."""
+    codes, scales, offsets = groups
+    repeat = group_size(groups) // g
+    return codes.astype(np.int8), np.repeat(scales, repeat, axis=1), np.repeat(offsets, repeat, axis=1)
+
+
 def gguf_weight_groups(path: Path) -> dict[str, Groups]:
     """The 2-D weights of a GGUF file in one of FORMATS, by the model's name for them (``layers.0.self_attn.qkv_proj``,
-    ``lm_head``, ``embed_tokens``): a fused projection's members (all in formats of the same code width)
-    concatenated in the order the model fuses them, Q and K rows unpermuted as gguf_convert unpermutes them."""
+    ``lm_head``, ``embed_tokens``): a fused projection's members (each in one of FORMATS) concatenated in the order
+    the model fuses them (in_one_form), Q and K rows unpermuted as gguf_convert unpermutes them."""
     import gguf
 
     from tokenloom.model.gguf_convert import hf_tensors, unpermute_rows
@@ -148,7 +200,7 @@ def gguf_weight_groups(path: Path) -> dict[str, Groups]:
         n, k = (int(d) for d in reversed(tensor.shape))
         fmt = tensor.tensor_type.name
         groups = None
-        if fmt in FORMATS and k % (256 if fmt == "Q4_K" else GROUP) == 0:
+        if fmt in FORMATS and k % (SUPER_BLOCK if fmt.endswith("_K") else GROUP) == 0:
             raw = np.asarray(tensor.data).reshape(n, -1)
             groups = gguf_groups(raw if heads is None else unpermute_rows(raw, heads), fmt, (n, k))
         key = target or module
@@ -158,9 +210,8 @@ def gguf_weight_groups(path: Path) -> dict[str, Groups]:
     for key, got in parts.items():
         found = [got.get(member) for member in members_of[key]]
         whole = [groups for groups in found if groups is not None]
-        if len(whole) == len(found) and len({groups[0].dtype for groups in whole}) == 1:
-            codes, scales, offsets = (np.concatenate(arrays) for arrays in zip(*whole, strict=True))
-            weights[key] = codes, scales, offsets
+        if len(whole) == len(found):
+            weights[key] = in_one_form(whole)
     return weights
 
 
@@ -203,8 +254,9 @@ def gguf_head(weights: dict[str, Groups], plain: torch.Tensor) -> GGUFLinear | N
 
 
 # In a directory of the GGUF's cache directory (gguf_convert.converted_dir_for), where the loader, which reads its
-# *.safetensors, does not look.
-GROUPS_FILE = Path("blocks") / "groups.safetensors"
+# *.safetensors, does not look; "2" since the Q5 and Q6 formats and fused projections of mixed formats (a file of
+# the first version lacks them).
+GROUPS_FILE = Path("blocks") / "groups2.safetensors"
 PARTS = ("codes", "scales", "offsets")  # a Groups' arrays, as the cache file names them
 
 

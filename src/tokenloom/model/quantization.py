@@ -106,6 +106,11 @@ def int8_head(weight: torch.Tensor, method: str) -> Int8Linear | None:
     return Int8Linear(weight.detach(), None, activation_bits=8)
 
 
+def gguf_linear_available(device: torch.device) -> bool:
+    """Whether --quantization gguf can run here: tokenloom::gguf_linear, built for CPUs with AVX2 and FMA."""
+    return device.type == "cpu" and cpu_kernel.load_kernel() and cpu_kernel.has_operator("gguf_linear")
+
+
 def check_quantization(name: str | None, device: torch.device) -> None:
     """ValueError at start for a method this device cannot run: never a silent fallback to the unquantized model."""
     if name is None:
@@ -117,7 +122,7 @@ def check_quantization(name: str | None, device: torch.device) -> None:
             f"--quantization {name} runs our int8 kernels (AVX-512 VNNI or AVX2) and oneDNN's on a CPU; "
             f"here the device is {device.type}" + ("" if device.type != "cpu" else " and they are not available")
         )
-    if name == "gguf" and (device.type != "cpu" or not cpu_kernel.has_operator("gguf_linear")):
+    if name == "gguf" and not gguf_linear_available(device):
         raise ValueError(
             "--quantization gguf runs tokenloom::gguf_linear, built for CPUs with AVX2 and FMA; here "
             + (f"the device is {device.type}" if device.type != "cpu" else "the operator is not available")

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,10 +55,10 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const floa
 // pair of blocks, once per panel) into a buffer that f32_linear's tiles read (on a 2-core AVX-512 Xeon a step's 120
 // linears in Q4_1 took 1/2.9 of f32_linear's time at 1 row, 1/1.9 at 8 with registers where the buffer gave 1/1.6,
 // 1/1.1 at 64, the same at 1,024: RESULTS.md).
-constexpr int64_t kGroup = 32;  // inputs per scale and offset
-
-template <int Bits>
-constexpr int64_t kGroupBytes = kGroup * kBlock * Bits / 8;  // a block's codes for one group
+// Inputs per scale and offset (Group): 32, or 16 for 8-bit codes (Q6_K's). Instantiated for (Bits, Group) = (4, 32),
+// (8, 32) and (8, 16).
+template <int Bits, int Group>
+constexpr int64_t kGroupBytes = Group * kBlock * Bits / 8;  // a block's codes for one group
 
 struct GroupedWeight {
   const uint8_t* codes;   // [blocks][groups][kGroupBytes]
@@ -157,10 +158,10 @@ void linear_avx512(const float* xp, int64_t ldx, const float* wp, int64_t m, int
 constexpr int64_t kGroupedRows = 8;  // steps of up to this many rows widen in registers
 
 // Inputs 2p and 2p + 1 of group g of block b, as float32: codes * scale + offset.
-template <int Bits>
+template <int Bits, int Group>
 inline void widen_pair(const GroupedWeight& w, int64_t b, int64_t g, int p, __m512 scale, __m512 offset,
                        __m512& even, __m512& odd) {
-  const uint8_t* group = w.codes + (b * w.groups + g) * kGroupBytes<Bits>;
+  const uint8_t* group = w.codes + (b * w.groups + g) * kGroupBytes<Bits, Group>;
   if constexpr (Bits == 4) {
     const __m512i pairs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + p * 16)));
     even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xF))), scale, offset);
@@ -174,17 +175,17 @@ inline void widen_pair(const GroupedWeight& w, int64_t b, int64_t g, int p, __m5
 }
 
 // Blocks b .. b + NB - 1 widened into `dst` as f32_pack_weight lays them out ([NB][K][16]).
-template <int NB, int Bits>
+template <int NB, int Bits, int Group>
 void widen_blocks(const GroupedWeight& w, int64_t b, float* dst) {
-  const int64_t k = w.groups * kGroup;
+  const int64_t k = w.groups * Group;
   for (int nb = 0; nb < NB; ++nb) {
     for (int64_t g = 0; g < w.groups; ++g) {
       const __m512 scale = _mm512_loadu_ps(w.scales + ((b + nb) * w.groups + g) * kBlock);
       const __m512 offset = _mm512_loadu_ps(w.offsets + ((b + nb) * w.groups + g) * kBlock);
-      float* out = dst + nb * k * kBlock + g * kGroup * kBlock;
-      for (int p = 0; p < kGroup / 2; ++p) {
+      float* out = dst + nb * k * kBlock + g * Group * kBlock;
+      for (int p = 0; p < Group / 2; ++p) {
         __m512 even, odd;
-        widen_pair<Bits>(w, b + nb, g, p, scale, offset, even, odd);
+        widen_pair<Bits, Group>(w, b + nb, g, p, scale, offset, even, odd);
         _mm512_storeu_ps(out + 2 * p * kBlock, even);
         _mm512_storeu_ps(out + (2 * p + 1) * kBlock, odd);
       }
@@ -194,7 +195,7 @@ void widen_blocks(const GroupedWeight& w, int64_t b, float* dst) {
 
 // tile512 for R rows (at most kGroupedRows) of NB blocks of a grouped weight, each pair of inputs widened in
 // registers.
-template <int R, int NB, int Bits>
+template <int R, int NB, int Bits, int Group>
 void grouped_tile(const float* x, int64_t ldx, const GroupedWeight& w, int64_t b, const float* bias, float* y,
                   int64_t ldy) {
   __m512 sums[R][NB];
@@ -208,10 +209,12 @@ void grouped_tile(const float* x, int64_t ldx, const GroupedWeight& w, int64_t b
       scale[nb] = _mm512_loadu_ps(w.scales + ((b + nb) * w.groups + g) * kBlock);
       offset[nb] = _mm512_loadu_ps(w.offsets + ((b + nb) * w.groups + g) * kBlock);
     }
-    for (int p = 0; p < kGroup / 2; ++p) {
+    for (int p = 0; p < Group / 2; ++p) {
       __m512 even[NB], odd[NB];
-      for (int nb = 0; nb < NB; ++nb) widen_pair<Bits>(w, b + nb, g, p, scale[nb], offset[nb], even[nb], odd[nb]);
-      const int64_t i = g * kGroup + 2 * p;
+      for (int nb = 0; nb < NB; ++nb) {
+        widen_pair<Bits, Group>(w, b + nb, g, p, scale[nb], offset[nb], even[nb], odd[nb]);
+      }
+      const int64_t i = g * Group + 2 * p;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 first = _mm512_set1_ps(x[r * ldx + i]), second = _mm512_set1_ps(x[r * ldx + i + 1]);
@@ -225,37 +228,37 @@ void grouped_tile(const float* x, int64_t ldx, const GroupedWeight& w, int64_t b
 
 using GroupedTileFn = void (*)(const float*, int64_t, const GroupedWeight&, int64_t, const float*, float*, int64_t);
 
-template <int NB, int Bits, int... R>
+template <int NB, int Bits, int Group, int... R>
 constexpr std::array<GroupedTileFn, sizeof...(R)> grouped_tiles(std::integer_sequence<int, R...>) {
-  return {&grouped_tile<R + 1, NB, Bits>...};
+  return {&grouped_tile<R + 1, NB, Bits, Group>...};
 }
 
-template <int Bits>
+template <int Bits, int Group>
 GroupedTileFn grouped_tile_for(int64_t rows, int64_t nb) {
-  static constexpr auto one = grouped_tiles<1, Bits>(std::make_integer_sequence<int, kGroupedRows>{});
-  static constexpr auto two = grouped_tiles<2, Bits>(std::make_integer_sequence<int, kGroupedRows>{});
+  static constexpr auto one = grouped_tiles<1, Bits, Group>(std::make_integer_sequence<int, kGroupedRows>{});
+  static constexpr auto two = grouped_tiles<2, Bits, Group>(std::make_integer_sequence<int, kGroupedRows>{});
   return (nb == 2 ? two : one)[rows - 1];
 }
 
 // linear_avx512's units over a grouped weight: a few rows widen in registers; a panel of more widens each pair of
 // blocks once into a buffer of this thread's and runs f32_linear's tiles over it.
-template <int Bits>
+template <int Bits, int Group>
 void grouped_linear_avx512(const float* xp, int64_t ldx, const GroupedWeight& w, int64_t m, int64_t blocks,
                            const float* bias, float* op) {
-  const int64_t k = w.groups * kGroup, n = blocks * kBlock;
+  const int64_t k = w.groups * Group, n = blocks * kBlock;
   run_panels(m, k, blocks, [&](int64_t r0, int64_t r1, int64_t b, int64_t nb) {
     const int64_t f = b * kBlock;
     const float* bb = bias ? bias + f : nullptr;
     if (r1 - r0 <= kGroupedRows) {
-      grouped_tile_for<Bits>(r1 - r0, nb)(xp + r0 * ldx, ldx, w, b, bb, op + r0 * n + f, n);
+      grouped_tile_for<Bits, Group>(r1 - r0, nb)(xp + r0 * ldx, ldx, w, b, bb, op + r0 * n + f, n);
       return;
     }
     thread_local std::vector<float> widened;
     widened.resize(kTileBlocks * k * kBlock);
     if (nb == 2) {
-      widen_blocks<2, Bits>(w, b, widened.data());
+      widen_blocks<2, Bits, Group>(w, b, widened.data());
     } else {
-      widen_blocks<1, Bits>(w, b, widened.data());
+      widen_blocks<1, Bits, Group>(w, b, widened.data());
     }
     panel_tiles(xp, ldx, widened.data(), r0, r1, k, nb, bb, op + f, n);
   });
@@ -336,10 +339,10 @@ void linear_avx2(const float* xp, int64_t ldx, const float* wp, int64_t m, int64
 constexpr int64_t kGroupedRows8 = 4;  // rows widened in registers
 
 // Inputs 2p and 2p + 1 of group g of block b, features 0-7 and 8-15, as float32: codes * scale + offset.
-template <int Bits>
+template <int Bits, int Group>
 inline void widen_pair8(const GroupedWeight& w, int64_t b, int64_t g, int p, const __m256* scale,
                         const __m256* offset, __m256* even, __m256* odd) {
-  const uint8_t* group = w.codes + (b * w.groups + g) * kGroupBytes<Bits>;
+  const uint8_t* group = w.codes + (b * w.groups + g) * kGroupBytes<Bits, Group>;
   for (int half = 0; half < 2; ++half) {
     if constexpr (Bits == 4) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + p * 16 + 8 * half));
@@ -350,7 +353,8 @@ inline void widen_pair8(const GroupedWeight& w, int64_t b, int64_t g, int p, con
     } else {
       static_assert(Bits == 8, "4- or 8-bit codes");
       const uint8_t* at = group + p * 32 + 8 * half;
-      const __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
+      const __m256 first =
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
       const __m256 second =
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + 16))));
       even[half] = _mm256_fmadd_ps(first, scale[half], offset[half]);
@@ -368,23 +372,23 @@ inline void group_terms8(const GroupedWeight& w, int64_t b, int64_t g, __m256* s
 }
 
 // Block b's inputs two at a time, widened: use(i, even, odd) for inputs i and i + 1, features 0-7 and 8-15 of each.
-template <int Bits, typename Use>
+template <int Bits, int Group, typename Use>
 inline void for_each_pair8(const GroupedWeight& w, int64_t b, Use&& use) {
   for (int64_t g = 0; g < w.groups; ++g) {
     __m256 scale[2], offset[2];
     group_terms8(w, b, g, scale, offset);
-    for (int p = 0; p < kGroup / 2; ++p) {
+    for (int p = 0; p < Group / 2; ++p) {
       __m256 even[2], odd[2];
-      widen_pair8<Bits>(w, b, g, p, scale, offset, even, odd);
-      use(g * kGroup + 2 * p, even, odd);
+      widen_pair8<Bits, Group>(w, b, g, p, scale, offset, even, odd);
+      use(g * Group + 2 * p, even, odd);
     }
   }
 }
 
 // Block b widened into `dst` as f32_pack_weight lays it out ([K][16]).
-template <int Bits>
+template <int Bits, int Group>
 void widen_block8(const GroupedWeight& w, int64_t b, float* dst) {
-  for_each_pair8<Bits>(w, b, [&](int64_t i, const __m256* even, const __m256* odd) {
+  for_each_pair8<Bits, Group>(w, b, [&](int64_t i, const __m256* even, const __m256* odd) {
     for (int half = 0; half < 2; ++half) {
       _mm256_storeu_ps(dst + i * kBlock + 8 * half, even[half]);
       _mm256_storeu_ps(dst + (i + 1) * kBlock + 8 * half, odd[half]);
@@ -393,12 +397,12 @@ void widen_block8(const GroupedWeight& w, int64_t b, float* dst) {
 }
 
 // tile for R rows (at most kGroupedRows8) of block b of a grouped weight, each pair of inputs widened in registers.
-template <int R, int Bits>
+template <int R, int Bits, int Group>
 void grouped_tile8(const float* x, int64_t ldx, const GroupedWeight& w, int64_t b, const float* bias, float* y,
                    int64_t ldy) {
   __m256 low[R], high[R];
   for (int r = 0; r < R; ++r) low[r] = high[r] = _mm256_setzero_ps();
-  for_each_pair8<Bits>(w, b, [&](int64_t i, const __m256* even, const __m256* odd) {
+  for_each_pair8<Bits, Group>(w, b, [&](int64_t i, const __m256* even, const __m256* odd) {
     for (int r = 0; r < R; ++r) {
       const __m256 first = _mm256_broadcast_ss(x + r * ldx + i), second = _mm256_broadcast_ss(x + r * ldx + i + 1);
       low[r] = _mm256_fmadd_ps(first, even[0], low[r]);
@@ -420,22 +424,23 @@ using GroupedTileFn8 = void (*)(const float*, int64_t, const GroupedWeight&, int
 // linear_avx2's units over a grouped weight: up to 4 rows widen in registers (3 and 4 rows 1.3-1.6x faster so than
 // over the buffer, with an AVX2 build on an AVX-512 Xeon); more widen each block once into a buffer of this thread's
 // and run tile over it.
-template <int Bits>
+template <int Bits, int Group>
 void grouped_linear_avx2(const float* xp, int64_t ldx, const GroupedWeight& w, int64_t m, int64_t blocks,
                          const float* bias, float* op) {
-  const int64_t k = w.groups * kGroup, n = blocks * kBlock;
+  const int64_t k = w.groups * Group, n = blocks * kBlock;
   run_blocks(k, blocks, [&](int64_t b) {
     const int64_t f = b * kBlock;
     const float* bb = bias ? bias + f : nullptr;
     if (m <= kGroupedRows8) {
-      static constexpr std::array<GroupedTileFn8, 4> tiles = {&grouped_tile8<1, Bits>, &grouped_tile8<2, Bits>,
-                                                               &grouped_tile8<3, Bits>, &grouped_tile8<4, Bits>};
+      static constexpr std::array<GroupedTileFn8, 4> tiles = {
+          &grouped_tile8<1, Bits, Group>, &grouped_tile8<2, Bits, Group>, &grouped_tile8<3, Bits, Group>,
+          &grouped_tile8<4, Bits, Group>};
       tiles[m - 1](xp, ldx, w, b, bb, op + f, n);
       return;
     }
     thread_local std::vector<float> widened;
     widened.resize(k * kBlock);
-    widen_block8<Bits>(w, b, widened.data());
+    widen_block8<Bits, Group>(w, b, widened.data());
     block_tiles(xp, ldx, widened.data(), m, k, bb, op + f, n);
   });
 }
@@ -470,20 +475,33 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::
   return out;
 }
 
-// x [M, K] float32 (rows of unit stride), a grouped weight from gguf_pack_weight (codes [N / 16, K / 32, 256] uint8
-// for 4 bits, 512 for 8; scales and offsets [N / 16, K / 32, 16] float32), bias [N] or none -> [M, N].
+// gguf_linear's weight, in the instantiation its layout calls for: (Bits, Group) = (4, 32), (8, 32) or (8, 16).
+template <typename Run>
+void with_format(int64_t group, int64_t group_bytes, Run&& run) {
+  if (group == 32 && group_bytes == kGroupBytes<4, 32>) {
+    run(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{});
+  } else if (group == 32 && group_bytes == kGroupBytes<8, 32>) {
+    run(std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
+  } else {
+    TORCH_CHECK(group == 16 && group_bytes == (kGroupBytes<8, 16>),
+                "gguf_linear: codes must be 4 bits in groups of 32 inputs or 8 bits in groups of 32 or 16");
+    run(std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{});
+  }
+}
+
+// x [M, K] float32 (rows of unit stride), a grouped weight from gguf_pack_weight (codes [N / 16, K / G, G x 16 x bits
+// / 8] uint8 for G inputs a group; scales and offsets [N / 16, K / G, 16] float32), bias [N] or none -> [M, N].
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& offsets, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous() &&
-                  (codes.size(2) == kGroupBytes<4> || codes.size(2) == kGroupBytes<8>),
-              "gguf_linear: codes must be contiguous uint8 [N / 16, K / 32, 256 or 512] from gguf_pack_weight");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
+              "gguf_linear: codes must be contiguous uint8 [N / 16, K / G, G x 16 x bits / 8] from gguf_pack_weight");
   const int64_t m = x.size(0), blocks = codes.size(0), groups = codes.size(1), n = blocks * kBlock;
   const float* bias_data = checked_inputs("gguf_linear", x, bias, n);
-  TORCH_CHECK(x.size(1) == groups * kGroup, "gguf_linear: the weight's K is not x's");
+  TORCH_CHECK(groups > 0 && x.size(1) % groups == 0, "gguf_linear: the weight's K is not x's");
   for (const at::Tensor* t : {&scales, &offsets}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == blocks &&
                     t->size(1) == groups && t->size(2) == kBlock,
-                "gguf_linear: scales and offsets must be contiguous float32 [N / 16, K / 32, 16]");
+                "gguf_linear: scales and offsets must be contiguous float32 [N / 16, K / G, 16]");
   }
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
@@ -491,19 +509,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                         offsets.const_data_ptr<float>(), groups};
   const float* xp = x.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
+  with_format(x.size(1) / groups, codes.size(2), [&](auto bits, auto group) {
 #if defined(__AVX512F__)
-  if (codes.size(2) == kGroupBytes<4>) {
-    grouped_linear_avx512<4>(xp, x.stride(0), w, m, blocks, bias_data, op);
-  } else {
-    grouped_linear_avx512<8>(xp, x.stride(0), w, m, blocks, bias_data, op);
-  }
+    grouped_linear_avx512<decltype(bits)::value, decltype(group)::value>(xp, x.stride(0), w, m, blocks, bias_data, op);
 #else
-  if (codes.size(2) == kGroupBytes<4>) {
-    grouped_linear_avx2<4>(xp, x.stride(0), w, m, blocks, bias_data, op);
-  } else {
-    grouped_linear_avx2<8>(xp, x.stride(0), w, m, blocks, bias_data, op);
-  }
+    grouped_linear_avx2<decltype(bits)::value, decltype(group)::value>(xp, x.stride(0), w, m, blocks, bias_data, op);
 #endif
+  });
   return out;
 }
 
