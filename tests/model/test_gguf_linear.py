@@ -115,6 +115,57 @@ def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tok
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
 
 
+def requantized_gguf(source: Path, target: Path, formats: dict[str, str]) -> None:
+    """`source` written to `target` with every tensor whose name ends in a key of `formats` dequantized and quantized
+    again in that format by gguf-py; its metadata and other tensors as they were."""
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(str(target), reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+    for field in reader.fields.values():
+        if field.name != gguf.Keys.General.ARCHITECTURE and not field.name.startswith("GGUF."):
+            kind = field.types[0]
+            sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    tensors = []
+    for tensor in reader.tensors:
+        fmt = next((f for suffix, f in formats.items() if tensor.name.endswith(suffix)), None)
+        data, qtype = tensor.data, tensor.tensor_type
+        if fmt is not None:
+            qtype = gguf.GGMLQuantizationType[fmt]
+            data = gguf.quants.quantize(gguf.quants.dequantize(tensor.data, tensor.tensor_type), qtype)
+        writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, qtype)
+        tensors.append(data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+
+
+def test_a_gguf_of_5_bit_and_mixed_formats_serves_the_dequantized_models_tokens(tmp_path, monkeypatch):
+    """The embedded model with its value projections in Q5_1 (each layer's fused qkv then mixes them with Q4_1's
+    query and key) and its down projections in Q5_0, through the converter, the loader and gguf_linear."""
+    from tokenloom.model.loader import default_gguf_path
+
+    needs_gguf_operator()
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))  # its conversion, not the user's cache
+    path = tmp_path / "smollm2-q5.gguf"
+    requantized_gguf(default_gguf_path(), path, {"attn_v.weight": "Q5_1", "ffn_down.weight": "Q5_0"})
+    prompts = [{"prompt_token_ids": [1, 504, 3458, 282, 4914, 314]}, {"prompt_token_ids": [1, 2683, 418, 346, 47]}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    served = LLM(str(path), dtype="float32")
+    layers = served.engine.core.runner.model.layers
+    assert served.engine.quantization == "gguf"
+    assert all(isinstance(layer.self_attn.qkv_proj, GGUFLinear) and layer.self_attn.qkv_proj.bits == 8
+               and layer.mlp.down_proj.bits == 8 and layer.mlp.gate_up_proj.bits == 4 for layer in layers)  # fmt: skip
+    ours = served.generate(prompts, params, use_tqdm=False)
+    del served, layers
+    plain = LLM(str(path), dtype="float32", quantization="none").generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_a_gguf_is_served_from_its_blocks_by_default_only_where_that_is_exact(monkeypatch):
     from tokenloom.engine.core_setup import served_quantization
 
