@@ -37,7 +37,7 @@ K_GROUP = 16  # Q6_K's: 8-bit codes only
 BLOCK = 16  # output features per packed block
 FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 SUPER_BLOCK = 256  # inputs per block of the K-quants
-# A linear's codes [N, K] (uint8 0-15, or int8), scales and offsets [N, K / 32] float32.
+# A linear's codes [N, K] (uint8 0-15, or int8), scales and offsets [N, K / group] float32 (group_size).
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -79,7 +79,7 @@ def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
     if fmt in ("Q4_K", "Q5_K"):  # per 256: d, dmin, 12 bytes of 6-bit scales and mins, (Q5: 32 bytes of fifth bits)
         import gguf  # and 128 bytes of nibbles; value = d * scale * code - dmin * min, scale and min per 32
 
-        supers = raw.reshape(n * k // 256, -1)
+        supers = raw.reshape(n * k // SUPER_BLOCK, -1)
         d, dmin = _half(supers[:, 0:2]), _half(supers[:, 2:4])
         sc, mins = gguf.quants.Q4_K.get_scale_min(supers[:, 4:16])
         nibbles = supers[:, -128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
@@ -89,8 +89,8 @@ def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
             codes = (codes | ((high & 1) << 4)).astype(np.int8)
         scale = (d[:, None] * sc.astype(np.float32)).reshape(n, k // GROUP)
         return codes.reshape(n, k), scale, -(dmin[:, None] * mins.astype(np.float32)).reshape(n, k // GROUP)
-    if fmt == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d; per 16 inputs:
-        supers = raw.reshape(n * k // 256, 210)  # value = d * scale * (code - 32)
+    if fmt == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one per 16), d;
+        supers = raw.reshape(n * k // SUPER_BLOCK, 210)  # value = d * scale * (code - 32)
         low = supers[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         high = supers[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
         codes = ((low & 0x0F).reshape(-1, 8, 32) | ((high & 3).reshape(-1, 8, 32) << 4)).astype(np.int8) - 32
