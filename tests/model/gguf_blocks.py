@@ -9,10 +9,10 @@ import numpy as np
 K_QUANT_HALVES = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210)}
 
 
-def raw_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+def raw_blocks(fmt: str, n: int, k: int, seed: int = 0, unit: float | None = None) -> np.ndarray:
     """A weight [n, k] in a GGUF format's blocks ([n, bytes per row] uint8), as gguf-py quantizes it (Q4_0, Q4_1,
     Q5_0, Q5_1, Q8_0) or, for the K-quants (which gguf-py does not quantize), blocks of random codes and sub-block
-    scales under small, positive fp16 scales."""
+    scales under small, positive fp16 scales (from `unit` to 11 x `unit`)."""
     rng = np.random.default_rng(seed)
     qtype = gguf.GGMLQuantizationType[fmt]
     if fmt not in K_QUANT_HALVES:
@@ -23,7 +23,7 @@ def raw_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(n * k // block_inputs, block_bytes), dtype=np.uint8)
     where = K_QUANT_HALVES[fmt]
     # Q6_K's sub-block scales are signed bytes (to 127) and its codes reach 32: a smaller scale keeps |w| below ~1.
-    unit = 1e-4 if fmt == "Q6_K" else 1e-3
+    unit = unit or (1e-4 if fmt == "Q6_K" else 1e-3)
     halves = (rng.random((len(blocks), (where.stop - where.start) // 2)) * 10 * unit + unit).astype(np.float16)
     blocks[:, where] = halves.view(np.uint8)
     return blocks.reshape(n, -1)

@@ -115,16 +115,41 @@ def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tok
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
 
 
+Tensor = tuple[str, np.ndarray, gguf.GGMLQuantizationType]  # a name, its data (a quantized one's blocks), its type
+
+
+def write_gguf(
+    target: Path, fields: list, tensors: list[Tensor], arch: str = "llama", numbers: dict[str, int] | None = None
+) -> None:
+    """A GGUF file of `fields` (a reader's: its metadata, less the architecture the writer adds), `numbers` (uint32
+    fields) and `tensors`."""
+    writer = gguf.GGUFWriter(str(target), arch)
+    for key, value in (numbers or {}).items():
+        writer.add_uint32(key, value)
+    for field in fields:
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    for name, data, qtype in tensors:
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+
+
+def metadata(reader: gguf.GGUFReader, prefix: str = "") -> list:
+    """A reader's fields whose names start with `prefix`, less the ones a writer adds itself."""
+    own = (gguf.Keys.General.ARCHITECTURE, "GGUF.")
+    return [f for f in reader.fields.values() if f.name.startswith(prefix) and not f.name.startswith(own)]
+
+
 def requantized_gguf(source: Path, target: Path, formats: dict[str, str]) -> None:
     """`source` written to `target` with every tensor whose name ends in a key of `formats` dequantized and quantized
     again in that format by gguf-py; its metadata and other tensors as they were."""
     reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(target), reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
-    for field in reader.fields.values():
-        if field.name != gguf.Keys.General.ARCHITECTURE and not field.name.startswith("GGUF."):
-            kind = field.types[0]
-            sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
     tensors = []
     for tensor in reader.tensors:
         fmt = next((f for suffix, f in formats.items() if tensor.name.endswith(suffix)), None)
@@ -132,14 +157,42 @@ def requantized_gguf(source: Path, target: Path, formats: dict[str, str]) -> Non
         if fmt is not None:
             qtype = gguf.GGMLQuantizationType[fmt]
             data = gguf.quants.quantize(gguf.quants.dequantize(tensor.data, tensor.tensor_type), qtype)
-        writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, qtype)
-        tensors.append(data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for data in tensors:
-        writer.write_tensor_data(data)
-    writer.close()
+        tensors.append((tensor.name, data, qtype))
+    write_gguf(target, metadata(reader), tensors, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
+
+
+def q4_k_m_gguf(target: Path, tokenizer_from: Path) -> None:
+    """A 2-layer Llama in Q4_K_M's layout: Q4_K linears, layer 0's value and down projections in Q6_K (so its qkv mixes
+    formats), the tied embedding in Q8_0; random blocks (every input count a multiple of 256), the tokenizer of
+    `tokenizer_from`."""
+    hidden, heads, kv_heads, head_dim, mlp, layers = 256, 4, 2, 64, 512, 2
+    vocab = len(gguf.GGUFReader(str(tokenizer_from)).fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(0)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    tensors: list[Tensor] = [
+        ("token_embd.weight", gguf.quants.quantize(rng.standard_normal((vocab, hidden), np.float32) * 0.05, q8), q8),
+        ("output_norm.weight", np.ones(hidden, np.float32), gguf.GGMLQuantizationType.F32),
+    ]
+    for i in range(layers):
+        more_bits = "Q6_K" if i == 0 else "Q4_K"
+        shapes = {
+            "attn_q": ("Q4_K", heads * head_dim, hidden),
+            "attn_k": ("Q4_K", kv_heads * head_dim, hidden),
+            "attn_v": (more_bits, kv_heads * head_dim, hidden),
+            "attn_output": ("Q4_K", hidden, heads * head_dim),
+            "ffn_gate": ("Q4_K", mlp, hidden),
+            "ffn_up": ("Q4_K", mlp, hidden),
+            "ffn_down": (more_bits, hidden, mlp),
+        }
+        for j, (name, (fmt, n, k)) in enumerate(shapes.items()):
+            blocks = raw_blocks(fmt, n, k, seed=10 * i + j, unit=1e-4)
+            tensors.append((f"blk.{i}.{name}.weight", blocks, gguf.GGMLQuantizationType[fmt]))
+        for norm in ("attn_norm", "ffn_norm"):
+            tensors.append((f"blk.{i}.{norm}.weight", np.ones(hidden, np.float32), gguf.GGMLQuantizationType.F32))
+    numbers = {"llama.block_count": layers, "llama.context_length": 512, "llama.embedding_length": hidden,
+               "llama.feed_forward_length": mlp, "llama.attention.head_count": heads,
+               "llama.attention.head_count_kv": kv_heads}  # fmt: skip
+    write_gguf(target, metadata(gguf.GGUFReader(str(tokenizer_from)), "tokenizer."), tensors, numbers=numbers)
 
 
 def test_a_gguf_of_5_bit_and_mixed_formats_serves_the_dequantized_models_tokens(tmp_path, monkeypatch):
@@ -160,6 +213,30 @@ def test_a_gguf_of_5_bit_and_mixed_formats_serves_the_dequantized_models_tokens(
                and layer.mlp.down_proj.bits == 8 and layer.mlp.gate_up_proj.bits == 4 for layer in layers)  # fmt: skip
     ours = served.generate(prompts, params, use_tqdm=False)
     del served, layers
+    plain = LLM(str(path), dtype="float32", quantization="none").generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ours, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_q4_k_m_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_models_tokens(tmp_path, monkeypatch):
+    from tokenloom.model.loader import default_gguf_path
+
+    needs_gguf_operator()
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    q4_k_m_gguf(path, default_gguf_path())
+    prompts = [{"prompt_token_ids": [1, 504, 3458, 282, 4914, 314]}, {"prompt_token_ids": [1, 2683, 418, 346, 47]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    served = LLM(str(path), dtype="float32")
+    model = served.engine.core.runner.model
+    first, second = model.layers
+    assert (first.self_attn.qkv_proj.bits, first.self_attn.qkv_proj.group) == (8, 16)  # Q4_K and Q6_K in one
+    assert (first.mlp.down_proj.bits, first.mlp.down_proj.group) == (8, 16)
+    assert (second.self_attn.qkv_proj.bits, second.self_attn.qkv_proj.group) == (4, 32)  # all Q4_K
+    assert isinstance(first.mlp.gate_up_proj, GGUFLinear) and isinstance(model.lm_head, GGUFLinear)
+    ours = served.generate(prompts, params, use_tqdm=False)
+    del served, model, first, second
     plain = LLM(str(path), dtype="float32", quantization="none").generate(prompts, params, use_tqdm=False)
     for a, b in zip(ours, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
