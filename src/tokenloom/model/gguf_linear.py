@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-GROUP = 32  # inputs per scale and offset (kGroup in csrc/f32_linear.cpp)
+GROUP = 32  # inputs per scale and offset (gguf_linear's Group in csrc/f32_linear.cpp; K_GROUP below)
 K_GROUP = 16  # Q6_K's: 8-bit codes only
 BLOCK = 16  # output features per packed block
 FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
