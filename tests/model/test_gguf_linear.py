@@ -93,26 +93,32 @@ def test_a_fused_projection_of_mixed_formats_is_one_8_bit_weight(rows):
     assert same[0].dtype == np.uint8 and gguf_linear.group_size(same) == 32
 
 
+PROMPTS = [{"prompt_token_ids": [1, 504, 3458, 282, 4914, 314]}, {"prompt_token_ids": [1, 2683, 418, 346, 47]}]
+
+
+def assert_the_dequantized_models_outputs(served: LLM, model: str | None, max_tokens: int) -> None:
+    """`served`'s greedy tokens and logprobs are, bit for bit, those of `model` dequantized (--quantization none)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    ours = served.generate(PROMPTS, params, use_tqdm=False)
+    dequantized = LLM(model, dtype="float32", quantization="none")
+    assert dequantized.engine.quantization is None
+    assert not any(isinstance(m, GGUFLinear) for m in dequantized.engine.core.runner.model.modules())
+    plain = dequantized.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(ours, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
+
+
 def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tokens():
     """In float32 by default (quantization None), as with --quantization gguf; 'none' dequantizes."""
     needs_gguf_operator()
-    prompts = [{"prompt_token_ids": [1, 504, 3458, 282, 4914, 314]}, {"prompt_token_ids": [1, 2683, 418, 346, 47]}]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     served = LLM(None, dtype="float32")
     assert served.engine.quantization == "gguf"
     model = served.engine.core.runner.model
     linears = [m for m in model.layers.modules() if isinstance(m, GGUFLinear)]
     assert len(linears) == 4 * len(model.layers) and {m.bits for m in linears} == {4}  # every layer's, all Q4_1
     assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.bits == 8  # the tied embedding's Q8_0
-    ours = served.generate(prompts, params, use_tqdm=False)
-    del served, model, linears
-    dequantized = LLM(None, dtype="float32", quantization="none")
-    assert dequantized.engine.quantization is None
-    assert not any(isinstance(m, GGUFLinear) for m in dequantized.engine.core.runner.model.modules())
-    plain = dequantized.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(ours, plain, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
+    assert_the_dequantized_models_outputs(served, None, 24)
 
 
 Tensor = tuple[str, np.ndarray, gguf.GGMLQuantizationType]  # a name, its data (a quantized one's blocks), its type
@@ -204,30 +210,22 @@ def test_a_gguf_of_5_bit_and_mixed_formats_serves_the_dequantized_models_tokens(
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))  # its conversion, not the user's cache
     path = tmp_path / "smollm2-q5.gguf"
     requantized_gguf(default_gguf_path(), path, {"attn_v.weight": "Q5_1", "ffn_down.weight": "Q5_0"})
-    prompts = [{"prompt_token_ids": [1, 504, 3458, 282, 4914, 314]}, {"prompt_token_ids": [1, 2683, 418, 346, 47]}]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     served = LLM(str(path), dtype="float32")
-    layers = served.engine.core.runner.model.layers
     assert served.engine.quantization == "gguf"
     assert all(isinstance(layer.self_attn.qkv_proj, GGUFLinear) and layer.self_attn.qkv_proj.bits == 8
-               and layer.mlp.down_proj.bits == 8 and layer.mlp.gate_up_proj.bits == 4 for layer in layers)  # fmt: skip
-    ours = served.generate(prompts, params, use_tqdm=False)
-    del served, layers
-    plain = LLM(str(path), dtype="float32", quantization="none").generate(prompts, params, use_tqdm=False)
-    for a, b in zip(ours, plain, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+               and layer.mlp.down_proj.bits == 8 and layer.mlp.gate_up_proj.bits == 4
+               for layer in served.engine.core.runner.model.layers)  # fmt: skip
+    assert_the_dequantized_models_outputs(served, str(path), 16)
 
 
 def test_a_q4_k_m_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_models_tokens(tmp_path, monkeypatch):
+    """Every linear and the head of a file in Q4_K_M's layout from their blocks, through converter and loader."""
     from tokenloom.model.loader import default_gguf_path
 
     needs_gguf_operator()
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny-q4_k_m.gguf"
     q4_k_m_gguf(path, default_gguf_path())
-    prompts = [{"prompt_token_ids": [1, 504, 3458, 282, 4914, 314]}, {"prompt_token_ids": [1, 2683, 418, 346, 47]}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     served = LLM(str(path), dtype="float32")
     model = served.engine.core.runner.model
     first, second = model.layers
@@ -235,12 +233,7 @@ def test_a_q4_k_m_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_
     assert (first.mlp.down_proj.bits, first.mlp.down_proj.group) == (8, 16)
     assert (second.self_attn.qkv_proj.bits, second.self_attn.qkv_proj.group) == (4, 32)  # all Q4_K
     assert isinstance(first.mlp.gate_up_proj, GGUFLinear) and isinstance(model.lm_head, GGUFLinear)
-    ours = served.generate(prompts, params, use_tqdm=False)
-    del served, model, first, second
-    plain = LLM(str(path), dtype="float32", quantization="none").generate(prompts, params, use_tqdm=False)
-    for a, b in zip(ours, plain, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert_the_dequantized_models_outputs(served, str(path), 12)
 
 
 def test_a_gguf_is_served_from_its_blocks_by_default_only_where_that_is_exact(monkeypatch):
