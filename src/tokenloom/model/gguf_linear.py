@@ -111,9 +111,10 @@ def group_size(groups: Groups) -> int:
 
 def gguf_pack_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """[N, K] codes (uint8 0-15: 4 bits; int8: 8), [N, K / G] scales and offsets (G = 32, or 16 for 8-bit codes) ->
-    gguf_linear's layout: codes [N / 16, K / G, G x 16 x bits / 8] (per block and group, input by input, each
-    input's 16 features side by side; 4-bit codes two inputs a byte, input 2p in the low nibble), scales and offsets
-    [N / 16, K / G, 16]."""
+    gguf_linear's layout: codes [N / 16, K / G, G, 16 x bits / 8] uint8 (per block and group, input by input, each
+    input's 16 features side by side; 4-bit codes two inputs a byte, input 2p in the low nibble: the last two
+    dimensions are then a view of [G / 2, 16] bytes), so that the shape says the group and the code width; scales
+    and offsets [N / 16, K / G, 16]."""
     n, k = codes.shape
     g = k // scales.shape[1]
     assert n % BLOCK == 0 and (g == GROUP or (g == K_GROUP and codes.dtype == torch.int8)) and k % g == 0, (
@@ -121,10 +122,10 @@ def gguf_pack_weight(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.T
     )
     by_input = codes.view(n // BLOCK, BLOCK, k // g, g).permute(0, 2, 3, 1)  # [blocks, groups, g, 16]
     if codes.dtype == torch.int8:
-        packed = by_input.contiguous().view(torch.uint8).view(n // BLOCK, k // g, g * BLOCK)
+        packed = by_input.contiguous().view(torch.uint8)
     else:
         pairs = by_input.reshape(n // BLOCK, k // g, g // 2, 2, BLOCK)
-        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n // BLOCK, k // g, g // 2 * BLOCK)
+        packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n // BLOCK, k // g, g, BLOCK // 2)
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
         return t.float().view(n // BLOCK, BLOCK, k // g).transpose(1, 2).contiguous()
@@ -139,10 +140,18 @@ class GGUFLinear(nn.Module):
         super().__init__()
         codes, scales, offsets = (torch.from_numpy(np.ascontiguousarray(a)) for a in groups)
         self.out_features, self.in_features = codes.shape
-        self.bits = 8 if codes.dtype == torch.int8 else 4
-        self.group = group_size(groups)
         self.codes, self.scales, self.offsets = gguf_pack_weight(codes, scales, offsets)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def group(self) -> int:
+        """Inputs per scale and offset."""
+        return self.codes.shape[2]
+
+    @property
+    def bits(self) -> int:
+        """Bits per code: 4, or 8."""
+        return self.codes.shape[3] * 8 // BLOCK
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.rows_forward(unit_stride_rows(x)).view(*x.shape[:-1], self.out_features)

@@ -477,27 +477,29 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed, const std::
 
 // gguf_linear's weight, in the instantiation its layout calls for: (Bits, Group) = (4, 32), (8, 32) or (8, 16).
 template <typename Run>
-void with_format(int64_t group, int64_t group_bytes, Run&& run) {
-  if (group == 32 && group_bytes == kGroupBytes<4, 32>) {
+void with_format(int64_t group, int64_t bits, Run&& run) {
+  if (group == 32 && bits == 4) {
     run(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{});
-  } else if (group == 32 && group_bytes == kGroupBytes<8, 32>) {
+  } else if (group == 32 && bits == 8) {
     run(std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
   } else {
-    TORCH_CHECK(group == 16 && group_bytes == (kGroupBytes<8, 16>),
+    TORCH_CHECK(group == 16 && bits == 8,
                 "gguf_linear: codes must be 4 bits in groups of 32 inputs or 8 bits in groups of 32 or 16");
     run(std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{});
   }
 }
 
-// x [M, K] float32 (rows of unit stride), a grouped weight from gguf_pack_weight (codes [N / 16, K / G, G x 16 x bits
+// x [M, K] float32 (rows of unit stride), a grouped weight from gguf_pack_weight (codes [N / 16, K / G, G, 16 x bits
 // / 8] uint8 for G inputs a group; scales and offsets [N / 16, K / G, 16] float32), bias [N] or none -> [M, N].
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& offsets, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.is_contiguous(),
-              "gguf_linear: codes must be contiguous uint8 [N / 16, K / G, G x 16 x bits / 8] from gguf_pack_weight");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.is_contiguous() &&
+                  (codes.size(3) == kBlock / 2 || codes.size(3) == kBlock),
+              "gguf_linear: codes must be contiguous uint8 [N / 16, K / G, G, 16 x bits / 8] from gguf_pack_weight");
   const int64_t m = x.size(0), blocks = codes.size(0), groups = codes.size(1), n = blocks * kBlock;
+  const int64_t group = codes.size(2), bits = codes.size(3) * 8 / kBlock;
   const float* bias_data = checked_inputs("gguf_linear", x, bias, n);
-  TORCH_CHECK(groups > 0 && x.size(1) % groups == 0, "gguf_linear: the weight's K is not x's");
+  TORCH_CHECK(x.size(1) == groups * group, "gguf_linear: the weight's K is not x's");
   for (const at::Tensor* t : {&scales, &offsets}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == blocks &&
                     t->size(1) == groups && t->size(2) == kBlock,
@@ -509,11 +511,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                         offsets.const_data_ptr<float>(), groups};
   const float* xp = x.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
-  with_format(x.size(1) / groups, codes.size(2), [&](auto bits, auto group) {
+  with_format(group, bits, [&](auto width, auto size) {
 #if defined(__AVX512F__)
-    grouped_linear_avx512<decltype(bits)::value, decltype(group)::value>(xp, x.stride(0), w, m, blocks, bias_data, op);
+    grouped_linear_avx512<decltype(width)::value, decltype(size)::value>(xp, x.stride(0), w, m, blocks, bias_data, op);
 #else
-    grouped_linear_avx2<decltype(bits)::value, decltype(group)::value>(xp, x.stride(0), w, m, blocks, bias_data, op);
+    grouped_linear_avx2<decltype(width)::value, decltype(size)::value>(xp, x.stride(0), w, m, blocks, bias_data, op);
 #endif
   });
   return out;
