@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from tokenloom import EngineConfig, LLMEngine, SamplingParams
@@ -127,6 +128,24 @@ def test_the_fit_recovers_a_known_line_and_never_goes_negative():
     for name, value in truth.items():
         assert model.coefficients[name] == pytest.approx(value, rel=1e-6)
     assert model.fit_error["p90"] < 1e-6
+
+
+def test_the_fit_sets_aside_a_stretch_of_steps_a_neighbour_slowed():
+    """A fifth of the steps, one stretch of the grid, measured at 1.5x (as a VM's neighbour made a profile here):
+    the fit keeps the undisturbed line and counts the slowed steps as outlying."""
+    shapes = [StepShape.of_items(([(0, n, 1, True)] if n else []) + [(c, 1, 1, False)] * d)
+              for n in (0, 30, 200, 900) for d in (0, 3, 9, 17) for c in (50, 700, 2000) if n or d]  # fmt: skip
+    truth = {"steps": 0.02, "tokens": 4e-4, "decode_keys": 2e-6, "chunk_pairs": 3e-7}
+    seconds = [sum(truth.get(f, 0.0) * v for f, v in zip(FEATURES, s.features(), strict=True)) for s in shapes]
+    noise = np.random.default_rng(0).normal(1.0, 0.02, len(seconds))
+    slowed = range(len(shapes) // 2, len(shapes) // 2 + len(shapes) // 5)
+    measured = [t * e * (1.5 if i in slowed else 1.0) for i, (t, e) in enumerate(zip(seconds, noise, strict=True))]
+    model = FittedStepModel.fit("slowed", shapes, measured)
+    for name in ("steps", "tokens", "decode_keys"):
+        assert model.coefficients[name] == pytest.approx(truth[name], rel=0.05), name
+    assert model.fit_error["outlying_steps"] == len(slowed)
+    predicted = [model.seconds(shape) for shape in shapes]
+    assert max(abs(p / t - 1) for p, t in zip(predicted, seconds, strict=True)) < 0.06
 
 
 def served_steps(per_step: float, engine: FittedStepModel, prefill: bool = True) -> list[dict]:

@@ -4,10 +4,11 @@ A step is described by a few sums over its scheduled requests (`StepShape`), the
 with: the tokens through the linears, the rows whose logits are computed, the query-key pairs of prefill attention,
 the keys decode rows read, the sequences, and the KV blocks copied for swapping. Vidur (MLSys 2024) fits one
 regressor per operator; on these machines one line over these sums, fitted to the engine's whole measured steps
-(scheduling, the model, sampling and output processing together), is what `tokenloom simulate profile` makes, and
-its error on held-out steps is in the profile (`fit_error`). A server's steps cost more than the engine's alone
-(its event loop and streams share the cores, and each turn of its engine loop hands the outputs over):
-`ServedOverhead`, fitted from the logged steps of a trace served over HTTP, adds that.
+(scheduling, the model, sampling and output processing together; steps far off the line, as a VM's neighbour
+makes them, set aside), is what `tokenloom simulate profile` makes, and its error on held-out steps is in the profile
+(`fit_error`). A server's steps cost more than the engine's alone (its event loop and streams share the cores, and
+each turn of its engine loop hands the outputs over): `ServedOverhead`, fitted from the logged steps of a trace
+served over HTTP, adds that.
 
 For accelerators not at hand, `RooflineStepModel` takes a datasheet (bf16 FLOP/s, memory bandwidth) and the
 model's shapes: a step takes its layers' launch cost plus the larger of its FLOPs and its bytes at the peak rates
@@ -101,24 +102,48 @@ class FittedStepModel:
     @classmethod
     def fit(cls, name: str, shapes: list[StepShape], seconds: list[float], holdout_every: int = 5) -> FittedStepModel:
         """Least squares on relative error (each step weighted by 1 / its time, so short decode steps count as
-        much as long prefills), with no negative coefficient: a feature whose fit goes negative is dropped and the
-        rest refitted. Every `holdout_every`-th step is held out to measure the error; then all steps are fitted."""
+        much as long prefills), with no negative coefficient (a feature whose fit goes negative is dropped and the
+        rest refitted), over the steps a neighbour did not slow (_undisturbed_fit). Every `holdout_every`-th step
+        is held out to measure the error, on all of them, slowed or not; then all steps are fitted."""
         if len(shapes) < 2 * len(FEATURES):
             raise ValueError(f"{len(shapes)} steps are too few to fit {len(FEATURES)} coefficients")
         x = np.array([s.features() for s in shapes])
         y = np.array(seconds)
         held = np.arange(len(y)) % holdout_every == holdout_every - 1
-        trial = _nonnegative_fit(x[~held], y[~held])
+        trial, _ = _undisturbed_fit(x[~held], y[~held])
         error = np.abs(x[held] @ trial - y[held]) / y[held]
-        coefficients = _nonnegative_fit(x, y)
+        coefficients, kept = _undisturbed_fit(x, y)
         model = cls(name, {f: float(c) for f, c in zip(FEATURES, coefficients, strict=True)})
         model.fit_error = {
             "p50": float(np.percentile(error, 50)),
             "p90": float(np.percentile(error, 90)),
             "mean": float(error.mean()),
             "held_out_steps": int(held.sum()),
+            "outlying_steps": int((~kept).sum()),
         }
         return model
+
+
+OUTLYING_BEYOND = 3.0  # robust standard deviations (1.4826 x the median absolute deviation) of log(measured / fit)
+
+
+def _undisturbed_fit(x: np.ndarray, y: np.ndarray, rounds: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """_nonnegative_fit over the steps whose time is within OUTLYING_BEYOND robust deviations of the fit, refitted
+    until the kept steps stay the same; the coefficients and which steps were kept. A VM's neighbours slow whole
+    stretches of a profile (a minute of steps at 1.5x in one profile here): fitted with the rest, they bias every
+    coefficient, where the traces a simulation stands for run through many such stretches and few of their steps."""
+    kept = np.ones(len(y), dtype=bool)
+    coefficients = _nonnegative_fit(x, y)
+    for _ in range(rounds):
+        ratio = np.log(y / np.maximum(x @ coefficients, 1e-12))
+        centre = np.median(ratio[kept])
+        spread = 1.4826 * np.median(np.abs(ratio[kept] - centre))
+        within = np.abs(ratio - centre) <= OUTLYING_BEYOND * spread
+        if spread == 0 or (within == kept).all() or within.sum() < 2 * x.shape[1]:
+            break
+        kept = within
+        coefficients = _nonnegative_fit(x[kept], y[kept])
+    return coefficients, kept
 
 
 def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:

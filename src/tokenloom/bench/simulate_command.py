@@ -97,7 +97,8 @@ def run_simulate(args: argparse.Namespace, config: EngineConfig) -> int:
         error = profile.step_model.fit_error
         print(
             f"{args.output}: {len(profile.steps)} steps measured in {time.monotonic() - started:.0f}s; step model "
-            f"error on {error['held_out_steps']} held-out steps: p50 {error['p50']:.1%}, p90 {error['p90']:.1%}"
+            f"error on {error['held_out_steps']} held-out steps: p50 {error['p50']:.1%}, p90 {error['p90']:.1%}; "
+            f"{error.get('outlying_steps', 0)} outlying steps set aside"
         )
         return 0
     run = simulate_run(args, config)
