@@ -10,10 +10,11 @@ import threading
 
 import httpx
 import pytest
+import torch
 from server_process import TINY_KV_POOL_ARGS, ServerProcess
 
 from tokenloom.advisor.diagnose import Window, diagnose
-from tokenloom.advisor.plan import Accelerator, GiB, accelerator, make_plan, parameter_count
+from tokenloom.advisor.plan import Accelerator, GiB, accelerator, load_model_config, make_plan, parameter_count
 from tokenloom.model.config import ModelConfig
 
 LLAMA3_8B = {
@@ -254,3 +255,31 @@ def test_diagnose_names_kv_pressure_on_a_flooded_server(tiny_chat_model):
         proc.stop()
         for t in threads:
             t.join()
+
+
+def test_a_gguf_planned_in_float32_on_this_cpu_counts_the_blocks_it_is_served_from(capsys):
+    """As the engine serves it (engine/core_setup.served_quantization): float32 on a CPU with gguf_linear, one rank;
+    the blocks' bytes are those a served model holds (test_gguf_linear checks them against one)."""
+    from tokenloom.cli import main
+    from tokenloom.model.gguf_linear import served_weight_bytes
+    from tokenloom.model.loader import default_gguf_path
+    from tokenloom.model.quantization import gguf_linear_available
+
+    if not gguf_linear_available(torch.device("cpu")):
+        pytest.skip("tokenloom::gguf_linear is built for CPUs with AVX2 and FMA")
+    _, cfg = load_model_config(None)
+    plans = {}
+    for flags in (["--weights-dtype", "fp32"], ["--weights-dtype", "fp32", "--tensor-parallel", "2"],
+                  ["--weights-dtype", "bf16"]):  # fmt: skip
+        assert main(["plan", "--context", "1024", "--concurrency", "8", *flags, "--json"]) == 0
+        plans[" ".join(flags)] = json.loads(capsys.readouterr().out)
+    served, two_ranks, bf16 = plans.values()
+    assert served["weights_dtype"] == "gguf" and served["weights_bytes"] == served_weight_bytes(default_gguf_path())
+    # 4-bit linears and an 8-bit head, with a float32 scale and offset per 32; the embedding's float32 table
+    assert served["weights_bytes"] < parameter_count(cfg) * 4 * 0.45
+    assert two_ranks["weights_dtype"] == "fp32" and two_ranks["weights_bytes"] == parameter_count(cfg) * 4
+    assert bf16["weights_dtype"] == "bf16" and bf16["weights_bytes"] == parameter_count(cfg) * 2
+    room = served["usable_bytes"] - served["weights_bytes"] - served["overhead_bytes"]
+    assert served["max_concurrency"] == room // (served["kv_bytes_per_token"] * 1024) > 0  # the blocks' bytes count
+    assert main(["plan", "--context", "1024", "--concurrency", "8", "--weights-dtype", "fp32"]) == 0
+    assert "(the GGUF served from its blocks)" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from helpers import needs_operator
 from tokenloom import LLM, EngineConfig, SamplingParams
 from tokenloom.model import cpu_kernel, gguf_linear
 from tokenloom.model.gguf_linear import GGUFLinear, gguf_groups
+from tokenloom.model.loader import default_gguf_path
 from tokenloom.model.prepack import f32_pack_weight
 from tokenloom.model.quantization import check_quantization, gguf_linear_available
 
@@ -109,6 +110,13 @@ def assert_the_dequantized_models_outputs(served: LLM, model: str | None, max_to
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
 
 
+def held_weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a served model's weights hold: its parameters (each storage once) and GGUFLinears' blocks."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    blocks = [t for m in model.modules() if isinstance(m, GGUFLinear) for t in (m.codes, m.scales, m.offsets)]
+    return sum(storages.values()) + sum(t.untyped_storage().nbytes() for t in blocks)
+
+
 def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tokens():
     """In float32 by default (quantization None), as with --quantization gguf; 'none' dequantizes."""
     needs_gguf_operator()
@@ -118,6 +126,7 @@ def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tok
     linears = [m for m in model.layers.modules() if isinstance(m, GGUFLinear)]
     assert len(linears) == 4 * len(model.layers) and {m.bits for m in linears} == {4}  # every layer's, all Q4_1
     assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.bits == 8  # the tied embedding's Q8_0
+    assert gguf_linear.served_weight_bytes(default_gguf_path()) == held_weight_bytes(model)
     assert_the_dequantized_models_outputs(served, None, 24)
 
 
@@ -204,8 +213,6 @@ def q4_k_m_gguf(target: Path, tokenizer_from: Path) -> None:
 def test_a_gguf_of_5_bit_and_mixed_formats_serves_the_dequantized_models_tokens(tmp_path, monkeypatch):
     """The embedded model with its value projections in Q5_1 (each layer's fused qkv then mixes them with Q4_1's
     query and key) and its down projections in Q5_0, through the converter, the loader and gguf_linear."""
-    from tokenloom.model.loader import default_gguf_path
-
     needs_gguf_operator()
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))  # its conversion, not the user's cache
     path = tmp_path / "smollm2-q5.gguf"
@@ -215,13 +222,12 @@ def test_a_gguf_of_5_bit_and_mixed_formats_serves_the_dequantized_models_tokens(
     assert all(isinstance(layer.self_attn.qkv_proj, GGUFLinear) and layer.self_attn.qkv_proj.bits == 8
                and layer.mlp.down_proj.bits == 8 and layer.mlp.gate_up_proj.bits == 4
                for layer in served.engine.core.runner.model.layers)  # fmt: skip
+    assert gguf_linear.served_weight_bytes(path) == held_weight_bytes(served.engine.core.runner.model)
     assert_the_dequantized_models_outputs(served, str(path), 16)
 
 
 def test_a_q4_k_m_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_models_tokens(tmp_path, monkeypatch):
     """Every linear and the head of a file in Q4_K_M's layout from their blocks, through converter and loader."""
-    from tokenloom.model.loader import default_gguf_path
-
     needs_gguf_operator()
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny-q4_k_m.gguf"
@@ -233,6 +239,7 @@ def test_a_q4_k_m_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_
     assert (first.mlp.down_proj.bits, first.mlp.down_proj.group) == (8, 16)
     assert (second.self_attn.qkv_proj.bits, second.self_attn.qkv_proj.group) == (4, 32)  # all Q4_K
     assert isinstance(first.mlp.gate_up_proj, GGUFLinear) and isinstance(model.lm_head, GGUFLinear)
+    assert gguf_linear.served_weight_bytes(path) == held_weight_bytes(model)
     assert_the_dequantized_models_outputs(served, str(path), 12)
 
 
@@ -258,7 +265,6 @@ def test_a_gguf_is_served_from_its_blocks_by_default_only_where_that_is_exact(mo
 
 def test_a_ggufs_groups_are_read_once_then_from_the_cache(tmp_path, monkeypatch):
     from tokenloom.model.gguf_convert import converted_dir_for
-    from tokenloom.model.loader import default_gguf_path
 
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path))
     path = default_gguf_path()

@@ -12,11 +12,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import get_args
 
+import torch
+
 from tokenloom.config import KVCacheDType
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.loader import count_parameters, resolve_checkpoint_dir
+from tokenloom.model.gguf_linear import served_weight_bytes
+from tokenloom.model.loader import count_parameters, gguf_file_of, resolve_checkpoint_dir
+from tokenloom.model.platform import cpu_has_native_bf16
+from tokenloom.model.quantization import gguf_linear_available
 
 GiB = 1024**3
+CPU = torch.device("cpu")
 
 ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 # The engine's 8-bit KV formats (--kv-cache-dtype): a byte per value and a float32 scale per token and KV head.
@@ -111,6 +117,7 @@ class Plan:
     num_kv_blocks: int
     decode_tokens_per_s: float  # bandwidth-bound estimate at the target concurrency and context
     kv_dtype: str = "fp32"
+    weights_dtype: str = "fp32"  # or "gguf": a GGUF served from its blocks (gguf_linear.served_weight_bytes)
 
 
 def make_plan(
@@ -125,7 +132,10 @@ def make_plan(
     utilization: float = 0.9,
     max_num_batched_tokens: int | None = None,
     block_size: int = 16,
+    served_weight_bytes: int | None = None,
 ) -> Plan:
+    """The plan at this context and concurrency; `served_weight_bytes`, where given, are what the weights take as
+    served (a GGUF's blocks: weights_dtype is then the activations' and the dequantized tensors')."""
     if kv_dtype not in KV_DTYPES or weights_dtype not in ELEMENT_BYTES:
         raise ValueError(
             f"weight dtypes are one of {', '.join(ELEMENT_BYTES)}; KV dtypes one of {', '.join(KV_DTYPES)}"
@@ -136,7 +146,7 @@ def make_plan(
     memory = device.memory_bytes * tensor_parallel
     margin = int(memory * (1 - utilization))
     usable = memory - margin - device.runtime_overhead_bytes * tensor_parallel
-    weights = parameter_count(cfg) * ELEMENT_BYTES[weights_dtype]
+    weights = served_weight_bytes or parameter_count(cfg) * ELEMENT_BYTES[weights_dtype]
     per_token = kv_bytes_per_token(cfg, kv_dtype)
     overhead = overhead_bytes(cfg, budget, min(concurrency, 256), ELEMENT_BYTES[weights_dtype]) * tensor_parallel
     kv_room = max(0, usable - weights - overhead)
@@ -163,6 +173,7 @@ def make_plan(
         num_kv_blocks=int(kv_room // (per_token * block_size)),
         decode_tokens_per_s=concurrency * device.bandwidth_bytes_s * tensor_parallel / step_bytes,
         kv_dtype=kv_dtype,
+        weights_dtype="gguf" if served_weight_bytes else weights_dtype,
     )
 
 
@@ -171,12 +182,13 @@ def render(plan: Plan) -> str:
         return f"{n / GiB:.2f} GiB"
 
     verdict = "fits" if plan.fits else "does NOT fit"
+    served = " (the GGUF served from its blocks)" if plan.weights_dtype == "gguf" else ""
     return "\n".join(
         [
             f"{plan.model} on {plan.accelerator}: {verdict}",
             f"  memory {gib(plan.memory_bytes)}, usable {gib(plan.usable_bytes)} "
             f"after a {gib(plan.safety_margin_bytes)} safety margin and the runtime",
-            f"  weights {gib(plan.weights_bytes)}; KV {plan.kv_bytes_per_token / 1024:.1f} KiB per token, "
+            f"  weights {gib(plan.weights_bytes)}{served}; KV {plan.kv_bytes_per_token / 1024:.1f} KiB per token, "
             f"{gib(plan.kv_bytes_total)} at the target; activations and logits {gib(plan.overhead_bytes)}",
             f"  largest concurrency at this context: {plan.max_concurrency}; longest context at this concurrency: "
             f"{plan.max_context}",
@@ -211,7 +223,8 @@ def add_plan_command(commands) -> None:
         "--weights-dtype",
         default=None,
         choices=sorted(ELEMENT_BYTES),
-        help="default: fp32 on cpu, bf16 on accelerators",
+        help="default: the engine's dtype auto (bf16 on accelerators and on CPUs with native bf16, else fp32); "
+        "a GGUF in fp32 on this CPU counts the blocks it is served from",
     )
     plan.add_argument("--accelerator", default="cpu", help=f"{', '.join(a.name for a in CATALOGUE.values())}, cpu")
     plan.add_argument("--memory", type=float, default=None, help="GiB of a device not in the catalogue")
@@ -249,21 +262,12 @@ def run_plan(args) -> int:
     devices = [*list(CATALOGUE.values()), this_cpu()] if args.all else [_device(args)]
     plans = []
     for device in devices:
-        weights_dtype = args.weights_dtype or ("fp32" if device.name == "cpu" else "bf16")
-        plans.append(
-            make_plan(
-                cfg,
-                name,
-                args.context,
-                args.concurrency,
-                device,
-                weights_dtype,
-                args.kv_dtype or weights_dtype,
-                args.tensor_parallel,
-                args.utilization,
-                args.max_num_batched_tokens,
-            )
-        )
+        weights_dtype, served = weights_as_served(args.model, args.weights_dtype, device, args.tensor_parallel)
+        plan = make_plan(
+            cfg, name, args.context, args.concurrency, device, weights_dtype, args.kv_dtype or weights_dtype,
+            args.tensor_parallel, args.utilization, args.max_num_batched_tokens, served_weight_bytes=served,
+        )  # fmt: skip
+        plans.append(plan)
     if args.json:
         print(json.dumps([asdict(p) for p in plans] if args.all else asdict(plans[0]), indent=2))
     elif args.all:
@@ -280,6 +284,21 @@ def run_plan(args) -> int:
     else:
         print(render(plans[0]))
     return 0
+
+
+def weights_as_served(
+    model: str | None, asked: str | None, device: Accelerator, tensor_parallel: int
+) -> tuple[str, int | None]:
+    """The weights' dtype as the engine runs them on `device` (`asked`, else its dtype auto: bf16 on accelerators
+    and on a CPU that multiplies bf16 natively, float32 on other CPUs), and their bytes where a GGUF is served from
+    its blocks there (engine/core_setup.served_quantization: float32 on this CPU, one rank); else None."""
+    if device.name != "cpu":
+        return asked or "bf16", None
+    dtype = asked or ("bf16" if cpu_has_native_bf16() else "fp32")
+    gguf = gguf_file_of(model)
+    if gguf is None or ELEMENT_BYTES[dtype] != 4 or tensor_parallel != 1 or not gguf_linear_available(CPU):
+        return dtype, None
+    return dtype, served_weight_bytes(gguf)
 
 
 def _device(args) -> Accelerator:
@@ -327,12 +346,12 @@ def _plan_replicas(args, name: str, cfg: ModelConfig) -> int:
     provenance = summary.get("provenance") or {}
     measured_on = str((provenance.get("server_version") or {}).get("device") or "cpu")
     device = _device(args)
-    weights_dtype = args.weights_dtype or ("fp32" if device.name == "cpu" else "bf16")
 
     def plan_at(tp: int, on: Accelerator) -> Plan:
+        weights_dtype, served = weights_as_served(args.model, args.weights_dtype, on, tp)
         return make_plan(
             cfg, name, args.context, args.concurrency, on, weights_dtype, args.kv_dtype or weights_dtype, tp,
-            args.utilization, args.max_num_batched_tokens,
+            args.utilization, args.max_num_batched_tokens, served_weight_bytes=served,
         )  # fmt: skip
 
     tp = next((t for t in (1, 2, 4, 8) if plan_at(t, device).fits), None)

@@ -36,7 +36,9 @@ GROUP = 32  # inputs per scale and offset (gguf_linear's Group in csrc/f32_linea
 K_GROUP = 16  # Q6_K's: 8-bit codes only
 BLOCK = 16  # output features per packed block
 FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # codes kept 4 bits wide; the other FORMATS' in a byte
 SUPER_BLOCK = 256  # inputs per block of the K-quants
+FLOAT32 = 4  # bytes: scales, offsets and every tensor held dequantized
 # A linear's codes [N, K] (uint8 0-15, or int8), scales and offsets [N, K / group] float32 (group_size).
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
 
@@ -101,6 +103,13 @@ def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
         scale = _half(blocks[..., 0:2])
         return blocks[..., 2:].copy().view(np.int8).reshape(n, k), scale, np.zeros_like(scale)
     raise ValueError(f"{fmt} is not a format gguf_linear reads ({', '.join(FORMATS)})")
+
+
+def code_form(fmt: str, k: int) -> tuple[int, int] | None:
+    """(bits a code, inputs a group) a weight of this format with k inputs is served in; None: it is dequantized."""
+    if fmt not in FORMATS or k % (SUPER_BLOCK if fmt.endswith("_K") else GROUP):
+        return None
+    return 4 if fmt in FOUR_BIT else 8, K_GROUP if fmt == "Q6_K" else GROUP
 
 
 def group_size(groups: Groups) -> int:
@@ -209,7 +218,7 @@ def gguf_weight_groups(path: Path) -> dict[str, Groups]:
         n, k = (int(d) for d in reversed(tensor.shape))
         fmt = tensor.tensor_type.name
         groups = None
-        if fmt in FORMATS and k % (SUPER_BLOCK if fmt.endswith("_K") else GROUP) == 0:
+        if code_form(fmt, k) is not None:
             raw = np.asarray(tensor.data).reshape(n, -1)
             groups = gguf_groups(raw if heads is None else unpermute_rows(raw, heads), fmt, (n, k))
         key = target or module
@@ -222,6 +231,50 @@ def gguf_weight_groups(path: Path) -> dict[str, Groups]:
         if len(whole) == len(found):
             weights[key] = in_one_form(whole)
     return weights
+
+
+def served_weight_bytes(path: Path) -> int:
+    """What a GGUF's weights take served from its blocks (serve_gguf), from the file's tensor list alone (no weight
+    is read, so a planner can ask of any file): a decoder linear or LM head gguf_linear reads (every member of a
+    fused one in a readable format, 16 output features a block) holds its codes and a float32 scale and offset per
+    group, 8-bit codes at the smallest group where its members differ (in_one_form); every other tensor, the
+    embedding's lookup table among them, is held dequantized in float32; a tied embedding's head is both."""
+    import gguf
+
+    from tokenloom.model.gguf_convert import hf_tensors
+    from tokenloom.model.llama import fused_target
+
+    held = 0
+    matrices: dict[str, list[tuple[int, int, tuple[int, int] | None]]] = {}  # a linear's members: n, k, code form
+    expected: dict[str, int] = {}  # members of each
+    for name, tensor, _ in hf_tensors(gguf.GGUFReader(str(path))):
+        module = name.removeprefix("model.").removesuffix(".weight")
+        matrix = name.endswith(".weight") and len(tensor.shape) == 2
+        if not matrix or module == "embed_tokens":  # norms and biases; the embedding's lookup table
+            held += FLOAT32 * int(tensor.n_elements)
+        if matrix:
+            n, k = (int(d) for d in reversed(tensor.shape))
+            target, _, fused = fused_target(module)
+            matrices.setdefault(target or module, []).append((n, k, code_form(tensor.tensor_type.name, k)))
+            expected[target or module] = len(fused) or 1
+    for key, found in matrices.items():
+        served = _served_bytes(found) if len(found) == expected[key] else None
+        if key == "embed_tokens":  # where tied, the head over the embedding's blocks (or its table: no more bytes)
+            held += (served or 0) if "lm_head" not in matrices else 0
+        else:
+            held += served if served is not None else FLOAT32 * sum(n * k for n, k, _ in found)
+    return held
+
+
+def _served_bytes(members: list[tuple[int, int, tuple[int, int] | None]]) -> int | None:
+    """A linear's bytes from its members' blocks (in_one_form); None where gguf_linear cannot read them."""
+    rows, k = sum(n for n, _, _ in members), members[0][1]
+    forms = {form for _, _, form in members}
+    if None in forms or rows % BLOCK:
+        return None
+    readable = [form for form in forms if form is not None]
+    bits, group = readable[0] if len(readable) == 1 else (8, min(g for _, g in readable))
+    return rows * k * bits // 8 + 2 * FLOAT32 * rows * (k // group)
 
 
 def checked_layer(
