@@ -11,6 +11,7 @@ import pytest
 
 from tokenloom import EngineConfig, LLMEngine, SamplingParams
 from tokenloom.advisor.capacity import Target, fewest_replicas, layout_at, parse_prices
+from tokenloom.advisor.plan import parameter_count
 from tokenloom.bench.cost_model import (
     FEATURES,
     Device,
@@ -27,6 +28,7 @@ from tokenloom.bench.simulator import SimulatedEngine, SimulatedRequest, arrival
 from tokenloom.bench.trace import TraceRequest, make_trace, write_trace
 from tokenloom.cli import main
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.loader import resolve_checkpoint_dir
 
 
 class ConstantStep:
@@ -331,3 +333,19 @@ def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     assert main([*args, "-o", str(run)]) == 2  # neither a profile nor an accelerator
     speculating = ["--speculative-config", '{"method": "suffix"}', "--profile", str(profile)]
     assert main([*args, *speculating, "-o", str(run)]) == 2  # not modelled: refused, not ignored
+
+
+def test_a_profile_of_a_gguf_served_from_its_blocks_holds_their_bytes_in_the_simulated_memory():
+    """The scorecard's memory high-water mark counts the weights as the profiled engine held them."""
+    from tokenloom.bench.simulate_command import profile_setup
+    from tokenloom.model.gguf_linear import served_weight_bytes
+    from tokenloom.model.loader import default_gguf_path
+
+    config = EngineConfig.from_kwargs(model=None)
+    model = ModelConfig.from_hf(json.loads((resolve_checkpoint_dir(None)[1] / "config.json").read_text()))
+    measured = {"num_kv_blocks": 64, "max_model_len": 2048, "kv_bytes_per_block": 1 << 16, "dtype": "float32"}
+    step = FittedStepModel("m", {"steps": 0.01})
+    blocks, _ = profile_setup(Profile(step, {}, {**measured, "quantization": "gguf"}), config, model)
+    plain, _ = profile_setup(Profile(step, {}, {**measured, "quantization": None}), config, model)
+    assert blocks.weights_bytes == served_weight_bytes(default_gguf_path()) < plain.weights_bytes / 2
+    assert plain.weights_bytes == 4 * parameter_count(model)

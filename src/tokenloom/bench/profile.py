@@ -193,6 +193,7 @@ def profile_engine(
             "kv_bytes_per_block": kv.bytes_per_token * config.cache.block_size,
             "kv_dtype": kv.dtype,
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "quantization": engine.quantization,
             "device": str(engine.device),
             "model": engine.model_name,
             "max_num_seqs": max_num_seqs,

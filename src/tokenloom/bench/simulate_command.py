@@ -40,6 +40,8 @@ from tokenloom.bench.simulator import (
 from tokenloom.config import EngineConfig
 from tokenloom.engine.kv_sizing import swap_blocks_for
 from tokenloom.model.config import ModelConfig
+from tokenloom.model.gguf_linear import served_weight_bytes
+from tokenloom.model.loader import gguf_file_of
 from tokenloom.version import git_commit
 
 
@@ -164,10 +166,19 @@ def profile_setup(profile: Profile, config: EngineConfig, model: ModelConfig) ->
         max_model_len=min(config.model.max_model_len or measured_len, measured_len),
         num_swap_blocks=swap_blocks_for(config, int(measured["kv_bytes_per_block"] or 1)),
         kv_bytes_per_block=int(measured["kv_bytes_per_block"] or 0),
-        weights_bytes=parameter_count(model) * element,
+        weights_bytes=profiled_weight_bytes(measured, config, model, element),
         front_latency_s=profile.front_latency_s,
     )
     return engine, profile.served_step_model()
+
+
+def profiled_weight_bytes(measured: dict[str, Any], config: EngineConfig, model: ModelConfig, element: int) -> int:
+    """What the profiled engine's weights held: a GGUF's blocks where it served them, else its parameters at its
+    dtype (a profile from before it recorded its quantization: the latter)."""
+    gguf = gguf_file_of(config.model.model)
+    if measured.get("quantization") == "gguf" and gguf is not None:
+        return served_weight_bytes(gguf)
+    return parameter_count(model) * element
 
 
 def roofline_setup(
