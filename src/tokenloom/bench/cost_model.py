@@ -130,8 +130,8 @@ OUTLYING_BEYOND = 3.0  # robust standard deviations (1.4826 x the median absolut
 def _undisturbed_fit(x: np.ndarray, y: np.ndarray, rounds: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """_nonnegative_fit over the steps whose time is within OUTLYING_BEYOND robust deviations of the fit, refitted
     until the kept steps stay the same; the coefficients and which steps were kept. A VM's neighbours slow whole
-    stretches of a profile (a minute of steps at 1.5x in one profile here): fitted with the rest, they bias every
-    coefficient, where the traces a simulation stands for run through many such stretches and few of their steps."""
+    stretches of a profile (a minute of steps at 1.5x in one profile here, decode steps of one row among them): fitted
+    with the rest, those few shapes pull every coefficient their way."""
     kept = np.ones(len(y), dtype=bool)
     coefficients = _nonnegative_fit(x, y)
     for _ in range(rounds):
