@@ -283,3 +283,19 @@ def test_a_gguf_planned_in_float32_on_this_cpu_counts_the_blocks_it_is_served_fr
     assert served["max_concurrency"] == room // (served["kv_bytes_per_token"] * 1024) > 0  # the blocks' bytes count
     assert main(["plan", "--context", "1024", "--concurrency", "8", "--weights-dtype", "fp32"]) == 0
     assert "(the GGUF served from its blocks)" in capsys.readouterr().out
+
+
+def test_8_bit_weights_are_planned_with_the_cache_in_the_models_dtype(real_model_dir, capsys):
+    """int8 or fp8 weights leave the KV cache in the model's dtype (only --kv-cache-dtype makes it 8-bit), as the
+    engine keeps it; --kv-dtype still says what the cache is."""
+    from tokenloom.cli import main
+    from tokenloom.model.platform import cpu_has_native_bf16
+
+    base = ["plan", "--model", str(real_model_dir / "config.json"), "--context", "1024", "--concurrency", "4", "--json"]
+    cpu_auto = "bf16" if cpu_has_native_bf16() else "fp32"
+    for flags, weights, kv in ((["--weights-dtype", "int8"], "int8", cpu_auto), ([], cpu_auto, cpu_auto),
+                               (["--weights-dtype", "int8", "--kv-dtype", "int8"], "int8", "int8"),
+                               (["--accelerator", "H100-80GB", "--weights-dtype", "fp8"], "fp8", "bf16")):  # fmt: skip
+        assert main([*base, *flags]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert (plan["weights_dtype"], plan["kv_dtype"]) == (weights, kv), flags

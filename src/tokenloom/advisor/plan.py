@@ -217,7 +217,7 @@ def add_plan_command(commands) -> None:
     plan.add_argument("--concurrency", type=int, default=64)
     plan.add_argument(
         "--kv-dtype", default=None, choices=KV_DTYPES,
-        help="default: the weights' dtype; int8, fp8, fp8_e4m3, fp8_e5m2: the engine's --kv-cache-dtype (scales too)",
+        help="default: the model's dtype; int8, fp8, fp8_e4m3, fp8_e5m2: the engine's --kv-cache-dtype (scales too)",
     )  # fmt: skip
     plan.add_argument(
         "--weights-dtype",
@@ -262,10 +262,12 @@ def run_plan(args) -> int:
     devices = [*list(CATALOGUE.values()), this_cpu()] if args.all else [_device(args)]
     plans = []
     for device in devices:
-        weights_dtype, served = weights_as_served(args.model, args.weights_dtype, device, args.tensor_parallel)
+        weights_dtype, kv_dtype, served = as_the_engine_runs(
+            args.model, args.weights_dtype, args.kv_dtype, device, args.tensor_parallel
+        )
         plan = make_plan(
-            cfg, name, args.context, args.concurrency, device, weights_dtype, args.kv_dtype or weights_dtype,
-            args.tensor_parallel, args.utilization, args.max_num_batched_tokens, served_weight_bytes=served,
+            cfg, name, args.context, args.concurrency, device, weights_dtype, kv_dtype, args.tensor_parallel,
+            args.utilization, args.max_num_batched_tokens, served_weight_bytes=served,
         )  # fmt: skip
         plans.append(plan)
     if args.json:
@@ -286,19 +288,21 @@ def run_plan(args) -> int:
     return 0
 
 
-def weights_as_served(
-    model: str | None, asked: str | None, device: Accelerator, tensor_parallel: int
-) -> tuple[str, int | None]:
-    """The weights' dtype as the engine runs them on `device` (`asked`, else its dtype auto: bf16 on accelerators
-    and on a CPU that multiplies bf16 natively, float32 on other CPUs), and their bytes where a GGUF is served from
-    its blocks there (engine/core_setup.served_quantization: float32 on this CPU, one rank); else None."""
-    if device.name != "cpu":
-        return asked or "bf16", None
-    dtype = asked or ("bf16" if cpu_has_native_bf16() else "fp32")
-    gguf = gguf_file_of(model)
+def as_the_engine_runs(
+    model: str | None, asked: str | None, kv_asked: str | None, device: Accelerator, tensor_parallel: int
+) -> tuple[str, str, int | None]:
+    """The weights' dtype, the KV cache's, and the weights' bytes where they are not parameters x dtype, as the engine
+    runs them on `device`: the weights `asked`, else its dtype auto (bf16 on accelerators and on a CPU that
+    multiplies bf16 natively, float32 on other CPUs); the cache `kv_asked`, else the model's dtype (8-bit weights
+    keep it: only --kv-cache-dtype makes it 8-bit); the bytes where a GGUF is served from its blocks
+    (engine/core_setup.served_quantization: float32 on a CPU, one rank), else None."""
+    auto = "bf16" if device.name != "cpu" or cpu_has_native_bf16() else "fp32"
+    dtype = asked or auto
+    kv_dtype = kv_asked or (dtype if ELEMENT_BYTES[dtype] > 1 else auto)
+    gguf = gguf_file_of(model) if device.name == "cpu" else None
     if gguf is None or ELEMENT_BYTES[dtype] != 4 or tensor_parallel != 1 or not gguf_linear_available(CPU):
-        return dtype, None
-    return dtype, served_weight_bytes(gguf)
+        return dtype, kv_dtype, None
+    return dtype, kv_dtype, served_weight_bytes(gguf)
 
 
 def _device(args) -> Accelerator:
@@ -348,9 +352,9 @@ def _plan_replicas(args, name: str, cfg: ModelConfig) -> int:
     device = _device(args)
 
     def plan_at(tp: int, on: Accelerator) -> Plan:
-        weights_dtype, served = weights_as_served(args.model, args.weights_dtype, on, tp)
+        weights_dtype, kv_dtype, served = as_the_engine_runs(args.model, args.weights_dtype, args.kv_dtype, on, tp)
         return make_plan(
-            cfg, name, args.context, args.concurrency, on, weights_dtype, args.kv_dtype or weights_dtype, tp,
+            cfg, name, args.context, args.concurrency, on, weights_dtype, kv_dtype, tp,
             args.utilization, args.max_num_batched_tokens, served_weight_bytes=served,
         )  # fmt: skip
 
