@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,7 @@ SUPER_BLOCK = 256  # inputs per block of the K-quants
 FLOAT32 = 4  # bytes: scales, offsets and every tensor held dequantized
 # A linear's codes [N, K] (uint8 0-15, or int8), scales and offsets [N, K / group] float32 (group_size).
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
+Form = tuple[int, int]  # (bits a code, inputs a group) a weight is served in
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
@@ -105,8 +106,8 @@ def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
     raise ValueError(f"{fmt} is not a format gguf_linear reads ({', '.join(FORMATS)})")
 
 
-def code_form(fmt: str, k: int) -> tuple[int, int] | None:
-    """(bits a code, inputs a group) a weight of this format with k inputs is served in; None: it is dequantized."""
+def code_form(fmt: str, k: int) -> Form | None:
+    """The form a weight of this format with k inputs is served in; None: it is dequantized."""
     if fmt not in FORMATS or k % (SUPER_BLOCK if fmt.endswith("_K") else GROUP):
         return None
     return 4 if fmt in FOUR_BIT else 8, K_GROUP if fmt == "Q6_K" else GROUP
@@ -181,13 +182,22 @@ class GGUFLinear(nn.Module):
         return values.permute(0, 3, 1, 2).reshape(self.out_features, self.in_features)
 
 
+def one_form(forms: list[Form]) -> Form:
+    """The form a fused projection of members in `forms` is served in: theirs where they agree, else 8-bit codes at
+    the smallest group (a Q4_K_M file's Q4_K query and key with its Q6_K value)."""
+    return forms[0] if len(set(forms)) == 1 else (8, min(group for _, group in forms))
+
+
+def _form_of(groups: Groups) -> Form:
+    return 4 if groups[0].dtype == np.uint8 else 8, group_size(groups)
+
+
 def in_one_form(parts: list[Groups]) -> Groups:
-    """A fused projection's members' groups concatenated (rows of the first, then the next...): where their code
-    widths or group sizes differ (a Q4_K_M file's Q4_K query and key with its Q6_K value), every member in 8-bit
-    codes at the smallest group, its scales and offsets repeated: the same values, the same single rounding."""
-    if len({codes.dtype for codes, _, _ in parts}) > 1 or len({group_size(p) for p in parts}) > 1:
-        g = min(group_size(p) for p in parts)
-        parts = [_regrouped(p, g) for p in parts]
+    """A fused projection's members' groups concatenated (rows of the first, then the next...), each in one_form's
+    form: a member regrouped has 8-bit codes and its scales and offsets repeated (the same values, the same single
+    rounding)."""
+    bits, group = one_form([_form_of(p) for p in parts])
+    parts = [p if _form_of(p) == (bits, group) else _regrouped(p, group) for p in parts]
     codes, scales, offsets = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
     return codes, scales, offsets
 
@@ -199,81 +209,81 @@ def _regrouped(groups: Groups, g: int) -> Groups:
     return codes.astype(np.int8), np.repeat(scales, repeat, axis=1), np.repeat(offsets, repeat, axis=1)
 
 
-def gguf_weight_groups(path: Path) -> dict[str, Groups]:
-    """The 2-D weights of a GGUF file in one of FORMATS, by the model's name for them (``layers.0.self_attn.qkv_proj``,
-    ``lm_head``, ``embed_tokens``): a fused projection's members (each in one of FORMATS) concatenated in the order
-    the model fuses them (in_one_form), Q and K rows unpermuted as gguf_convert unpermutes them."""
-    import gguf
+Member = tuple[Any, int | None]  # a gguf-py tensor and, for a permuted Q or K, the heads to unpermute its rows by
 
-    from tokenloom.model.gguf_convert import hf_tensors, unpermute_rows
+
+def _linear_members(reader: Any) -> dict[str, list[Member | None]]:
+    """A GGUF's 2-D weights by the model's name for their linear (``layers.0.self_attn.qkv_proj``, ``lm_head``,
+    ``embed_tokens``): a fused projection's members in the order the model fuses them, None for one the file lacks."""
+    from tokenloom.model.gguf_convert import hf_tensors
     from tokenloom.model.llama import fused_target
 
-    parts: dict[str, dict[str, Groups | None]] = {}
+    found: dict[str, dict[str, Member]] = {}
     members_of: dict[str, tuple[str, ...]] = {}
-    for name, tensor, heads in hf_tensors(gguf.GGUFReader(str(path))):
-        if not name.endswith(".weight") or len(tensor.shape) != 2:
-            continue
-        module = name.removeprefix("model.").removesuffix(".weight")
-        target, part, members = fused_target(module)
-        n, k = (int(d) for d in reversed(tensor.shape))
-        fmt = tensor.tensor_type.name
-        groups = None
-        if code_form(fmt, k) is not None:
-            raw = np.asarray(tensor.data).reshape(n, -1)
-            groups = gguf_groups(raw if heads is None else unpermute_rows(raw, heads), fmt, (n, k))
-        key = target or module
-        parts.setdefault(key, {})[part] = groups
-        members_of[key] = members or ("",)
+    for name, tensor, heads in hf_tensors(reader):
+        if name.endswith(".weight") and len(tensor.shape) == 2:
+            module = name.removeprefix("model.").removesuffix(".weight")
+            target, part, members = fused_target(module)
+            found.setdefault(target or module, {})[part] = (tensor, heads)
+            members_of[target or module] = members or ("",)
+    return {key: [parts.get(member) for member in members_of[key]] for key, parts in found.items()}
+
+
+def _shape_and_form(member: Member) -> tuple[int, int, Form | None]:
+    tensor = member[0]
+    n, k = (int(d) for d in reversed(tensor.shape))
+    return n, k, code_form(tensor.tensor_type.name, k)
+
+
+def gguf_weight_groups(path: Path) -> dict[str, Groups]:
+    """The 2-D weights of a GGUF file in one of FORMATS, by the model's name for them (_linear_members): a fused
+    projection's members, each in one of FORMATS, concatenated in the order the model fuses them (in_one_form)."""
+    import gguf
+
     weights: dict[str, Groups] = {}
-    for key, got in parts.items():
-        found = [got.get(member) for member in members_of[key]]
-        whole = [groups for groups in found if groups is not None]
-        if len(whole) == len(found):
-            weights[key] = in_one_form(whole)
+    for key, members in _linear_members(gguf.GGUFReader(str(path))).items():
+        present = [m for m in members if m is not None]
+        if len(present) == len(members) and all(_shape_and_form(m)[2] is not None for m in present):
+            weights[key] = in_one_form([_groups_of(m) for m in present])
     return weights
+
+
+def _groups_of(member: Member) -> Groups:
+    """A tensor's codes, scales and offsets (gguf_groups), Q and K rows unpermuted as gguf_convert unpermutes them."""
+    from tokenloom.model.gguf_convert import unpermute_rows
+
+    tensor, heads = member
+    n, k, _ = _shape_and_form(member)
+    raw = np.asarray(tensor.data).reshape(n, -1)
+    return gguf_groups(raw if heads is None else unpermute_rows(raw, heads), tensor.tensor_type.name, (n, k))
 
 
 def served_weight_bytes(path: Path) -> int:
     """What a GGUF's weights take served from its blocks (serve_gguf), from the file's tensor list alone (no weight
-    is read, so a planner can ask of any file): a decoder linear or LM head gguf_linear reads (every member of a
-    fused one in a readable format, 16 output features a block) holds its codes and a float32 scale and offset per
-    group, 8-bit codes at the smallest group where its members differ (in_one_form); every other tensor, the
-    embedding's lookup table among them, is held dequantized in float32; a tied embedding's head is both."""
+    is read, so a planner can ask of any file): a decoder linear or LM head whose every member gguf_linear reads (16
+    output features a block) holds its codes in one_form's form and a float32 scale and offset per group; every
+    other tensor, the embedding's lookup table among them, is held dequantized in float32; a tied embedding's head
+    is both."""
     import gguf
 
-    from tokenloom.model.gguf_convert import hf_tensors
-    from tokenloom.model.llama import fused_target
-
-    held = 0
-    matrices: dict[str, list[tuple[int, int, tuple[int, int] | None]]] = {}  # a linear's members: n, k, code form
-    expected: dict[str, int] = {}  # members of each
-    for name, tensor, _ in hf_tensors(gguf.GGUFReader(str(path))):
-        module = name.removeprefix("model.").removesuffix(".weight")
-        matrix = name.endswith(".weight") and len(tensor.shape) == 2
-        if not matrix or module == "embed_tokens":  # norms and biases; the embedding's lookup table
-            held += FLOAT32 * int(tensor.n_elements)
-        if matrix:
-            n, k = (int(d) for d in reversed(tensor.shape))
-            target, _, fused = fused_target(module)
-            matrices.setdefault(target or module, []).append((n, k, code_form(tensor.tensor_type.name, k)))
-            expected[target or module] = len(fused) or 1
-    for key, found in matrices.items():
-        served = _served_bytes(found) if len(found) == expected[key] else None
-        if key == "embed_tokens":  # where tied, the head over the embedding's blocks (or its table: no more bytes)
-            held += (served or 0) if "lm_head" not in matrices else 0
+    reader = gguf.GGUFReader(str(path))
+    linears = _linear_members(reader)
+    held = FLOAT32 * sum(int(t.n_elements) for t in reader.tensors if len(t.shape) != 2)  # norms, biases
+    for key, members in linears.items():
+        shapes = [_shape_and_form(m) for m in members if m is not None]
+        rows, k = sum(n for n, _, _ in shapes), shapes[0][1]
+        forms = [form for _, _, form in shapes if form is not None]
+        blocks = _blocks_bytes(rows, k, one_form(forms)) if len(forms) == len(members) and rows % BLOCK == 0 else None
+        if key == "embed_tokens":  # its lookup table; where tied, the head over its blocks (or over the table)
+            held += FLOAT32 * rows * k + (blocks or 0 if "lm_head" not in linears else 0)
         else:
-            held += served if served is not None else FLOAT32 * sum(n * k for n, k, _ in found)
+            held += FLOAT32 * rows * k if blocks is None else blocks
     return held
 
 
-def _served_bytes(members: list[tuple[int, int, tuple[int, int] | None]]) -> int | None:
-    """A linear's bytes from its members' blocks (in_one_form); None where gguf_linear cannot read them."""
-    rows, k = sum(n for n, _, _ in members), members[0][1]
-    forms = {form for _, _, form in members}
-    if None in forms or rows % BLOCK:
-        return None
-    readable = [form for form in forms if form is not None]
-    bits, group = readable[0] if len(readable) == 1 else (8, min(g for _, g in readable))
+def _blocks_bytes(rows: int, k: int, form: Form) -> int:
+    """A linear's codes in `form` with a float32 scale and offset per group, as gguf_pack_weight lays them out."""
+    bits, group = form
     return rows * k * bits // 8 + 2 * FLOAT32 * rows * (k // group)
 
 
