@@ -263,6 +263,7 @@ def test_a_gguf_planned_in_float32_on_this_cpu_counts_the_blocks_it_is_served_fr
     from tokenloom.cli import main
     from tokenloom.model.gguf_linear import served_weight_bytes
     from tokenloom.model.loader import default_gguf_path
+    from tokenloom.model.prepack import can_prepack
     from tokenloom.model.quantization import gguf_linear_available
 
     if not gguf_linear_available(torch.device("cpu")):
@@ -277,8 +278,10 @@ def test_a_gguf_planned_in_float32_on_this_cpu_counts_the_blocks_it_is_served_fr
     assert served["weights_dtype"] == "gguf" and served["weights_bytes"] == served_weight_bytes(default_gguf_path())
     # 4-bit linears and an 8-bit head, with a float32 scale and offset per 32; the embedding's float32 table
     assert served["weights_bytes"] < parameter_count(cfg) * 4 * 0.45
-    assert two_ranks["weights_dtype"] == "fp32" and two_ranks["weights_bytes"] == parameter_count(cfg) * 4
-    assert bf16["weights_dtype"] == "bf16" and bf16["weights_bytes"] == parameter_count(cfg) * 2
+    head = cfg.vocab_size * cfg.hidden_size  # the LM head's packed copy, beside the tied embedding it reads
+    assert two_ranks["weights_dtype"] == "fp32" and two_ranks["weights_bytes"] == (parameter_count(cfg) + head) * 4
+    bf16_packed = can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert bf16["weights_dtype"] == "bf16" and bf16["weights_bytes"] == (parameter_count(cfg) + head * bf16_packed) * 2
     room = served["usable_bytes"] - served["weights_bytes"] - served["overhead_bytes"]
     assert served["max_concurrency"] == room // (served["kv_bytes_per_token"] * 1024) > 0  # the blocks' bytes count
     assert main(["plan", "--context", "1024", "--concurrency", "8", "--weights-dtype", "fp32"]) == 0
@@ -299,3 +302,28 @@ def test_8_bit_weights_are_planned_with_the_cache_in_the_models_dtype(real_model
         assert main([*base, *flags]) == 0
         plan = json.loads(capsys.readouterr().out)
         assert (plan["weights_dtype"], plan["kv_dtype"]) == (weights, kv), flags
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # a tied LM head, and one of its own
+def test_the_planned_weights_are_what_the_engine_holds_on_this_cpu(tiny_checkpoints, arch, capsys):
+    """`plan --weights-dtype` counts the forms the engine serves (the LM head's packed copy beside its plain weight;
+    with int8, the codes, scales and code sums, the embedding in the model's dtype and the head's int8 copy), not
+    parameters x dtype: the engine's own measure of what its weights hold (model/footprint.py) is the reference."""
+    from tokenloom import LLM
+    from tokenloom.cli import main
+    from tokenloom.model.quantization import int8_available
+
+    checkpoint = tiny_checkpoints[arch]
+    base = ["plan", "--model", str(checkpoint / "config.json"), "--context", "256", "--concurrency", "2", "--json"]
+    served = {"fp32": dict(quantization="none")}
+    if int8_available():
+        served["int8"] = dict(quantization="int8")
+    for weights_dtype, flags in served.items():
+        held = LLM(str(checkpoint), dtype="float32", **flags).engine.weight_bytes
+        assert main([*base, "--weights-dtype", weights_dtype]) == 0
+        planned = json.loads(capsys.readouterr().out)["weights_bytes"]
+        assert planned > parameter_count(load_model_config(str(checkpoint / "config.json"))[1]) * (
+            4 if weights_dtype == "fp32" else 1
+        )  # more than parameters x dtype: what the planner used to say
+        # int8: each rotated linear's 64 random signs (a float each) are left out of the plan
+        assert planned == pytest.approx(held, rel=0 if weights_dtype == "fp32" else 0.01), weights_dtype

@@ -299,6 +299,8 @@ def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     saved = Profile.read(profile)
     assert len(saved.steps) > 20 and saved.step_model.fit_error["held_out_steps"] > 0
     assert saved.engine["max_model_len"] == 2048 and saved.front_latency_s >= 0
+    assert saved.engine["weight_bytes"] > parameter_count(ModelConfig.from_hf(
+        json.loads((tiny_chat_model / "config.json").read_text()))) * 4  # float32, and the head's packed copy
     items = [[tuple(i) for i in step["items"]] for step in saved.steps]
     assert [(128, 16, 1, True)] in items  # a prompt whose first 128 tokens the request before it left cached
     joins = [step for step in items if (256, 16, 1, True) in step]  # a decoding request's prompt, and 16 more
@@ -349,3 +351,7 @@ def test_a_profile_of_a_gguf_served_from_its_blocks_holds_their_bytes_in_the_sim
     plain, _ = profile_setup(Profile(step, {}, {**measured, "quantization": None}), config, model)
     assert blocks.weights_bytes == served_weight_bytes(default_gguf_path()) < plain.weights_bytes / 2
     assert plain.weights_bytes == 4 * parameter_count(model)
+    # A profile that recorded what its engine's weights held (engine.weight_bytes) is taken at its word.
+    recorded, _ = profile_setup(Profile(step, {}, {**measured, "quantization": None, "weight_bytes": 12345}), config,
+                                model)  # fmt: skip
+    assert recorded.weights_bytes == 12345

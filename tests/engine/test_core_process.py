@@ -39,18 +39,23 @@ def core_pid(parent: int) -> int:
     raise AssertionError(f"no core process among {children}")
 
 
-def test_tokens_through_the_core_process_equal_the_in_process_engine(tiny_llama):
+def test_tokens_through_the_core_process_equal_the_in_process_engine(tiny_llama, caplog):
+    in_process = LLM(str(tiny_llama))
     expected = [
         o.outputs[0].token_ids
-        for o in LLM(str(tiny_llama)).generate(
+        for o in in_process.generate(
             [{"prompt_token_ids": p} for p in PROMPTS],
             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
             use_tqdm=False,
         )
     ]
-    front = AsyncEngine(CoreProcessEngine(EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32")))
+    with caplog.at_level("INFO", logger="tokenloom.engine.core_process"):
+        front = AsyncEngine(CoreProcessEngine(EngineConfig.from_kwargs(model=str(tiny_llama), dtype="float32")))
     front.start()
     try:
+        # What the weights hold, measured in the core's process, reaches the API process and its start-up line.
+        assert front.engine.weight_bytes == in_process.engine.weight_bytes > 0
+        assert f"weights {front.engine.weight_bytes / 2**20:.1f} MiB" in caplog.text
 
         async def all_at_once() -> list[list[int]]:
             return await asyncio.gather(*(collect(front, p, f"r{i}") for i, p in enumerate(PROMPTS)))

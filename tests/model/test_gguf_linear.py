@@ -19,6 +19,7 @@ from helpers import needs_operator
 
 from tokenloom import LLM, EngineConfig, SamplingParams
 from tokenloom.model import cpu_kernel, gguf_linear
+from tokenloom.model.footprint import held_weight_bytes
 from tokenloom.model.gguf_linear import GGUFLinear, gguf_groups
 from tokenloom.model.loader import default_gguf_path
 from tokenloom.model.prepack import f32_pack_weight
@@ -108,13 +109,6 @@ def assert_the_dequantized_models_outputs(served: LLM, model: str | None, max_to
     for a, b in zip(ours, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # the same logits, bit for bit
-
-
-def held_weight_bytes(model: torch.nn.Module) -> int:
-    """The bytes a served model's weights hold: its parameters (each storage once) and GGUFLinears' blocks."""
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    blocks = [t for m in model.modules() if isinstance(m, GGUFLinear) for t in (m.codes, m.scales, m.offsets)]
-    return sum(storages.values()) + sum(t.untyped_storage().nbytes() for t in blocks)
 
 
 def test_the_embedded_gguf_serves_its_own_blocks_with_the_dequantized_models_tokens():

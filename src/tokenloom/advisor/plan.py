@@ -17,14 +17,17 @@ import torch
 from tokenloom.config import KVCacheDType
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_linear import served_weight_bytes
-from tokenloom.model.loader import count_parameters, gguf_file_of, resolve_checkpoint_dir
+from tokenloom.model.loader import count_parameters, gguf_file_of, parameter_counts, resolve_checkpoint_dir
 from tokenloom.model.platform import cpu_has_native_bf16
-from tokenloom.model.quantization import gguf_linear_available
+from tokenloom.model.prepack import can_prepack
+from tokenloom.model.quantization import gguf_linear_available, int8_kernel_isa
 
 GiB = 1024**3
 CPU = torch.device("cpu")
 
 ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TORCH_DTYPES.update(float32=torch.float32, bfloat16=torch.bfloat16, float16=torch.float16)
 # The engine's 8-bit KV formats (--kv-cache-dtype): a byte per value and a float32 scale per token and KV head.
 KV_8_BIT = tuple(name for name in get_args(KVCacheDType) if name != "auto")
 KV_DTYPES = sorted({*ELEMENT_BYTES, *KV_8_BIT})
@@ -89,6 +92,36 @@ def parameter_count(cfg: ModelConfig) -> int:
     return count_parameters(cfg)
 
 
+SCALE_BYTES = 4  # a float32 scale (or an int32 code sum) per output feature of an 8-bit linear
+CODE_SUM_GROUP = 64  # on a CPU, int8 kernels keep a code sum per output and (at most) per this many inputs
+
+
+def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
+    """The bytes the engine's weights hold at `dtype` on `device` (model/footprint.py measures them in a loaded
+    engine, and the start-up log says them): the parameters at the dtype's bytes, and
+    - with 8-bit weights (--quantization int8 | fp8), the decoder's linears at a byte and a scale per output, the
+      rest (embedding, norms, an untied head) in the model's dtype; on a CPU, the int8 kernels' code sums (counted
+      per 64 inputs of an output: exact where the VNNI kernel runs every step, an upper bound elsewhere) and an int8
+      copy of the LM head for the approximate logits (quantization.int8_head);
+    - with 16- or 32-bit weights on a CPU whose linears are packed (prepack.can_prepack), the LM head's packed copy
+      beside its plain weight, which a tied embedding and the logits' refinement read.
+    (With AMX, bf16 layers that oneDNN runs also keep our layout for steps of a few rows, in models under 2 GiB:
+    not counted.)"""
+    counts = parameter_counts(cfg)
+    head = cfg.vocab_size * cfg.hidden_size
+    on_cpu = device.name == "cpu"
+    if ELEMENT_BYTES[dtype] > 1:
+        held = counts.parameters * ELEMENT_BYTES[dtype]
+        packs = on_cpu and can_prepack(CPU, TORCH_DTYPES[dtype])
+        return held + (head * ELEMENT_BYTES[dtype] if packs else 0)
+    rest = (counts.parameters - counts.linear_weights) * ELEMENT_BYTES[auto_dtype(device)]
+    held = counts.linear_weights + counts.linear_outputs * SCALE_BYTES + rest
+    if on_cpu and dtype == "int8" and int8_kernel_isa() is not None:
+        held += counts.linear_weights * SCALE_BYTES // CODE_SUM_GROUP  # the kernels' code sums
+        held += head + cfg.vocab_size * SCALE_BYTES + head * SCALE_BYTES // CODE_SUM_GROUP  # the head's int8 copy
+    return held
+
+
 def overhead_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, element_bytes: int) -> int:
     """Activations of the largest step (hidden states, q/k/v, the MLP's widest layer) and the sampled logits."""
     per_token = (
@@ -146,7 +179,7 @@ def make_plan(
     memory = device.memory_bytes * tensor_parallel
     margin = int(memory * (1 - utilization))
     usable = memory - margin - device.runtime_overhead_bytes * tensor_parallel
-    weights = served_weight_bytes or parameter_count(cfg) * ELEMENT_BYTES[weights_dtype]
+    weights = served_weight_bytes or weights_as_served(cfg, weights_dtype, device)
     per_token = kv_bytes_per_token(cfg, kv_dtype)
     overhead = overhead_bytes(cfg, budget, min(concurrency, 256), ELEMENT_BYTES[weights_dtype]) * tensor_parallel
     kv_room = max(0, usable - weights - overhead)
@@ -296,13 +329,18 @@ def as_the_engine_runs(
     multiplies bf16 natively, float32 on other CPUs); the cache `kv_asked`, else the model's dtype (8-bit weights
     keep it: only --kv-cache-dtype makes it 8-bit); the bytes where a GGUF is served from its blocks
     (engine/core_setup.served_quantization: float32 on a CPU, one rank), else None."""
-    auto = "bf16" if device.name != "cpu" or cpu_has_native_bf16() else "fp32"
+    auto = auto_dtype(device)
     dtype = asked or auto
     kv_dtype = kv_asked or (dtype if ELEMENT_BYTES[dtype] > 1 else auto)
     gguf = gguf_file_of(model) if device.name == "cpu" else None
     if gguf is None or ELEMENT_BYTES[dtype] != 4 or tensor_parallel != 1 or not gguf_linear_available(CPU):
         return dtype, kv_dtype, None
     return dtype, kv_dtype, served_weight_bytes(gguf)
+
+
+def auto_dtype(device: Accelerator) -> str:
+    """The engine's dtype auto: bf16 on accelerators and on a CPU that multiplies bf16 natively, else float32."""
+    return "bf16" if device.name != "cpu" or cpu_has_native_bf16() else "fp32"
 
 
 def _device(args) -> Accelerator:

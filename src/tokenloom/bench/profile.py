@@ -194,6 +194,7 @@ def profile_engine(
             "kv_dtype": kv.dtype,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "quantization": engine.quantization,
+            "weight_bytes": engine.weight_bytes,
             "device": str(engine.device),
             "model": engine.model_name,
             "max_num_seqs": max_num_seqs,

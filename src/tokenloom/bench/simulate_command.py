@@ -173,8 +173,10 @@ def profile_setup(profile: Profile, config: EngineConfig, model: ModelConfig) ->
 
 
 def profiled_weight_bytes(measured: dict[str, Any], config: EngineConfig, model: ModelConfig, element: int) -> int:
-    """What the profiled engine's weights held: a GGUF's blocks where it served them, else its parameters at its
-    dtype (a profile from before it recorded its quantization: the latter)."""
+    """What the profiled engine's weights held, as it measured them; in a profile from before it recorded them, a
+    GGUF's blocks where it served them, else its parameters at its dtype."""
+    if measured.get("weight_bytes") is not None:
+        return int(measured["weight_bytes"])
     gguf = gguf_file_of(config.model.model)
     if measured.get("quantization") == "gguf" and gguf is not None:
         return served_weight_bytes(gguf)

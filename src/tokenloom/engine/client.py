@@ -100,6 +100,7 @@ class EngineClient(ABC):
     dtype: torch.dtype
     device: torch.device
     quantization: str | None  # the form the weights are served in (core_setup.served_quantization)
+    weight_bytes: int  # what the served weights hold in memory (model/footprint.py), one rank's
 
     @property
     def max_logprobs(self) -> int:

@@ -77,6 +77,7 @@ class CoreInfo:
     request_limits: RequestLimits
     compiled: bool
     quantization: str | None  # core_setup.served_quantization's choice
+    weight_bytes: int  # what the served weights hold (model/footprint.py), this rank's
 
 
 @dataclass(frozen=True)

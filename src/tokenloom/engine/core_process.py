@@ -48,6 +48,7 @@ from tokenloom.engine.core_messages import (
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 from tokenloom.engine.core_setup import load_for_core
 from tokenloom.ipc import child_end, receive, send
+from tokenloom.model.footprint import held_weight_bytes
 from tokenloom.model.loader import load_model_info
 from tokenloom.model.platform import resolve_dtype
 from tokenloom.outputs import RequestMetrics, RequestOutput
@@ -69,7 +70,7 @@ def _core_main(config: EngineConfig, inputs_path: str, outputs_path: str) -> Non
         try:
             core = EngineCore(config, *load_for_core(config))
             info = CoreInfo(core.max_model_len, core.request_limits(), core.runner.compiled is not None,
-                            core.quantization)  # fmt: skip
+                            core.quantization, held_weight_bytes(core.runner.model))  # fmt: skip
             send(outputs, CoreReady(info))
             with heap_frozen(collect_first=True):
                 _serve(core, inputs, outputs)
@@ -165,14 +166,17 @@ class CoreProcessEngine(EngineClient):
         self._process.start()
         core_info = self._wait_until_ready()
         self.max_model_len, self.quantization = core_info.max_model_len, core_info.quantization
+        self.weight_bytes = core_info.weight_bytes
         self._init_client(info.tokenizer, core_info.request_limits)
         kv = self.kv_cache()
         logger.info(
-            "engine core process %d ready in %.1fs (%s step, quantization=%s): KV cache in %s, %d tokens (%d blocks)",
+            "engine core process %d ready in %.1fs (%s step, quantization=%s): weights %.1f MiB, KV cache in %s, %d "
+            "tokens (%d blocks)",
             self._process.pid,
             time.monotonic() - started,
             "compiled" if core_info.compiled else "eager",
             self.quantization or "none",
+            core_info.weight_bytes / 2**20,
             kv.dtype,
             kv.num_tokens,
             kv.num_blocks,

@@ -19,6 +19,7 @@ from tokenloom.engine.client import EngineClient, PreparedRequest
 from tokenloom.engine.core import EngineCore
 from tokenloom.engine.core_outputs import EngineCoreOutput, EngineStats, QueueState
 from tokenloom.engine.core_setup import load_for_core
+from tokenloom.model.footprint import held_weight_bytes
 from tokenloom.model.loader import LoadedModel
 from tokenloom.model.platform import dtype_name
 from tokenloom.outputs import RequestOutput
@@ -36,9 +37,10 @@ class LLMEngine(EngineClient):
         self.max_model_len, self.quantization = self.core.max_model_len, self.core.quantization
         self._init_client(loaded.tokenizer, self.core.request_limits(), self.core.structured.compiler)
         kv = self.kv_cache()
+        self.weight_bytes = held_weight_bytes(self.core.runner.model)  # this rank's under tensor parallelism
         logger.info(
-            "loaded %s in %.1fs on %s in %s (dtype=%s, %s, quantization=%s): KV cache in %s, %d tokens (%d blocks of "
-            "%d, %d swap blocks), max_model_len %d",
+            "loaded %s in %.1fs on %s in %s (dtype=%s, %s, quantization=%s): weights %.1f MiB, KV cache in %s, %d "
+            "tokens (%d blocks of %d, %d swap blocks), max_model_len %d",
             loaded.name,
             time.monotonic() - started,
             self.device,
@@ -46,6 +48,7 @@ class LLMEngine(EngineClient):
             config.model.dtype,
             "eager" if self.core.runner.compiled is None else "compiled",
             self.quantization or "none",
+            self.weight_bytes / 2**20,
             kv.dtype,
             kv.num_tokens,
             self.core.num_kv_blocks,

@@ -7,9 +7,10 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from tokenloom.model import compressed_tensors
 from tokenloom.model.config import ModelConfig
@@ -120,16 +121,32 @@ def build_on_meta(config: ModelConfig, max_len: int, tp: TensorParallelGroup = S
         return FAMILIES[config.architecture].model_class()(config, max_len, tp)
 
 
+class ParameterCounts(NamedTuple):
+    parameters: int  # all of them, a tied embedding once
+    linear_weights: int  # of them, the decoder layers' linear weights (what --quantization int8 | fp8 quantizes)
+    linear_outputs: int  # those linears' output features (a scale each, when quantized)
+
+
 def count_parameters(config: ModelConfig) -> int:
-    """The model's parameters, counted on the family's own model (tied embeddings once); kept per config, as
+    """The model's parameters, counted on the family's own model (tied embeddings once)."""
+    return parameter_counts(config).parameters
+
+
+def parameter_counts(config: ModelConfig) -> ParameterCounts:
+    """The model's parameters and its decoder linears', counted on the family's own model; kept per config, as
     building a 70B-parameter shape takes a second and the planner asks for each layout it weighs."""
     key = repr(config)  # the config holds a dict (rope scaling), so it is not hashable itself
     if key not in _PARAMETER_COUNTS:
-        _PARAMETER_COUNTS[key] = sum(p.numel() for p in build_on_meta(config, 1).parameters())
+        model = build_on_meta(config, 1)
+        linears = [m.weight for m in model.layers.modules() if isinstance(m, nn.Linear)]
+        parameters = sum(p.numel() for p in model.parameters())
+        _PARAMETER_COUNTS[key] = ParameterCounts(
+            parameters, sum(w.numel() for w in linears), sum(w.shape[0] for w in linears)
+        )
     return _PARAMETER_COUNTS[key]
 
 
-_PARAMETER_COUNTS: dict[str, int] = {}
+_PARAMETER_COUNTS: dict[str, ParameterCounts] = {}
 
 
 def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:

@@ -42,6 +42,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     cos: torch.Tensor
     sin: torch.Tensor
+    holds_weights = False  # tables of positions, sized by the context (model/footprint.py counts weights alone)
 
     def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -66,6 +67,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def float32_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position in float32 (the buffers take the model's dtype), for the fused CPU op."""
+        if self.cos.dtype == torch.float32:
+            return self.cos, self.sin
         cached = getattr(self, "_float32_tables", None)
         if cached is None or cached[0].device != self.cos.device:
             angles = self._angles()
