@@ -205,6 +205,7 @@ def test_authentication(server):
         ({"prompt": "hi", "n": 129}, "n", "invalid_value"),  # OpenAI's cap on choices
         ({"prompt": ["hi"] * 65, "n": 2}, "n", "invalid_value"),  # prompts times n over 128
         ({"prompt": "hi", "best_of": 3}, "best_of", "unsupported"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),  # no stream
         ({"prompt": "word " * 600, "max_tokens": 4}, "max_tokens", "context_length_exceeded"),
         ({"prompt": "hi", "max_tokens": 600}, "max_tokens", "context_length_exceeded"),
         ({"prompt": "hi", "temperature": "hot"}, "temperature", "invalid_value"),

@@ -156,6 +156,9 @@ class _Common(_Body):
     web_search_options: Any = None
 
     def refuse_unsupported(self) -> None:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            # As vLLM and OpenAI: options of a stream that was not asked for are a mistake, not something to ignore.
+            raise APIError(400, "stream_options is only for stream: true", "stream_options", "invalid_value")
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "prompt_logprobs are not streamed (as vLLM's)", "prompt_logprobs", "unsupported")
         if self.best_of not in (None, 1):
