@@ -11,7 +11,13 @@ from tokenloom.config import EngineConfig
 from tokenloom.engine.llm import LLM
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lora import LoRARequest
-from tokenloom.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from tokenloom.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 
@@ -20,6 +26,7 @@ __all__ = [
     "LLM",
     "BeamSearchOutput",
     "BeamSearchParams",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "EngineConfig",

@@ -101,6 +101,25 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
 
 
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` gives for each prompt, as vLLM's: ``output.outputs.probs``, the classifier's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    finished: bool
+    outputs: ClassificationOutput
+
+
 class JoinedDeltas:
     """A request's DELTA outputs joined into the one output that holds them all (the cumulative one), each added at
     the cost of its own length: text, token ids and logprobs joined, the rest the last's."""

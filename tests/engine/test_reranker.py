@@ -47,6 +47,14 @@ def test_a_reranker_scores_each_pair_joined_by_its_yes_and_no_logits(tiny_chat_m
     [by_ids] = llm.score({"prompt_token_ids": ids[0]}, {"prompt_token_ids": ids[1]}, use_tqdm=False)
     assert by_ids.prompt_token_ids == ids[0] + ids[1]
     assert by_ids.outputs.score == pytest.approx(oracle_scores(tiny_chat_model, [ids[0] + ids[1]], no, yes)[0])
+    # LLM.classify: each prompt's probabilities, the classifier's score of it alone; a model that is not one refuses.
+    classified = llm.classify(DOCUMENTS, use_tqdm=False)
+    alone = [tokenizer.encode(document) for document in DOCUMENTS]
+    assert [o.outputs.probs for o in classified] == [pytest.approx([p], abs=1e-5) for p in oracle_scores(
+        tiny_chat_model, alone, no, yes)]  # fmt: skip
+    assert {o.outputs.num_classes for o in classified} == {1} and [o.prompt_token_ids for o in classified] == alone
+    with pytest.raises(ValueError, match="classifier"):
+        LLM(str(tiny_chat_model), dtype="float32").classify(DOCUMENTS[0])
     one_token = {"architectures": ["LlamaForSequenceClassification"], "classifier_from_token": ["yes"],
                  "method": "no_post_processing"}  # fmt: skip
     one_token_llm = LLM(str(tiny_chat_model), dtype="float32", hf_overrides=one_token)

@@ -160,3 +160,18 @@ def test_what_an_embeddings_request_may_not_carry_is_a_400(served, body, param):
     reply = post(f"{served.url}/v1/embeddings", json=body)
     assert reply.status_code in (400, 404), reply.text
     assert reply.json()["error"]["param"] == param, reply.text
+
+
+def test_pooling_answers_with_the_embeddings_and_classify_refuses_a_model_that_is_not_a_classifier(served):
+    """vLLM's /pooling: each input's pooled output as it is (an embedding model's vectors, /v1/embeddings' values);
+    /classify: a 400 for a model not served as a classifier, as vLLM's."""
+    embedded = post(f"{served.url}/v1/embeddings", json={"input": TEXTS, "encoding_format": "float"}).json()
+    pooled = post(f"{served.url}/pooling", json={"model": "tiny", "input": TEXTS}).json()
+    assert pooled["id"].startswith("pool-") and pooled["object"] == "list" and pooled["model"] == "tiny"
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling"), (2, "pooling")]
+    assert [d["data"] for d in pooled["data"]] == [d["embedding"] for d in embedded["data"]]
+    assert pooled["usage"] == {**embedded["usage"], "completion_tokens": 0}
+    refused = post(f"{served.url}/classify", json={"model": "tiny", "input": TEXTS[0]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    generating = post(f"{served.url}/pooling", json={"input": "Hi", "max_tokens": 3})  # not a pooling field
+    assert generating.status_code == 400 and generating.json()["error"]["param"] == "max_tokens"

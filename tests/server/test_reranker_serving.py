@@ -33,6 +33,15 @@ def test_score_and_rerank_through_a_served_reranker(tiny_chat_model):
         order = sorted(range(3), key=lambda i: -scores[i])
         assert [r["index"] for r in ranked["results"]] == order
         assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(sorted(scores, reverse=True))
+        # vLLM's /classify and /pooling: each text's probabilities, LLM.classify's (the reranker's score of it).
+        classified = [o.outputs.probs for o in llm.classify(DOCUMENTS, use_tqdm=False)]
+        answer = post(f"{proc.url}/classify", json={"model": "tiny", "input": DOCUMENTS}).json()
+        assert answer["id"].startswith("classify-") and answer["object"] == "list"
+        assert [d["probs"] for d in answer["data"]] == [pytest.approx(p, abs=1e-5) for p in classified]
+        assert {(d["label"], d["num_classes"]) for d in answer["data"]} == {("LABEL_0", 1)}
+        assert answer["usage"]["prompt_tokens"] == sum(len(llm.get_tokenizer().encode(d)) for d in DOCUMENTS)
+        pooled = post(f"{proc.url}/pooling", json={"input": DOCUMENTS}).json()
+        assert [d["data"] for d in pooled["data"]] == [d["probs"] for d in answer["data"]]
         # Generation and embeddings are still served by the same model.
         reply = post(f"{proc.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3

@@ -15,7 +15,14 @@ from tokenloom.engine.core_outputs import EngineStats
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lora import LoRARequest
 from tokenloom.model.loader import Tokenizer
-from tokenloom.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from tokenloom.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import RequestOutputKind, SamplingParams
 from tokenloom.scoring import cosine, score_pairs
@@ -110,6 +117,23 @@ class LLM:
         params = SamplingParams.for_embedding(pooling_params or PoolingParams())
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.of(output) for output in outputs]
+
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities, as vLLM's ``LLM.classify``: ``output.outputs.probs``, from the classifier
+        hf_overrides make of the model (classifier_from_token); ValueError for a model that is not one."""
+        if self.engine.reranker is None:
+            raise ValueError("LLM.classify needs a classifier: hf_overrides with classifier_from_token make one")
+        return [
+            ClassificationRequestOutput(
+                o.request_id, o.prompt_token_ids, o.finished, ClassificationOutput(o.outputs.embedding)
+            )
+            for o in self.embed(prompts, self.engine.reranker, use_tqdm, lora_request)
+        ]
 
     def score(
         self,

@@ -21,7 +21,17 @@ from starlette.exceptions import HTTPException
 
 import tokenloom
 from tokenloom.engine.async_engine import AsyncEngine
-from tokenloom.server import chat, completions, embeddings, health, lora_routes, responses_api, score, tokenization
+from tokenloom.server import (
+    chat,
+    classify,
+    completions,
+    embeddings,
+    health,
+    lora_routes,
+    responses_api,
+    score,
+    tokenization,
+)
 from tokenloom.server.errors import APIError
 from tokenloom.server.guard import Guard
 from tokenloom.server.metrics import ServerMetrics
@@ -90,7 +100,8 @@ def build_app(
         options=options,
     )
     routers = [
-        m.router for m in (health, completions, chat, embeddings, score, responses_api, tokenization, lora_routes)
+        m.router
+        for m in (health, completions, chat, embeddings, classify, score, responses_api, tokenization, lora_routes)
     ]
     guard = functools.partial(Guard, max_body_bytes=max_body_bytes, max_inflight_body_bytes=max_inflight_body_bytes,
                               body_timeout=body_timeout)  # fmt: skip

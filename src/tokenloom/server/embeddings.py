@@ -6,7 +6,7 @@ the response budget), each input one request of a single greedy token that is dr
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Literal, cast
+from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -17,9 +17,8 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.server.chat import chat_template_tokenizer, templated
 from tokenloom.server.errors import APIError
-from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape, checked_state
+from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape, checked_state, listed_inputs
 from tokenloom.server.protocol import (
-    MAX_CHOICES,
     ChatMessage,
     ChatTemplateOptions,
     Text,
@@ -45,15 +44,6 @@ class EmbeddingRequest(PooledRequest, ChatTemplateOptions):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     normalize: bool = True  # vLLM's
-
-    def inputs(self) -> list[str | list[int]]:
-        given = self.input
-        assert given is not None, "the chat form has no inputs"
-        one = isinstance(given, str) or all(isinstance(t, int) for t in given)
-        inputs = [cast(str | list[int], given)] if one else list(cast(list[str | list[int]], given))
-        if not inputs or len(inputs) > MAX_CHOICES:
-            raise APIError(400, f"input must hold 1 to {MAX_CHOICES} texts or token lists", "input", "invalid_value")
-        return inputs
 
     def pooling(self) -> PoolingParams:
         return PoolingParams(self.dimensions, self.normalize)
@@ -82,16 +72,17 @@ class EmbeddingResponse(BaseModel):
 @router.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **ERROR_RESPONSES})
 async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
     state = checked_state(body, raw)
-    prompts = await _prompts(state, body)
+    prompts = await embedded_prompts(state, body)
     return await serve_generation(state, raw, body, prompts, None, EmbeddingShape(body.encoding_format))
 
 
-async def _prompts(state: ServerState, body: EmbeddingRequest) -> list[list[int]]:
+async def embedded_prompts(state: ServerState, body: EmbeddingRequest) -> list[list[int]]:
     """The inputs' token ids, or the conversation's through the chat template (one prompt)."""
     if (body.input is None) == (body.messages is None):
         raise APIError(400, "send exactly one of input and messages", "input", "invalid_value")
-    if body.messages is None:
-        return [await tokenized(state, text) for text in body.inputs()]
+    if body.input is not None:
+        return [await tokenized(state, text) for text in listed_inputs(body.input)]
+    assert body.messages is not None
     tokenizer = chat_template_tokenizer(state, "send the text as input")
     conversation = [m.for_template() for m in body.messages]
     return [await templated(state.text_budget, tokenizer, conversation, body)]
@@ -108,11 +99,11 @@ class EmbeddingShape(PooledShape):
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
     ) -> BaseModel:
-        data = [EmbeddingData(index=i, embedding=self._encoded(final)) for i, final in enumerate(finals)]
+        data = [EmbeddingData(index=i, embedding=self.encoded(final)) for i, final in enumerate(finals)]
         counted = EmbeddingUsage(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
         return EmbeddingResponse(id=request_id, created=created, model=model, data=data, usage=counted)
 
-    def _encoded(self, final: RequestOutput) -> list[float] | str:
+    def encoded(self, final: RequestOutput) -> list[float] | str:
         vector = self.vector(final)
         if self.encoding_format == "float":
             return vector

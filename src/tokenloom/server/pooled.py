@@ -5,7 +5,7 @@ each prompt is one request of a single greedy token that is dropped, its vector 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from fastapi import Request
 from pydantic import PrivateAttr
@@ -14,7 +14,7 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
-from tokenloom.server.protocol import StreamOptions, _Common
+from tokenloom.server.protocol import MAX_CHOICES, StreamOptions, _Common
 from tokenloom.server.serving import check_model
 from tokenloom.server.state import ServerState, server_state
 from tokenloom.server.streaming import UsageCount
@@ -53,6 +53,15 @@ class PooledRequest(_Common):
         structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         return SamplingParams.for_embedding(self.pooling())
+
+
+def listed_inputs(given: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """A pooled request's inputs as a list: one text or token list, or a list of them (1 to MAX_CHOICES)."""
+    one = isinstance(given, str) or all(isinstance(t, int) for t in given)
+    inputs = [cast(str | list[int], given)] if one else list(cast(list[str | list[int]], given))
+    if not inputs or len(inputs) > MAX_CHOICES:
+        raise APIError(400, f"input must hold 1 to {MAX_CHOICES} texts or token lists", "input", "invalid_value")
+    return inputs
 
 
 def checked_state(body: PooledRequest, raw: Request) -> ServerState:
