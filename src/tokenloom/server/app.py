@@ -46,6 +46,7 @@ from tokenloom.server.text_budget import TextBudget
 from tokenloom.server.tool_parsers import tool_parser
 from tokenloom.server_config import ServerConfig
 
+ENDPOINT_MODULES = (health, completions, chat, embeddings, classify, score, responses_api, tokenization, lora_routes)
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 400: "invalid_body"}
 
 
@@ -99,10 +100,7 @@ def build_app(
         reasoning_parser=reasoning_parser(reasoning_parser_name),
         options=options,
     )
-    routers = [
-        m.router
-        for m in (health, completions, chat, embeddings, classify, score, responses_api, tokenization, lora_routes)
-    ]
+    routers = [m.router for m in ENDPOINT_MODULES]
     guard = functools.partial(Guard, max_body_bytes=max_body_bytes, max_inflight_body_bytes=max_inflight_body_bytes,
                               body_timeout=body_timeout)  # fmt: skip
     _add_guard(app, guard, metrics, routers, api_keys, tenants)
