@@ -17,7 +17,15 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.server.embeddings import EmbeddingRequest, EmbeddingShape, embedded_prompts
 from tokenloom.server.errors import APIError
-from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape, checked_state, listed_inputs
+from tokenloom.server.pooled import (
+    COMMON_FIELDS,
+    PooledList,
+    PooledRequest,
+    PooledShape,
+    checked_state,
+    listed_inputs,
+    prompts_only,
+)
 from tokenloom.server.protocol import Text, TokenId
 from tokenloom.server.response_models import Usage
 from tokenloom.server.serving import serve_generation, tokenized
@@ -40,21 +48,9 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class PooledUsage(BaseModel):
-    """vLLM's usage of a pooled request: its prompts' tokens, and no completion."""
-
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
-
-
-class ClassificationResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
+class ClassificationResponse(PooledList):
     data: list[ClassificationData]
-    usage: PooledUsage
+    usage: Usage
 
 
 @router.post("/classify", responses={200: {"model": ClassificationResponse}, **ERROR_RESPONSES})
@@ -81,7 +77,7 @@ class ClassificationShape(PooledShape):
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
     ) -> BaseModel:
         data = [self._classified(i, self.vector(final)) for i, final in enumerate(finals)]
-        counted = PooledUsage(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
+        counted = prompts_only(usage)
         return ClassificationResponse(id=request_id, created=created, model=model, data=data, usage=counted)
 
     @staticmethod
@@ -103,13 +99,9 @@ class PoolingData(BaseModel):
     data: list[float] | str
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
+class PoolingResponse(PooledList):
     data: list[PoolingData]
-    usage: PooledUsage
+    usage: Usage
 
 
 @router.post("/pooling", responses={200: {"model": PoolingResponse}, **ERROR_RESPONSES})
@@ -130,5 +122,5 @@ class PoolingShape(EmbeddingShape):
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
     ) -> BaseModel:
         data = [PoolingData(index=i, data=self.encoded(final)) for i, final in enumerate(finals)]
-        counted = PooledUsage(prompt_tokens=usage.prompt_tokens, total_tokens=usage.prompt_tokens)
+        counted = prompts_only(usage)
         return PoolingResponse(id=request_id, created=created, model=model, data=data, usage=counted)

@@ -17,7 +17,14 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.server.chat import chat_template_tokenizer, templated
 from tokenloom.server.errors import APIError
-from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape, checked_state, listed_inputs
+from tokenloom.server.pooled import (
+    COMMON_FIELDS,
+    PooledList,
+    PooledRequest,
+    PooledShape,
+    checked_state,
+    listed_inputs,
+)
 from tokenloom.server.protocol import (
     ChatMessage,
     ChatTemplateOptions,
@@ -60,11 +67,7 @@ class EmbeddingUsage(BaseModel):
     total_tokens: int
 
 
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
+class EmbeddingResponse(PooledList):
     data: list[EmbeddingData]
     usage: EmbeddingUsage
 

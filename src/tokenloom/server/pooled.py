@@ -5,16 +5,17 @@ each prompt is one request of a single greedy token that is dropped, its vector 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import ClassVar, cast
+from typing import ClassVar, Literal, cast
 
 from fastapi import Request
-from pydantic import PrivateAttr
+from pydantic import BaseModel, PrivateAttr
 
 from tokenloom.outputs import RequestOutput
 from tokenloom.pooling_params import PoolingParams
 from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import MAX_CHOICES, StreamOptions, _Common
+from tokenloom.server.response_models import Usage
 from tokenloom.server.serving import check_model
 from tokenloom.server.state import ServerState, server_state
 from tokenloom.server.streaming import UsageCount
@@ -53,6 +54,20 @@ class PooledRequest(_Common):
         structured: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         return SamplingParams.for_embedding(self.pooling())
+
+
+class PooledList(BaseModel):
+    """What a pooled endpoint's response starts with (vLLM's and OpenAI's): its data and usage follow."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+
+
+def prompts_only(usage: Usage) -> Usage:
+    """A pooled request's usage, as vLLM counts it: its prompts' tokens, no completion (its one token is dropped)."""
+    return Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
 
 
 def listed_inputs(given: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:

@@ -19,7 +19,7 @@ from tokenloom.outputs import RequestOutput
 from tokenloom.scoring import cosine, score_pairs
 from tokenloom.server.chat import templated
 from tokenloom.server.errors import APIError
-from tokenloom.server.pooled import COMMON_FIELDS, PooledRequest, PooledShape, checked_state
+from tokenloom.server.pooled import COMMON_FIELDS, PooledList, PooledRequest, PooledShape, checked_state, prompts_only
 from tokenloom.server.protocol import MAX_CHOICES, ChatTemplateOptions, Text
 from tokenloom.server.response_models import Usage
 from tokenloom.server.serving import require_tokenizer, serve_generation, tokenized
@@ -158,11 +158,7 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int
-    model: str
+class ScoreResponse(PooledList):
     data: list[ScoreData]
     usage: Usage
 
@@ -180,7 +176,7 @@ class ScoreShape(PooledShape):
     ) -> BaseModel:
         scores = self.scorer([self.vector(final) for final in finals])
         data = [ScoreData(index=i, score=value) for i, value in enumerate(scores)]
-        counted = Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
+        counted = prompts_only(usage)
         return ScoreResponse(id=request_id, created=created, model=model, data=data, usage=counted)
 
 
