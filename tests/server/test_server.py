@@ -48,6 +48,11 @@ def client(server) -> openai.OpenAI:
 
 def test_models_version_health(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny") == client.models.list().data[0]  # OpenAI's GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.body["code"] == "model_not_found"
+    assert httpx.get(f"{server.url}/v1/models/tiny").status_code == 401  # behind the key, as the list
     version = httpx.get(f"{server.url}/version", headers=AUTH).json()
     assert version["engine_config"]["max_model_len"] == 512 and "version" in version
     assert version["quantization"] is None  # not a GGUF: its weights as stored

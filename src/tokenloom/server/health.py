@@ -8,9 +8,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import tokenloom
+from tokenloom.server.errors import APIError
 from tokenloom.server.metrics import escape_label_value
 from tokenloom.server.response_models import ModelCard, ModelList
-from tokenloom.server.state import server_state
+from tokenloom.server.state import ERROR_RESPONSES, server_state
 from tokenloom.server.tenants import RESERVED_NAME as OPERATOR_TENANT
 from tokenloom.server.tenants import Tenant
 
@@ -69,3 +70,14 @@ async def models(raw: Request) -> ModelList:
         for name in names
     ]
     return ModelList(data=base + state.adapters.cards(state.created_at, max_len))
+
+
+@router.get("/v1/models/{model:path}", responses=ERROR_RESPONSES)
+async def model(model: str, raw: Request) -> ModelCard:
+    """OpenAI's retrieve: one card of the list (a served name, an alias or a loaded adapter), else a 404."""
+    for card in (await models(raw)).data:
+        if card.id == model:
+            return card
+    state = server_state(raw)
+    raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}", "model",
+                   "model_not_found")  # fmt: skip
