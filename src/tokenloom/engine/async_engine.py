@@ -210,8 +210,14 @@ class AsyncEngine:
 
     @property
     def reranker(self) -> PoolingParams | None:
-        """How a (query, document) prompt is scored when --hf-overrides makes the model a reranker."""
+        """How a prompt is classified, and a (query, document) one scored, where the model is a classifier (its own
+        head, or the reranker --hf-overrides makes of it); None where it is not."""
         return self.engine.reranker
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """A classifier checkpoint's labels (config.json's id2label); empty otherwise."""
+        return self.engine.model_config.labels
 
     def describe(self) -> dict[str, object]:
         """What /version says of the engine: the resolved dtype, the device and the whole configuration."""

@@ -73,11 +73,20 @@ class PreparedRequest:
     state: RequestState
 
 
-def reranker_pooling(overrides: HFOverrides | None, tokenizer: Tokenizer | None, vocab: int) -> PoolingParams | None:
-    """The pooling that scores a prompt as the reranker --hf-overrides makes of the model: its classifier tokens'
-    ids, each a token of the vocabulary (ValueError naming one that is not)."""
+def classifier_pooling(
+    overrides: HFOverrides | None, tokenizer: Tokenizer | None, model: ModelConfig
+) -> PoolingParams | None:
+    """The pooling that classifies a prompt: a classifier checkpoint's own head (*ForSequenceClassification), or the
+    reranker --hf-overrides makes of a causal LM from its classifier tokens' ids, each a token of the vocabulary
+    (ValueError naming one that is not); None for a causal LM without overrides."""
+    if model.num_labels:
+        if overrides is not None:
+            raise ValueError("hf_overrides: this checkpoint has its own classification head; classifier_from_token "
+                             "makes one from a causal LM's")  # fmt: skip
+        return PoolingParams(classifier_labels=model.num_labels)
     if overrides is None:
         return None
+    vocab = model.vocab_size
     if tokenizer is None:
         raise ValueError("hf_overrides: classifier_from_token names tokens, and this checkpoint has no tokenizer")
     ids = []
@@ -123,8 +132,9 @@ class EngineClient(ABC):
         self._limits = limits
         self._ids = itertools.count()
         self._adapters_checked: set[tuple[str, str]] = set()  # (name, path) of LoRA adapters whose config was read
-        # --hf-overrides' reranker: how /score, /rerank and LLM.score pool a (query, document) prompt; None: by cosine
-        self.reranker = reranker_pooling(self.config.model.hf_overrides, tokenizer, self.model_config.vocab_size)
+        # The classifier (a checkpoint's head, or --hf-overrides' reranker): how /classify and LLM.classify pool a
+        # prompt, and /score, /rerank and LLM.score a (query, document) one; None: the model embeds, pairs by cosine
+        self.reranker = classifier_pooling(self.config.model.hf_overrides, tokenizer, self.model_config)
 
     # ---- on any thread ------------------------------------------------------------------------------------
 
@@ -153,6 +163,9 @@ class EngineClient(ABC):
     ) -> PreparedRequest:
         """Tokenizes and checks a request (ValueError if it can never be served) without queueing it."""
         params = self.with_logprobs_resolved(self._with_bad_words_tokenized(params or SamplingParams()))
+        if self.model_config.num_labels and params.pooling is None:
+            raise InvalidField("model", "this checkpoint is a classifier (its own classification head): it classifies, "
+                               "scores and pools prompts, and generates no text")  # fmt: skip
         vocab = self.model_config.vocab_size
         checked = (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
                    ("allowed_token_ids", params.allowed_token_ids or []),

@@ -148,6 +148,8 @@ class LLM:
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
         if self.engine.reranker is not None:
+            if not self.engine.reranker.scores_pairs:
+                raise ValueError("LLM.score needs a classifier with one score; this one has labels: use LLM.classify")
             return self._cross_scores(firsts, seconds, pairs, use_tqdm, lora_request)
         embedded = self.embed([*firsts, *seconds], use_tqdm=use_tqdm, lora_request=lora_request)
         return [

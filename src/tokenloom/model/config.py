@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tokenloom.model.registry import family_of
+from tokenloom.model.registry import family_of, is_classifier
 
 SCALE_BYTES = 4  # an 8-bit KV cache's float32 scale per (token, KV head): kv_quant.py
 
@@ -31,6 +31,13 @@ class ModelConfig:
     qk_norm: bool
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    # A *ForSequenceClassification checkpoint's classification head (score.weight): its labels' names, in order
+    # (config.json's id2label); empty for a causal LM.
+    labels: tuple[str, ...] = ()
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
 
     def kv_bytes_per_token(self, element_bytes: int, kv_cache_dtype: str = "auto") -> int:
         """K and V of one token across all layers: layers x 2 x KV heads x head dim x element size, or for an
@@ -87,5 +94,14 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
+            labels=_labels(hf) if is_classifier(hf.get("architectures") or []) else (),
             **family.features(hf),
         )
+
+
+def _labels(hf: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's labels as transformers reads them: id2label's names by id, else num_labels (2 by default) of
+    LABEL_i."""
+    id2label = {int(i): str(name) for i, name in (hf.get("id2label") or {}).items()}
+    count = len(id2label) or int(hf.get("num_labels") or 2)
+    return tuple(id2label.get(i, f"LABEL_{i}") for i in range(count))

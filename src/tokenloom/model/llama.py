@@ -201,9 +201,12 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(self.config, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head: nn.Module | None = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        )
+        # A classifier's checkpoint (*ForSequenceClassification) has no LM head: the one token its requests sample and
+        # drop comes from the embedding, as a tied head's.
+        untied = not cfg.tie_word_embeddings and not cfg.num_labels
+        self.lm_head: nn.Module | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if untied else None
+        # Its classification head: num_labels logits of the final norm's last row (prompt_outputs.py).
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
         self._operator_layers: list[OperatorLayer] | None = None
         self._int8_head: Int8Linear | None = None  # an int8 model's approximate logits (quantize_weights)
         # Packed or int8 projections that apply silu(gate) * up themselves; none where LoRA adds to gate and up.

@@ -107,11 +107,30 @@ def gguf_names() -> list[str]:
     return [f.gguf.name for f in FAMILIES.values() if f.gguf is not None]
 
 
+CLASSIFIER_SUFFIX = "ForSequenceClassification"  # a family's model with a classification head (score.weight)
+
+
 def family_of(architectures: list[str], model_type: str | None = None) -> ModelFamily:
-    """The first of a config's architectures that tokenloom runs; UnsupportedModelError naming those it does."""
+    """The first of a config's architectures that tokenloom runs (a family's *ForSequenceClassification among them:
+    its model with a classification head); UnsupportedModelError naming those it does."""
     for architecture in architectures:
-        if architecture in FAMILIES:
-            return FAMILIES[architecture]
+        causal = causal_architecture(architecture)
+        if causal in FAMILIES:
+            return FAMILIES[causal]
     raise UnsupportedModelError(
-        f"unsupported architecture {architectures or model_type!r}; tokenloom runs {', '.join(FAMILIES)}"
+        f"unsupported architecture {architectures or model_type!r}; tokenloom runs {', '.join(FAMILIES)} (and "
+        f"each one's *{CLASSIFIER_SUFFIX})"
     )
+
+
+def causal_architecture(architecture: str) -> str:
+    """A classifier's family's causal LM ("Qwen3ForSequenceClassification" -> "Qwen3ForCausalLM"), else itself."""
+    if architecture.endswith(CLASSIFIER_SUFFIX):
+        return architecture.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+    return architecture
+
+
+def is_classifier(architectures: list[str]) -> bool:
+    """Whether the first architecture tokenloom runs is a *ForSequenceClassification (its own classification head)."""
+    known = [a for a in architectures if causal_architecture(a) in FAMILIES]
+    return bool(known) and known[0].endswith(CLASSIFIER_SUFFIX)

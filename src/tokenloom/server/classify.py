@@ -1,9 +1,9 @@
-"""vLLM's ``POST /classify`` and ``POST /pooling``. /classify answers for a model served as a classifier (a reranker
-made by --hf-overrides' classifier_from_token, as vLLM serves Qwen3-Reranker): each input's class probabilities,
-the classifier's (pooling_params.py: one class, sigmoid of its logit difference), with the class's label; any other
-model gets a 400, as vLLM's. /pooling answers with each input's pooled output as it is: the embedding of an
-embedding model, the probabilities of a classifier; it takes what /v1/embeddings takes (input or messages,
-dimensions, normalize, encoding_format)."""
+"""vLLM's ``POST /classify`` and ``POST /pooling``. /classify answers for a model served as a classifier (a
+*ForSequenceClassification checkpoint's own head, or the reranker --hf-overrides' classifier_from_token makes of a
+causal LM, as vLLM serves Qwen3-Reranker): each input's class probabilities (pooling_params.py), with the likeliest
+class's label; any other model gets a 400, as vLLM's. /pooling answers with each input's pooled output as it is:
+the embedding of an embedding model, the probabilities of a classifier; it takes what /v1/embeddings takes (input
+or messages, dimensions, normalize, encoding_format)."""
 
 from __future__ import annotations
 
@@ -64,14 +64,18 @@ async def classify(body: ClassificationRequest, raw: Request) -> Response:
         )  # fmt: skip
     body.score_with(classifier)
     prompts = [await tokenized(state, text) for text in listed_inputs(body.input)]
-    return await serve_generation(state, raw, body, prompts, None, ClassificationShape())
+    return await serve_generation(state, raw, body, prompts, None, ClassificationShape(state.engine.labels))
 
 
 class ClassificationShape(PooledShape):
-    """How /classify words its outputs: the probabilities, and the label of the likeliest class (the classifier made
-    from classifier_from_token has one class, labelled as transformers labels it by default)."""
+    """How /classify words its outputs: the probabilities, and the label of the likeliest class: the checkpoint's
+    name for it (id2label), else transformers' default (the classifier made from classifier_from_token has one class,
+    LABEL_0)."""
 
     id_prefix = "classify-"
+
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self.labels = labels
 
     def response(
         self, request_id: str, created: int, model: str, finals: list[RequestOutput], logprobs: bool, usage: Usage
@@ -80,10 +84,10 @@ class ClassificationShape(PooledShape):
         counted = prompts_only(usage)
         return ClassificationResponse(id=request_id, created=created, model=model, data=data, usage=counted)
 
-    @staticmethod
-    def _classified(index: int, probs: list[float]) -> ClassificationData:
+    def _classified(self, index: int, probs: list[float]) -> ClassificationData:
         likeliest = max(range(len(probs)), key=probs.__getitem__)
-        return ClassificationData(index=index, label=f"LABEL_{likeliest}", probs=probs, num_classes=len(probs))
+        label = self.labels[likeliest] if likeliest < len(self.labels) else f"LABEL_{likeliest}"
+        return ClassificationData(index=index, label=label, probs=probs, num_classes=len(probs))
 
 
 class PoolingRequest(EmbeddingRequest):
