@@ -75,7 +75,7 @@ def test_a_served_rerankers_pairs_go_through_its_chat_template(tiny_chat_model, 
                                                 {"role": "document", "content": d}], chat_template=TEMPLATE,
                                                tokenize=False, **extra) for d in DOCUMENTS]  # fmt: skip
         prompts = [{"prompt_token_ids": tokenizer.encode(t)} for t in texts]
-        return [o.outputs.embedding[0] for o in llm.embed(prompts, llm.engine.reranker, use_tqdm=False)]
+        return [o.outputs.embedding[0] for o in llm.embed(prompts, llm.engine.classifier, use_tqdm=False)]
 
     flags = ("--served-model-name", "tiny", "--hf-overrides", json.dumps(OVERRIDES), "--chat-template", str(template))
     with ServerProcess("--model", str(tiny_chat_model), *flags) as proc:

@@ -209,10 +209,10 @@ class AsyncEngine:
         return self.engine.model_config.hidden_size
 
     @property
-    def reranker(self) -> PoolingParams | None:
+    def classifier(self) -> PoolingParams | None:
         """How a prompt is classified, and a (query, document) one scored, where the model is a classifier (its own
         head, or the reranker --hf-overrides makes of it); None where it is not."""
-        return self.engine.reranker
+        return self.engine.classifier
 
     @property
     def labels(self) -> tuple[str, ...]:

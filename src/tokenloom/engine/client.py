@@ -134,7 +134,7 @@ class EngineClient(ABC):
         self._adapters_checked: set[tuple[str, str]] = set()  # (name, path) of LoRA adapters whose config was read
         # The classifier (a checkpoint's head, or --hf-overrides' reranker): how /classify and LLM.classify pool a
         # prompt, and /score, /rerank and LLM.score a (query, document) one; None: the model embeds, pairs by cosine
-        self.reranker = classifier_pooling(self.config.model.hf_overrides, tokenizer, self.model_config)
+        self.classifier = classifier_pooling(self.config.model.hf_overrides, tokenizer, self.model_config)
 
     # ---- on any thread ------------------------------------------------------------------------------------
 

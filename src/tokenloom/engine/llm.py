@@ -126,13 +126,13 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """Each prompt's class probabilities, as vLLM's ``LLM.classify``: ``output.outputs.probs``, from the classifier
         hf_overrides make of the model (classifier_from_token); ValueError for a model that is not one."""
-        if self.engine.reranker is None:
+        if self.engine.classifier is None:
             raise ValueError("LLM.classify needs a classifier: hf_overrides with classifier_from_token make one")
         return [
             ClassificationRequestOutput(
                 o.request_id, o.prompt_token_ids, o.finished, ClassificationOutput(o.outputs.embedding)
             )
-            for o in self.embed(prompts, self.engine.reranker, use_tqdm, lora_request)
+            for o in self.embed(prompts, self.engine.classifier, use_tqdm, lora_request)
         ]
 
     def score(
@@ -147,8 +147,8 @@ class LLM:
         embedded once; with a reranker (hf_overrides) it is the classifier's score of the two joined."""
         firsts, seconds = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(firsts), len(seconds))
-        if self.engine.reranker is not None:
-            if not self.engine.reranker.scores_pairs:
+        if self.engine.classifier is not None:
+            if not self.engine.classifier.scores_pairs:
                 raise ValueError("LLM.score needs a classifier with one score; this one has labels: use LLM.classify")
             return self._cross_scores(firsts, seconds, pairs, use_tqdm, lora_request)
         embedded = self.embed([*firsts, *seconds], use_tqdm=use_tqdm, lora_request=lora_request)
@@ -174,7 +174,7 @@ class LLM:
         second's) and scored by the reranker."""
         prompts = [_prompt_of(prompt) for prompt in [*firsts, *seconds]]
         joined = [_joined(self.engine.tokenize, prompts[a], prompts[b]) for a, b in pairs]
-        pooling = self.engine.reranker
+        pooling = self.engine.classifier
         assert pooling is not None, "a reranker scores pairs joined"
         scored = self.embed([{"prompt_token_ids": ids} for ids in joined], pooling, use_tqdm, lora_request)
         return [

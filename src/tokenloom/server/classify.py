@@ -56,7 +56,7 @@ class ClassificationResponse(PooledList):
 @router.post("/classify", responses={200: {"model": ClassificationResponse}, **ERROR_RESPONSES})
 async def classify(body: ClassificationRequest, raw: Request) -> Response:
     state = checked_state(body, raw)
-    classifier = state.engine.reranker
+    classifier = state.engine.classifier
     if classifier is None:
         raise APIError(
             400, "this model is not served as a classifier (--hf-overrides with classifier_from_token makes it one)",
@@ -111,8 +111,8 @@ class PoolingResponse(PooledList):
 @router.post("/pooling", responses={200: {"model": PoolingResponse}, **ERROR_RESPONSES})
 async def pooling(body: PoolingRequest, raw: Request) -> Response:
     state = checked_state(body, raw)
-    if state.engine.reranker is not None:
-        body.score_with(state.engine.reranker)  # a classifier's pooled output is its probabilities
+    if state.engine.classifier is not None:
+        body.score_with(state.engine.classifier)  # a classifier's pooled output is its probabilities
     prompts = await embedded_prompts(state, body)
     return await serve_generation(state, raw, body, prompts, None, PoolingShape(body.encoding_format))
 

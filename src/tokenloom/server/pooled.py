@@ -29,7 +29,7 @@ class PooledRequest(_Common):
 
     FIELDS: ClassVar[frozenset[str]] = COMMON_FIELDS
     ENDPOINT: ClassVar[str]
-    _scored_by: PoolingParams | None = PrivateAttr(default=None)  # a reranker's pooling, where the model is one
+    _scored_by: PoolingParams | None = PrivateAttr(default=None)  # the classifier's pooling, where the model is one
 
     def refuse_generation_fields(self) -> None:
         extra = sorted(self.model_fields_set - self.FIELDS)
@@ -39,9 +39,9 @@ class PooledRequest(_Common):
     def requested_max_tokens(self) -> int | None:
         return 1  # the one token every request samples, dropped
 
-    def score_with(self, reranker: PoolingParams) -> None:
-        """Its prompts are scored by the reranker's classifier rather than embedded."""
-        self._scored_by = reranker
+    def score_with(self, classifier: PoolingParams) -> None:
+        """Its prompts are classified (scored) by the model's classifier rather than embedded."""
+        self._scored_by = classifier
 
     def pooling(self) -> PoolingParams:
         return self._scored_by or PoolingParams()

@@ -133,13 +133,13 @@ async def _prompts_and_scorer(
 ) -> tuple[list[list[int]], Scorer]:
     """The prompts to serve and how their vectors score the pairs: each text embedded, a pair scored by the cosine
     of its two vectors; or, with a reranker, each pair one prompt (its two texts joined, as vLLM's) scored by it."""
-    if state.engine.reranker is None:
+    if state.engine.classifier is None:
         ids = [await tokenized(state, text) for text in texts]
         return ids, lambda vectors: [cosine(vectors[a], vectors[b]) for a, b in pairs]
-    if not state.engine.reranker.scores_pairs:
+    if not state.engine.classifier.scores_pairs:
         raise APIError(400, f"this classifier has {len(state.engine.labels)} labels, not a score: /classify answers "
                        "its probabilities", "model", "unsupported")  # fmt: skip
-    body.score_with(state.engine.reranker)
+    body.score_with(state.engine.classifier)
     if state.options.score_template:
         joined = [await _templated_pair(state, body, texts[a], texts[b]) for a, b in pairs]
     else:
