@@ -6,7 +6,8 @@ import gguf
 import numpy as np
 
 # Where each K-quant's fp16 scale (and min scale) sit in its block of 256 inputs.
-K_QUANT_HALVES = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210)}
+K_QUANT_HALVES = {"Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
+                  "Q6_K": slice(208, 210)}  # fmt: skip
 
 
 def raw_blocks(fmt: str, n: int, k: int, seed: int = 0, unit: float | None = None) -> np.ndarray:

@@ -44,11 +44,12 @@ def width(fmt: str) -> int:
 
 @pytest.mark.parametrize("fmt", gguf_linear.FORMATS)
 def test_codes_scales_and_offsets_are_ggufs_values_bit_for_bit(fmt):
-    n, k, group = 48, 512, 16 if fmt == "Q6_K" else 32
+    n, k, group = 48, 512, 16 if fmt in gguf_linear.BY_SIXTEEN else 32
     raw = raw_blocks(fmt, n, k)
     codes, scales, offsets = gguf_groups(raw, fmt, (n, k))
     assert codes.shape == (n, k) and scales.shape == offsets.shape == (n, k // group)
-    assert codes.dtype == np.int8 if fmt[:2] in ("Q5", "Q6", "Q8") else codes.max() <= 15
+    assert codes.dtype == np.int8 if fmt not in gguf_linear.FOUR_BIT else codes.max() <= 15
+    assert len(np.unique(codes)) == {"Q2_K": 4, "Q3_K": 8}.get(fmt, len(np.unique(codes)))  # every code appears
     values = (
         codes.reshape(n, k // group, group) * scales[..., None] + offsets[..., None]
     )  # one rounding: the product is exact
@@ -58,7 +59,7 @@ def test_codes_scales_and_offsets_are_ggufs_values_bit_for_bit(fmt):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 97, 200])
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_1", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q3_K", "Q4_0", "Q4_1", "Q5_1", "Q6_K", "Q8_0"])
 def test_gguf_linear_is_f32_linear_over_the_dequantized_weight_bit_for_bit(fmt, rows):
     needs_gguf_operator()
     n, k = 80, width(fmt)  # 5 blocks: tiles of two blocks and one of one
@@ -170,10 +171,10 @@ def requantized_gguf(source: Path, target: Path, formats: dict[str, str]) -> Non
     write_gguf(target, metadata(reader), tensors, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
 
 
-def q4_k_m_gguf(target: Path, tokenizer_from: Path) -> None:
+def q4_k_m_gguf(target: Path, tokenizer_from: Path, base: str = "Q4_K", more_bits: str = "Q6_K") -> None:
     """A 2-layer Llama in Q4_K_M's layout: Q4_K linears, layer 0's value and down projections in Q6_K (so its qkv mixes
     formats), the tied embedding in Q8_0; random blocks (every input count a multiple of 256), the tokenizer of
-    `tokenizer_from`."""
+    `tokenizer_from`. Other K-quants in the two places (`base`, `more_bits`) make the other _M layouts."""
     hidden, heads, kv_heads, head_dim, mlp, layers = 256, 4, 2, 64, 512, 2
     vocab = len(gguf.GGUFReader(str(tokenizer_from)).fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(0)
@@ -183,15 +184,15 @@ def q4_k_m_gguf(target: Path, tokenizer_from: Path) -> None:
         ("output_norm.weight", np.ones(hidden, np.float32), gguf.GGMLQuantizationType.F32),
     ]
     for i in range(layers):
-        more_bits = "Q6_K" if i == 0 else "Q4_K"
+        more = more_bits if i == 0 else base
         shapes = {
-            "attn_q": ("Q4_K", heads * head_dim, hidden),
-            "attn_k": ("Q4_K", kv_heads * head_dim, hidden),
-            "attn_v": (more_bits, kv_heads * head_dim, hidden),
-            "attn_output": ("Q4_K", hidden, heads * head_dim),
-            "ffn_gate": ("Q4_K", mlp, hidden),
-            "ffn_up": ("Q4_K", mlp, hidden),
-            "ffn_down": (more_bits, hidden, mlp),
+            "attn_q": (base, heads * head_dim, hidden),
+            "attn_k": (base, kv_heads * head_dim, hidden),
+            "attn_v": (more, kv_heads * head_dim, hidden),
+            "attn_output": (base, hidden, heads * head_dim),
+            "ffn_gate": (base, mlp, hidden),
+            "ffn_up": (base, mlp, hidden),
+            "ffn_down": (more, hidden, mlp),
         }
         for j, (name, (fmt, n, k)) in enumerate(shapes.items()):
             blocks = raw_blocks(fmt, n, k, seed=10 * i + j, unit=1e-4)
@@ -233,6 +234,23 @@ def test_a_q4_k_m_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_
     assert (first.mlp.down_proj.bits, first.mlp.down_proj.group) == (8, 16)
     assert (second.self_attn.qkv_proj.bits, second.self_attn.qkv_proj.group) == (4, 32)  # all Q4_K
     assert isinstance(first.mlp.gate_up_proj, GGUFLinear) and isinstance(model.lm_head, GGUFLinear)
+    assert gguf_linear.served_weight_bytes(path) == held_weight_bytes(model)
+    assert_the_dequantized_models_outputs(served, str(path), 12)
+
+
+def test_a_q2_k_and_q3_k_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_models_tokens(
+    tmp_path, monkeypatch
+):
+    """The 2- and 3-bit K-quants (Q2_K linears, layer 0's value and down projections in Q3_K) from their blocks, a
+    byte a code with a scale and offset per 16 inputs: 12 bits a weight against float32's 32."""
+    needs_gguf_operator()
+    monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-q2_k.gguf"
+    q4_k_m_gguf(path, default_gguf_path(), base="Q2_K", more_bits="Q3_K")
+    served = LLM(str(path), dtype="float32")
+    model = served.engine.core.runner.model
+    linears = [m for m in model.layers.modules() if isinstance(m, GGUFLinear)]
+    assert len(linears) == 8 and {(m.bits, m.group) for m in linears} == {(8, 16)}
     assert gguf_linear.served_weight_bytes(path) == held_weight_bytes(model)
     assert_the_dequantized_models_outputs(served, str(path), 12)
 

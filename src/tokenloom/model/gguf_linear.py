@@ -4,12 +4,13 @@ float32: engine/core_setup.py), as vLLM and llama.cpp serve a GGUF.
 Without it a GGUF is dequantized at load (gguf_convert.py) and every linear streams float32 (or bf16) weights: at
 batch 1 a decode step reads 5.3x the bytes of a 4-bit linear here (24 per 32 weights: 16 of codes, a float32 scale
 and offset; the checkpoint's Q4_1 holds 20, its scale and offset in fp16). With it every decoder linear whose GGUF
-tensors are all in FORMATS (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), and the LM head where it is one of
-those (the embedding's, when tied), keep their codes with a float32 scale and offset per 32 inputs (16 for Q6_K):
-every one of these formats is code * scale + offset per group, codes 0-15 kept 4 bits wide, the 5- and 6-bit ones
-and Q8_0's in a byte. ``tokenloom::gguf_linear`` (csrc/f32_linear.cpp) widens each weight to float32 by one FMA as
-it multiplies, rounding as gguf's dequantization does: the outputs are the dequantized model's, bit for bit, where
-that model runs f32_linear (float32, where the operators are built). Other tensors (the embeddings' lookup, other
+tensors are all in FORMATS (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), and the LM head where it
+is one of those (the embedding's, when tied), keep their codes with a float32 scale and offset per 32 inputs (16 for
+Q2_K, Q3_K and Q6_K): every one of these formats is code * scale + offset per group, codes 0-15 of the 4-bit formats
+kept 4 bits wide, the 2-, 3-, 5- and 6-bit ones and Q8_0's in a byte. ``tokenloom::gguf_linear``
+(csrc/f32_linear.cpp) widens each weight to float32 by one FMA as it multiplies, rounding as gguf's dequantization
+does: the outputs are the dequantized model's, bit for bit, where that model runs f32_linear (float32, where the
+operators are built). Other tensors (the embeddings' lookup, other
 formats) are dequantized as before. CPUs with AVX2 and FMA (where f32_linear is built), one rank; other
 activations' dtypes are run in float32 and returned in theirs.
 """
@@ -33,9 +34,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per scale and offset (gguf_linear's Group in csrc/f32_linear.cpp; K_GROUP below)
-K_GROUP = 16  # Q6_K's: 8-bit codes only
+K_GROUP = 16  # Q2_K's, Q3_K's and Q6_K's: 8-bit codes only
 BLOCK = 16  # output features per packed block
-FORMATS = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+FORMATS = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+BY_SIXTEEN = ("Q2_K", "Q3_K", "Q6_K")  # a scale (and offset) per 16 inputs
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # codes kept 4 bits wide; the other FORMATS' in a byte
 SUPER_BLOCK = 256  # inputs per block of the K-quants
 FLOAT32 = 4  # bytes: scales, offsets and every tensor held dequantized
@@ -79,6 +81,8 @@ def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
             return _nibbles(blocks[..., 4:]).reshape(n, k), scale, offset
         codes = (_nibbles(blocks[..., 8:]) | _fifth_bits(blocks[..., 4:8])).astype(np.int8)
         return codes.reshape(n, k), scale, offset
+    if fmt in ("Q2_K", "Q3_K"):
+        return _two_and_three_bit_groups(raw, fmt, n, k)
     if fmt in ("Q4_K", "Q5_K"):  # per 256: d, dmin, 12 bytes of 6-bit scales and mins, (Q5: 32 bytes of fifth bits)
         import gguf  # and 128 bytes of nibbles; value = d * scale * code - dmin * min, scale and min per 32
 
@@ -106,11 +110,36 @@ def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
     raise ValueError(f"{fmt} is not a format gguf_linear reads ({', '.join(FORMATS)})")
 
 
+def _two_and_three_bit_groups(raw: np.ndarray, fmt: str, n: int, k: int) -> Groups:
+    """Q2_K and Q3_K, kept in a byte a code with a scale (and offset) per 16 inputs, as Q6_K's. Per 256 inputs, Q2_K:
+    16 bytes of a 4-bit scale and a 4-bit min per 16, 64 bytes of 2-bit codes, d, dmin; value = d * scale * code -
+    dmin * min. Q3_K: 32 bytes of high bits, 64 of 2-bit low codes, 12 of 6-bit scales, d; value = d * (scale - 32) *
+    (code - 4, the high bit clear), as gguf dequantizes them."""
+    pairs = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    if fmt == "Q2_K":
+        supers = raw.reshape(n * k // SUPER_BLOCK, 84)
+        sc, d, dmin = supers[:, :16], _half(supers[:, 80:82]), _half(supers[:, 82:84])
+        codes = ((supers[:, 16:80].reshape(-1, 2, 1, 32) >> pairs) & 3).astype(np.int8)
+        scale = d[:, None] * (sc & 0x0F).astype(np.float32)
+        offset = -(dmin[:, None] * (sc >> 4).astype(np.float32))
+        return codes.reshape(n, k), scale.reshape(n, k // K_GROUP), offset.reshape(n, k // K_GROUP)
+    supers = raw.reshape(n * k // SUPER_BLOCK, 110)
+    hmask, packed, d = supers[:, :32], supers[:, 96:108], _half(supers[:, 108:110])
+    low = (packed[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16)
+    high = (packed[:, 8:].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(-1, 16)
+    sc = ((low & 0x0F) | ((high & 3) << 4)).astype(np.int8) - 32
+    codes = ((supers[:, 32:96].reshape(-1, 2, 1, 32) >> pairs) & 3).astype(np.int8).reshape(-1, SUPER_BLOCK)
+    high_bits = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    codes -= ((high_bits.reshape(-1, SUPER_BLOCK) ^ 1) << 2).astype(np.int8)
+    scale = d[:, None] * sc.astype(np.float32)
+    return codes.reshape(n, k), scale.reshape(n, k // K_GROUP), np.zeros((n, k // K_GROUP), np.float32)
+
+
 def code_form(fmt: str, k: int) -> Form | None:
     """The form a weight of this format with k inputs is served in; None: it is dequantized."""
     if fmt not in FORMATS or k % (SUPER_BLOCK if fmt.endswith("_K") else GROUP):
         return None
-    return 4 if fmt in FOUR_BIT else 8, K_GROUP if fmt == "Q6_K" else GROUP
+    return 4 if fmt in FOUR_BIT else 8, K_GROUP if fmt in BY_SIXTEEN else GROUP
 
 
 def group_size(groups: Groups) -> int:
