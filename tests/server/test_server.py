@@ -56,6 +56,7 @@ def test_models_version_health(server, client):
     version = httpx.get(f"{server.url}/version", headers=AUTH).json()
     assert version["engine_config"]["max_model_len"] == 512 and "version" in version
     assert version["quantization"] is None  # not a GGUF: its weights as stored
+    assert version["weight_bytes"] > 0  # what the engine measured its weights to hold
     assert httpx.get(f"{server.url}/health").status_code == 200  # public
     assert httpx.get(f"{server.url}/ready").json()["status"] == "ready"
 

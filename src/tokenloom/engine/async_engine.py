@@ -225,6 +225,7 @@ class AsyncEngine:
             "dtype": dtype_name(self.engine.dtype),  # what dtype "auto" resolved to on this machine
             "device": str(self.engine.device),
             "quantization": self.engine.quantization,  # what quantization None (auto) chose, or the one asked for
+            "weight_bytes": self.engine.weight_bytes,  # what the served weights hold (one rank's)
             "engine_config": self.engine.config.to_dict(),
             "kv_cache": asdict(self.engine.kv_cache()),  # its dtype and the tokens it holds
         }
