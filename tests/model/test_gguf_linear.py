@@ -39,7 +39,7 @@ def needs_gguf_operator() -> None:
 
 def width(fmt: str) -> int:
     """Inputs in a test weight of this format: whole blocks of 256 for the K-quants, an odd number of 32s else."""
-    return 768 if fmt.endswith("_K") else 576
+    return 768 if fmt in gguf_linear.IN_SUPER_BLOCKS else 576
 
 
 @pytest.mark.parametrize("fmt", gguf_linear.FORMATS)
@@ -49,7 +49,7 @@ def test_codes_scales_and_offsets_are_ggufs_values_bit_for_bit(fmt):
     codes, scales, offsets = gguf_groups(raw, fmt, (n, k))
     assert codes.shape == (n, k) and scales.shape == offsets.shape == (n, k // group)
     assert codes.dtype == np.int8 if fmt not in gguf_linear.FOUR_BIT else codes.max() <= 15
-    assert len(np.unique(codes)) == {"Q2_K": 4, "Q3_K": 8}.get(fmt, len(np.unique(codes)))  # every code appears
+    assert len(np.unique(codes)) == {"Q2_K": 4, "Q3_K": 8, "IQ4_NL": 16, "IQ4_XS": 16}.get(fmt, len(np.unique(codes)))
     values = (
         codes.reshape(n, k // group, group) * scales[..., None] + offsets[..., None]
     )  # one rounding: the product is exact
@@ -59,7 +59,7 @@ def test_codes_scales_and_offsets_are_ggufs_values_bit_for_bit(fmt):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 12, 13, 97, 200])
-@pytest.mark.parametrize("fmt", ["Q3_K", "Q4_0", "Q4_1", "Q5_1", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q3_K", "Q4_0", "Q4_1", "Q5_1", "Q6_K", "Q8_0", "IQ4_XS"])
 def test_gguf_linear_is_f32_linear_over_the_dequantized_weight_bit_for_bit(fmt, rows):
     needs_gguf_operator()
     n, k = 80, width(fmt)  # 5 blocks: tiles of two blocks and one of one
@@ -238,19 +238,22 @@ def test_a_q4_k_m_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_
     assert_the_dequantized_models_outputs(served, str(path), 12)
 
 
-def test_a_q2_k_and_q3_k_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_models_tokens(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize(("base", "more_bits", "forms"), [("Q2_K", "Q3_K", {(8, 16)}),
+                                                           ("IQ4_XS", "IQ4_NL", {(8, 32)})])  # fmt: skip
+def test_a_2_3_bit_or_iq4_gguf_serves_every_linear_from_its_blocks_with_the_dequantized_models_tokens(
+    tmp_path, monkeypatch, base, more_bits, forms
 ):
-    """The 2- and 3-bit K-quants (Q2_K linears, layer 0's value and down projections in Q3_K) from their blocks, a
-    byte a code with a scale and offset per 16 inputs: 12 bits a weight against float32's 32."""
+    """The 2- and 3-bit K-quants (a byte a code, a scale and offset per 16 inputs: 12 bits a weight against float32's
+    32) and the non-linear IQ4_XS and IQ4_NL (the value a code picks, in a byte, a scale per 32) from their blocks:
+    `base` linears, layer 0's value and down projections in `more_bits`."""
     needs_gguf_operator()
     monkeypatch.setenv("TOKENLOOM_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "tiny-q2_k.gguf"
-    q4_k_m_gguf(path, default_gguf_path(), base="Q2_K", more_bits="Q3_K")
+    path = tmp_path / f"tiny-{base}.gguf"
+    q4_k_m_gguf(path, default_gguf_path(), base=base, more_bits=more_bits)
     served = LLM(str(path), dtype="float32")
     model = served.engine.core.runner.model
     linears = [m for m in model.layers.modules() if isinstance(m, GGUFLinear)]
-    assert len(linears) == 8 and {(m.bits, m.group) for m in linears} == {(8, 16)}
+    assert len(linears) == 8 and {(m.bits, m.group) for m in linears} == forms
     assert gguf_linear.served_weight_bytes(path) == held_weight_bytes(model)
     assert_the_dequantized_models_outputs(served, str(path), 12)
 

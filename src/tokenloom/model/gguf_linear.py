@@ -4,10 +4,11 @@ float32: engine/core_setup.py), as vLLM and llama.cpp serve a GGUF.
 Without it a GGUF is dequantized at load (gguf_convert.py) and every linear streams float32 (or bf16) weights: at
 batch 1 a decode step reads 5.3x the bytes of a 4-bit linear here (24 per 32 weights: 16 of codes, a float32 scale
 and offset; the checkpoint's Q4_1 holds 20, its scale and offset in fp16). With it every decoder linear whose GGUF
-tensors are all in FORMATS (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0), and the LM head where it
-is one of those (the embedding's, when tied), keep their codes with a float32 scale and offset per 32 inputs (16 for
-Q2_K, Q3_K and Q6_K): every one of these formats is code * scale + offset per group, codes 0-15 of the 4-bit formats
-kept 4 bits wide, the 2-, 3-, 5- and 6-bit ones and Q8_0's in a byte. ``tokenloom::gguf_linear``
+tensors are all in FORMATS (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, IQ4_NL, IQ4_XS), and the LM
+head where it is one of those (the embedding's, when tied), keep their codes with a float32 scale and offset per 32
+inputs (16 for Q2_K, Q3_K and Q6_K): every one of these formats is code * scale + offset per group, codes 0-15 of
+the 4-bit formats kept 4 bits wide, the 2-, 3-, 5- and 6-bit ones and Q8_0's in a byte, and IQ4's as the value each
+picks from its 16 (in a byte, no offset). ``tokenloom::gguf_linear``
 (csrc/f32_linear.cpp) widens each weight to float32 by one FMA as it multiplies, rounding as gguf's dequantization
 does: the outputs are the dequantized model's, bit for bit, where that model runs f32_linear (float32, where the
 operators are built). Other tensors (the embeddings' lookup, other
@@ -36,10 +37,13 @@ logger = logging.getLogger(__name__)
 GROUP = 32  # inputs per scale and offset (gguf_linear's Group in csrc/f32_linear.cpp; K_GROUP below)
 K_GROUP = 16  # Q2_K's, Q3_K's and Q6_K's: 8-bit codes only
 BLOCK = 16  # output features per packed block
-FORMATS = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+FORMATS = ("Q2_K", "Q3_K", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "IQ4_NL", "IQ4_XS")
 BY_SIXTEEN = ("Q2_K", "Q3_K", "Q6_K")  # a scale (and offset) per 16 inputs
+IN_SUPER_BLOCKS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # blocks of SUPER_BLOCK inputs, not of GROUP
+# IQ4_NL's and IQ4_XS's 16 values, which a 4-bit code picks (gguf's IQ4_NL.kvalues)
+NON_LINEAR_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")  # codes kept 4 bits wide; the other FORMATS' in a byte
-SUPER_BLOCK = 256  # inputs per block of the K-quants
+SUPER_BLOCK = 256  # inputs per block of the K-quants and IQ4_XS
 FLOAT32 = 4  # bytes: scales, offsets and every tensor held dequantized
 # A linear's codes [N, K] (uint8 0-15, or int8), scales and offsets [N, K / group] float32 (group_size).
 Groups = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -83,6 +87,8 @@ def gguf_groups(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> Groups:
         return codes.reshape(n, k), scale, offset
     if fmt in ("Q2_K", "Q3_K"):
         return _two_and_three_bit_groups(raw, fmt, n, k)
+    if fmt in ("IQ4_NL", "IQ4_XS"):
+        return _non_linear_groups(raw, fmt, n, k)
     if fmt in ("Q4_K", "Q5_K"):  # per 256: d, dmin, 12 bytes of 6-bit scales and mins, (Q5: 32 bytes of fifth bits)
         import gguf  # and 128 bytes of nibbles; value = d * scale * code - dmin * min, scale and min per 32
 
@@ -135,9 +141,28 @@ def _two_and_three_bit_groups(raw: np.ndarray, fmt: str, n: int, k: int) -> Grou
     return codes.reshape(n, k), scale.reshape(n, k // K_GROUP), np.zeros((n, k // K_GROUP), np.float32)
 
 
+def _non_linear_groups(raw: np.ndarray, fmt: str, n: int, k: int) -> Groups:
+    """IQ4_NL and IQ4_XS: each 4-bit code picks one of 16 values (NON_LINEAR_VALUES), kept as that value in a byte,
+    times a scale per 32 inputs, no offset. IQ4_NL per 32: d, 16 bytes of nibbles; value = d * value[code]. IQ4_XS per
+    256: d, 2 bytes of the 6-bit scales' high bit pairs, 4 of their low nibbles, 128 of nibbles; value = d * (scale -
+    32) * value[code] (at most 24 significant bits: exact in float32, as gguf's product)."""
+    if fmt == "IQ4_NL":
+        blocks = raw.reshape(n, k // GROUP, 18)
+        codes = NON_LINEAR_VALUES[_nibbles(blocks[..., 2:])].reshape(n, k)
+        return codes, _half(blocks[..., 0:2]), np.zeros((n, k // GROUP), np.float32)
+    supers = raw.reshape(n * k // SUPER_BLOCK, 136)
+    d, high = _half(supers[:, 0:2]), supers[:, 2:4].copy().view(np.uint16)
+    low = (supers[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)).reshape(-1, 8) & 0x0F
+    high = ((high.reshape(-1, 1) >> (2 * np.arange(8, dtype=np.uint16)).reshape(1, 8)) & 3).astype(np.uint8)
+    scale = d[:, None] * ((low | (high << 4)).astype(np.int8) - 32).astype(np.float32)
+    nibbles = (supers[:, 8:].reshape(-1, 8, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    codes = NON_LINEAR_VALUES[nibbles.reshape(n, k)]
+    return codes, scale.reshape(n, k // GROUP), np.zeros((n, k // GROUP), np.float32)
+
+
 def code_form(fmt: str, k: int) -> Form | None:
     """The form a weight of this format with k inputs is served in; None: it is dequantized."""
-    if fmt not in FORMATS or k % (SUPER_BLOCK if fmt.endswith("_K") else GROUP):
+    if fmt not in FORMATS or k % (SUPER_BLOCK if fmt in IN_SUPER_BLOCKS else GROUP):
         return None
     return 4 if fmt in FOUR_BIT else 8, K_GROUP if fmt in BY_SIXTEEN else GROUP
 
