@@ -59,6 +59,12 @@ def test_plan_figures_by_hand():
     assert plan.max_concurrency == room // (8192 * 128 * 1024)
     assert plan.max_context == min(8192, room // (16 * 128 * 1024))
     assert plan.num_kv_blocks == room // (16 * 128 * 1024)
+    # A decode step streams the weights and every context, the untied embedding table aside (a row a token).
+    streamed = 8_030_261_248 * 2 - 128256 * 4096 * 2 + 16 * GiB
+    assert plan.decode_tokens_per_s == pytest.approx(16 * 2e12 / streamed)
+    tied = make_plan(ModelConfig.from_hf({**LLAMA3_8B, "tie_word_embeddings": True}), "tied", 8192, 16, device, "bf16",
+                     "fp16", utilization=1.0)  # fmt: skip
+    assert tied.decode_tokens_per_s == pytest.approx(16 * 2e12 / (tied.weights_bytes + 16 * GiB))  # the head reads it
     too_many = make_plan(cfg, "llama", 8192, 200, device, "bf16", "fp16", utilization=1.0)
     assert not too_many.fits
     fp8 = make_plan(cfg, "llama", 8192, 16, device, "bf16", "fp8", utilization=1.0)

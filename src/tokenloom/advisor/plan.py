@@ -122,6 +122,16 @@ def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
     return held
 
 
+def weights_read_per_step(cfg: ModelConfig, held: int, dtype: str, device: Accelerator, gguf_blocks: bool) -> int:
+    """Of the weights held, what a decode step streams: all but the embedding table (of which it reads a row a token)
+    where the LM head is held apart from it: a head of its own, or on a CPU the head's own copy (packed, int8, or a
+    GGUF's blocks beside the float32 table)."""
+    if device.name != "cpu" and cfg.tie_word_embeddings:
+        return held  # the head is the table
+    element = 4 if gguf_blocks else ELEMENT_BYTES[dtype if ELEMENT_BYTES[dtype] > 1 else auto_dtype(device)]
+    return held - cfg.vocab_size * cfg.hidden_size * element
+
+
 def overhead_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, element_bytes: int) -> int:
     """Activations of the largest step (hidden states, q/k/v, the MLP's widest layer) and the sampled logits."""
     per_token = (
@@ -187,7 +197,8 @@ def make_plan(
     model_limit = cfg.max_position_embeddings
     max_concurrency = kv_room // (per_token * context)
     max_context = min(model_limit, kv_room // (per_token * concurrency))
-    step_bytes = weights + concurrency * context * per_token  # one decode step reads weights and every context
+    read = weights_read_per_step(cfg, weights, weights_dtype, device, served_weight_bytes is not None)
+    step_bytes = read + concurrency * context * per_token  # one decode step reads the weights and every context
     return Plan(
         model=model_name,
         accelerator=device.name,
