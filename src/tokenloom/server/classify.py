@@ -59,8 +59,8 @@ async def classify(body: ClassificationRequest, raw: Request) -> Response:
     classifier = state.engine.classifier
     if classifier is None:
         raise APIError(
-            400, "this model is not served as a classifier (--hf-overrides with classifier_from_token makes it one)",
-            "model", "unsupported",
+            400, "this model is not a classifier (a *ForSequenceClassification checkpoint is one; --hf-overrides with "
+            "classifier_from_token makes one of a causal LM)", "model", "unsupported",
         )  # fmt: skip
     body.score_with(classifier)
     prompts = [await tokenized(state, text) for text in listed_inputs(body.input)]
