@@ -18,6 +18,7 @@ class PoolingParams:
     # A classifier checkpoint's own head (score.weight, *ForSequenceClassification) instead: the probabilities of its
     # this many labels at the last row, softmax over them (sigmoid for one label), as vLLM's classify.
     classifier_labels: int | None = None
+    independent_labels: bool = False  # a multi-label classifier's: each label's sigmoid
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (type(self.dimensions) is not int or self.dimensions < 1):

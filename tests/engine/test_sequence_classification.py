@@ -22,13 +22,15 @@ LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 TEXTS = ["I loved every minute of it.", "The train leaves at noon.", "What a dreadful waste of time."]
 
 
-def make_classifier(directory: Path, tokenizer_from: Path, arch: str, num_labels: int) -> Path:
+def make_classifier(
+    directory: Path, tokenizer_from: Path, arch: str, num_labels: int, problem_type: str | None = None
+) -> Path:
     """A tiny random classifier with the real SmolLM2 tokenizer; three labels named, or one (a cross-encoder)."""
     import transformers
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, pad_token_id=2, eos_token_id=2, bos_token_id=1,
-                  num_labels=num_labels)  # fmt: skip
+                  num_labels=num_labels, problem_type=problem_type)  # fmt: skip
     if num_labels == 3:
         common.update(id2label=LABELS, label2id={v: k for k, v in LABELS.items()})
     config = (
@@ -52,6 +54,7 @@ def classifiers(tmp_path_factory, real_model_dir) -> dict[str, Path]:
     return {
         "three labels": make_classifier(root / "llama", real_model_dir, "llama", 3),
         "one label": make_classifier(root / "qwen3", real_model_dir, "qwen3", 1),
+        "multi-label": make_classifier(root / "multi", real_model_dir, "llama", 3, "multi_label_classification"),
     }
 
 
@@ -61,7 +64,8 @@ def oracle_probabilities(path: Path, prompts: list[list[int]]) -> list[list[floa
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = [model(torch.tensor([p])).logits[0] for p in prompts]
-    return [(torch.sigmoid(x) if x.numel() == 1 else torch.softmax(x, dim=0)).tolist() for x in logits]
+    independent = model.config.problem_type == "multi_label_classification"
+    return [(torch.sigmoid(x) if independent or x.numel() == 1 else torch.softmax(x, dim=0)).tolist() for x in logits]
 
 
 def test_a_classifier_checkpoint_classifies_as_transformers_does(classifiers):
@@ -82,6 +86,11 @@ def test_a_classifier_checkpoint_classifies_as_transformers_does(classifiers):
         llm.score(TEXTS[0], TEXTS[1])  # three labels are not a score
     # Its prompts' hidden states still embed (the last token's, normalized).
     assert len(llm.embed(TEXTS[0], use_tqdm=False)[0].outputs.embedding) == 64
+    # A multi-label classifier's labels are independent: a sigmoid each, as transformers' problem_type says.
+    multi = classifiers["multi-label"]
+    independent = [o.outputs.probs for o in LLM(str(multi), dtype="float32").classify(TEXTS, use_tqdm=False)]
+    assert independent == [pytest.approx(p, abs=1e-5) for p in oracle_probabilities(multi, prompts)]
+    assert any(abs(sum(p) - 1) > 0.05 for p in independent)  # not a softmax
 
 
 def test_a_one_label_classifier_scores_pairs_as_a_cross_encoder(classifiers):

@@ -83,7 +83,7 @@ def classifier_pooling(
         if overrides is not None:
             raise ValueError("hf_overrides: this checkpoint has its own classification head; classifier_from_token "
                              "makes one from a causal LM's")  # fmt: skip
-        return PoolingParams(classifier_labels=model.num_labels)
+        return PoolingParams(classifier_labels=model.num_labels, independent_labels=model.multi_label)
     if overrides is None:
         return None
     vocab = model.vocab_size

@@ -34,6 +34,8 @@ class ModelConfig:
     # A *ForSequenceClassification checkpoint's classification head (score.weight): its labels' names, in order
     # (config.json's id2label); empty for a causal LM.
     labels: tuple[str, ...] = ()
+    # Its labels are independent (problem_type multi_label_classification): a sigmoid each, not a softmax over them.
+    multi_label: bool = False
 
     @property
     def num_labels(self) -> int:
@@ -95,6 +97,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             labels=_labels(hf) if is_classifier(hf.get("architectures") or []) else (),
+            multi_label=hf.get("problem_type") == "multi_label_classification",
             **family.features(hf),
         )
 

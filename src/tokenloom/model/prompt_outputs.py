@@ -51,12 +51,13 @@ def _classifier_score(model: CausalLM, normed: torch.Tensor, token_ids: tuple[in
     return torch.sigmoid(margin).reshape(1)
 
 
-def _label_probabilities(model: CausalLM, normed: torch.Tensor) -> torch.Tensor:
-    """A classifier checkpoint's probabilities from its head at the last row: softmax over its labels, or sigmoid of
-    the one (transformers' *ForSequenceClassification logits at the last token, as vLLM's classify activates them)."""
+def _label_probabilities(model: CausalLM, normed: torch.Tensor, independent: bool) -> torch.Tensor:
+    """A classifier checkpoint's probabilities from its head at the last row: softmax over its labels, or a sigmoid
+    each where they are independent or one (transformers' *ForSequenceClassification logits at the last token, as
+    vLLM's classify activates them)."""
     assert model.score is not None, "the pooling asks for labels of a model with a classification head"
     logits = F.linear(normed, model.score.weight.float())
-    return torch.sigmoid(logits) if logits.numel() == 1 else torch.softmax(logits, dim=0)
+    return torch.sigmoid(logits) if independent or logits.numel() == 1 else torch.softmax(logits, dim=0)
 
 
 def embeddings(
@@ -75,7 +76,7 @@ def embeddings(
             vectors.append(_classifier_score(model, vector, params.classifier_token_ids))
             continue
         if params.classifier_labels is not None:
-            vectors.append(_label_probabilities(model, vector))
+            vectors.append(_label_probabilities(model, vector, params.independent_labels))
             continue
         vector = vector[: params.dimensions]
         vectors.append(F.normalize(vector, dim=0) if params.normalize else vector)
