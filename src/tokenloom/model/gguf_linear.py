@@ -8,12 +8,11 @@ tensors are all in FORMATS (Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K
 head where it is one of those (the embedding's, when tied), keep their codes with a float32 scale and offset per 32
 inputs (16 for Q2_K, Q3_K and Q6_K): every one of these formats is code * scale + offset per group, codes 0-15 of
 the 4-bit formats kept 4 bits wide, the 2-, 3-, 5- and 6-bit ones and Q8_0's in a byte, and IQ4's as the value each
-picks from its 16 (in a byte, no offset). ``tokenloom::gguf_linear``
-(csrc/f32_linear.cpp) widens each weight to float32 by one FMA as it multiplies, rounding as gguf's dequantization
-does: the outputs are the dequantized model's, bit for bit, where that model runs f32_linear (float32, where the
-operators are built). Other tensors (the embeddings' lookup, other
-formats) are dequantized as before. CPUs with AVX2 and FMA (where f32_linear is built), one rank; other
-activations' dtypes are run in float32 and returned in theirs.
+picks from its 16 (in a byte, no offset). ``tokenloom::gguf_linear`` (csrc/f32_linear.cpp) widens each weight to
+float32 by one FMA as it multiplies, rounding as gguf's dequantization does: the outputs are the dequantized model's,
+bit for bit, where that model runs f32_linear (float32, where the operators are built). Other tensors (the
+embeddings' lookup, other formats) are dequantized as before. CPUs with AVX2 and FMA (where f32_linear is built), one
+rank; other activations' dtypes are run in float32 and returned in theirs.
 """
 
 from __future__ import annotations
