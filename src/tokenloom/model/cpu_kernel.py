@@ -87,6 +87,8 @@ def load_kernel() -> bool:
     from torch.utils import cpp_extension
 
     identity = "".join(p.read_text() for p in SOURCES + HEADERS) + " ".join(FLAGS) + torch.__version__ + _cpu_identity()
+    # The build records its sources' paths: two checkouts sharing one directory would rebuild it in turn (~50 s).
+    identity += str(CSRC.resolve())
     name = "tokenloom_attention_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
