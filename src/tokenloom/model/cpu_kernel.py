@@ -74,7 +74,7 @@ def kernel_enabled() -> bool:
 
 
 def load_kernel() -> bool:
-    """Builds (once per source, flags, torch and CPU) and registers the operator; False if it cannot be had."""
+    """Builds (once per source, flags, torch, CPU and checkout) and registers the operator; False if it cannot be."""
     global _loaded
     if _loaded is not None:
         return _loaded
