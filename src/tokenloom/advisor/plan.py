@@ -26,8 +26,8 @@ GiB = 1024**3
 CPU = torch.device("cpu")
 
 ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TORCH_DTYPES.update(float32=torch.float32, bfloat16=torch.bfloat16, float16=torch.float16)
+TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 # The engine's 8-bit KV formats (--kv-cache-dtype): a byte per value and a float32 scale per token and KV head.
 KV_8_BIT = tuple(name for name in get_args(KVCacheDType) if name != "auto")
 KV_DTYPES = sorted({*ELEMENT_BYTES, *KV_8_BIT})

@@ -124,10 +124,12 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ClassificationRequestOutput]:
-        """Each prompt's class probabilities, as vLLM's ``LLM.classify``: ``output.outputs.probs``, from the classifier
-        hf_overrides make of the model (classifier_from_token); ValueError for a model that is not one."""
+        """Each prompt's class probabilities, as vLLM's ``LLM.classify``: ``output.outputs.probs``, from the model's
+        classifier (a *ForSequenceClassification checkpoint's head, or the one hf_overrides' classifier_from_token
+        makes of a causal LM); ValueError for a model that is not one."""
         if self.engine.classifier is None:
-            raise ValueError("LLM.classify needs a classifier: hf_overrides with classifier_from_token make one")
+            raise ValueError("LLM.classify needs a classifier: a *ForSequenceClassification checkpoint, or "
+                             "hf_overrides with classifier_from_token")  # fmt: skip
         return [
             ClassificationRequestOutput(
                 o.request_id, o.prompt_token_ids, o.finished, ClassificationOutput(o.outputs.embedding)

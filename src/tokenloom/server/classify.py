@@ -14,7 +14,6 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from tokenloom.outputs import RequestOutput
-from tokenloom.pooling_params import PoolingParams
 from tokenloom.server.embeddings import EmbeddingRequest, EmbeddingShape, embedded_prompts
 from tokenloom.server.errors import APIError
 from tokenloom.server.pooled import (
@@ -92,9 +91,6 @@ class ClassificationShape(PooledShape):
 
 class PoolingRequest(EmbeddingRequest):
     ENDPOINT = "a pooling"
-
-    def pooling(self) -> PoolingParams:
-        return self._scored_by or super().pooling()  # a classifier's probabilities, else the embedding
 
 
 class PoolingData(BaseModel):

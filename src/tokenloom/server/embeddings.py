@@ -53,7 +53,7 @@ class EmbeddingRequest(PooledRequest, ChatTemplateOptions):
     normalize: bool = True  # vLLM's
 
     def pooling(self) -> PoolingParams:
-        return PoolingParams(self.dimensions, self.normalize)
+        return self._scored_by or PoolingParams(self.dimensions, self.normalize)
 
 
 class EmbeddingData(BaseModel):

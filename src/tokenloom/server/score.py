@@ -136,10 +136,11 @@ async def _prompts_and_scorer(
     if state.engine.classifier is None:
         ids = [await tokenized(state, text) for text in texts]
         return ids, lambda vectors: [cosine(vectors[a], vectors[b]) for a, b in pairs]
-    if not state.engine.classifier.scores_pairs:
-        raise APIError(400, f"this classifier has {len(state.engine.labels)} labels, not a score: /classify answers "
-                       "its probabilities", "model", "unsupported")  # fmt: skip
-    body.score_with(state.engine.classifier)
+    classifier = state.engine.classifier
+    if not classifier.scores_pairs:
+        raise APIError(400, f"this classifier has {classifier.classifier_labels} labels, not a score: /classify "
+                       "answers its probabilities", "model", "unsupported")  # fmt: skip
+    body.score_with(classifier)
     if state.options.score_template:
         joined = [await _templated_pair(state, body, texts[a], texts[b]) for a, b in pairs]
     else:
