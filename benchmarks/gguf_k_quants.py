@@ -1,6 +1,8 @@
 """A Q4_K_M file's decoder linears served from their blocks, against the same weights dequantized.
 
-    .venv/bin/python benchmarks/gguf_k_quants.py [--rows 1,2,4,8,16,64,256] [--layers 28]
+    .venv/bin/python benchmarks/gguf_k_quants.py [--rows 1,2,4,8,16,64,256] [--layers 28] [--formats Q4_K,Q6_K]
+
+(`--formats BASE,MORE`: the other _M layouts, e.g. Q3_K,Q5_K for Q3_K_M, Q2_K,Q3_K for Q2_K's.)
 
 llama.cpp's Q4_K_M keeps most linears in Q4_K and the value projection and the MLP's down projection in Q6_K in a
 third of the layers and the first and last eighth (its use_more_bits). Random blocks in that layout, at Qwen3-0.6B's
@@ -48,24 +50,30 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+# Where each K-quant's fp16 scale (and min scale) sit in its block of 256 inputs.
+HALVES = {"Q2_K": slice(80, 84), "Q3_K": slice(108, 110), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
+          "Q6_K": slice(208, 210)}  # fmt: skip
+
+
 def random_blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """[n, k] in a K-quant's blocks: random codes and sub-block scales under small positive fp16 scales."""
     qtype = gguf.GGMLQuantizationType[fmt]
     inputs, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(n * k // inputs, size), dtype=np.uint8)
-    where = slice(208, 210) if fmt == "Q6_K" else slice(0, 4)
+    where = HALVES[fmt]
     halves = (rng.random((len(blocks), (where.stop - where.start) // 2)) * 1e-3 + 1e-4).astype(np.float16)
     blocks[:, where] = halves.view(np.uint8)
     return blocks.reshape(n, -1)
 
 
-def q4_k_m_layers(layers: int) -> list[tuple[GGUFLinear, bool]]:
-    """Every linear of `layers` decoder layers, and whether all its parts are Q4_K."""
+def q4_k_m_layers(layers: int, base: str = "Q4_K", more: str = "Q6_K") -> list[tuple[GGUFLinear, bool]]:
+    """Every linear of `layers` decoder layers (`base`, `more` where Q4_K_M gives more bits), and whether all its
+    parts are Q4_K."""
     rng = np.random.default_rng(0)
     out = []
     for layer in range(layers):
         for parts in LINEARS.values():
-            formats = ["Q6_K" if role and use_more_bits(layer, layers) else "Q4_K" for _, _, role in parts]
+            formats = [more if role and use_more_bits(layer, layers) else base for _, _, role in parts]
             groups = [
                 gguf_groups(random_blocks(f, n, k, rng), f, (n, k)) for f, (n, k, _) in zip(formats, parts, strict=True)
             ]
@@ -101,11 +109,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,16,64,256")
     parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--formats", default="Q4_K,Q6_K", help="the base format and the one with more bits")
     args = parser.parse_args()
+    base, more = args.formats.split(",")
     if not (cpu_kernel.load_kernel() and cpu_kernel.has_operator("gguf_linear")):
         sys.exit("tokenloom::gguf_linear is not built on this CPU")
     print(f"load average before: {os.getloadavg()[0]:.2f}; CPU flags: {cpu_flags()}")
-    linears = q4_k_m_layers(args.layers)
+    linears = q4_k_m_layers(args.layers, base, more)
     packed = [f32_pack_weight(layer.dequantized()) for layer, _ in linears]
     print(
         f"{len(linears)} linears, {sum(all_q4 for _, all_q4 in linears)} all Q4_K; weights: "
