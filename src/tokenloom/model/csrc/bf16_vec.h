@@ -19,19 +19,15 @@ constexpr float kNoMax = -1e30f;
 
 namespace tokenloom {
 
-// 16 float32 lanes stored as they are, or rounded to bf16 (nearest even, as c10::BFloat16 rounds). Without AVX-512
-// BF16 (Cascade Lake, Ice Lake, and VMs that hide it: their int8 kernels still write a bf16 model's outputs) by
-// integer arithmetic on the bits; the build assumes no NaNs.
+// 16 float32 lanes stored as they are, or rounded to bf16 (nearest even, as c10::BFloat16 rounds) by integer
+// arithmetic on the bits: AVX-512 BF16's vcvtneps2bf16 would flush denormal inputs to zero where torch keeps them
+// (a kernel's bf16 output then differed from its float32 output rounded); the build assumes no NaNs.
 inline void store16(float* at, __m512 v) { _mm512_storeu_ps(at, v); }
 inline void store16(c10::BFloat16* at, __m512 v) {
-#if defined(__AVX512BF16__)
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-#else
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-#endif
 }
 
 }  // namespace tokenloom
