@@ -11,7 +11,7 @@ import pytest
 
 from tokenloom import EngineConfig, LLMEngine, SamplingParams
 from tokenloom.advisor.capacity import Target, fewest_replicas, layout_at, parse_prices
-from tokenloom.advisor.plan import parameter_count
+from tokenloom.advisor.plan import accelerator, parameter_count, weights_as_served
 from tokenloom.bench.cost_model import (
     FEATURES,
     Device,
@@ -299,8 +299,8 @@ def test_profile_then_simulate_from_the_command_line(tiny_chat_model, tmp_path):
     saved = Profile.read(profile)
     assert len(saved.steps) > 20 and saved.step_model.fit_error["held_out_steps"] > 0
     assert saved.engine["max_model_len"] == 2048 and saved.front_latency_s >= 0
-    assert saved.engine["weight_bytes"] > parameter_count(ModelConfig.from_hf(
-        json.loads((tiny_chat_model / "config.json").read_text()))) * 4  # float32, and the head's packed copy
+    config = ModelConfig.from_hf(json.loads((tiny_chat_model / "config.json").read_text()))
+    assert saved.engine["weight_bytes"] == weights_as_served(config, "fp32", accelerator("cpu"))  # float32, as served
     items = [[tuple(i) for i in step["items"]] for step in saved.steps]
     assert [(128, 16, 1, True)] in items  # a prompt whose first 128 tokens the request before it left cached
     joins = [step for step in items if (256, 16, 1, True) in step]  # a decoding request's prompt, and 16 more

@@ -171,10 +171,13 @@ def requantized_gguf(source: Path, target: Path, formats: dict[str, str]) -> Non
     write_gguf(target, metadata(reader), tensors, reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
 
 
-def q4_k_m_gguf(target: Path, tokenizer_from: Path, base: str = "Q4_K", more_bits: str = "Q6_K") -> None:
+def q4_k_m_gguf(
+    target: Path, tokenizer_from: Path, base: str = "Q4_K", more_bits: str = "Q6_K", head: str | None = None
+) -> None:
     """A 2-layer Llama in Q4_K_M's layout: Q4_K linears, layer 0's value and down projections in Q6_K (so its qkv mixes
     formats), the tied embedding in Q8_0; random blocks (every input count a multiple of 256), the tokenizer of
-    `tokenizer_from`. Other K-quants in the two places (`base`, `more_bits`) make the other _M layouts."""
+    `tokenizer_from`. Other K-quants in the two places (`base`, `more_bits`) make the other _M layouts; `head`, an
+    output tensor of its own in that format (untied)."""
     hidden, heads, kv_heads, head_dim, mlp, layers = 256, 4, 2, 64, 512, 2
     vocab = len(gguf.GGUFReader(str(tokenizer_from)).fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(0)
@@ -183,6 +186,10 @@ def q4_k_m_gguf(target: Path, tokenizer_from: Path, base: str = "Q4_K", more_bit
         ("token_embd.weight", gguf.quants.quantize(rng.standard_normal((vocab, hidden), np.float32) * 0.05, q8), q8),
         ("output_norm.weight", np.ones(hidden, np.float32), gguf.GGMLQuantizationType.F32),
     ]
+    if head is not None:
+        tensors.append(
+            ("output.weight", raw_blocks(head, vocab, hidden, seed=99, unit=1e-3), gguf.GGMLQuantizationType[head])
+        )
     for i in range(layers):
         more = more_bits if i == 0 else base
         shapes = {

@@ -15,12 +15,12 @@ from typing import get_args
 import torch
 
 from tokenloom.config import KVCacheDType
+from tokenloom.model import platform
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_linear import served_weight_bytes
 from tokenloom.model.loader import count_parameters, gguf_file_of, parameter_counts, resolve_checkpoint_dir
-from tokenloom.model.platform import cpu_has_native_bf16
-from tokenloom.model.prepack import can_prepack
-from tokenloom.model.quantization import gguf_linear_available, int8_kernel_isa
+from tokenloom.model.prepack import can_prepack, head_held_once
+from tokenloom.model.quantization import amx_kernel_available, gguf_linear_available, int8_kernel_isa
 
 GiB = 1024**3
 CPU = torch.device("cpu")
@@ -93,42 +93,73 @@ def parameter_count(cfg: ModelConfig) -> int:
 
 
 SCALE_BYTES = 4  # a float32 scale (or an int32 code sum) per output feature of an 8-bit linear
-CODE_SUM_GROUP = 64  # on a CPU, int8 kernels keep a code sum per output and (at most) per this many inputs
+CODE_SUM_GROUP = 64  # inputs a rotation block (quantization.ROTATION_BLOCK): a code sum each, where VNNI runs
 
 
 def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
     """The bytes the engine's weights hold at `dtype` on `device` (model/footprint.py measures them in a loaded
     engine, and the start-up log says them): the parameters at the dtype's bytes, and
     - with 8-bit weights (--quantization int8 | fp8), the decoder's linears at a byte and a scale per output, the
-      rest (embedding, norms, an untied head) in the model's dtype; on a CPU, the int8 kernels' code sums (counted
-      per 64 inputs of an output: exact where the VNNI kernel runs every step, an upper bound elsewhere) and an int8
-      copy of the LM head for the approximate logits (quantization.int8_head);
+      rest (embedding, norms, an untied head) in the model's dtype; on a CPU, an int8 copy of the LM head for the
+      approximate logits (quantization.int8_head) and what the int8 kernels keep beside each linear
+      (_int8_kernel_bytes);
     - with 16- or 32-bit weights on a CPU whose linears are packed (prepack.can_prepack), the LM head's packed copy
-      beside its plain weight, which a tied embedding and the logits' refinement read.
+      beside its plain weight, which a tied embedding and the logits' refinement read; but none in float32 where the
+      packed head gives its rows back (prepack.head_held_once: the embedding looks its tokens up there).
     (With AMX, bf16 layers that oneDNN runs also keep our layout for steps of a few rows, in models under 2 GiB:
     not counted.)"""
     counts = parameter_counts(cfg)
     head = cfg.vocab_size * cfg.hidden_size
-    on_cpu = device.name == "cpu"
     if ELEMENT_BYTES[dtype] > 1:
         held = counts.parameters * ELEMENT_BYTES[dtype]
-        packs = on_cpu and can_prepack(CPU, TORCH_DTYPES[dtype])
-        return held + (head * ELEMENT_BYTES[dtype] if packs else 0)
+        return held + (head * ELEMENT_BYTES[dtype] if _head_copied(cfg, dtype, device) else 0)
     rest = (counts.parameters - counts.linear_weights) * ELEMENT_BYTES[auto_dtype(device)]
     held = counts.linear_weights + counts.linear_outputs * SCALE_BYTES + rest
-    if on_cpu and dtype == "int8" and int8_kernel_isa() is not None:
-        held += counts.linear_weights * SCALE_BYTES // CODE_SUM_GROUP  # the kernels' code sums
-        held += head + cfg.vocab_size * SCALE_BYTES + head * SCALE_BYTES // CODE_SUM_GROUP  # the head's int8 copy
+    if device.name == "cpu" and dtype == "int8" and int8_kernel_isa() is not None:
+        held += head + cfg.vocab_size * SCALE_BYTES  # the head's int8 copy
+        held += _int8_kernel_bytes([*counts.linear_shapes, (cfg.vocab_size, cfg.hidden_size)])
     return held
+
+
+def _int8_kernel_bytes(shapes: list[tuple[int, int]]) -> int:
+    """What quantization.Int8Linear keeps on this CPU beside the codes and scales of [N, K] linears: a float sign per
+    input where K splits into rotation blocks; code sums where our kernels take the shape (16-feature blocks),
+    per output and 64 inputs where our VNNI kernel runs every step (no AMX), per output else; and oneDNN's packing
+    (a byte a weight, an int64 zero point per output) where no kernel of ours runs every step of it (AMX's tiles
+    take N a multiple of 32 and K of 64)."""
+    amx = amx_kernel_available()
+    vnni_every_step = not amx and int8_kernel_isa() == "avx512_vnni"
+    held = 0
+    for n, k in shapes:
+        rotated = k % CODE_SUM_GROUP == 0
+        own = n % 16 == 0 and k % 4 == 0
+        held += SCALE_BYTES * k * rotated
+        if own:
+            held += SCALE_BYTES * n * (k // CODE_SUM_GROUP if vnni_every_step and rotated else 1)
+        if not own or (amx and (n % 32 or k % 64)):
+            held += n * k + 8 * n
+    return held
+
+
+def _head_copied(cfg: ModelConfig, dtype: str, device: Accelerator) -> bool:
+    """Whether the engine holds the LM head in a copy of its own beside the plain weight (16- or 32-bit weights)."""
+    if device.name != "cpu" or not can_prepack(CPU, TORCH_DTYPES[dtype]):
+        return False
+    return not head_held_once(TORCH_DTYPES[dtype], cfg.vocab_size)
 
 
 def weights_read_per_step(cfg: ModelConfig, held: int, dtype: str, device: Accelerator, gguf_blocks: bool) -> int:
     """Of the weights held, what a decode step streams: all but the embedding table (of which it reads a row a token)
-    where the LM head is held apart from it: a head of its own, or on a CPU the head's own copy (packed, int8, or a
-    GGUF's blocks beside the float32 table)."""
-    if device.name != "cpu" and cfg.tie_word_embeddings:
+    where the LM head is held apart from it: a head of its own, or on a CPU the head's own copy (packed beside the
+    plain table, or int8). A GGUF's blocks serve a tied head and the lookups alike; an untied one's embedding is
+    estimated at the file's mean bytes a weight."""
+    tied = cfg.tie_word_embeddings
+    if gguf_blocks:
+        return held if tied else held - cfg.vocab_size * cfg.hidden_size * held // parameter_counts(cfg).parameters
+    apart = not tied or (ELEMENT_BYTES[dtype] == 1 and device.name == "cpu") or _head_copied(cfg, dtype, device)
+    if not apart:
         return held  # the head is the table
-    element = 4 if gguf_blocks else ELEMENT_BYTES[dtype if ELEMENT_BYTES[dtype] > 1 else auto_dtype(device)]
+    element = ELEMENT_BYTES[dtype if ELEMENT_BYTES[dtype] > 1 else auto_dtype(device)]
     return held - cfg.vocab_size * cfg.hidden_size * element
 
 
@@ -351,7 +382,7 @@ def as_the_engine_runs(
 
 def auto_dtype(device: Accelerator) -> str:
     """The engine's dtype auto: bf16 on accelerators and on a CPU that multiplies bf16 natively, else float32."""
-    return "bf16" if device.name != "cpu" or cpu_has_native_bf16() else "fp32"
+    return "bf16" if device.name != "cpu" or platform.cpu_has_native_bf16() else "fp32"  # the engine's lookup
 
 
 def _device(args) -> Accelerator:

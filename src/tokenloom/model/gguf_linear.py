@@ -227,12 +227,29 @@ class GGUFLinear(nn.Module):
         """The weight [N, K] in float32, as gguf's dequantization gives it."""
         blocks, groups, g = self.out_features // BLOCK, self.in_features // self.group, self.group
         if self.bits == 8:
-            codes = self.codes.view(torch.int8).view(blocks, groups, g, BLOCK).float()
+            codes = self.codes.view(torch.int8)
         else:
             pairs = self.codes.view(blocks, groups, g // 2, BLOCK)
-            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).view(blocks, groups, g, BLOCK).float()
-        values = torch.addcmul(self.offsets[:, :, None, :], codes, self.scales[:, :, None, :])
+            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).view(blocks, groups, g, BLOCK)
+        values = _values(codes, self.scales[:, :, None, :], self.offsets[:, :, None, :])  # [blocks, groups, g, 16]
         return values.permute(0, 3, 1, 2).reshape(self.out_features, self.in_features)
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (output features: token ids, of an embedding or LM head) of dequantized(), [len, K] float32 and
+        bit for bit, without making the whole weight: an embedding held as its blocks looks its tokens up here."""
+        blocks, lanes = rows // BLOCK, rows % BLOCK
+        if self.bits == 8:
+            codes = self.codes.view(torch.int8)[blocks, :, :, lanes]  # [len, groups, g]
+        else:
+            pairs = self.codes.view(*self.codes.shape[:2], self.group // 2, BLOCK)[blocks, :, :, lanes]
+            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).flatten(2)  # input 2p low, 2p + 1 high
+        values = _values(codes, self.scales[blocks, :, lanes, None], self.offsets[blocks, :, lanes, None])
+        return values.view(len(rows), self.in_features)
+
+
+def _values(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """code x scale + offset in float32, rounded after each (gguf's dequantization in numpy; never one FMA)."""
+    return codes.float().mul_(scales).add_(offsets)
 
 
 def one_form(forms: list[Form]) -> Form:
@@ -314,23 +331,20 @@ def _groups_of(member: Member) -> Groups:
 def served_weight_bytes(path: Path) -> int:
     """What a GGUF's weights take served from its blocks (serve_gguf), from the file's tensor list alone (no weight
     is read, so a planner can ask of any file): a decoder linear or LM head whose every member gguf_linear reads (16
-    output features a block) holds its codes in one_form's form and a float32 scale and offset per group; every
-    other tensor, the embedding's lookup table among them, is held dequantized in float32; a tied embedding's head
-    is both."""
+    output features a block) holds its codes in one_form's form and a float32 scale and offset per group, and so does
+    an embedding in one of FORMATS (its lookups, and a tied head's logits, read those blocks: head_rows.py); every
+    other tensor is held dequantized in float32, once (a tied head's packed copy is its embedding's table)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     linears = _linear_members(reader)
     held = FLOAT32 * sum(int(t.n_elements) for t in reader.tensors if len(t.shape) != 2)  # norms, biases
-    for key, members in linears.items():
+    for members in linears.values():
         shapes = [_shape_and_form(m) for m in members if m is not None]
         rows, k = sum(n for n, _, _ in shapes), shapes[0][1]
         forms = [form for _, _, form in shapes if form is not None]
         blocks = _blocks_bytes(rows, k, one_form(forms)) if len(forms) == len(members) and rows % BLOCK == 0 else None
-        if key == "embed_tokens":  # its lookup table; where tied, the head over its blocks (or over the table)
-            held += FLOAT32 * rows * k + (blocks or 0 if "lm_head" not in linears else 0)
-        else:
-            held += FLOAT32 * rows * k if blocks is None else blocks
+        held += FLOAT32 * rows * k if blocks is None else blocks
     return held
 
 
@@ -415,6 +429,11 @@ def serve_gguf(model: CausalLM) -> None:
     model.operator_layers_changed()
     head = gguf_head(weights, model.head_weight()) if model.computes_logits else None
     if head is not None:
-        model.serve_head(head)
+        model.serve_head(head)  # in float32 a tied embedding then looks its rows up in the head's blocks
+    if not model.head_is_embedding:  # its own table, which no head keeps: its lookups from its blocks instead
+        table = model.embedding_table()
+        embedding = checked_layer(weights.get("embed_tokens"), None, table, "the embedding")
+        if embedding is not None:
+            model.embed_from(embedding)
     logger.info("served from the GGUF's blocks: %d decoder linears (%d dequantized: not %s), the LM head: %s",
                 replaced, kept, ", ".join(FORMATS), "yes" if head is not None else "no")  # fmt: skip

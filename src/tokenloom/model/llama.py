@@ -19,6 +19,7 @@ from tokenloom.model import cpu_kernel
 from tokenloom.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.forward_context import layer_attention
+from tokenloom.model.head_rows import RowsEmbedding, WeightRows
 from tokenloom.model.parallel import SINGLE, TensorParallelGroup
 from tokenloom.model.prepack import PackedLinear, linear_weight_bytes, prepack_linears, small_batch_copies_pay
 from tokenloom.model.quantization import Int8Linear, int8_head, quantize_linears
@@ -198,13 +199,17 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg.shard(tp.world_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Or, once a CPU holds the table's values in another form, a RowsEmbedding of it (head_rows.py).
+        self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(self.config, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # A classifier's checkpoint (*ForSequenceClassification) has no LM head: the one token its requests sample and
         # drop comes from the embedding, as a tied head's.
         untied = not cfg.tie_word_embeddings and not cfg.num_labels
         self.lm_head: nn.Module | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if untied else None
+        self.head_is_embedding = self.lm_head is None  # the head's weight is the embedding's table
+        self._plain_head_weight: torch.Tensor | None = None  # kept beside a head in another form (prepack_weights)
+        self._head_held_once = False  # no plain weight beside the head's form (hold_head_once)
         # Its classification head: num_labels logits of the final norm's last row (prompt_outputs.py).
         self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
         self._operator_layers: list[OperatorLayer] | None = None
@@ -254,12 +259,15 @@ class CausalLM(nn.Module):
         of each row's best REFINED_TOP_K candidates are computed again in float32, from the float32 normed row.
         With int8 weights every logit comes from the head's int8 copy (quantization.int8_head), refined the same way.
         """
-        head_weight = self.head_weight()
         cpu_operators = stream.device.type == "cpu" and cpu_kernel.has_row_topk()  # every build has both used here
         if cpu_operators:
             normed = torch.ops.tokenloom.rms_norm(stream, self.norm.weight, self.norm.eps)
         else:
             normed = F.rms_norm(stream, (stream.shape[-1],), self.norm.weight.float(), self.norm.eps)
+        if self._head_held_once:  # float32 logits from the head's own form
+            assert self.lm_head is not None
+            return self.lm_head(normed)
+        head_weight = self.head_weight()
         if self._int8_head is not None:  # int8 weights: the int8 head's logits, their best candidates refined below
             logits = self._int8_head.rows_forward(normed.to(head_weight.dtype), out_dtype=torch.float32)
         elif head_weight.dtype == torch.float32:
@@ -277,36 +285,69 @@ class CausalLM(nn.Module):
     def token_logits(self, normed: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits of a few tokens for rows already through the final norm (float32): the head's rows for
         them, exact whatever the head's dtype or packing."""
-        return F.linear(normed, self.head_weight()[token_ids].float())
+        return F.linear(normed, self.head_rows(torch.tensor(token_ids, device=normed.device)))
+
+    def head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's weight's rows for these tokens, float32, exact whatever form the head is held in."""
+        if self._head_held_once:
+            return cast(WeightRows, self.lm_head).weight_rows(token_ids)
+        return self.head_weight()[token_ids].float()
 
     def head_weight(self) -> torch.Tensor:
-        """The LM head's weight as a plain tensor, also once the head itself is prepacked."""
-        plain = getattr(self, "_plain_head_weight", None)
-        if plain is not None:
-            return plain
-        return self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self.embed_tokens.weight
+        """The LM head's weight as a plain tensor, also once the head itself is prepacked (where a plain copy is
+        kept: not after hold_head_once)."""
+        assert not self._head_held_once, "the head keeps no plain weight: head_rows reads its rows"
+        if self._plain_head_weight is not None:
+            return self._plain_head_weight
+        return self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self.embedding_table()
+
+    def embedding_table(self) -> torch.Tensor:
+        """The embedding's table as loaded: not once its lookups read another form of it (embed_from)."""
+        assert isinstance(self.embed_tokens, nn.Embedding), "the embedding's table is held in another form"
+        return self.embed_tokens.weight
 
     def prepack_weights(self, layers: bool = True) -> None:
-        """Every linear's weight (or the LM head's alone) into oneDNN's layout, once (see prepack.py); a tied LM
-        head gets its own copy, where this rank computes logits."""
-        self._plain_head_weight = self.head_weight().detach()  # kept plain: the top logits are refined from it
-        head = self._plain_head_weight
-        head_bytes = head.numel() * head.element_size() if self.computes_logits else 0
+        """Every linear's weight (or the LM head's alone) into oneDNN's layout or ours, once (see prepack.py), where
+        this rank computes logits the LM head's too: held once where our float32 layout gives its rows back
+        (hold_head_once), else with its plain weight kept beside it."""
+        # A served head (serve_head) keeps its own form, an int8 model's logits come from its int8 head: no copy.
+        plain_head = self.lm_head is None or isinstance(self.lm_head, nn.Linear)
+        packs_head = self._int8_head is None and self.computes_logits and plain_head
+        head = None if self._head_held_once or not self.computes_logits else self.head_weight()
+        head_bytes = 0 if head is None else head.numel() * head.element_size()
         small = small_batch_copies_pay(head_bytes + (linear_weight_bytes(self.layers) if layers else 0))
         if layers:
             prepack_linears(self.layers, gated=self.gated_projections, small_batch=small)
             self._operator_layers = None
-        # A tied embedding stays, for lookups. An int8 model's logits come from its int8 head, a served head's
-        # (serve_head) from its own form: no packed copy.
-        plain_head = self.lm_head is None or isinstance(self.lm_head, nn.Linear)
-        if self._int8_head is None and self.computes_logits and plain_head:
-            self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
+        if not packs_head:
+            return
+        self._plain_head_weight = self.head_weight().detach()  # kept plain: the top logits are refined from it
+        self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
+        if self.lm_head.gives_weight_rows:
+            self.hold_head_once()
 
     def serve_head(self, head: nn.Module) -> None:
         """The logits from `head`, a form of the LM head's weight (a GGUF's own blocks: gguf_linear.py), which
-        prepack_weights then leaves; the plain weight is kept, for the refinement of bf16 logits and token_logits."""
+        prepack_weights then leaves; in float32 the head is held once (hold_head_once), else its plain weight is
+        kept for the refinement of bf16 logits."""
         self._plain_head_weight = self.head_weight().detach()
         self.lm_head = head
+        if self._plain_head_weight.dtype == torch.float32:
+            self.hold_head_once()
+
+    def hold_head_once(self) -> None:
+        """Drops the plain weight kept beside the LM head, whose form gives its rows back exactly (head_rows.py) and
+        its logits in float32; a tied embedding then looks its tokens up in that form."""
+        assert self._plain_head_weight is not None and self._plain_head_weight.dtype == torch.float32
+        assert hasattr(self.lm_head, "weight_rows"), "the head's form gives its rows back"
+        if self.head_is_embedding:
+            self.embed_from(cast(nn.Module, self.lm_head))
+        self._plain_head_weight = None
+        self._head_held_once = True
+
+    def embed_from(self, source: nn.Module) -> None:
+        """The embedding's lookups from `source`, another form of its table with weight_rows (head_rows.py)."""
+        self.embed_tokens = RowsEmbedding(source, self.embedding_table().dtype)
 
     def quantize_weights(
         self,

@@ -125,6 +125,7 @@ class ParameterCounts(NamedTuple):
     parameters: int  # all of them, a tied embedding once
     linear_weights: int  # of them, the decoder layers' linear weights (what --quantization int8 | fp8 quantizes)
     linear_outputs: int  # those linears' output features (a scale each, when quantized)
+    linear_shapes: tuple[tuple[int, int], ...]  # those linears' [N, K], layer by layer
 
 
 def count_parameters(config: ModelConfig) -> int:
@@ -140,8 +141,9 @@ def parameter_counts(config: ModelConfig) -> ParameterCounts:
         model = build_on_meta(config, 1)
         linears = [m.weight for m in model.layers.modules() if isinstance(m, nn.Linear)]
         parameters = sum(p.numel() for p in model.parameters())
+        shapes = tuple((w.shape[0], w.shape[1]) for w in linears)
         _PARAMETER_COUNTS[key] = ParameterCounts(
-            parameters, sum(w.numel() for w in linears), sum(w.shape[0] for w in linears)
+            parameters, sum(w.numel() for w in linears), sum(w.shape[0] for w in linears), shapes
         )
     return _PARAMETER_COUNTS[key]
 

@@ -100,9 +100,18 @@ def _takes_f32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         weight.dtype == torch.float32
         and weight.shape[0] % PACK_BLOCK == 0
         and (bias is None or bias.dtype == torch.float32)
-        and cpu_kernel.load_kernel()
-        and cpu_kernel.has_operator("f32_linear")
+        and _f32_linear_built()
     )
+
+
+def _f32_linear_built() -> bool:
+    return cpu_kernel.load_kernel() and cpu_kernel.has_operator("f32_linear")
+
+
+def head_held_once(dtype: torch.dtype, vocab_size: int) -> bool:
+    """Whether a CPU's packed LM head gives its weight's rows back, so that no plain copy is kept beside it
+    (CausalLM.hold_head_once, head_rows.py): float32 in f32_linear's layout."""
+    return dtype == torch.float32 and vocab_size % PACK_BLOCK == 0 and _f32_linear_built()
 
 
 def f32_pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -229,6 +238,18 @@ class PackedLinear(nn.Module):
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle, self.bias, self.out_features, self.amx)
         return self.rows_forward(unit_stride_rows(x)).view(*x.shape[:-1], self.out_features)
+
+    @property
+    def gives_weight_rows(self) -> bool:
+        """Whether weight_rows can read the weight's rows back (f32_linear's layout: the values, only moved)."""
+        return self.own_f32
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` of the weight as given, [len, K] float32, from f32_pack_weight's layout: where nothing else
+        keeps the plain weight, an LM head's exact token logits and a tied embedding's lookups read it here."""
+        assert self.own_f32, "only f32_linear's layout is the weight's values in another order"
+        by_input = self.packed.view(self.packed.shape[0], self.in_features, PACK_BLOCK)
+        return by_input[rows // PACK_BLOCK, :, rows % PACK_BLOCK]
 
     def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """forward for 2-D rows of unit stride (what forward passes, and the C++ operators' step: llama.OperatorLayer,
