@@ -104,10 +104,11 @@ def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
       approximate logits (quantization.int8_head) and what the int8 kernels keep beside each linear
       (_int8_kernel_bytes);
     - with 16- or 32-bit weights on a CPU whose linears are packed (prepack.can_prepack), the LM head's packed copy
-      beside its plain weight, which a tied embedding and the logits' refinement read; but none in float32 where the
-      packed head gives its rows back (prepack.head_held_once: the embedding looks its tokens up there).
-    (With AMX, bf16 layers that oneDNN runs also keep our layout for steps of a few rows, in models under 2 GiB:
-    not counted.)"""
+      beside its plain weight, which a tied embedding and the logits' refinement read; none where the packed head
+      gives its rows back (prepack.head_held_once: the embedding looks its tokens up there), but with AMX a bf16
+      head's oneDNN layout beside ours.
+    (With AMX, bf16 decoder linears that oneDNN runs (misfits of our AMX kernel's 32-multiples) also keep our
+    layout for steps of a few rows, in models under 2 GiB: not counted.)"""
     counts = parameter_counts(cfg)
     head = cfg.vocab_size * cfg.hidden_size
     if ELEMENT_BYTES[dtype] > 1:
@@ -142,10 +143,15 @@ def _int8_kernel_bytes(shapes: list[tuple[int, int]]) -> int:
 
 
 def _head_copied(cfg: ModelConfig, dtype: str, device: Accelerator) -> bool:
-    """Whether the engine holds the LM head in a copy of its own beside the plain weight (16- or 32-bit weights)."""
-    if device.name != "cpu" or not can_prepack(CPU, TORCH_DTYPES[dtype]):
+    """Whether the engine holds the LM head in a copy of its own beside its weight's values (16- or 32-bit weights):
+    the plain weight, or with AMX our bf16 layout beside oneDNN's."""
+    if device.name != "cpu" or ELEMENT_BYTES[dtype] == 1 or not can_prepack(CPU, TORCH_DTYPES[dtype]):
         return False
-    return not head_held_once(TORCH_DTYPES[dtype], cfg.vocab_size)
+    torch_dtype = TORCH_DTYPES[dtype]
+    if torch_dtype == torch.bfloat16 and platform.cpu_has_amx():
+        return True
+    head_and_linears = (cfg.vocab_size * cfg.hidden_size + parameter_counts(cfg).linear_weights) * ELEMENT_BYTES[dtype]
+    return not head_held_once(torch_dtype, cfg.vocab_size, cfg.hidden_size, head_and_linears)
 
 
 def weights_read_per_step(cfg: ModelConfig, held: int, dtype: str, device: Accelerator, gguf_blocks: bool) -> int:

@@ -10,9 +10,10 @@ inputs (16 for Q2_K, Q3_K and Q6_K): every one of these formats is code * scale 
 the 4-bit formats kept 4 bits wide, the 2-, 3-, 5- and 6-bit ones and Q8_0's in a byte, and IQ4's as the value each
 picks from its 16 (in a byte, no offset). ``tokenloom::gguf_linear`` (csrc/f32_linear.cpp) widens each weight to
 float32 by one FMA as it multiplies, rounding as gguf's dequantization does: the outputs are the dequantized model's,
-bit for bit, where that model runs f32_linear (float32, where the operators are built). Other tensors (the
-embeddings' lookup, other formats) are dequantized as before. CPUs with AVX2 and FMA (where f32_linear is built), one
-rank; other activations' dtypes are run in float32 and returned in theirs.
+bit for bit, where that model runs f32_linear (float32, where the operators are built). The embedding's lookups
+read its rows from the same blocks (GGUFLinear.weight_rows: a tied head's, or its own; head_rows.py), so no float32
+table is kept. Other tensors (other formats) are dequantized as before. CPUs with AVX2 and FMA (where f32_linear is
+built), one rank; other activations' dtypes are run in float32 and returned in theirs.
 """
 
 from __future__ import annotations
