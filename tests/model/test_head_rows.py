@@ -38,37 +38,21 @@ def test_a_gguf_weights_rows_are_its_dequantized_rows_bit_for_bit(fmt):
 
 def test_a_packed_float32_weights_rows_are_the_weights():
     needs_operator()
-    if not head_held_once(torch.float32, 64, 40, 0):
+    if not head_held_once(torch.float32, 64):
         pytest.skip("f32_linear is not built on this CPU")
     weight = torch.randn(64, 40)
     layer = PackedLinear(weight, None)
     assert layer.gives_weight_rows
     rows = some_rows(64)
     assert torch.equal(layer.weight_rows(rows), weight[rows])
-
-
-@pytest.mark.parametrize("small_batch", [False, True])
-def test_a_packed_bf16_weights_rows_are_the_weights_where_our_layout_holds_it(small_batch):
-    """Our bf16 layout (the layer's own, or with AMX its small-step copy beside oneDNN's) gives the rows back;
-    oneDNN's opaque layout alone does not."""
-    needs_operator()
-    weight = torch.randn(64, 96).bfloat16()
-    layer = PackedLinear(weight, None, small_batch=small_batch)
-    if not layer.gives_weight_rows:
-        assert layer.bf16_layout() is None and not layer.own and layer.small is None
-        pytest.skip("no layout of ours for this bf16 weight here")
-    rows = some_rows(64)
-    assert torch.equal(layer.weight_rows(rows), weight[rows].float())
-    gated = PackedLinear(weight, None, gated=True)
-    if gated.gated:  # gate and up interleaved: not the weight's order
-        assert gated.bf16_layout() is None and not gated.gives_weight_rows
+    assert not PackedLinear(weight.bfloat16(), None).gives_weight_rows  # bf16's layouts are not kept this way
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])  # a tied LM head, and one of its own
 def test_a_float32_model_holds_its_head_once_with_the_same_embeddings_and_logits(tiny_checkpoints, arch):
     needs_operator()
     model = load_model(str(tiny_checkpoints[arch]), 64, torch.float32, CPU).model
-    if not head_held_once(torch.float32, model.config.vocab_size, model.config.hidden_size, 0):
+    if not head_held_once(torch.float32, model.config.vocab_size):
         pytest.skip("f32_linear is not built on this CPU")
     table, head = model.embedding_table().detach().clone(), model.head_weight().detach().clone()
     loaded = held_weight_bytes(model)
@@ -89,27 +73,10 @@ def test_a_float32_model_holds_its_head_once_with_the_same_embeddings_and_logits
         model.head_weight()
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_a_bf16_head_held_once_gives_the_logits_of_the_head_beside_its_plain_weight(tiny_checkpoints, arch):
-    """In bf16 the top logits are refined in float32 from the head's rows: read from our layout, they are the ones
-    read from the plain weight, bit for bit (refine_top_logits sums both alike)."""
-    needs_operator()
-    path = str(tiny_checkpoints[arch])
-    held_once, plain = (load_model(path, 64, torch.bfloat16, CPU).model for _ in range(2))
-    held_once.prepack_weights()
-    if not held_once._head_held_once:
-        pytest.skip("this CPU keeps no layout of ours for a bf16 head")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PackedLinear, "gives_weight_rows", property(lambda self: False))
-        plain.prepack_weights()
-    assert not plain._head_held_once and held_weight_bytes(held_once) < held_weight_bytes(plain)
-    ids = torch.tensor([[3, 0, 511], [7, 7, 100]])
-    assert torch.equal(held_once.embed_tokens(ids), plain.embed_tokens(ids))
-    for rows in (1, 5, 40):
-        stream = 3 * torch.randn(rows, held_once.config.hidden_size, generator=torch.Generator().manual_seed(rows))
-        assert torch.equal(held_once.compute_logits(stream), plain.compute_logits(stream))
-    normed = torch.randn(2, held_once.config.hidden_size)
-    assert torch.equal(held_once.token_logits(normed, [5, 400]), plain.token_logits(normed, [5, 400]))
+def test_a_bf16_model_keeps_its_plain_head_for_the_refined_logits(tiny_llama):
+    model = load_model(str(tiny_llama), 64, torch.bfloat16, CPU).model
+    model.prepack_weights()
+    assert not isinstance(model.embed_tokens, RowsEmbedding) and model.head_weight().dtype == torch.bfloat16
 
 
 def test_an_untied_gguf_looks_its_tokens_up_in_its_embeddings_blocks(tmp_path, monkeypatch):

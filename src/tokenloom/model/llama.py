@@ -210,7 +210,6 @@ class CausalLM(nn.Module):
         self.head_is_embedding = self.lm_head is None  # the head's weight is the embedding's table
         self._plain_head_weight: torch.Tensor | None = None  # kept beside a head in another form (prepack_weights)
         self._head_held_once = False  # no plain weight beside the head's form (hold_head_once)
-        self._held_head_dtype = torch.float32  # the head's weight's dtype once held so
         # Its classification head: num_labels logits of the final norm's last row (prompt_outputs.py).
         self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
         self._operator_layers: list[OperatorLayer] | None = None
@@ -265,34 +264,23 @@ class CausalLM(nn.Module):
             normed = torch.ops.tokenloom.rms_norm(stream, self.norm.weight, self.norm.eps)
         else:
             normed = F.rms_norm(stream, (stream.shape[-1],), self.norm.weight.float(), self.norm.eps)
-        dtype = self._head_dtype
+        if self._head_held_once:  # float32 logits from the head's own form
+            assert self.lm_head is not None
+            return self.lm_head(normed)
+        head_weight = self.head_weight()
         if self._int8_head is not None:  # int8 weights: the int8 head's logits, their best candidates refined below
-            logits = self._int8_head.rows_forward(normed.to(dtype), out_dtype=torch.float32)
-        elif dtype == torch.float32:
-            return F.linear(normed, self.head_weight()) if self.lm_head is None else self.lm_head(normed)
+            logits = self._int8_head.rows_forward(normed.to(head_weight.dtype), out_dtype=torch.float32)
+        elif head_weight.dtype == torch.float32:
+            return F.linear(normed, head_weight) if self.lm_head is None else self.lm_head(normed)
         else:
-            rounded = normed.to(dtype)
-            logits = (F.linear(rounded, self.head_weight()) if self.lm_head is None else self.lm_head(rounded)).float()
-        if cpu_operators:  # one operator for the five below, reading the plain weight or our bf16 layout of it
-            torch.ops.tokenloom.refine_top_logits(logits, normed, self._refined_from(), REFINED_TOP_K)
+            rounded = normed.to(head_weight.dtype)
+            logits = (F.linear(rounded, head_weight) if self.lm_head is None else self.lm_head(rounded)).float()
+        if cpu_operators:  # one operator for the five below
+            torch.ops.tokenloom.refine_top_logits(logits, normed, head_weight, REFINED_TOP_K)
             return logits
         top = row_topk_indices(logits, REFINED_TOP_K)
-        exact = torch.einsum("rh,rkh->rk", normed, self.head_rows(top.flatten()).view(*top.shape, -1))
+        exact = torch.einsum("rh,rkh->rk", normed, head_weight[top].float())
         return logits.scatter_(1, top, exact)
-
-    @property
-    def _head_dtype(self) -> torch.dtype:
-        """The dtype of the LM head's weight, whatever form it is held in."""
-        return self._held_head_dtype if self._head_held_once else self.head_weight().dtype
-
-    def _refined_from(self) -> torch.Tensor:
-        """What refine_top_logits reads the head's rows from: its plain weight, or where the head is held once in bf16
-        its layout (prepack.PackedLinear.bf16_layout)."""
-        if not self._head_held_once:
-            return self.head_weight()
-        layout = cast(PackedLinear, self.lm_head).bf16_layout()
-        assert layout is not None, "a bf16 head held once keeps our layout"
-        return layout
 
     def token_logits(self, normed: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits of a few tokens for rows already through the final norm (float32): the head's rows for
@@ -320,8 +308,8 @@ class CausalLM(nn.Module):
 
     def prepack_weights(self, layers: bool = True) -> None:
         """Every linear's weight (or the LM head's alone) into oneDNN's layout or ours, once (see prepack.py), where
-        this rank computes logits the LM head's too: held once where one of our layouts gives its rows back
-        (hold_head_once: float32, and bf16 in our layout), else with its plain weight kept beside it."""
+        this rank computes logits the LM head's too: held once where our float32 layout gives its rows back
+        (hold_head_once), else with its plain weight kept beside it."""
         # A served head (serve_head) keeps its own form, an int8 model's logits come from its int8 head: no copy.
         plain_head = self.lm_head is None or isinstance(self.lm_head, nn.Linear)
         packs_head = self._int8_head is None and self.computes_logits and plain_head
@@ -333,7 +321,7 @@ class CausalLM(nn.Module):
             self._operator_layers = None
         if not packs_head:
             return
-        self._plain_head_weight = self.head_weight().detach()  # for the top logits' refinement, unless held once
+        self._plain_head_weight = self.head_weight().detach()  # kept plain: the top logits are refined from it
         self.lm_head = PackedLinear(self._plain_head_weight, None, small_batch=small, amx_kernel=False)
         if self.lm_head.gives_weight_rows:
             self.hold_head_once()
@@ -348,13 +336,12 @@ class CausalLM(nn.Module):
             self.hold_head_once()
 
     def hold_head_once(self) -> None:
-        """Drops the plain weight kept beside the LM head, whose form gives its rows back exactly (head_rows.py); a
-        tied embedding then looks its tokens up in that form."""
-        assert self._plain_head_weight is not None
+        """Drops the plain weight kept beside the LM head, whose form gives its rows back exactly (head_rows.py) and
+        its logits in float32; a tied embedding then looks its tokens up in that form."""
+        assert self._plain_head_weight is not None and self._plain_head_weight.dtype == torch.float32
         assert hasattr(self.lm_head, "weight_rows"), "the head's form gives its rows back"
         if self.head_is_embedding:
             self.embed_from(cast(nn.Module, self.lm_head))
-        self._held_head_dtype = self._plain_head_weight.dtype
         self._plain_head_weight = None
         self._head_held_once = True
 

@@ -108,20 +108,10 @@ def _f32_linear_built() -> bool:
     return cpu_kernel.load_kernel() and cpu_kernel.has_operator("f32_linear")
 
 
-def head_held_once(dtype: torch.dtype, vocab_size: int, hidden_size: int, weight_bytes: int) -> bool:
+def head_held_once(dtype: torch.dtype, vocab_size: int) -> bool:
     """Whether a CPU's packed LM head gives its weight's rows back, so that no plain copy is kept beside it
-    (CausalLM.hold_head_once, head_rows.py): float32 in f32_linear's layout; bf16 where the head keeps our layout
-    (ours without AMX; with AMX our small-step copy beside oneDNN's, where the head's and decoder linears'
-    `weight_bytes` are few enough for it: small_batch_copies_pay)."""
-    if vocab_size % PACK_BLOCK:
-        return False
-    if dtype == torch.float32:
-        return _f32_linear_built()
-    return (
-        dtype == torch.bfloat16
-        and hidden_size % 2 == 0
-        and (_own_linear_available() or small_batch_copies_pay(weight_bytes))
-    )
+    (CausalLM.hold_head_once, head_rows.py): float32 in f32_linear's layout."""
+    return dtype == torch.float32 and vocab_size % PACK_BLOCK == 0 and _f32_linear_built()
 
 
 def f32_pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -251,24 +241,15 @@ class PackedLinear(nn.Module):
 
     @property
     def gives_weight_rows(self) -> bool:
-        """Whether weight_rows can read the weight's rows back: f32_linear's layout, or our bf16 one (the layer's own,
-        not gated, or its small-step copy): the values, only moved."""
-        return self.own_f32 or self.bf16_layout() is not None
-
-    def bf16_layout(self) -> torch.Tensor | None:
-        """The weight in bf16_pack_weight's layout as given (not gated), where the layer keeps one."""
-        return self.packed if self.own and not self.gated else self.small
+        """Whether weight_rows can read the weight's rows back (f32_linear's layout: the values, only moved)."""
+        return self.own_f32
 
     def weight_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows `rows` of the weight as given, [len, K] float32 (bf16 values widened), from one of our layouts: where
-        nothing else keeps the plain weight, an LM head's exact token logits and a tied embedding's lookups read it."""
-        blocks, lanes = rows // PACK_BLOCK, rows % PACK_BLOCK
-        if self.own_f32:
-            return self.packed.view(self.packed.shape[0], self.in_features, PACK_BLOCK)[blocks, :, lanes]
-        layout = self.bf16_layout()
-        assert layout is not None, "only our layouts are the weight's values in another order"
-        pairs = layout.view(layout.shape[0], self.in_features // 2, PACK_BLOCK, 2)[blocks, :, lanes]
-        return pairs.reshape(len(rows), self.in_features).float()
+        """Rows `rows` of the weight as given, [len, K] float32, from f32_pack_weight's layout: where nothing else
+        keeps the plain weight, an LM head's exact token logits and a tied embedding's lookups read it here."""
+        assert self.own_f32, "only f32_linear's layout is the weight's values in another order"
+        by_input = self.packed.view(self.packed.shape[0], self.in_features, PACK_BLOCK)
+        return by_input[rows // PACK_BLOCK, :, rows % PACK_BLOCK]
 
     def rows_forward(self, rows: torch.Tensor) -> torch.Tensor:
         """forward for 2-D rows of unit stride (what forward passes, and the C++ operators' step: llama.OperatorLayer,

@@ -18,7 +18,6 @@
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -114,33 +113,16 @@ at::Tensor row_topk(const at::Tensor& x, int64_t k) {
   return out;
 }
 
-// The float32 dot product of a normed row with one row of the head.
-float dot_with(const float* x, const float* w, int64_t n) {
+// The float32 dot product of a normed row with one row of the head (bf16 values widen exactly).
+template <typename W>
+float dot_with(const float* x, const W* w, int64_t n) {
   float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * w[i];
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * static_cast<float>(w[i]);
   return sum;
 }
 
-constexpr int64_t kPackBlock = 16;  // features per block of bf16_pack_weight's layout (bf16_linear.cpp)
-
-// A bf16 row of the head widened (exactly) into `to`: from a plain row (step 1) or from bf16_pack_weight's layout,
-// where `w` is the row's first pair of inputs and each next pair lies a block's 16 pairs further on. Both forms are
-// summed by one dot_with, so that they give the same logits bit for bit (the build's -ffast-math may vectorize a sum
-// differently for each memory order).
-void widen_row(const c10::BFloat16* w, bool packed, int64_t n, float* to) {
-  if (!packed) {
-    for (int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(w[i]);
-    return;
-  }
-  for (int64_t i = 0; i < n; i += 2, w += 2 * kPackBlock) {
-    to[i] = static_cast<float>(w[0]);
-    to[i + 1] = static_cast<float>(w[1]);
-  }
-}
-
 // In place: each row's k largest logits (approximate ones: a bf16 head's rounded matmul, an int8 head's) computed
-// again in float32 from the row's float32 norm and the head's weight, plain ([vocab, hidden]) or in bf16_pack_weight's
-// layout ([vocab / 16, hidden x 16], where the engine keeps no plain copy: llama.CausalLM.compute_logits). One call
+// again in float32 from the row's float32 norm and the head's plain weight (llama.CausalLM.compute_logits). One call
 // for what took a top-k, a gather of head rows, their widening, a batched matmul and a scatter: at batch 1 those five
 // operators cost ~0.2 ms a token between them.
 void refine_top_logits(at::Tensor logits, const at::Tensor& normed, const at::Tensor& head, int64_t k) {
@@ -150,14 +132,9 @@ void refine_top_logits(at::Tensor logits, const at::Tensor& normed, const at::Te
   TORCH_CHECK(normed.scalar_type() == at::kFloat && normed.dim() == 2 && normed.stride(1) == 1 &&
                   normed.size(0) == logits.size(0),
               "refine_top_logits: normed must be float32 [rows, hidden] with contiguous rows, a row per logits row");
-  const bool packed = head.scalar_type() == at::kBFloat16 && head.dim() == 2 && head.is_contiguous() &&
-                      head.size(0) * kPackBlock == logits.size(1) && head.size(1) == normed.size(1) * kPackBlock &&
-                      normed.size(1) % 2 == 0;
-  TORCH_CHECK(packed || ((head.scalar_type() == at::kFloat || head.scalar_type() == at::kBFloat16) &&
-                         head.dim() == 2 && head.stride(1) == 1 && head.size(0) == logits.size(1) &&
-                         head.size(1) == normed.size(1)),
-              "refine_top_logits: head must be float32 or bfloat16 [vocab, hidden] with contiguous rows, or bfloat16 "
-              "in bf16_pack_weight's layout [vocab / 16, hidden x 16]");
+  TORCH_CHECK((head.scalar_type() == at::kFloat || head.scalar_type() == at::kBFloat16) && head.dim() == 2 &&
+                  head.stride(1) == 1 && head.size(0) == logits.size(1) && head.size(1) == normed.size(1),
+              "refine_top_logits: head must be float32 or bfloat16 [vocab, hidden] with contiguous rows");
   TORCH_CHECK(k >= 1 && k <= kMaxK && k <= logits.size(1), "refine_top_logits: k must be in 1..min(64, vocab)");
   const int64_t rows = logits.size(0), vocab = logits.size(1), hidden = normed.size(1);
   float* lp = logits.mutable_data_ptr<float>();
@@ -167,17 +144,11 @@ void refine_top_logits(at::Tensor logits, const at::Tensor& normed, const at::Te
     float* row = lp + r * logits.stride(0);
     const float* x = np + r * normed.stride(0);
     scan_row(row, vocab, best);
-    std::vector<float> widened(head.scalar_type() == at::kFloat ? 0 : hidden);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t t = best.indices[j];
-      if (head.scalar_type() == at::kFloat) {
-        row[t] = dot_with(x, head.const_data_ptr<float>() + t * head.stride(0), hidden);
-        continue;
-      }
-      const c10::BFloat16* w = head.const_data_ptr<c10::BFloat16>();
-      const int64_t at = packed ? (t / kPackBlock) * head.stride(0) + 2 * (t % kPackBlock) : t * head.stride(0);
-      widen_row(w + at, packed, hidden, widened.data());
-      row[t] = dot_with(x, widened.data(), hidden);
+      row[t] = head.scalar_type() == at::kFloat
+                   ? dot_with(x, head.const_data_ptr<float>() + t * head.stride(0), hidden)
+                   : dot_with(x, head.const_data_ptr<c10::BFloat16>() + t * head.stride(0), hidden);
     }
   };
   tokenloom::WorkSharing::instance().run(rows, body);
