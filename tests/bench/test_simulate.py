@@ -11,7 +11,8 @@ import pytest
 
 from tokenloom import EngineConfig, LLMEngine, SamplingParams
 from tokenloom.advisor.capacity import Target, fewest_replicas, layout_at, parse_prices
-from tokenloom.advisor.plan import accelerator, parameter_count, weights_as_served
+from tokenloom.advisor.plan import accelerator, parameter_count
+from tokenloom.advisor.weights import weights_as_served
 from tokenloom.bench.cost_model import (
     FEATURES,
     Device,

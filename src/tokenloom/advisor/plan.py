@@ -14,20 +14,16 @@ from typing import get_args
 
 import torch
 
+from tokenloom.advisor.weights import ELEMENT_BYTES, auto_dtype, weights_as_served, weights_read_per_step
 from tokenloom.config import KVCacheDType
-from tokenloom.model import platform
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_linear import served_weight_bytes
-from tokenloom.model.loader import count_parameters, gguf_file_of, parameter_counts, resolve_checkpoint_dir
-from tokenloom.model.prepack import can_prepack, head_held_once, small_batch_copies_pay
-from tokenloom.model.quantization import amx_kernel_available, gguf_linear_available, int8_kernel_isa
+from tokenloom.model.loader import count_parameters, gguf_file_of, resolve_checkpoint_dir
+from tokenloom.model.quantization import gguf_linear_available
 
 GiB = 1024**3
 CPU = torch.device("cpu")
 
-ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
-TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 # The engine's 8-bit KV formats (--kv-cache-dtype): a byte per value and a float32 scale per token and KV head.
 KV_8_BIT = tuple(name for name in get_args(KVCacheDType) if name != "auto")
 KV_DTYPES = sorted({*ELEMENT_BYTES, *KV_8_BIT})
@@ -90,84 +86,6 @@ def accelerator(name: str) -> Accelerator:
 def parameter_count(cfg: ModelConfig) -> int:
     """The model's parameters, as its family's model file builds it (model/registry.py), on the meta device."""
     return count_parameters(cfg)
-
-
-SCALE_BYTES = 4  # a float32 scale (or an int32 code sum) per output feature of an 8-bit linear
-CODE_SUM_GROUP = 64  # inputs a rotation block (quantization.ROTATION_BLOCK): a code sum each, where VNNI runs
-
-
-def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
-    """The bytes the engine's weights hold at `dtype` on `device` (model/footprint.py measures them in a loaded
-    engine, and the start-up log says them): the parameters at the dtype's bytes, and
-    - with 8-bit weights (--quantization int8 | fp8), the decoder's linears at a byte and a scale per output, the
-      rest (embedding, norms, an untied head) in the model's dtype; on a CPU, an int8 copy of the LM head for the
-      approximate logits (quantization.int8_head) and what the int8 kernels keep beside each linear
-      (_int8_kernel_bytes);
-    - with 16- or 32-bit weights on a CPU whose linears are packed (prepack.can_prepack), the LM head's packed copy
-      beside its plain weight, which a tied embedding and the logits' refinement read (two with AMX in bf16:
-      _head_copies); but none in float32 where the packed head gives its rows back (prepack.head_held_once: the
-      embedding looks its tokens up there).
-    (With AMX, bf16 decoder linears that oneDNN runs, misfits of our AMX kernel's multiples of 32, also keep our
-    layout for steps of a few rows, in models under 2 GiB: not counted.)"""
-    counts = parameter_counts(cfg)
-    head = cfg.vocab_size * cfg.hidden_size
-    if ELEMENT_BYTES[dtype] > 1:
-        held = counts.parameters * ELEMENT_BYTES[dtype]
-        return held + head * ELEMENT_BYTES[dtype] * _head_copies(cfg, dtype, device)
-    rest = (counts.parameters - counts.linear_weights) * ELEMENT_BYTES[auto_dtype(device)]
-    held = counts.linear_weights + counts.linear_outputs * SCALE_BYTES + rest
-    if device.name == "cpu" and dtype == "int8" and int8_kernel_isa() is not None:
-        held += head + cfg.vocab_size * SCALE_BYTES  # the head's int8 copy
-        held += _int8_kernel_bytes([*counts.linear_shapes, (cfg.vocab_size, cfg.hidden_size)])
-    return held
-
-
-def _int8_kernel_bytes(shapes: list[tuple[int, int]]) -> int:
-    """What quantization.Int8Linear keeps on this CPU beside the codes and scales of [N, K] linears: a float sign per
-    input where K splits into rotation blocks; code sums where our kernels take the shape (16-feature blocks),
-    per output and 64 inputs where our VNNI kernel runs every step (no AMX), per output else; and oneDNN's packing
-    (a byte a weight, an int64 zero point per output) where no kernel of ours runs every step of it (AMX's tiles
-    take N a multiple of 32 and K of 64)."""
-    amx = amx_kernel_available()
-    vnni_every_step = not amx and int8_kernel_isa() == "avx512_vnni"
-    held = 0
-    for n, k in shapes:
-        rotated = k % CODE_SUM_GROUP == 0
-        own = n % 16 == 0 and k % 4 == 0
-        held += SCALE_BYTES * k * rotated
-        if own:
-            held += SCALE_BYTES * n * (k // CODE_SUM_GROUP if vnni_every_step and rotated else 1)
-        if not own or (amx and (n % 32 or k % 64)):
-            held += n * k + 8 * n
-    return held
-
-
-def _head_copies(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
-    """The packed copies of the LM head the engine holds beside its plain weight (16- or 32-bit weights on a CPU,
-    CausalLM.prepack_weights): none where a float32 head gives its rows back, else one, and with AMX a bf16 head's
-    small-step copy in our layout beside oneDNN's, in models under 2 GiB (prepack.small_batch_copies_pay)."""
-    if device.name != "cpu" or ELEMENT_BYTES[dtype] == 1 or not can_prepack(CPU, TORCH_DTYPES[dtype]):
-        return 0
-    torch_dtype = TORCH_DTYPES[dtype]
-    if head_held_once(torch_dtype, cfg.vocab_size):
-        return 0
-    head_and_linears = (cfg.vocab_size * cfg.hidden_size + parameter_counts(cfg).linear_weights) * ELEMENT_BYTES[dtype]
-    return 1 + (torch_dtype == torch.bfloat16 and small_batch_copies_pay(head_and_linears))
-
-
-def weights_read_per_step(cfg: ModelConfig, held: int, dtype: str, device: Accelerator, gguf_blocks: bool) -> int:
-    """Of the weights held, what a decode step streams: all but the embedding table (of which it reads a row a token)
-    where the LM head is held apart from it: a head of its own, or on a CPU the head's own copy (packed beside the
-    plain table, or int8). A GGUF's blocks serve a tied head and the lookups alike; an untied one's embedding is
-    estimated at the file's mean bytes a weight."""
-    tied = cfg.tie_word_embeddings
-    if gguf_blocks:
-        return held if tied else held - cfg.vocab_size * cfg.hidden_size * held // parameter_counts(cfg).parameters
-    apart = not tied or (ELEMENT_BYTES[dtype] == 1 and device.name == "cpu") or _head_copies(cfg, dtype, device) > 0
-    if not apart:
-        return held  # the head is the table
-    element = ELEMENT_BYTES[dtype if ELEMENT_BYTES[dtype] > 1 else auto_dtype(device)]
-    return held - cfg.vocab_size * cfg.hidden_size * element
 
 
 def overhead_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, element_bytes: int) -> int:
@@ -385,11 +303,6 @@ def as_the_engine_runs(
     if gguf is None or ELEMENT_BYTES[dtype] != 4 or tensor_parallel != 1 or not gguf_linear_available(CPU):
         return dtype, kv_dtype, None
     return dtype, kv_dtype, served_weight_bytes(gguf)
-
-
-def auto_dtype(device: Accelerator) -> str:
-    """The engine's dtype auto: bf16 on accelerators and on a CPU that multiplies bf16 natively, else float32."""
-    return "bf16" if device.name != "cpu" or platform.cpu_has_native_bf16() else "fp32"  # the engine's lookup
 
 
 def _device(args) -> Accelerator:
