@@ -17,7 +17,7 @@ from server_process import TINY_KV_POOL_ARGS, ServerProcess
 from tokenloom.advisor.diagnose import Window, diagnose
 from tokenloom.advisor.plan import Accelerator, GiB, accelerator, load_model_config, make_plan, parameter_count
 from tokenloom.model.config import ModelConfig
-from tokenloom.model.prepack import can_prepack, head_held_once
+from tokenloom.model.prepack import can_prepack, takes_f32_layout
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -286,7 +286,7 @@ def test_a_gguf_planned_in_float32_on_this_cpu_counts_the_blocks_it_is_served_fr
     # 4-bit linears and an 8-bit head (its blocks the embedding's lookups too), a float32 scale and offset per 32
     assert served["weights_bytes"] < parameter_count(cfg) * 4 * 0.25
     # the LM head's packed copy, beside the tied embedding it reads, unless it gives its rows back
-    head = cfg.vocab_size * cfg.hidden_size * (not head_held_once(torch.float32, cfg.vocab_size))
+    head = cfg.vocab_size * cfg.hidden_size * (not takes_f32_layout(torch.float32, cfg.vocab_size))
     assert two_ranks["weights_dtype"] == "fp32" and two_ranks["weights_bytes"] == (parameter_count(cfg) + head) * 4
     # bf16: the head's packed copies, as many as this CPU keeps (checked against an engine's in
     # test_the_planned_weights_are_what_the_engine_holds_on_this_cpu)
@@ -338,6 +338,6 @@ def test_the_planned_weights_are_what_the_engine_holds_on_this_cpu(tiny_checkpoi
         parameters = parameter_count(load_model_config(str(checkpoint / "config.json"))[1])
         if weights_dtype != "fp32":
             assert planned > parameters * {"int8": 1, "bf16": 2}[weights_dtype]  # more than parameters x dtype
-        elif head_held_once(torch.float32, TINY_VOCAB):
+        elif takes_f32_layout(torch.float32, TINY_VOCAB):
             assert planned == parameters * 4  # the packed head is the only copy of its weight
         assert planned == held, weights_dtype

@@ -16,7 +16,7 @@ from tokenloom.model.footprint import held_weight_bytes
 from tokenloom.model.gguf_linear import GGUFLinear, gguf_groups
 from tokenloom.model.head_rows import RowsEmbedding
 from tokenloom.model.loader import load_model
-from tokenloom.model.prepack import PackedLinear, head_held_once
+from tokenloom.model.prepack import PackedLinear, takes_f32_layout
 
 CPU = torch.device("cpu")
 
@@ -38,7 +38,7 @@ def test_a_gguf_weights_rows_are_its_dequantized_rows_bit_for_bit(fmt):
 
 def test_a_packed_float32_weights_rows_are_the_weights():
     needs_operator()
-    if not head_held_once(torch.float32, 64):
+    if not takes_f32_layout(torch.float32, 64):
         pytest.skip("f32_linear is not built on this CPU")
     weight = torch.randn(64, 40)
     layer = PackedLinear(weight, None)
@@ -52,7 +52,7 @@ def test_a_packed_float32_weights_rows_are_the_weights():
 def test_a_float32_model_holds_its_head_once_with_the_same_embeddings_and_logits(tiny_checkpoints, arch):
     needs_operator()
     model = load_model(str(tiny_checkpoints[arch]), 64, torch.float32, CPU).model
-    if not head_held_once(torch.float32, model.config.vocab_size):
+    if not takes_f32_layout(torch.float32, model.config.vocab_size):
         pytest.skip("f32_linear is not built on this CPU")
     table, head = model.embedding_table().detach().clone(), model.head_weight().detach().clone()
     loaded = held_weight_bytes(model)

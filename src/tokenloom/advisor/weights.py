@@ -12,8 +12,8 @@ import torch
 from tokenloom.model import platform
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import parameter_counts
-from tokenloom.model.prepack import can_prepack, head_held_once, small_batch_copies_pay
-from tokenloom.model.quantization import amx_kernel_available, int8_kernel_isa
+from tokenloom.model.prepack import can_prepack, small_batch_copies_pay, takes_f32_layout
+from tokenloom.model.quantization import ROTATION_BLOCK, fits_own_kernels, int8_kernel_isa, int8_kernels
 
 
 class Accelerator(Protocol):
@@ -28,7 +28,6 @@ ELEMENT_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "
 TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                 "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 SCALE_BYTES = 4  # a float32 scale (or an int32 code sum) per output feature of an 8-bit linear
-CODE_SUM_GROUP = 64  # inputs a rotation block (quantization.ROTATION_BLOCK): a code sum each, where VNNI runs
 
 
 def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
@@ -40,7 +39,7 @@ def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
       (_int8_kernel_bytes);
     - with 16- or 32-bit weights on a CPU whose linears are packed (prepack.can_prepack), the LM head's packed copy
       beside its plain weight, which a tied embedding and the logits' refinement read (two with AMX in bf16:
-      _head_copies); but none in float32 where the packed head gives its rows back (prepack.head_held_once: the
+      _head_copies); but none in float32 where the packed head gives its rows back (prepack.takes_f32_layout: the
       embedding looks its tokens up there).
     (With AMX, bf16 decoder linears that oneDNN runs, misfits of our AMX kernel's multiples of 32, also keep our
     layout for steps of a few rows, in models under 2 GiB: not counted.)"""
@@ -52,27 +51,27 @@ def weights_as_served(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
     rest = (counts.parameters - counts.linear_weights) * ELEMENT_BYTES[auto_dtype(device)]
     held = counts.linear_weights + counts.linear_outputs * SCALE_BYTES + rest
     if device.name == "cpu" and dtype == "int8" and int8_kernel_isa() is not None:
-        held += head + cfg.vocab_size * SCALE_BYTES  # the head's int8 copy
-        held += _int8_kernel_bytes([*counts.linear_shapes, (cfg.vocab_size, cfg.hidden_size)])
+        shapes = list(counts.linear_shapes)
+        if fits_own_kernels(cfg.vocab_size, cfg.hidden_size):  # the head's int8 copy (quantization.int8_head)
+            held += head + cfg.vocab_size * SCALE_BYTES
+            shapes.append((cfg.vocab_size, cfg.hidden_size))
+        held += _int8_kernel_bytes(shapes)
     return held
 
 
 def _int8_kernel_bytes(shapes: list[tuple[int, int]]) -> int:
-    """What quantization.Int8Linear keeps on this CPU beside the codes and scales of [N, K] linears: a float sign per
-    input where K splits into rotation blocks; code sums where our kernels take the shape (16-feature blocks),
-    per output and 64 inputs where our VNNI kernel runs every step (no AMX), per output else; and oneDNN's packing
-    (a byte a weight, an int64 zero point per output) where no kernel of ours runs every step of it (AMX's tiles
-    take N a multiple of 32 and K of 64)."""
-    amx = amx_kernel_available()
-    vnni_every_step = not amx and int8_kernel_isa() == "avx512_vnni"
+    """What quantization.Int8Linear keeps on this CPU beside the codes and scales of [N, K] linears, in the forms
+    quantization.int8_kernels chooses: a float sign per input where K splits into rotation blocks; code sums for our
+    kernels' layout, per output (and per activation group where there is one); oneDNN's packing (a byte a weight, an
+    int64 zero point per output) where a step reaches it."""
+    wide = int8_kernel_isa() == "avx2"  # the engine's int8: 8-bit activations where the CPU multiplies bytes
     held = 0
     for n, k in shapes:
-        rotated = k % CODE_SUM_GROUP == 0
-        own = n % 16 == 0 and k % 4 == 0
-        held += SCALE_BYTES * k * rotated
-        if own:
-            held += SCALE_BYTES * n * (k // CODE_SUM_GROUP if vnni_every_step and rotated else 1)
-        if not own or (amx and (n % 32 or k % 64)):
+        kernels = int8_kernels(n, k, wide)
+        held += SCALE_BYTES * k * (k % ROTATION_BLOCK == 0)
+        if kernels.own:
+            held += SCALE_BYTES * n * (k // kernels.activation_group if kernels.activation_group else 1)
+        if kernels.onednn:
             held += n * k + 8 * n
     return held
 
@@ -84,7 +83,7 @@ def _head_copies(cfg: ModelConfig, dtype: str, device: Accelerator) -> int:
     if device.name != "cpu" or ELEMENT_BYTES[dtype] == 1 or not can_prepack(CPU, TORCH_DTYPES[dtype]):
         return 0
     torch_dtype = TORCH_DTYPES[dtype]
-    if head_held_once(torch_dtype, cfg.vocab_size):
+    if takes_f32_layout(torch_dtype, cfg.vocab_size):
         return 0
     head_and_linears = (cfg.vocab_size * cfg.hidden_size + parameter_counts(cfg).linear_weights) * ELEMENT_BYTES[dtype]
     return 1 + (torch_dtype == torch.bfloat16 and small_batch_copies_pay(head_and_linears))

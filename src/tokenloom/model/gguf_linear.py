@@ -230,8 +230,7 @@ class GGUFLinear(nn.Module):
         if self.bits == 8:
             codes = self.codes.view(torch.int8)
         else:
-            pairs = self.codes.view(blocks, groups, g // 2, BLOCK)
-            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).view(blocks, groups, g, BLOCK)
+            codes = _split_nibbles(self.codes.view(blocks, groups, g // 2, BLOCK), dim=2)
         values = _values(codes, self.scales[:, :, None, :], self.offsets[:, :, None, :])  # [blocks, groups, g, 16]
         return values.permute(0, 3, 1, 2).reshape(self.out_features, self.in_features)
 
@@ -243,9 +242,15 @@ class GGUFLinear(nn.Module):
             codes = self.codes.view(torch.int8)[blocks, :, :, lanes]  # [len, groups, g]
         else:
             pairs = self.codes.view(*self.codes.shape[:2], self.group // 2, BLOCK)[blocks, :, :, lanes]
-            codes = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).flatten(2)  # input 2p low, 2p + 1 high
+            codes = _split_nibbles(pairs, dim=2)
         values = _values(codes, self.scales[blocks, :, lanes, None], self.offsets[blocks, :, lanes, None])
         return values.view(len(rows), self.in_features)
+
+
+def _split_nibbles(pairs: torch.Tensor, dim: int) -> torch.Tensor:
+    """Bytes of two 4-bit codes along `dim` (input 2p in the low nibble, 2p + 1 in the high) -> the codes, twice as
+    many along it."""
+    return torch.stack([pairs & 0x0F, pairs >> 4], dim=dim + 1).flatten(dim, dim + 1)
 
 
 def _values(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -207,7 +207,6 @@ class CausalLM(nn.Module):
         # drop comes from the embedding, as a tied head's.
         untied = not cfg.tie_word_embeddings and not cfg.num_labels
         self.lm_head: nn.Module | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if untied else None
-        self.head_is_embedding = self.lm_head is None  # the head's weight is the embedding's table
         self._plain_head_weight: torch.Tensor | None = None  # kept beside a head in another form (prepack_weights)
         self._head_held_once = False  # no plain weight beside the head's form (hold_head_once)
         # Its classification head: num_labels logits of the final norm's last row (prompt_outputs.py).
@@ -286,6 +285,11 @@ class CausalLM(nn.Module):
         """Float32 logits of a few tokens for rows already through the final norm (float32): the head's rows for
         them, exact whatever the head's dtype or packing."""
         return F.linear(normed, self.head_rows(torch.tensor(token_ids, device=normed.device)))
+
+    @property
+    def head_is_embedding(self) -> bool:
+        """Whether the LM head's weight is the embedding's table: tied, or a classifier's (no LM head of its own)."""
+        return self.config.tie_word_embeddings or bool(self.config.num_labels)
 
     def head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The LM head's weight's rows for these tokens, float32, exact whatever form the head is held in."""

@@ -96,22 +96,19 @@ def _fits_own_linear(weight: torch.Tensor, bias: torch.Tensor | None, amx_kernel
 def _takes_f32_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether a float32 weight is packed for our f32_linear: whole blocks of 16 output features, and the operator
     built (a CPU with AVX2 and FMA; with AVX-512 its wider tiles)."""
+    return takes_f32_layout(weight.dtype, weight.shape[0]) and (bias is None or bias.dtype == torch.float32)
+
+
+def takes_f32_layout(dtype: torch.dtype, out_features: int) -> bool:
+    """Whether a weight of this dtype and output count takes f32_linear's layout (f32_pack_weight). That layout gives
+    the weight's rows back, so an LM head packed in it is held once, no plain copy beside it (CausalLM.hold_head_once,
+    head_rows.py)."""
     return (
-        weight.dtype == torch.float32
-        and weight.shape[0] % PACK_BLOCK == 0
-        and (bias is None or bias.dtype == torch.float32)
-        and _f32_linear_built()
+        dtype == torch.float32
+        and out_features % PACK_BLOCK == 0
+        and cpu_kernel.load_kernel()
+        and cpu_kernel.has_operator("f32_linear")
     )
-
-
-def _f32_linear_built() -> bool:
-    return cpu_kernel.load_kernel() and cpu_kernel.has_operator("f32_linear")
-
-
-def head_held_once(dtype: torch.dtype, vocab_size: int) -> bool:
-    """Whether a CPU's packed LM head gives its weight's rows back, so that no plain copy is kept beside it
-    (CausalLM.hold_head_once, head_rows.py): float32 in f32_linear's layout."""
-    return dtype == torch.float32 and vocab_size % PACK_BLOCK == 0 and _f32_linear_built()
 
 
 def f32_pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ row's best candidates in float32 from the plain weight, as it does for bf16 logi
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,10 +88,45 @@ def int8_kernel_isa() -> str | None:
     return str(torch.ops.tokenloom.int8_linear_isa())
 
 
-def fits_own_kernels(weight: torch.Tensor) -> bool:
-    """Whether our int8 kernels (VNNI, AVX2, AMX's layout) take this [N, K] weight: 16-feature blocks of 4-byte
+def fits_own_kernels(out_features: int, in_features: int) -> bool:
+    """Whether our int8 kernels (VNNI, AVX2, AMX's layout) take an [N, K] weight: 16-feature blocks of 4-byte
     groups."""
-    return weight.shape[0] % 16 == 0 and weight.shape[1] % 4 == 0
+    return out_features % 16 == 0 and in_features % 4 == 0
+
+
+@dataclass(frozen=True)
+class Int8Kernels:
+    """The kernels that hold and run an int8 [N, K] weight on this CPU: Int8Linear builds these forms, and the planner
+    (advisor/weights.py) counts their bytes from the same choice."""
+
+    own: bool  # packed for our kernels (VNNI or AVX2; AMX reads the same layout), with code sums
+    amx: bool  # our AMX kernel takes the larger steps
+    every_step: bool  # our VNNI or AVX2 kernel runs every step (no AMX)
+    activation_group: int  # inputs per activation scale and per code sum where our VNNI kernel runs every step; else 0
+
+    @property
+    def onednn(self) -> bool:
+        """oneDNN's packing, only where a step can reach it: no kernel of ours for this shape, or AMX's misfits."""
+        return not (self.amx or self.every_step)
+
+
+def int8_kernels(out_features: int, in_features: int, wide: bool) -> Int8Kernels:
+    """Which kernels take an [N, K] int8 weight here; wide: 16-bit activation codes (int8_w8a16, and the AVX2
+    kernel)."""
+    own = fits_own_kernels(out_features, in_features) and int8_kernel_isa() is not None
+    amx_cpu = not wide and amx_kernel_available()
+    # Without AMX our kernel runs every step: oneDNN's int8 matmul saturates without VNNI (int8_linear_avx2.cpp) and,
+    # on the AMD CPU with VNNI measured (Zen 5), ran its reference loops (2.5 s for one 300-row linear).
+    every_step = own and not amx_cpu
+    # One activation scale per 64 inputs (a rotation block) where our VNNI kernel runs every step: no other kernel
+    # reads such codes (see the module's docstring for what it buys).
+    rotated = in_features % ROTATION_BLOCK == 0  # rotation_signs
+    return Int8Kernels(
+        own=own,
+        amx=amx_cpu and own and out_features % 32 == 0 and in_features % 64 == 0,
+        every_step=every_step,
+        activation_group=ROTATION_BLOCK if every_step and not wide and rotated else 0,
+    )
 
 
 def int8_head(weight: torch.Tensor, method: str) -> Int8Linear | None:
@@ -99,7 +135,7 @@ def int8_head(weight: torch.Tensor, method: str) -> Int8Linear | None:
     fallback, ran its reference loops on the AMD CPUs measured."""
     if method not in INT8_METHODS or weight.device.type != "cpu" or int8_kernel_isa() is None:
         return None
-    if not fits_own_kernels(weight):
+    if not fits_own_kernels(*weight.shape):
         return None
     # 8-bit activation codes where the CPU multiplies bytes, for both methods: the refinement makes the best
     # candidates exact, and 16-bit codes multiply at half the rate (slower than the bf16 head from ~64 rows).
@@ -250,8 +286,7 @@ class Int8Linear(nn.Module):
         self.in_features = weight.shape[1]
         isa = int8_kernel_isa()
         wide = activation_bits == 16 or isa == "avx2"
-        fits_own = fits_own_kernels(weight)
-        if wide and not fits_own:
+        if wide and not fits_own_kernels(*weight.shape):
             raise ValueError(
                 f"--quantization int8 with 16-bit activations (on this CPU: {isa}) needs linears of a multiple of 16"
                 f" outputs and of 4 inputs; this one is {weight.shape[0]} x {self.in_features}"
@@ -265,28 +300,22 @@ class Int8Linear(nn.Module):
             weight = rotate(weight.detach().float(), self.signs)
             hessian = None if hessian is None else rotated_hessian(hessian, self.signs)
         codes, self.weight_scale = weight_codes(weight, hessian, codes)
+        kernels = int8_kernels(codes.shape[0], codes.shape[1], wide)
         # The codes packed for our kernels (VNNI and AMX read one layout, with the VNNI kernel's code sums: per
         # feature, or per feature and group of inputs with an activation group), which scale the sums exactly as
         # oneDNN.
         self.own: tuple[torch.Tensor, torch.Tensor] | None = None
-        if fits_own and isa is not None:
+        if kernels.own:
             self.own = torch.ops.tokenloom.int8_pack_weight(codes)
-        amx_cpu = not wide and amx_kernel_available()
-        self.amx = amx_cpu and self.own is not None and codes.shape[0] % 32 == 0 and self.in_features % 64 == 0
-        # Without AMX our kernel runs every step: oneDNN's int8 matmul saturates without VNNI (int8_linear_avx2.cpp)
-        # and, on the AMD CPU with VNNI measured (Zen 5), ran its reference loops (2.5 s for one 300-row linear).
-        every_step = self.own is not None and not amx_cpu
-        self.small_rows = sys.maxsize if every_step else AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
-        # One activation scale per 64 inputs (a rotation block) where our VNNI kernel runs every step: no other kernel
-        # reads such codes (see the module's docstring for what it buys).
-        self.activation_group = ROTATION_BLOCK if every_step and not wide and self.signs is not None else 0
+        self.amx = kernels.amx
+        self.small_rows = sys.maxsize if kernels.every_step else AMX_FROM_ROWS - 1 if self.amx else SMALL_STEP_ROWS
+        self.activation_group = kernels.activation_group
         if self.activation_group and self.own is not None:  # the kernel then reads the code sums group by group
             self.own = (self.own[0], group_code_sums(codes, ROTATION_BLOCK))
         # 16-bit codes as large as int32 sums allow: the kernels multiply 16-bit words (vpmaddwd, vpdpwssd).
         self.activation_max_code = int16_activation_max_code(self.in_features) if wide else 127
         self.shifted_codes = isa == "avx512_vnni" and not wide  # our VNNI kernel's int8 codes + 128: vpdpbusd's bytes
-        # oneDNN's packing only where a step can reach it: no kernel of ours for this shape, or AMX's misfits.
-        onednn = not (self.amx or every_step)
+        onednn = kernels.onednn
         self.packed = torch.ops.onednn.qlinear_prepack(codes, [ROWS_HINT, self.in_features]) if onednn else None
         self.weight_zero_point = torch.zeros(codes.shape[0], dtype=torch.long, device=weight.device) if onednn else None
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)

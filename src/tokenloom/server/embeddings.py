@@ -52,8 +52,8 @@ class EmbeddingRequest(PooledRequest, ChatTemplateOptions):
     dimensions: Annotated[int, Field(ge=1)] | None = None
     normalize: bool = True  # vLLM's
 
-    def pooling(self) -> PoolingParams:
-        return self._scored_by or PoolingParams(self.dimensions, self.normalize)
+    def own_pooling(self) -> PoolingParams:
+        return PoolingParams(self.dimensions, self.normalize)
 
 
 class EmbeddingData(BaseModel):

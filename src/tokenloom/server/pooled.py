@@ -44,7 +44,11 @@ class PooledRequest(_Common):
         self._scored_by = classifier
 
     def pooling(self) -> PoolingParams:
-        return self._scored_by or PoolingParams()
+        """The classifier's pooling where the model is one (score_with), else this endpoint's own."""
+        return self._scored_by or self.own_pooling()
+
+    def own_pooling(self) -> PoolingParams:
+        return PoolingParams()
 
     def sampling_params(
         self,
