@@ -8,8 +8,9 @@ scale per (token, KV head), as the 8-bit cache stores them: so one side can be q
 variants for K: as is; "smoothed", the layer's mean K per channel (from three other prompts, after RoPE) subtracted
 before quantizing and added back (exact for attention, which is unchanged by a shift of every key's score by the same
 q . mean); "rotated", K times a 64 x 64 Hadamard matrix before quantizing and back after (q . k is unchanged by a
-rotation of both). Prints top-1 agreement with transformers' float32 logits, the misses, and the mean KL divergence
-of our distribution from transformers' (more sensitive than top-1 counts at a few hundred positions).
+rotation of both); "first N kept", the first N positions of each sequence (the attention sink) left in bf16, as
+KVQuant and IntactKV keep them. Prints top-1 agreement with transformers' float32 logits, the misses, and the mean KL
+divergence of our distribution from transformers' (more sensitive than top-1 counts at a few hundred positions).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ VARIANTS = [
     (None, None, "-"), ("e4m3", "e4m3", "-"), ("e4m3", None, "-"), (None, "e4m3", "-"), ("e4m3", "e4m3", "smoothed"),
     ("e4m3", "e4m3", "rotated"), ("e4m3", "e4m3", "smoothed+rotated"), ("e5m2", "e5m2", "-"),
     ("e5m2", "e5m2", "smoothed"), ("int8", "int8", "-"), ("int8", "int8", "smoothed"),
+    ("e4m3", "e4m3", "first 1 kept"), ("e4m3", "e4m3", "first 4 kept"), ("e5m2", "e5m2", "first 1 kept"),
 ]  # fmt: skip
 
 
@@ -47,6 +49,11 @@ def round_trip(x: torch.Tensor, code: str) -> torch.Tensor:
     scaled = values / scale
     codes = scaled.round().clamp(-max_code, max_code) if dtype == torch.int8 else scaled.to(dtype).float()
     return (codes * scale).to(x.dtype)
+
+
+def rows_kept(kept: torch.Tensor, original: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
+    """original's rows where kept [T], changed's elsewhere, in original's shape."""
+    return torch.where(kept.view(-1, *[1] * (original.dim() - 1)), original, changed.reshape(original.shape))
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -76,10 +83,11 @@ class FakeQuant:
         if self.collected is not None:  # the first token's K is an outlier (the attention sink): left out
             self.collected[layer].append(k3[1:].float())
         k_code, v_code, how = self.variant
+        kept = slots < (int(how.split()[1]) if how.startswith("first") else 0)  # blocks from 0: slot = position
         if k_code is not None:
-            k = self.prepared_round_trip(k3, k_code, how, layer).reshape(k.shape)
+            k = rows_kept(kept, k, self.prepared_round_trip(k3, k_code, how, layer))
         if v_code is not None:
-            v = round_trip(v.reshape(v.shape[0], -1, self.head_dim), v_code).reshape(v.shape)
+            v = rows_kept(kept, v, round_trip(v.reshape(v.shape[0], -1, self.head_dim), v_code))
         return self.write_kv(cache_k, cache_v, k, v, slots, meta, head_dim)
 
     def prepared_round_trip(self, k: torch.Tensor, code: str, how: str, layer: int) -> torch.Tensor:
