@@ -142,6 +142,19 @@ def test_prefill_operator_matches_causal_attention(dtype, n, past, heads, kv_hea
         torch.ops.tokenloom.prefill_attention(q, k, v, 0.1, own_k[1:])
 
 
+def test_bf16_prefill_takes_amx_tiles_where_the_cpu_has_them():
+    """With AMX the bf16 chunks go to the operator's tile kernel (the parametrised test above then checks it; without
+    AMX the same test checks the AVX-512 BF16 one), and the engine sends them to it rather than to torch's."""
+    from tokenloom.model.attention import uses_prefill_op
+    from tokenloom.model.platform import cpu_has_amx
+
+    needs_prefill_op(torch.bfloat16)
+    granted = cpu_kernel.has_operator("bf16_amx_available") and bool(torch.ops.tokenloom.bf16_amx_available())
+    assert cpu_kernel.prefill_op_uses_amx() == (cpu_has_amx() and granted)
+    assert uses_prefill_op("cpu", torch.bfloat16, 64)
+    assert not uses_prefill_op("torch", torch.bfloat16, 64)
+
+
 def test_the_prefill_operator_refuses_what_it_was_not_built_for():
     needs_prefill_op(torch.float32)
     q, k, out = torch.randn(4, 2, 64), torch.randn(4, 64), torch.empty(4, 2, 64)

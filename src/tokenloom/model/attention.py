@@ -330,9 +330,9 @@ def _kv_heads(num_kv_heads: int, group: int, head_dim: int):
 
 def uses_prefill_op(backend: str, dtype: torch.dtype, head_dim: int) -> bool:
     """Prefill attention through our AVX-512 operator. In float32 wherever it is built: torch's fused kernel took
-    1.1-5.5x its time (benchmarks/prefill_attention_f32.py). In bf16 not where the CPU has AMX: torch's fused attention
-    (its tiles) beat it at every prompt shape measured, 1.1-2.5x (benchmarks/RESULTS.md, "prefill attention with
-    AMX")."""
+    1.1-5.5x its time (benchmarks/prefill_attention_f32.py). In bf16 where the CPU has AMX only when the operator
+    multiplies on its tiles too: torch's fused attention (its tiles) beat the AVX-512 BF16 one at every prompt shape
+    measured, 1.2-3.2x, and the operator's tiles beat torch (benchmarks/prefill_attention_amx.py)."""
     if backend != "cpu" or head_dim not in (64, 128) or not cpu_kernel.has_prefill_op(dtype):
         return False
-    return dtype == torch.float32 or not cpu_has_amx()
+    return dtype == torch.float32 or not cpu_has_amx() or cpu_kernel.prefill_op_uses_amx()

@@ -131,6 +131,12 @@ def has_prefill_op(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+def prefill_op_uses_amx() -> bool:
+    """Whether the bf16 prefill operators multiply on AMX tiles (built for such a CPU, the tiles granted)."""
+    return has_prefill_op(torch.bfloat16) and bool(torch.ops.tokenloom.prefill_attention_uses_amx())
+
+
+@functools.cache
 def has_row_topk() -> bool:
     """tokenloom::row_topk (every build has it), once the operators are built; asked once, not every step."""
     return load_kernel() and has_operator("row_topk")

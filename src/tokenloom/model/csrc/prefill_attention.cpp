@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "avx512_exp.h"
 #include "bf16_vec.h"
 #include "work_sharing.h"
@@ -391,6 +392,173 @@ struct Bf16Keys {
 };
 #endif  // __AVX512BF16__
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+// bf16 on AMX tiles: the same packed blocks as Bf16Keys (K^T's 16 dim pairs by 16 keys and V's 16 key pairs by 16
+// dims are each one B tile as they lie), 16 query rows at a time. A block of 32 keys: the rows' scores in two C tiles
+// (Q's 32-dim A tiles against K^T's), stored for the softmax on AVX-512 (block_softmax, as Bf16Keys), the
+// probabilities rounded to bf16 into one A tile, and its products with V's B tiles added to the rows' float32 sums.
+// The tiles multiply a block's 16 x 32 x HD products in a few instructions each way, where the AVX-512 BF16 kernel
+// issues one dot product per pair: with AMX torch's fused attention was 1.2-3.2x faster than that kernel; this one
+// is the softmax's pace (benchmarks/prefill_attention_amx.py).
+struct AmxBf16Keys : Bf16Keys {
+  static constexpr int kTileRows = tokenloom::amx::kTileRows;
+
+  // C tile (a, b) of T x 2: rows 16a.. of the row tiles, keys (or dims) 16b.. of the pair of B tiles.
+  template <int T>
+  static inline void multiply_pairs() {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (T == 2) {
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+
+  // C tiles 0-1 (and 2-3) into out's rows: 16 rows, 32 columns (16 a tile) each, `stride` bytes apart.
+  template <int T>
+  static inline void store_pairs(float* out, int64_t stride) {
+    const int64_t below = kTileRows * stride / sizeof(float);
+    _tile_stored(0, out, stride);
+    _tile_stored(1, out + 16, stride);
+    if constexpr (T == 2) {
+      _tile_stored(2, out + below, stride);
+      _tile_stored(3, out + below + 16, stride);
+    }
+  }
+
+  template <int T>
+  static inline void zero_pairs() {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (T == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+
+  // Row i's scores for B blocks of keys from k0 (s: B x 32 of them) into probabilities, as bf16 pairs into p: the
+  // keys it cannot see (visible: how many from k0) masked to 0, what it summed before rescaled if this span raises its
+  // maximum, the new probabilities added to its sums. One maximum a span, so a span of two blocks halves its cost.
+  template <int HD, int R, int B>
+  __attribute__((always_inline)) static inline void span_softmax(TileState<HD, R>& st, int i, const float* s,
+                                                                 int64_t visible, float scale, uint32_t* p) {
+    constexpr int kVectors = 2 * B;
+    const __m512 none = _mm512_set1_ps(kNoMax), sc = _mm512_set1_ps(scale);
+    __m512 x[kVectors], most = none;
+    __mmask16 keep[kVectors];
+    for (int c = 0; c < kVectors; ++c) {
+      const int64_t seen = std::clamp<int64_t>(visible - 16 * c, 0, 16);
+      keep[c] = static_cast<__mmask16>((1u << seen) - 1);
+      x[c] = _mm512_mask_mul_ps(none, keep[c], _mm512_load_ps(s + 16 * c), sc);
+      most = _mm512_max_ps(most, x[c]);
+    }
+    const float span_max = _mm512_reduce_max_ps(most);
+    if (span_max > st.row_max[i]) {
+      if (st.row_max[i] != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first span)
+        const __m512 correction = _mm512_set1_ps(std::exp(st.row_max[i] - span_max));
+        for (int l = 0; l < HD / 16; ++l) st.acc[i][l] = _mm512_mul_ps(st.acc[i][l], correction);
+        st.lane_sums[i] = _mm512_mul_ps(st.lane_sums[i], correction);
+      }
+      st.row_max[i] = span_max;
+    }
+    const __m512 m = _mm512_set1_ps(st.row_max[i]);
+    for (int c = 0; c < kVectors; c += 2) {
+      const __m512 lo = _mm512_maskz_mov_ps(keep[c], tokenloom::exp_nonpositive(_mm512_sub_ps(x[c], m)));
+      const __m512 hi = _mm512_maskz_mov_ps(keep[c + 1], tokenloom::exp_nonpositive(_mm512_sub_ps(x[c + 1], m)));
+      st.lane_sums[i] = _mm512_add_ps(st.lane_sums[i], _mm512_add_ps(lo, hi));
+      _mm512_store_si512(p + 8 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+
+  // A span of B blocks of keys from block b for the tile's 16 T rows: their scores, softmax, and probability-weighted
+  // V rows added to their sums. Tiles 4-5 hold the rows' A tiles (queries, then probabilities), 6-7 a pair of B tiles
+  // (K^T for keys 0-15 and 16-31 of a block, then V for 32 dims), 0-3 their products: each B tile loaded serves both
+  // row tiles.
+  template <int HD, int T, int B, typename Blocks>
+  static void attend_span(TileState<HD, 16 * T>& st, const c10::BFloat16 (*q)[HD], const int64_t* seen,
+                          const Blocks& blocks, int64_t b, float scale) {
+    constexpr int kM = kTileRows * T, kLanes = HD / 16, kSpan = B * kKeys;
+    constexpr int64_t q_stride = HD * sizeof(c10::BFloat16), kt_stride = kKeys * sizeof(uint32_t);
+    alignas(64) float s[kM][kSpan];
+    alignas(64) uint32_t p[kM][kSpan / 2];  // a row's probabilities as bf16 pairs: B A tiles' rows
+    alignas(64) float pv[kM][HD];
+    for (int j = 0; j < B; ++j) {
+      const uint32_t* kt = blocks.key(b + j);
+      zero_pairs<T>();
+      for (int c = 0; c < HD / 32; ++c) {  // dims 32c.. against K^T's pair rows 16c..
+        _tile_loadd(4, &q[0][c * 32], q_stride);
+        if constexpr (T == 2) _tile_loadd(5, &q[kTileRows][c * 32], q_stride);
+        _tile_loadd(6, kt + c * 16 * kKeys, kt_stride);
+        _tile_loadd(7, kt + c * 16 * kKeys + 16, kt_stride);
+        multiply_pairs<T>();
+      }
+      store_pairs<T>(&s[0][j * kKeys], kSpan * sizeof(float));
+    }
+    const int64_t k0 = b * kKeys;
+    for (int i = 0; i < kM; ++i) span_softmax<HD, kM, B>(st, i, s[i], seen[i] - k0, scale, p[i]);
+    for (int l = 0; l < kLanes; l += 2) {  // V's key pairs by dims 16l.. and 16(l + 1)..
+      zero_pairs<T>();
+      for (int j = 0; j < B; ++j) {
+        const uint32_t* vt = blocks.value(b + j);
+        _tile_loadd(4, &p[0][j * kKeys / 2], sizeof(p[0]));
+        if constexpr (T == 2) _tile_loadd(5, &p[kTileRows][j * kKeys / 2], sizeof(p[0]));
+        _tile_loadd(6, vt + l * 16, HD * sizeof(uint32_t));
+        _tile_loadd(7, vt + (l + 1) * 16, HD * sizeof(uint32_t));
+        multiply_pairs<T>();
+      }
+      store_pairs<T>(&pv[0][l * 16], HD * sizeof(float));
+    }
+    for (int i = 0; i < kM; ++i) {
+      for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_add_ps(st.acc[i][l], _mm512_load_ps(pv[i] + l * 16));
+    }
+  }
+
+  // 16 T query rows (token and head pairs; rows: how many are real) against every key block any of them sees, two
+  // blocks a span.
+  template <int HD, int T, typename Blocks>
+  static void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, int64_t rows, const Blocks& blocks,
+                          float scale, c10::BFloat16* const* orows) {
+    constexpr int kM = kTileRows * T, kLanes = HD / 16;
+    alignas(64) c10::BFloat16 q[kM][HD];
+    int64_t seen[kM], most = 0;
+    for (int i = 0; i < kM; ++i) {  // a short tile repeats its last row: computed, never written
+      const int64_t row = std::min<int64_t>(i, rows - 1);
+      std::memcpy(q[i], qrows[row], HD * sizeof(c10::BFloat16));
+      seen[i] = keys[row];
+      most = std::max(most, seen[i]);
+    }
+    TileState<HD, kM> st;
+    const int64_t blocks_seen = (most + kKeys - 1) / kKeys;
+    int64_t b = 0;
+    for (; b + 2 <= blocks_seen; b += 2) attend_span<HD, T, 2>(st, q, seen, blocks, b, scale);
+    if (b < blocks_seen) attend_span<HD, T, 1>(st, q, seen, blocks, b, scale);
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
+      for (int l = 0; l < kLanes; ++l) tokenloom::store16(orows[i] + l * 16, _mm512_mul_ps(st.acc[i][l], inv));
+    }
+  }
+
+  template <int HD, typename Blocks>
+  static void attend_rows(const c10::BFloat16* const* qrows, const int64_t* keys, c10::BFloat16* const* orows,
+                          int64_t rows, const Blocks& blocks, float scale) {
+    if (!tokenloom::amx::tiles_permitted()) {
+      Bf16Keys::attend_rows<HD>(qrows, keys, orows, rows, blocks, scale);
+      return;
+    }
+    tokenloom::amx::configure_tiles();  // per call: other code on this thread (oneDNN) may have set its own
+    int64_t r = 0;
+    for (; rows - r > kTileRows; r += 2 * kTileRows) {
+      attend_tile<HD, 2>(qrows + r, keys + r, std::min<int64_t>(2 * kTileRows, rows - r), blocks, scale, orows + r);
+    }
+    if (r < rows) attend_tile<HD, 1>(qrows + r, keys + r, rows - r, blocks, scale, orows + r);
+    _tile_release();
+  }
+};
+using Bf16Kind = AmxBf16Keys;
+#elif defined(__AVX512BF16__)
+using Bf16Kind = Bf16Keys;
+#endif
+
 // One KV head, query tokens [q0, q1) of the chunk, every query head of the group, over the head's packed keys.
 // Where a head's packed key blocks are: one after another (a contiguous context), or, for chunks of a step that
 // share keys, each block one of the step's packed units.
@@ -492,7 +660,7 @@ void for_kind(at::ScalarType dtype, int64_t d, const F& f) {
     return;
   }
 #if defined(__AVX512BF16__)
-  d == 64 ? f(Bf16Keys{}, D64{}) : f(Bf16Keys{}, D128{});
+  d == 64 ? f(Bf16Kind{}, D64{}) : f(Bf16Kind{}, D128{});
 #endif
 }
 
@@ -638,11 +806,21 @@ void paged_prefill_attention(const at::Tensor& q, const at::Tensor& cache_k, con
 
 bool prefill_attention_takes_bf16() { return kTakesBf16; }
 
+// Whether bf16 chunks run on AMX tiles (built for a CPU with AMX, and the tiles granted to the process).
+bool prefill_attention_uses_amx() {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+  return tokenloom::amx::tiles_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenloom, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out) -> ()");
   m.def("prefill_attention_takes_bf16() -> bool", &prefill_attention_takes_bf16);
+  m.def("prefill_attention_uses_amx() -> bool", &prefill_attention_uses_amx);
   m.def(
       "paged_prefill_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor segments, Tensor tables, "
       "Tensor key_units, Tensor unit_sources, int block_size, float scale, Tensor(a!) out) -> ()");
