@@ -1,5 +1,6 @@
 // Causal prefill attention on CPUs with AVX-512: tokenloom::prefill_attention and paged_prefill_attention, in
-// float32 (AVX-512F) and in bfloat16 (where the compiler also targets AVX-512 BF16).
+// float32 (AVX-512F) and in bfloat16 (where the compiler also targets AVX-512 BF16; on AMX tiles where it targets AMX
+// and Linux grants the tiles: AmxBf16Keys).
 //
 // A chunk of n queries at the end of a context of ctx tokens (the first ctx - n are its past) attends to every key
 // up to its own position. Flash-style: keys stream through in blocks of 32 with an online softmax, so no score
