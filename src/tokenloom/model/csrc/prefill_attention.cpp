@@ -59,6 +59,27 @@ struct TileState {
       row_max[i] = kNoMax;
     }
   }
+
+  // Row i's running maximum raised to m where m is higher, what it summed under the old one rescaled (nothing was
+  // summed before its first keys).
+  void raise_max(int i, float m) {
+    if (m <= row_max[i]) return;
+    if (row_max[i] != kNoMax) {
+      const __m512 correction = _mm512_set1_ps(std::exp(row_max[i] - m));
+      for (int l = 0; l < HD / 16; ++l) acc[i][l] = _mm512_mul_ps(acc[i][l], correction);
+      lane_sums[i] = _mm512_mul_ps(lane_sums[i], correction);
+    }
+    row_max[i] = m;
+  }
+
+  // The first `rows` rows' sums over their probabilities' totals, into orows (float32 or bf16 rows of HD).
+  template <typename Elem>
+  void write(int64_t rows, Elem* const* orows) const {
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lane_sums[i]));
+      for (int l = 0; l < HD / 16; ++l) tokenloom::store16(orows[i] + l * 16, _mm512_mul_ps(acc[i][l], inv));
+    }
+  }
 };
 
 // float32: K^T as [HD dims][kKeys] and V as [kKeys][HD], block by block of kKeys. Keys past the end of the context
@@ -275,22 +296,13 @@ inline uint32_t pair_at(const c10::BFloat16* row, int64_t d) {
 template <int HD, int R, bool Half>
 __attribute__((always_inline)) inline void block_softmax(TileState<HD, R>& st, int i, __m512 lo, __m512 hi,
                                                          int64_t visible, float scale, __m512& p_lo, __m512& p_hi) {
-  constexpr int kLanes = HD / 16;
   visible = std::clamp<int64_t>(visible, 0, kKeys);
   const uint32_t keep = visible >= kKeys ? 0xFFFFFFFFu : (1u << visible) - 1;
   const __mmask16 keep_lo = static_cast<__mmask16>(keep), keep_hi = Half ? 0 : static_cast<__mmask16>(keep >> 16);
   const __m512 none = _mm512_set1_ps(kNoMax), sc = _mm512_set1_ps(scale);
   const __m512 s_lo = _mm512_mask_mul_ps(none, keep_lo, lo, sc);
   const __m512 s_hi = Half ? none : _mm512_mask_mul_ps(none, keep_hi, hi, sc);
-  const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi));
-  if (block_max > st.row_max[i]) {
-    if (st.row_max[i] != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first block)
-      const __m512 correction = _mm512_set1_ps(std::exp(st.row_max[i] - block_max));
-      for (int l = 0; l < kLanes; ++l) st.acc[i][l] = _mm512_mul_ps(st.acc[i][l], correction);
-      st.lane_sums[i] = _mm512_mul_ps(st.lane_sums[i], correction);
-    }
-    st.row_max[i] = block_max;
-  }
+  st.raise_max(i, _mm512_reduce_max_ps(_mm512_max_ps(s_lo, s_hi)));
   const __m512 m = _mm512_set1_ps(st.row_max[i]);
   p_lo = _mm512_maskz_mov_ps(keep_lo, tokenloom::exp_nonpositive(_mm512_sub_ps(s_lo, m)));
   p_hi = Half ? _mm512_setzero_ps() : _mm512_maskz_mov_ps(keep_hi, tokenloom::exp_nonpositive(_mm512_sub_ps(s_hi, m)));
@@ -367,7 +379,6 @@ struct Bf16Keys {
   template <int HD, int R, typename Blocks>
   static void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, const Blocks& blocks, float scale,
                           c10::BFloat16* const* orows) {
-    constexpr int kLanes = HD / 16;
     int64_t most = 0;
     for (int i = 0; i < R; ++i) most = std::max(most, keys[i]);
     TileState<HD, R> st;
@@ -376,10 +387,7 @@ struct Bf16Keys {
       attend<HD, R, false>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
     }
     if (k0 < most) attend<HD, R, true>(st, qrows, keys, k0, blocks.key(b), blocks.value(b), scale);
-    for (int i = 0; i < R; ++i) {
-      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
-      for (int l = 0; l < kLanes; ++l) tokenloom::store16(orows[i] + l * 16, _mm512_mul_ps(st.acc[i][l], inv));
-    }
+    st.write(R, orows);
   }
 
   template <int HD, typename Blocks>
@@ -395,12 +403,13 @@ struct Bf16Keys {
 
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 // bf16 on AMX tiles: the same packed blocks as Bf16Keys (K^T's 16 dim pairs by 16 keys and V's 16 key pairs by 16
-// dims are each one B tile as they lie), 16 query rows at a time. A block of 32 keys: the rows' scores in two C tiles
-// (Q's 32-dim A tiles against K^T's), stored for the softmax on AVX-512 (block_softmax, as Bf16Keys), the
-// probabilities rounded to bf16 into one A tile, and its products with V's B tiles added to the rows' float32 sums.
-// The tiles multiply a block's 16 x 32 x HD products in a few instructions each way, where the AVX-512 BF16 kernel
-// issues one dot product per pair: with AMX torch's fused attention was 1.2-3.2x faster than that kernel; this one
-// is the softmax's pace (benchmarks/prefill_attention_amx.py).
+// dims are each one B tile as they lie), 32 query rows at a time (two A tiles; a last tile of 16 or fewer takes one).
+// A span of two blocks of keys: the rows' scores in C tiles (Q's 32-dim A tiles against K^T's), stored for the online
+// softmax on AVX-512 (one maximum a row a span), the probabilities rounded to bf16 into A tiles, and their products
+// with V's B tiles added to the rows' float32 sums. The tiles multiply a block's 32 x 32 x HD products in a few
+// instructions each way, where the AVX-512 BF16 kind issues one dot product per pair: with AMX torch's fused attention
+// was 1.2-3.2x faster than that kind; this one is 0.46-0.78x torch's time, at the softmax's pace
+// (benchmarks/prefill_attention_amx.py).
 struct AmxBf16Keys : Bf16Keys {
   static constexpr int kTileRows = tokenloom::amx::kTileRows;
 
@@ -453,15 +462,7 @@ struct AmxBf16Keys : Bf16Keys {
       x[c] = _mm512_mask_mul_ps(none, keep[c], _mm512_load_ps(s + 16 * c), sc);
       most = _mm512_max_ps(most, x[c]);
     }
-    const float span_max = _mm512_reduce_max_ps(most);
-    if (span_max > st.row_max[i]) {
-      if (st.row_max[i] != kNoMax) {  // rescale what was summed under the old maximum (nothing yet on the first span)
-        const __m512 correction = _mm512_set1_ps(std::exp(st.row_max[i] - span_max));
-        for (int l = 0; l < HD / 16; ++l) st.acc[i][l] = _mm512_mul_ps(st.acc[i][l], correction);
-        st.lane_sums[i] = _mm512_mul_ps(st.lane_sums[i], correction);
-      }
-      st.row_max[i] = span_max;
-    }
+    st.raise_max(i, _mm512_reduce_max_ps(most));
     const __m512 m = _mm512_set1_ps(st.row_max[i]);
     for (int c = 0; c < kVectors; c += 2) {
       const __m512 lo = _mm512_maskz_mov_ps(keep[c], tokenloom::exp_nonpositive(_mm512_sub_ps(x[c], m)));
@@ -519,7 +520,7 @@ struct AmxBf16Keys : Bf16Keys {
   template <int HD, int T, typename Blocks>
   static void attend_tile(const c10::BFloat16* const* qrows, const int64_t* keys, int64_t rows, const Blocks& blocks,
                           float scale, c10::BFloat16* const* orows) {
-    constexpr int kM = kTileRows * T, kLanes = HD / 16;
+    constexpr int kM = kTileRows * T;
     alignas(64) c10::BFloat16 q[kM][HD];
     int64_t seen[kM], most = 0;
     for (int i = 0; i < kM; ++i) {  // a short tile repeats its last row: computed, never written
@@ -533,10 +534,7 @@ struct AmxBf16Keys : Bf16Keys {
     int64_t b = 0;
     for (; b + 2 <= blocks_seen; b += 2) attend_span<HD, T, 2>(st, q, seen, blocks, b, scale);
     if (b < blocks_seen) attend_span<HD, T, 1>(st, q, seen, blocks, b, scale);
-    for (int64_t i = 0; i < rows; ++i) {
-      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.lane_sums[i]));
-      for (int l = 0; l < kLanes; ++l) tokenloom::store16(orows[i] + l * 16, _mm512_mul_ps(st.acc[i][l], inv));
-    }
+    st.write(rows, orows);
   }
 
   template <int HD, typename Blocks>
