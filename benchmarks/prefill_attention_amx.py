@@ -1,6 +1,7 @@
 """Prefill attention per layer (SmolLM2-135M's heads: 9 query, 3 KV, head size 64, bf16): our C++ operator
-(csrc/prefill_attention.cpp, AVX-512 BF16) against torch's fused scaled_dot_product_attention (which uses AMX tiles
-where the CPU has them), for prompt chunks with and without a cached past.
+(csrc/prefill_attention.cpp: on AMX tiles where the CPU has them and grants them, else AVX-512 BF16) against torch's
+fused scaled_dot_product_attention (which uses AMX tiles where the CPU has them), for prompt chunks with and without a
+cached past; a past is given to torch's path as the engine gives it (attended apart where that pays, else masked).
 
     .venv/bin/python benchmarks/prefill_attention_amx.py
 """
@@ -46,6 +47,7 @@ def compare(q_len: int, past: int) -> tuple[float, float]:
 
 def main() -> None:
     assert cpu_kernel.has_prefill_op(torch.bfloat16), "the bf16 prefill operator is built only with AVX-512 BF16"
+    print("operator on AMX tiles:", cpu_kernel.prefill_op_uses_amx())
     for q_len, past in SHAPES:
         ours, fused = compare(q_len, past)
         print(f"q={q_len} past={past}: ours {ours:.2f} ms, torch sdpa {fused:.2f} ms, ratio {ours / fused:.2f}")
