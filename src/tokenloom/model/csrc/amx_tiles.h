@@ -31,6 +31,7 @@ constexpr int kRows = 2 * kTileRows;           // rows of a block: two A tiles
 constexpr int kBlockFeatures = 2 * kFeatures;  // features of a block: two B tiles
 constexpr int64_t kTileBytes = 64 * 16;        // one packed B tile
 constexpr int64_t kRowBlocksPerUnit = 4;
+constexpr int64_t kWeightInL2 = 1 << 20;
 
 // Linux hands a process the AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA).
 inline bool tiles_permitted() {
@@ -76,11 +77,13 @@ template <typename Body>
 void for_units(const void* a, int64_t stride, int64_t row_bytes, int64_t m, int64_t feature_blocks, const Body& body) {
   const int64_t row_blocks = (m + kRows - 1) / kRows;
   const int64_t row_groups = (row_blocks + kRowBlocksPerUnit - 1) / kRowBlocksPerUnit;
-  const int64_t groups = std::min(feature_blocks, std::max<int64_t>(1, (8 + row_groups - 1) / row_groups));
+  const int64_t fitting = std::max<int64_t>(1, kWeightInL2 / (row_bytes * kBlockFeatures));  // blocks whose weight fits
+  const int64_t groups = std::min(feature_blocks, std::max({(8 + row_groups - 1) / row_groups,
+                                                            (feature_blocks + fitting - 1) / fitting, int64_t{1}}));
   const int64_t per_group = (feature_blocks + groups - 1) / groups;
   const auto* base = static_cast<const uint8_t*>(a);
   const std::function<void(int64_t)> unit = [&](int64_t u) {
-    const int64_t row = (u / groups) * kRowBlocksPerUnit * kRows, g = u % groups;
+    const int64_t g = u / row_groups, row = (u % row_groups) * kRowBlocksPerUnit * kRows;
     const int64_t rows = std::min<int64_t>(kRowBlocksPerUnit * kRows, m - row);
     const int64_t first = g * per_group, last = std::min(feature_blocks, first + per_group);
     if (first >= last) return;
@@ -124,8 +127,8 @@ template <typename Multiply>
 inline void accumulate_block(const uint8_t* a, int64_t lda, const uint8_t* b0, const uint8_t* b1, int64_t k_tiles) {
   zero_block();
   for (int64_t t = 0; t < k_tiles; ++t) {
-    _tile_loadd(4, a + t * 64, lda);
-    _tile_loadd(5, a + kTileRows * lda + t * 64, lda);
+    _tile_stream_loadd(4, a + t * 64, lda);
+    _tile_stream_loadd(5, a + kTileRows * lda + t * 64, lda);
     _tile_loadd(6, b0 + t * kTileBytes, 64);
     _tile_loadd(7, b1 + t * kTileBytes, 64);
     Multiply::four();
