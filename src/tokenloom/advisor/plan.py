@@ -12,9 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import get_args
 
-import torch
-
-from tokenloom.advisor.weights import ELEMENT_BYTES, auto_dtype, weights_as_served, weights_read_per_step
+from tokenloom.advisor.weights import CPU, ELEMENT_BYTES, auto_dtype, weights_as_served, weights_read_per_step
 from tokenloom.config import KVCacheDType
 from tokenloom.model.config import ModelConfig
 from tokenloom.model.gguf_linear import served_weight_bytes
@@ -22,7 +20,6 @@ from tokenloom.model.loader import count_parameters, gguf_file_of, resolve_check
 from tokenloom.model.quantization import gguf_linear_available
 
 GiB = 1024**3
-CPU = torch.device("cpu")
 
 # The engine's 8-bit KV formats (--kv-cache-dtype): a byte per value and a float32 scale per token and KV head.
 KV_8_BIT = tuple(name for name in get_args(KVCacheDType) if name != "auto")

@@ -401,7 +401,12 @@ struct Bf16Keys {
 };
 #endif  // __AVX512BF16__
 
+// The bf16 kinds on AMX tiles: built for a CPU with AMX (and Linux, which grants the tiles on request).
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define TOKENLOOM_PREFILL_ON_AMX 1
+#endif
+
+#if defined(TOKENLOOM_PREFILL_ON_AMX)
 // bf16 on AMX tiles: the same packed blocks as Bf16Keys (K^T's 16 dim pairs by 16 keys and V's 16 key pairs by 16
 // dims are each one B tile as they lie), 32 query rows at a time (two A tiles; a last tile of 16 or fewer takes one).
 // A span of two blocks of keys: the rows' scores in C tiles (Q's 32-dim A tiles against K^T's), stored for the online
@@ -807,7 +812,7 @@ bool prefill_attention_takes_bf16() { return kTakesBf16; }
 
 // Whether bf16 chunks run on AMX tiles (built for a CPU with AMX, and the tiles granted to the process).
 bool prefill_attention_uses_amx() {
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(TOKENLOOM_PREFILL_ON_AMX)
   return tokenloom::amx::tiles_permitted();
 #else
   return false;
