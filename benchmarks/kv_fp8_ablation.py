@@ -9,8 +9,11 @@ variants for K: as is; "smoothed", the layer's mean K per channel (from three ot
 before quantizing and added back (exact for attention, which is unchanged by a shift of every key's score by the same
 q . mean); "rotated", K times a 64 x 64 Hadamard matrix before quantizing and back after (q . k is unchanged by a
 rotation of both); "first N kept", the first N positions of each sequence (the attention sink) left in bf16, as
-KVQuant and IntactKV keep them. Prints top-1 agreement with transformers' float32 logits, the misses, and the mean KL
-divergence of our distribution from transformers' (more sensitive than top-1 counts at a few hundred positions).
+KVQuant and IntactKV keep them; "query-weighted", each key's values rounded one after another with GPTQ's error
+feedback under the metric E[q q^T] of the queries that read it (measured on the three other prompts, after RoPE), so
+the rounding errors that survive lie where queries rarely point. Prints top-1 agreement with transformers' float32
+logits, the misses, and the mean KL divergence of our distribution from transformers' (more sensitive than top-1
+counts at a few hundred positions). `--only - query-weighted` runs the variants whose K preparation is named.
 """
 
 from __future__ import annotations
@@ -38,17 +41,41 @@ VARIANTS = [
     ("e4m3", "e4m3", "rotated"), ("e4m3", "e4m3", "smoothed+rotated"), ("e5m2", "e5m2", "-"),
     ("e5m2", "e5m2", "smoothed"), ("int8", "int8", "-"), ("int8", "int8", "smoothed"),
     ("e4m3", "e4m3", "first 1 kept"), ("e4m3", "e4m3", "first 4 kept"), ("e5m2", "e5m2", "first 1 kept"),
+    ("e4m3", "e4m3", "query-weighted"), ("e4m3", None, "query-weighted"), ("int8", "int8", "query-weighted"),
 ]  # fmt: skip
 
 
 def round_trip(x: torch.Tensor, code: str) -> torch.Tensor:
     """x [T, H, d] through one code per value and one float32 scale per (token, head), back in x's dtype."""
-    dtype, max_code = CODES[code]
     values = x.float()
-    scale = values.abs().amax(-1, keepdim=True).clamp_min(1e-30) / max_code
-    scaled = values / scale
-    codes = scaled.round().clamp(-max_code, max_code) if dtype == torch.int8 else scaled.to(dtype).float()
+    scale = values.abs().amax(-1, keepdim=True).clamp_min(1e-30) / CODES[code][1]
+    return (to_codes(values / scale, code) * scale).to(x.dtype)
+
+
+def to_codes(scaled: torch.Tensor, code: str) -> torch.Tensor:
+    dtype, max_code = CODES[code]
+    scaled = scaled.clamp(-max_code, max_code)
+    return scaled.round() if dtype == torch.int8 else scaled.to(dtype).float()
+
+
+def query_weighted_round_trip(x: torch.Tensor, code: str, factor: torch.Tensor) -> torch.Tensor:
+    """round_trip, each value's rounding error carried into the key's later values as GPTQ carries a weight row's:
+    factor [H, d, d] is the upper Cholesky factor of the inverse of each KV head's E[q q^T]."""
+    values = x.float()
+    scale = values.abs().amax(-1, keepdim=True).clamp_min(1e-30) / CODES[code][1]
+    left, codes = values / scale, torch.empty_like(values)
+    for i in range(values.shape[-1]):
+        codes[..., i] = to_codes(left[..., i], code)
+        carried = (left[..., i] - codes[..., i]) / factor[:, i, i]
+        left[..., i + 1 :] -= carried[..., None] * factor[:, i, i + 1 :]
     return (codes * scale).to(x.dtype)
+
+
+def error_factor(second_moment: torch.Tensor, damping: float = 0.01) -> torch.Tensor:
+    """[H, d, d] E[q q^T] -> the upper Cholesky factor of each head's damped inverse, as GPTQ takes it."""
+    h = second_moment.double()
+    h = h + damping * h.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * torch.eye(h.shape[-1], dtype=h.dtype)
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
 
 
 def rows_kept(kept: torch.Tensor, original: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
@@ -72,9 +99,19 @@ class FakeQuant:
         self.variant: tuple[str | None, str | None, str] = (None, None, "-")
         self.means: list[torch.Tensor] | None = None
         self.collected: list[list[torch.Tensor]] | None = None
+        self.queries: list[list[torch.Tensor]] | None = None
+        self.factors: list[torch.Tensor] = []
         self.rotation = hadamard(head_dim)
-        self.write_kv = llama.write_kv
-        llama.write_kv = self
+        self.write_kv, self.apply_rotary = llama.write_kv, llama.apply_rotary
+        llama.write_kv, llama.apply_rotary = self, self.rotary
+
+    def rotary(self, q, k, cos, sin):
+        q, k = self.apply_rotary(q, k, cos, sin)
+        if self.queries is not None:  # each KV head's queries: its group of query heads, after RoPE
+            layer = sum(map(len, self.queries)) % self.num_layers  # one call a layer, in order
+            grouped = q.float().view(q.shape[0], k.shape[1], -1, self.head_dim).transpose(0, 1)
+            self.queries[layer].append(grouped.reshape(k.shape[1], -1, self.head_dim))
+        return q, k
 
     def __call__(self, cache_k, cache_v, k, v, slots, meta, head_dim):
         layer = self.calls % self.num_layers
@@ -92,6 +129,8 @@ class FakeQuant:
 
     def prepared_round_trip(self, k: torch.Tensor, code: str, how: str, layer: int) -> torch.Tensor:
         assert self.means is not None, "calibrate first"
+        if how == "query-weighted":
+            return query_weighted_round_trip(k, code, self.factors[layer])
         mean = self.means[layer] if "smoothed" in how else torch.zeros_like(self.means[layer])
         rotation = self.rotation if "rotated" in how else torch.eye(self.head_dim)
         x = ((k.float() - mean) @ rotation).to(k.dtype)
@@ -99,12 +138,16 @@ class FakeQuant:
 
     def calibrate(self, engine: LLMEngine, prompts: list[str]) -> None:
         self.collected = [[] for _ in range(self.num_layers)]
+        self.queries = [[] for _ in range(self.num_layers)]
         for prompt in prompts:
             ids = engine.tokenizer.encode(prompt)
             self.calls = 0
             step_logits(engine, Request("calibration", ids, SamplingParams()), 0, len(ids))
         self.means = [torch.cat(keys).mean(0) for keys in self.collected]
-        self.collected = None
+        for queries in self.queries:
+            q = torch.cat(queries, 1)
+            self.factors.append(error_factor(q.transpose(1, 2) @ q / q.shape[1]))
+        self.collected = self.queries = None
 
 
 def measure(engine: LLMEngine, sequences: list[tuple[list[int], int, torch.Tensor]]) -> tuple[int, int, float]:
@@ -125,6 +168,7 @@ def measure(engine: LLMEngine, sequences: list[tuple[list[int], int, torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=160)
+    parser.add_argument("--only", nargs="*", help="variants whose K preparation is one of these (default: all)")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig.from_kwargs(num_kv_blocks=64, attention_backend="torch"))
     sequences = [(ids, n, logits.log_softmax(-1)) for ids, n, logits in teacher_sequences(engine, args.new_tokens)]
@@ -132,7 +176,7 @@ def main() -> None:
     fake = FakeQuant(config.num_layers, config.head_dim)
     fake.calibrate(engine, CHATS)
     print("| K | V | K prepared | top-1 | misses | mean KL x 1e3 |\n|---|---|---|---:|---:|---:|")
-    for variant in VARIANTS:
+    for variant in [v for v in VARIANTS if not args.only or v[2] in args.only]:
         fake.variant, fake.calls = variant, 0
         agree, total, kl = measure(engine, sequences)
         k_code, v_code, how = variant
