@@ -1,5 +1,5 @@
-// What our AMX kernels share (amx_int8_linear.cpp, amx_bf16_linear.cpp): the process's permission to use the tiles,
-// one tile configuration, and the split of a step into units of work.
+// What our AMX kernels share (amx_int8_linear.cpp, amx_bf16_linear.cpp; paged_attention.cpp the first two): the
+// process's permission to use the tiles, one tile configuration, and the split of a step into units of work.
 //
 // Every kernel holds a 32 x 32 block of sums in tiles 0-3 (rows 0-15 and 16-31 by features 0-15 and 16-31), the
 // block's two A tiles (16 rows of 64 bytes: 64 int8 or 32 bf16 inputs) in 4-5 and its two B tiles (the packed

@@ -4,7 +4,9 @@
 // Plain PyTorch must first copy each context out of its scattered blocks (a gather) before it can multiply;
 // this kernel reads every cached row in place, once. Work is split over (sequence, KV head) pairs: the query
 // heads that share a KV head are served by the same pass over its rows; a long context's pair is cut further into
-// up to one split per thread, merged after (decode_all), so one sequence keeps every thread busy.
+// up to one split per thread, merged after (decode_all), so one sequence keeps every thread busy. A bf16 cache read
+// with AVX-512 BF16 goes by whole sequences instead where there are enough of them (attend_bf16_rows: every KV head
+// of a row in one sweep, which memory streams faster), on AMX tiles where the CPU has them (amx_chunk).
 // Softmax and sums are in float32 whatever the storage dtype. The float32 path with AVX-512 (attend_f32_avx512) or
 // AVX2 and FMA (attend_f32_avx2) sweeps K and V in chunks as the bf16 one does; elsewhere, and for bfloat16 without
 // AVX-512 BF16, rows are widened as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its
@@ -22,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "avx512_exp.h"
 #include "bf16_vec.h"
 #include "kv_codes.h"
@@ -78,6 +81,11 @@ struct HeadsOut {
   // The head's softmax denominator, exp(run_max) x run_sum: what weighs this split against the others.
   void denominator(int64_t h, float run_max, float run_sum) const {
     if (lse != nullptr) lse[h] = run_max + std::log(run_sum);
+  }
+  // The same, from query head `head` on (heads of hd dims each).
+  HeadsOut from(int64_t head, int64_t hd) const {
+    if (split != nullptr) return {out, split + head * hd, lse + head};
+    return {out + head * hd};
   }
 };
 
@@ -432,8 +440,38 @@ inline void widen_rows(const uint8_t* const* raw, c10::BFloat16* widened, const 
   }
 }
 
+// The running state of `heads` query heads over a context streamed in chunks of kBf16Chunk keys, head by head (a
+// KV head's group is the state from its first query head on): each head's scores and bf16 probabilities for the
+// chunk, its p.v accumulators (per 32 dims, in unpack order: see bf16_finish), running maximum and sum.
+constexpr int kBf16Chunk = 64;  // keys per step of the online softmax
+
+template <int HD>
+struct Bf16Running {
+  float* scores;    // [heads][kBf16Chunk]
+  uint32_t* probs;  // [heads][kBf16Chunk / 2]: bf16 pairs (keys 2i and 2i + 1)
+  float* acc;       // [heads][HD]
+  float* run_max;   // [heads]
+  float* run_sum;   // [heads]
+
+  static Bf16Running start(std::vector<float>& scratch, int64_t heads) {
+    scratch.resize(heads * (kBf16Chunk + kBf16Chunk / 2 + HD + 2));
+    float* scores = scratch.data();
+    float* acc = scores + heads * (kBf16Chunk + kBf16Chunk / 2);
+    Bf16Running state{scores, reinterpret_cast<uint32_t*>(scores + heads * kBf16Chunk), acc, acc + heads * HD,
+                      acc + heads * HD + heads};
+    std::fill(state.acc, state.acc + heads * HD, 0.0f);
+    std::fill(state.run_max, state.run_max + heads, kNoMax);
+    std::fill(state.run_sum, state.run_sum + heads, 0.0f);
+    return state;
+  }
+  Bf16Running from(int64_t head) const {
+    return {scores + head * kBf16Chunk, probs + head * (kBf16Chunk / 2), acc + head * HD, run_max + head,
+            run_sum + head};
+  }
+};
+
 // The same attention for bfloat16 with AVX-512 BF16. The context streams through in chunks
-// of kChunk keys with an online softmax: each chunk's scores, then its V rows, so K and V are read in one sweep
+// of kBf16Chunk keys with an online softmax: each chunk's scores, then its V rows, so K and V are read in one sweep
 // and the rows that come next can be fetched from memory while the current ones are multiplied (a softmax over
 // the whole context first would leave memory idle through the V pass). q.k with the hardware's bf16 dot product
 // (exact products, float32 sums), 16 keys at a time so their sums come out as one vector; no widening of K at all.
@@ -443,146 +481,153 @@ inline void widen_rows(const uint8_t* const* raw, c10::BFloat16* widened, const 
 // From an 8-bit cache (Kind != kPlain), each group of 16 rows is widened to bf16 once, into a buffer the query heads
 // share (int8 and both fp8 codes are exact in bf16), and the scales go where they cancel out of the products: K's
 // onto the 16 scores, V's onto the probabilities (after the running sum, which must not see them).
-template <int HD, int64_t Kind>
-void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache,
-                        const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_stride,
-                        int64_t block_size, int64_t scale_offset, float scale, const HeadsOut<c10::BFloat16>& out,
-                        std::vector<float>& scratch) {
+//
+// One chunk, keys [c0, c0 + keys) of ctx, for the `heads` query heads at q that share the KV head at k_cache and
+// v_cache. `fetch`: the elements of each row, from the KV head's first, to fetch ahead (this chunk's V rows while
+// its K rows are multiplied, the next chunk's K rows while its V rows are), 0 for none (a caller fetching whole
+// rows spreads its fetches over between(), called after each 16 keys' scores and each 16 keys' values).
+template <int HD, int64_t Kind, typename Between>
+void bf16_chunk(const c10::BFloat16* q, const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache,
+                const int64_t* table, int64_t c0, int64_t keys, int64_t ctx, int64_t heads, int64_t row,
+                int64_t block_stride, int64_t block_size, int64_t scale_offset, float scale,
+                const Bf16Running<HD>& state, int fetch, Between&& between) {
   using Elem = KVElem<Kind>;
   static_assert(HD % 32 == 0, "whole 32-element bf16 vectors");
   constexpr int kChunks = HD / 32;  // bf16 vectors of 32 per row
   // query heads whose p.v accumulators (2 x kChunks each) fit in the 32 registers beside a key pair's 2 x kChunks
   constexpr int kPass = (32 - 2 * kChunks - 2) / (2 * kChunks);
-  constexpr int kChunk = 64;        // keys per step of the online softmax
-  const int64_t heads = group;  // the query heads that share this KV head
-  scratch.resize(heads * (kChunk + kChunk / 2 + HD + 2));
-  float* scores = scratch.data();          // [heads][kChunk]: the chunk's scores
-  // [heads][kChunk / 2]: its probabilities as bf16 pairs (keys 2i and 2i + 1)
-  uint32_t* probs = reinterpret_cast<uint32_t*>(scores + heads * kChunk);
-  float* acc = scores + heads * (kChunk + kChunk / 2);  // [heads][HD]: per 32 dims, in unpack order (see the end)
-  float* run_max = acc + heads * HD;       // [heads]
-  float* run_sum = run_max + heads;        // [heads]
-  std::fill(acc, acc + heads * HD, 0.0f);
-  std::fill(run_max, run_max + heads, kNoMax);
-  std::fill(run_sum, run_sum + heads, 0.0f);
+  constexpr int kChunk = kBf16Chunk;
+  const auto [scores, probs, acc, run_max, run_sum] = state;
   const c10::BFloat16* rows[16];
   const Elem* raw[16];
   alignas(64) c10::BFloat16 widened[16 * HD];  // an 8-bit cache's 16 rows, as bf16
   alignas(64) float k_scales[16];
   alignas(64) float v_scales[kChunk];  // the chunk's
-  const int entry = Kind == tokenloom::kPlain ? HD : static_cast<int>(row);  // elements fetched of each row
   constexpr bool kVWithK = Kind != tokenloom::kPlain;  // V fetched a chunk ahead, with K (see prefetch_rows)
-  for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kChunk, ctx); t0 += 16) {
-    prefetch_group(k_cache, v_cache, table, t0, row, block_stride, block_size, entry, kVWithK);
-  }
-  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
-    const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
-    for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-      group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
-      if (!kVWithK && t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half
-        prefetch_rows(v_cache + (raw[0] - k_cache), row, HD, block_size % 16 == 0 ? 16 : 1);
-      }
-      if constexpr (Kind == tokenloom::kPlain) {
-        std::copy(raw, raw + 16, rows);
-      } else {
-        widen_rows<HD, Kind>(raw, widened, rows);
-        for (int j = 0; j < 16; ++j) {
-          k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
-          v_scales[t0 - c0 + j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
-                                  tokenloom::code_unit(Kind);
-        }
-      }
-      for (int64_t h = 0; h < heads; ++h) {
-        __m512bh qv[kChunks];
-        for (int c = 0; c < kChunks; ++c) {
-          qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + h * HD + c * 32));
-        }
-        __m512 dots[16];
-        for (int j = 0; j < 16; ++j) {
-          __m512 sum = _mm512_setzero_ps();
-          for (int c = 0; c < kChunks; ++c) {
-            const void* k = rows[j] + c * 32;
-            sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(k));
-          }
-          dots[j] = sum;
-        }
-        __m512 scaled = _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale));
-        if constexpr (Kind != tokenloom::kPlain) scaled = _mm512_mul_ps(scaled, _mm512_load_ps(k_scales));
-        _mm512_storeu_ps(scores + h * kChunk + (t0 - c0), scaled);
+  for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+    group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
+    if (fetch > 0 && !kVWithK && t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half
+      prefetch_rows(v_cache + (raw[0] - k_cache), row, fetch, block_size % 16 == 0 ? 16 : 1);
+    }
+    if constexpr (Kind == tokenloom::kPlain) {
+      std::copy(raw, raw + 16, rows);
+    } else {
+      widen_rows<HD, Kind>(raw, widened, rows);
+      for (int j = 0; j < 16; ++j) {
+        k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
+        v_scales[t0 - c0 + j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
+                                tokenloom::code_unit(Kind);
       }
     }
-    // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
-    softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
-      // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
-      __m512 weight = p;
-      if constexpr (Kind != tokenloom::kPlain) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weight);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
-    });
-    // The chunk's V rows, weighted, for kPass query heads at a time (their accumulators live in registers: N is
-    // known when compiled, and every loop over them unrolled). Two keys per bf16 dot product: rows 2i and 2i + 1
-    // interleaved into pairs of dims.
-    for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
-      with_count<kPass>(static_cast<int>(std::min<int64_t>(kPass, heads - h0)), [&]<int N>() {
-        __m512 lo[N][kChunks], hi[N][kChunks];
+    for (int64_t h = 0; h < heads; ++h) {
+      __m512bh qv[kChunks];
+      for (int c = 0; c < kChunks; ++c) {
+        qv[c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + h * HD + c * 32));
+      }
+      __m512 dots[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < kChunks; ++c) {
+          const void* k = rows[j] + c * 32;
+          sum = _mm512_dpbf16_ps(sum, qv[c], (__m512bh)_mm512_loadu_si512(k));
+        }
+        dots[j] = sum;
+      }
+      __m512 scaled = _mm512_mul_ps(sum_each(dots), _mm512_set1_ps(scale));
+      if constexpr (Kind != tokenloom::kPlain) scaled = _mm512_mul_ps(scaled, _mm512_load_ps(k_scales));
+      _mm512_storeu_ps(scores + h * kChunk + (t0 - c0), scaled);
+    }
+    between();
+  }
+  // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
+  softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
+    // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
+    __m512 weight = p;
+    if constexpr (Kind != tokenloom::kPlain) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weight);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
+  });
+  // The chunk's V rows, weighted, for kPass query heads at a time (their accumulators live in registers: N is
+  // known when compiled, and every loop over them unrolled). Two keys per bf16 dot product: rows 2i and 2i + 1
+  // interleaved into pairs of dims.
+  for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
+    with_count<kPass>(static_cast<int>(std::min<int64_t>(kPass, heads - h0)), [&]<int N>() {
+      __m512 lo[N][kChunks], hi[N][kChunks];
 #pragma GCC unroll 16
-        for (int h = 0; h < N; ++h) {
+      for (int h = 0; h < N; ++h) {
+#pragma GCC unroll 16
+        for (int c = 0; c < kChunks; ++c) {
+          lo[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32);
+          hi[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32 + 16);
+        }
+      }
+      for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+        group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
+        if constexpr (Kind == tokenloom::kPlain) {
+          std::copy(raw, raw + 16, rows);
+        } else {
+          widen_rows<HD, Kind>(raw, widened, rows);
+        }
+        // the next chunk's rows, while this chunk's V rows are multiplied
+        if (fetch > 0 && h0 == 0 && t0 + kChunk + 16 <= ctx) {
+          prefetch_group(k_cache, v_cache, table, t0 + kChunk, row, block_stride, block_size, fetch, kVWithK);
+        }
+        const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
+        for (int j = 0; j < live; j += 2) {
+          __m512bh pair_lo[kChunks], pair_hi[kChunks];
 #pragma GCC unroll 16
           for (int c = 0; c < kChunks; ++c) {
-            lo[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32);
-            hi[h][c] = _mm512_loadu_ps(acc + (h0 + h) * HD + c * 32 + 16);
+            const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + c * 32));
+            const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 1] + c * 32));
+            pair_lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            pair_hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
           }
-        }
-        for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-          group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
-          if constexpr (Kind == tokenloom::kPlain) {
-            std::copy(raw, raw + 16, rows);
-          } else {
-            widen_rows<HD, Kind>(raw, widened, rows);
-          }
-          if (h0 == 0 && t0 + kChunk + 16 <= ctx) {  // the next chunk's rows, while this chunk's V rows are multiplied
-            prefetch_group(k_cache, v_cache, table, t0 + kChunk, row, block_stride, block_size, entry, kVWithK);
-          }
-          const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: probability 0
-          for (int j = 0; j < live; j += 2) {
-            __m512bh pair_lo[kChunks], pair_hi[kChunks];
+          const int64_t pair = (t0 - c0 + j) / 2;
+#pragma GCC unroll 16
+          for (int h = 0; h < N; ++h) {
+            const __m512bh w = tokenloom::broadcast_pair(probs + (h0 + h) * (kChunk / 2) + pair);
 #pragma GCC unroll 16
             for (int c = 0; c < kChunks; ++c) {
-              const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j] + c * 32));
-              const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[j + 1] + c * 32));
-              pair_lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-              pair_hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-            }
-            const int64_t pair = (t0 - c0 + j) / 2;
-#pragma GCC unroll 16
-            for (int h = 0; h < N; ++h) {
-              const __m512bh w = tokenloom::broadcast_pair(probs + (h0 + h) * (kChunk / 2) + pair);
-#pragma GCC unroll 16
-              for (int c = 0; c < kChunks; ++c) {
-                lo[h][c] = _mm512_dpbf16_ps(lo[h][c], w, pair_lo[c]);
-                hi[h][c] = _mm512_dpbf16_ps(hi[h][c], w, pair_hi[c]);
-              }
+              lo[h][c] = _mm512_dpbf16_ps(lo[h][c], w, pair_lo[c]);
+              hi[h][c] = _mm512_dpbf16_ps(hi[h][c], w, pair_hi[c]);
             }
           }
         }
+        if (h0 == 0) between();
+      }
 #pragma GCC unroll 16
-        for (int h = 0; h < N; ++h) {
+      for (int h = 0; h < N; ++h) {
 #pragma GCC unroll 16
-          for (int c = 0; c < kChunks; ++c) {
-            _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32, lo[h][c]);
-            _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32 + 16, hi[h][c]);
-          }
+        for (int c = 0; c < kChunks; ++c) {
+          _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32, lo[h][c]);
+          _mm512_storeu_ps(acc + (h0 + h) * HD + c * 32 + 16, hi[h][c]);
         }
-      });
-    }
+      }
+    });
   }
+}
+
+// The first chunk's rows into L2 (`fetch` elements of each, as bf16_chunk's).
+template <int HD, int64_t Kind>
+void bf16_first_fetch(const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache, const int64_t* table, int64_t ctx,
+                      int64_t row, int64_t block_stride, int64_t block_size, int fetch) {
+  for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kBf16Chunk, ctx); t0 += 16) {
+    prefetch_group(k_cache, v_cache, table, t0, row, block_stride, block_size, fetch, Kind != tokenloom::kPlain);
+  }
+}
+
+// Each of `heads` query heads' output: its accumulators over its running sum, to `out`.
+template <int HD>
+void bf16_finish(const Bf16Running<HD>& state, int64_t heads, const HeadsOut<c10::BFloat16>& out) {
+  constexpr int kChunks = HD / 32;
   // unpacklo/hi_epi16 pair dims per 128-bit lane: lane 4L + m of `lo` holds dim 8L + m, of `hi` dim 8L + 4 + m.
   const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t h = 0; h < heads; ++h) {
-    const __m512 inv = _mm512_set1_ps(1.0f / run_sum[h]);
+    const __m512 inv = _mm512_set1_ps(1.0f / state.run_sum[h]);
     for (int c = 0; c < kChunks; ++c) {
-      const __m512 lo = _mm512_loadu_ps(acc + h * HD + c * 32), hi = _mm512_loadu_ps(acc + h * HD + c * 32 + 16);
+      const float* acc = state.acc + h * HD + c * 32;
+      const __m512 lo = _mm512_loadu_ps(acc), hi = _mm512_loadu_ps(acc + 16);
       const __m512 dims_0_15 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), inv);
       const __m512 dims_16_31 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), inv);
       if (out.split != nullptr) {
@@ -595,7 +640,276 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(dims_0_15));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(dims_16_31));
     }
-    out.denominator(h, run_max[h], run_sum[h]);
+    out.denominator(h, state.run_max[h], state.run_sum[h]);
+  }
+}
+
+// The same chunk on AMX tiles (a CPU with AMX, and Linux granting the tiles): the arithmetic that took the AVX-512
+// kind 12.8 ns a key and KV head from L2 on a 2-core Xeon (one dot product per query head and pair of dims) becomes
+// a few tile products per 16 or 32 keys for every query head at once: 8.8 ns. Scores as S^T = K Q^T: the A tile is 16 keys' rows read
+// in place from the cache (a tile load takes a row stride), the B tile the group's queries as dim pairs, packed once
+// per unit (pack_queries); the 16 x 16 result's columns are the query heads, gathered into each head's scores for the
+// same online softmax. Then O += P V per 32 keys: the probabilities (bf16 pairs, as softmax_chunk writes them) are
+// the A tile, a query head a row, and V's rows, interleaved two keys at a time as the AVX-512 kind interleaves them,
+// the B tiles; the accumulators are C tiles loaded from and stored to the running state around each chunk, in the
+// same unpack order, so bf16_finish and the running maximum's rescaling work on them unchanged.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define TOKENLOOM_DECODE_ON_AMX 1
+#endif
+
+#if defined(TOKENLOOM_DECODE_ON_AMX)
+namespace amx_decode {
+
+// Tiles 0-3: accumulators (a query head a row, 16 dims); 4: probabilities (a head a row, 32 keys); 5: a B tile (V's
+// key pairs, or the queries' dim pairs); 6: scores (16 keys by 16 query heads); 7: 16 keys' rows of 32 dims. (GCC's
+// tile intrinsics take the tile's number as a literal: hence the macros.)
+#define TL_PROBS 4
+#define TL_B 5
+#define TL_SCORES 6
+#define TL_KEYS 7
+constexpr int kProbsTile = TL_PROBS;
+constexpr int kAccTiles = 4;  // two 32-dim groups of accumulators (lo and hi halves each) in a pass
+
+// Every tile 64 bytes a row; the accumulators and the probabilities one row per query head of the group.
+inline void configure(int64_t group) {
+  tokenloom::amx::TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = t <= kProbsTile ? static_cast<uint8_t>(group) : 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+inline bool usable(int64_t group) { return group <= 16 && tokenloom::amx::tiles_permitted(); }
+
+// queries [group][HD] -> B tiles [HD / 32][16 dim pairs][16 query heads] (pairs as uint32, 0 past the group).
+template <int HD>
+void pack_queries(const c10::BFloat16* q, int64_t group, uint32_t (*packed)[16][16]) {
+  std::memset(packed, 0, sizeof(uint32_t) * (HD / 32) * 16 * 16);
+  for (int64_t n = 0; n < group; ++n) {
+    const auto* pairs = reinterpret_cast<const uint32_t*>(q + n * HD);
+    for (int c = 0; c < HD / 32; ++c) {
+      for (int r = 0; r < 16; ++r) packed[c][r][n] = pairs[c * 16 + r];
+    }
+  }
+}
+
+// The 16 keys' scores [t0, t0 + 16) for each of `heads` query heads into scores[h][t0 - c0], times scale.
+template <int HD>
+inline void score_group(const c10::BFloat16* const* rows, bool in_place, int64_t row, int64_t heads,
+                        const uint32_t (*queries)[16][16], float scale, float* scores, int64_t stride) {
+  alignas(64) c10::BFloat16 copied[16 * HD];
+  const c10::BFloat16* a = rows[0];
+  int64_t a_stride = row * static_cast<int64_t>(sizeof(c10::BFloat16));
+  if (!in_place) {  // rows from two blocks, or the context's last row repeated: copied into one run
+    for (int j = 0; j < 16; ++j) std::memcpy(copied + j * HD, rows[j], HD * sizeof(c10::BFloat16));
+    a = copied;
+    a_stride = HD * sizeof(c10::BFloat16);
+  }
+  _tile_zero(TL_SCORES);
+  for (int c = 0; c < HD / 32; ++c) {
+    _tile_loadd(TL_KEYS, a + c * 32, a_stride);
+    _tile_loadd(TL_B, queries[c], 64);
+    _tile_dpbf16ps(TL_SCORES, TL_KEYS, TL_B);
+  }
+  alignas(64) float block[16][16];
+  _tile_stored(TL_SCORES, block, 64);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(16));
+  const __m512 times = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < heads; ++h) {
+    _mm512_storeu_ps(scores + h * stride, _mm512_mul_ps(_mm512_i32gather_ps(column, &block[0][h], 4), times));
+  }
+}
+
+// 32 keys' V rows interleaved two by two, as B tiles: [32-dim group c][lo, hi][16 key pairs][16 dims' pairs].
+template <int HD>
+inline void interleave_values(const c10::BFloat16* const* rows, int c_first, int c_count,
+                              uint32_t (*tiles)[2][16][16]) {
+  for (int r = 0; r < 16; ++r) {
+    for (int i = 0; i < c_count; ++i) {
+      const int c = c_first + i;
+      const __m512i a = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[2 * r] + c * 32));
+      const __m512i b = _mm512_loadu_si512(reinterpret_cast<const void*>(rows[2 * r + 1] + c * 32));
+      _mm512_store_si512(tiles[i][0][r], _mm512_unpacklo_epi16(a, b));
+      _mm512_store_si512(tiles[i][1][r], _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+}  // namespace amx_decode
+
+// bf16_chunk's work on AMX tiles, for a bf16 cache (the tiles configured by the caller: amx_decode::configure).
+// between() is called after each 16 keys' scores and each 32 keys' values: where a caller spreads its fetches.
+template <int HD, typename Between>
+void amx_chunk(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t c0,
+               int64_t keys, int64_t ctx, int64_t heads, int64_t row, int64_t block_stride, int64_t block_size,
+               float scale, const Bf16Running<HD>& state, const uint32_t (*queries)[16][16], int fetch,
+               Between&& between) {
+  using namespace amx_decode;
+  constexpr int kChunks = HD / 32;
+  constexpr int kChunk = kBf16Chunk;
+  const auto [scores, probs, acc, run_max, run_sum] = state;
+  const c10::BFloat16* rows[32];
+  for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+    group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, rows);
+    if (fetch > 0 && t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half
+      prefetch_rows(v_cache + (rows[0] - k_cache), row, fetch, block_size % 16 == 0 ? 16 : 1);
+    }
+    const bool in_place = block_size % 16 == 0 && t0 + 16 <= ctx;
+    score_group<HD>(rows, in_place, row, heads, queries, scale, scores + (t0 - c0), kChunk);
+    between();
+  }
+  softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
+  });
+  const int64_t live_pairs = (keys + 15) / 16 * 8;  // softmax_chunk wrote whole groups of 16 keys
+  for (int64_t h = 0; h < heads; ++h) {  // a last group of 32 keys reaching past the chunk: probability 0 there
+    std::fill(probs + h * (kChunk / 2) + live_pairs, probs + (h + 1) * (kChunk / 2), 0u);
+  }
+  alignas(64) uint32_t values[kAccTiles / 2][2][16][16];
+  for (int c_first = 0; c_first < kChunks; c_first += kAccTiles / 2) {
+    const int c_count = std::min(kAccTiles / 2, kChunks - c_first);
+    float* const first = acc + c_first * 32;  // the pass's two 32-dim groups: tiles 0-1, then 2-3
+    _tile_loadd(0, first, HD * sizeof(float));
+    _tile_loadd(1, first + 16, HD * sizeof(float));
+    if (c_count == 2) {
+      _tile_loadd(2, first + 32, HD * sizeof(float));
+      _tile_loadd(3, first + 48, HD * sizeof(float));
+    }
+    for (int64_t t0 = c0; t0 < c0 + keys; t0 += 32) {
+      group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, rows);
+      group_rows(v_cache, table, std::min(t0 + 16, ctx - 1), ctx, row, block_stride, block_size, rows + 16);
+      if (fetch > 0 && c_first == 0) {  // the next chunk's rows, while this chunk's V rows are multiplied
+        for (int64_t next = t0 + kChunk; next < t0 + kChunk + 32 && next + 16 <= ctx; next += 16) {
+          prefetch_group(k_cache, v_cache, table, next, row, block_stride, block_size, fetch, false);
+        }
+      }
+      interleave_values<HD>(rows, c_first, c_count, values);
+      _tile_loadd(TL_PROBS, probs + (t0 - c0) / 2, (kChunk / 2) * sizeof(uint32_t));
+      _tile_loadd(TL_B, values[0][0], 64);
+      _tile_dpbf16ps(0, TL_PROBS, TL_B);
+      _tile_loadd(TL_B, values[0][1], 64);
+      _tile_dpbf16ps(1, TL_PROBS, TL_B);
+      if (c_count == 2) {
+        _tile_loadd(TL_B, values[1][0], 64);
+        _tile_dpbf16ps(2, TL_PROBS, TL_B);
+        _tile_loadd(TL_B, values[1][1], 64);
+        _tile_dpbf16ps(3, TL_PROBS, TL_B);
+      }
+      between();
+    }
+    _tile_stored(0, first, HD * sizeof(float));
+    _tile_stored(1, first + 16, HD * sizeof(float));
+    if (c_count == 2) {
+      _tile_stored(2, first + 32, HD * sizeof(float));
+      _tile_stored(3, first + 48, HD * sizeof(float));
+    }
+  }
+}
+#endif  // TOKENLOOM_DECODE_ON_AMX
+
+// One sequence, one KV head: its `group` query heads over ctx keys, chunk after chunk.
+template <int HD, int64_t Kind>
+void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache,
+                        const int64_t* table, int64_t ctx, int64_t group, int64_t row, int64_t block_stride,
+                        int64_t block_size, int64_t scale_offset, float scale, const HeadsOut<c10::BFloat16>& out,
+                        std::vector<float>& scratch) {
+  const Bf16Running<HD> state = Bf16Running<HD>::start(scratch, group);
+  const int fetch = Kind == tokenloom::kPlain ? HD : static_cast<int>(row);  // an 8-bit cache's whole entries
+  bf16_first_fetch<HD, Kind>(k_cache, v_cache, table, ctx, row, block_stride, block_size, fetch);
+#if defined(TOKENLOOM_DECODE_ON_AMX)
+  if constexpr (Kind == tokenloom::kPlain) {
+    if (amx_decode::usable(group)) {
+      alignas(64) uint32_t queries[HD / 32][16][16];
+      amx_decode::pack_queries<HD>(q, group, queries);
+      amx_decode::configure(group);
+      for (int64_t c0 = 0; c0 < ctx; c0 += kBf16Chunk) {
+        amx_chunk<HD>(k_cache, v_cache, table, c0, std::min<int64_t>(kBf16Chunk, ctx - c0), ctx, group, row,
+                      block_stride, block_size, scale, state, queries, fetch, [] {});
+      }
+      _tile_release();
+      bf16_finish<HD>(state, group, out);
+      return;
+    }
+  }
+#endif
+  for (int64_t c0 = 0; c0 < ctx; c0 += kBf16Chunk) {
+    bf16_chunk<HD, Kind>(q, k_cache, v_cache, table, c0, std::min<int64_t>(kBf16Chunk, ctx - c0), ctx, group, row,
+                         block_stride, block_size, scale_offset, scale, state, fetch, [] {});
+  }
+  bf16_finish<HD>(state, group, out);
+}
+
+// The K and V rows of a context's keys, whole, asked for from memory a few at a time (some()) as the chunk before
+// theirs is worked on. A chunk's rows asked for at once (as bf16_chunk asks for one KV head's) stalled the kernel
+// on its own prefetches, then left memory idle while it computed: spread out, on a 2-core Xeon with AMX, 16
+// sequences x 4,096 keys read at 19 GB/s, against 15 (benchmarks/RESULTS.md).
+struct RowsAhead {
+  static constexpr int64_t kRowsPerStep = 4;  // x 24 calls a chunk (3 KV heads x 8): ahead of the chunk's 64 rows
+  const c10::BFloat16 *k_cache, *v_cache;
+  const int64_t* table;
+  int64_t row, block_stride, block_size, ctx;
+  int64_t fetched = 0;  // keys [0, fetched) asked for
+
+  void upto(int64_t end) {
+    for (end = std::min(end, ctx); fetched < end; ++fetched) {
+      const c10::BFloat16* k_row = row_at(k_cache, table, fetched, row, block_stride, block_size);
+      prefetch_rows(k_row, row, static_cast<int>(row), 1);
+      prefetch_rows(v_cache + (k_row - k_cache), row, static_cast<int>(row), 1);
+    }
+  }
+  void some(int64_t until) { upto(std::min(fetched + kRowsPerStep, until)); }
+};
+
+// One sequence, every KV head, from a bf16 cache: each chunk's rows read whole, one KV head after another, and
+// fetched a chunk ahead (RowsAhead). A KV head's part of a row is 2 of its 6 cache lines on SmolLM2 (3 heads of 64):
+// read head by head, in units of their own, such rows stream at 13 GB/s on a 2-core Xeon whose memory gives 26;
+// whole, 22-26 (benchmarks/RESULTS.md). Each head's arithmetic is the one its own unit would do, in the same order.
+template <int HD>
+void attend_bf16_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                      const int64_t* table, int64_t ctx, int64_t group, int64_t num_kv_heads, int64_t block_size,
+                      float scale, const HeadsOut<c10::BFloat16>& out, std::vector<float>& scratch) {
+  const int64_t row = num_kv_heads * HD, block_stride = block_size * row;
+  const Bf16Running<HD> state = Bf16Running<HD>::start(scratch, num_kv_heads * group);
+  RowsAhead ahead{k_cache, v_cache, table, row, block_stride, block_size, ctx};
+  ahead.upto(kBf16Chunk);
+  // chunk(kv_head, c0, keys, between) for every chunk, KV head by KV head
+  auto each_chunk = [&](auto&& chunk) {
+    for (int64_t c0 = 0; c0 < ctx; c0 += kBf16Chunk) {
+      const auto between = [&] { ahead.some(c0 + 2 * kBf16Chunk); };
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        chunk(kv_head, c0, std::min<int64_t>(kBf16Chunk, ctx - c0), between);
+      }
+    }
+  };
+#if defined(TOKENLOOM_DECODE_ON_AMX)
+  if (amx_decode::usable(group)) {
+    thread_local std::vector<uint32_t> packed;  // [kv head][HD / 32][16][16], on a 64-byte boundary
+    packed.resize(num_kv_heads * (HD / 32) * 256 + 16);
+    auto* queries = reinterpret_cast<uint32_t(*)[16][16]>(
+        (reinterpret_cast<uintptr_t>(packed.data()) + 63) & ~uintptr_t{63});
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      amx_decode::pack_queries<HD>(q + kv_head * group * HD, group, queries + kv_head * (HD / 32));
+    }
+    amx_decode::configure(group);
+    each_chunk([&](int64_t kv_head, int64_t c0, int64_t keys, const auto& between) {
+      amx_chunk<HD>(k_cache + kv_head * HD, v_cache + kv_head * HD, table, c0, keys, ctx, group, row, block_stride,
+                    block_size, scale, state.from(kv_head * group), queries + kv_head * (HD / 32), 0, between);
+    });
+    _tile_release();
+  } else
+#endif
+  {
+    each_chunk([&](int64_t kv_head, int64_t c0, int64_t keys, const auto& between) {
+      bf16_chunk<HD, tokenloom::kPlain>(q + kv_head * group * HD, k_cache + kv_head * HD, v_cache + kv_head * HD,
+                                        table, c0, keys, ctx, group, row, block_stride, block_size, 0, scale,
+                                        state.from(kv_head * group), 0, between);
+    });
+  }
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    bf16_finish<HD>(state.from(kv_head * group), group, out.from(kv_head * group, HD));
   }
 }
 #endif
@@ -1258,25 +1572,62 @@ int64_t auto_split_keys(int64_t ctx, int64_t block_size, int64_t threads) {
 }
 
 // One piece of work: a (sequence, KV head) unit's keys [first, first + keys); `part` is its split's index among all
-// splits (their rows in the partials), -1 where the unit is not split and writes the output itself.
+// splits (their rows in the partials), -1 where the unit is not split and writes the output itself. Where the call
+// reads whole rows (reads_whole_rows), a unit is a sequence with every KV head, and kv_head is 0.
 struct Piece {
   int64_t seq, kv_head, first, keys, part;
 };
 
+// Whether a call's units are whole sequences, every KV head of a row read in one sweep (attend_bf16_rows): a bf16
+// cache on AVX-512 BF16 with more than one KV head, where there are pieces enough to keep the threads busy (a
+// sequence's pieces are its splits; below 2 a thread, one unit per KV head spreads better). The choice moves no
+// output bit: each head's arithmetic is the same either way.
+template <typename T, int64_t Kind>
+bool reads_whole_rows(int64_t num_kv_heads, int64_t head_dim, int64_t whole_pieces, int64_t threads) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && Kind == tokenloom::kPlain) {
+    return num_kv_heads > 1 && (head_dim == 64 || head_dim == 128) && whole_pieces >= 2 * threads;
+  }
+#endif
+  return false;
+}
+
+// One piece of a call that reads whole rows: every KV head of its sequence.
+template <typename T>
+void attend_rows_unit(const T* q_seq, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
+                      int64_t ctx, int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                      float s, const HeadsOut<T>& out, std::vector<float>& scratch) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const T* k = k_cache.const_data_ptr<T>();
+    const T* v = v_cache.const_data_ptr<T>();
+    if (head_dim == 64) {
+      attend_bf16_rows<64>(q_seq, k, v, table, ctx, group, num_kv_heads, block_size, s, out, scratch);
+      return;
+    }
+    if (head_dim == 128) {
+      attend_bf16_rows<128>(q_seq, k, v, table, ctx, group, num_kv_heads, block_size, s, out, scratch);
+      return;
+    }
+  }
+#endif
+  TORCH_INTERNAL_ASSERT(false, "reads_whole_rows chose a kernel this build lacks");
+}
+
 // A split unit's rows, each head's splits weighed by exp(lse - the largest lse): the softmax over the whole context.
 template <typename T>
-void merge_splits(const float* partials, const float* lse, int64_t first_part, int64_t parts, int64_t group,
+void merge_splits(const float* partials, const float* lse, int64_t first_part, int64_t parts, int64_t heads,
                   int64_t head_dim, T* out, std::vector<float>& merged) {
   merged.resize(head_dim);
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     float most = kNoMax;
-    for (int64_t p = 0; p < parts; ++p) most = std::max(most, lse[(first_part + p) * group + h]);
+    for (int64_t p = 0; p < parts; ++p) most = std::max(most, lse[(first_part + p) * heads + h]);
     std::fill(merged.begin(), merged.end(), 0.0f);
     float total = 0.0f;
     for (int64_t p = 0; p < parts; ++p) {
-      const float w = std::exp(lse[(first_part + p) * group + h] - most);
+      const float w = std::exp(lse[(first_part + p) * heads + h] - most);
       total += w;
-      const float* rows = partials + ((first_part + p) * group + h) * head_dim;
+      const float* rows = partials + ((first_part + p) * heads + h) * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * rows[d];
     }
     const float inv = 1.0f / total;
@@ -1305,11 +1656,22 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   split_list.clear();
   int64_t parts = 0;
   const int64_t threads = at::get_num_threads();
+  auto split_of = [&](int64_t ctx) {
+    const int64_t keys = split_keys == 0 ? auto_split_keys(ctx, block_size, threads) : split_keys;
+    TORCH_INTERNAL_ASSERT(keys % block_size == 0);
+    return keys;
+  };
+  int64_t whole_pieces = 0;  // the pieces if units are whole sequences
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t keys = split_of(lens[seq]);
+    whole_pieces += keys == 0 ? 1 : (lens[seq] + keys - 1) / keys;
+  }
+  const bool whole_rows = reads_whole_rows<T, Kind>(num_kv_heads, head_dim, whole_pieces, threads);
+  const int64_t unit_kv_heads = whole_rows ? num_kv_heads : 1, unit_heads = unit_kv_heads * group;
   for (int64_t seq = num_seqs - 1; seq >= 0; --seq) {
     const int64_t ctx = lens[seq];
-    const int64_t keys_per_split = split_keys == 0 ? auto_split_keys(ctx, block_size, threads) : split_keys;
-    TORCH_INTERNAL_ASSERT(keys_per_split % block_size == 0);
-    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    const int64_t keys_per_split = split_of(ctx);
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; kv_head += unit_kv_heads) {
       if (keys_per_split == 0 || ctx <= keys_per_split) {
         piece_list.push_back({seq, kv_head, 0, ctx, -1});
         continue;
@@ -1323,10 +1685,10 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   }
   const Piece* const pieces = piece_list.data();
   const std::pair<int64_t, int64_t>* const split_units = split_list.data();
-  // [parts][group][head_dim], [parts][group]: the caller's, as above.
+  // [parts][unit_heads][head_dim], [parts][unit_heads]: the caller's, as above.
   thread_local std::vector<float> partial_rows, partial_lse;
-  partial_rows.resize(parts * group * head_dim);
-  partial_lse.resize(parts * group);
+  partial_rows.resize(parts * unit_heads * head_dim);
+  partial_lse.resize(parts * unit_heads);
   float* const partials = partial_rows.data();
   float* const lse = partial_lse.data();
   const float s = static_cast<float>(scale);
@@ -1336,21 +1698,26 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
     const int64_t head_offset = piece.kv_head * group * head_dim;
     HeadsOut<T> sink{out_ptr + piece.seq * out_stride + head_offset};
     if (piece.part >= 0) {
-      sink.split = partials + piece.part * group * head_dim;
-      sink.lse = lse + piece.part * group;
+      sink.split = partials + piece.part * unit_heads * head_dim;
+      sink.lse = lse + piece.part * unit_heads;
     }
     // A split reads its keys' blocks only: the table from its first block on (splits start on a block's start).
+    const int64_t* table = tables + piece.seq * max_blocks + piece.first / block_size;
+    if (whole_rows) {
+      attend_rows_unit<T>(q_ptr + piece.seq * q_stride, k_cache, v_cache, table, piece.keys, group, num_kv_heads,
+                          head_dim, block_size, s, sink, scratch);
+      return;
+    }
     attend_unit<T, Kind>(q_ptr + piece.seq * q_stride + head_offset, k_cache, v_cache,
-                         head_layout(Kind, row, num_kv_heads, head_dim, piece.kv_head, block_size),
-                         tables + piece.seq * max_blocks + piece.first / block_size, piece.keys, group, head_dim,
-                         block_size, s, sink, scratch);
+                         head_layout(Kind, row, num_kv_heads, head_dim, piece.kv_head, block_size), table, piece.keys,
+                         group, head_dim, block_size, s, sink, scratch);
   };
   tokenloom::WorkSharing::instance().run(static_cast<int64_t>(piece_list.size()), body);
   const std::function<void(int64_t)> merge = [&](int64_t index) {
     thread_local std::vector<float> merged;
     const auto [first_piece, unit_parts] = split_units[index];
     const Piece& first = pieces[first_piece];
-    merge_splits(partials, lse, first.part, unit_parts, group, head_dim,
+    merge_splits(partials, lse, first.part, unit_parts, unit_heads, head_dim,
                  out_ptr + first.seq * out_stride + first.kv_head * group * head_dim, merged);
   };
   tokenloom::WorkSharing::instance().run(static_cast<int64_t>(split_list.size()), merge);
