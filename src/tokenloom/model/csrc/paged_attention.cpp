@@ -6,7 +6,8 @@
 // heads that share a KV head are served by the same pass over its rows; a long context's pair is cut further into
 // up to one split per thread, merged after (decode_all), so one sequence keeps every thread busy. A bf16 cache read
 // with AVX-512 BF16 goes by whole sequences instead where there are enough of them (attend_bf16_rows: every KV head
-// of a row in one sweep, which memory streams faster), on AMX tiles where the CPU has them (amx_chunk).
+// of a row in one sweep, which memory streams faster); bf16 and fp8 caches are multiplied on AMX tiles where the CPU
+// has them (amx_chunk).
 // Softmax and sums are in float32 whatever the storage dtype. The float32 path with AVX-512 (attend_f32_avx512) or
 // AVX2 and FMA (attend_f32_avx2) sweeps K and V in chunks as the bf16 one does; elsewhere, and for bfloat16 without
 // AVX-512 BF16, rows are widened as they are read; the AVX-512 BF16 path multiplies bf16 directly, with its
@@ -694,21 +695,14 @@ void pack_queries(const c10::BFloat16* q, int64_t group, uint32_t (*packed)[16][
   }
 }
 
-// The 16 keys' scores [t0, t0 + 16) for each of `heads` query heads into scores[h][t0 - c0], times scale.
+// The 16 keys' scores for each of `heads` query heads into scores[h][0..15], times scale (and, from an 8-bit cache,
+// each key's K scale): the keys' rows are 16 rows at `keys`, `stride` bytes apart.
 template <int HD>
-inline void score_group(const c10::BFloat16* const* rows, bool in_place, int64_t row, int64_t heads,
-                        const uint32_t (*queries)[16][16], float scale, float* scores, int64_t stride) {
-  alignas(64) c10::BFloat16 copied[16 * HD];
-  const c10::BFloat16* a = rows[0];
-  int64_t a_stride = row * static_cast<int64_t>(sizeof(c10::BFloat16));
-  if (!in_place) {  // rows from two blocks, or the context's last row repeated: copied into one run
-    for (int j = 0; j < 16; ++j) std::memcpy(copied + j * HD, rows[j], HD * sizeof(c10::BFloat16));
-    a = copied;
-    a_stride = HD * sizeof(c10::BFloat16);
-  }
+inline void score_group(const c10::BFloat16* keys, int64_t stride, int64_t heads, const uint32_t (*queries)[16][16],
+                        float scale, const float* key_scales, float* scores, int64_t scores_stride) {
   _tile_zero(TL_SCORES);
   for (int c = 0; c < HD / 32; ++c) {
-    _tile_loadd(TL_KEYS, a + c * 32, a_stride);
+    _tile_loadd(TL_KEYS, keys + c * 32, stride);
     _tile_loadd(TL_B, queries[c], 64);
     _tile_dpbf16ps(TL_SCORES, TL_KEYS, TL_B);
   }
@@ -716,9 +710,10 @@ inline void score_group(const c10::BFloat16* const* rows, bool in_place, int64_t
   _tile_stored(TL_SCORES, block, 64);
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));
-  const __m512 times = _mm512_set1_ps(scale);
+  __m512 times = _mm512_set1_ps(scale);
+  if (key_scales != nullptr) times = _mm512_mul_ps(times, _mm512_load_ps(key_scales));
   for (int64_t h = 0; h < heads; ++h) {
-    _mm512_storeu_ps(scores + h * stride, _mm512_mul_ps(_mm512_i32gather_ps(column, &block[0][h], 4), times));
+    _mm512_storeu_ps(scores + h * scores_stride, _mm512_mul_ps(_mm512_i32gather_ps(column, &block[0][h], 4), times));
   }
 }
 
@@ -739,29 +734,54 @@ inline void interleave_values(const c10::BFloat16* const* rows, int c_first, int
 
 }  // namespace amx_decode
 
-// bf16_chunk's work on AMX tiles, for a bf16 cache (the tiles configured by the caller: amx_decode::configure).
-// between() is called after each 16 keys' scores and each 32 keys' values: where a caller spreads its fetches.
-template <int HD, typename Between>
-void amx_chunk(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int64_t* table, int64_t c0,
+// bf16_chunk's work on AMX tiles (the tiles configured by the caller: amx_decode::configure), from a bf16 cache or
+// an 8-bit one, whose codes are widened to bf16 (exact) 16 rows at a time and whose scales go where bf16_chunk puts
+// them. between() is called after each 16 keys' scores and each 32 keys' values: where a caller spreads its fetches.
+template <int HD, int64_t Kind, typename Between>
+void amx_chunk(const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache, const int64_t* table, int64_t c0,
                int64_t keys, int64_t ctx, int64_t heads, int64_t row, int64_t block_stride, int64_t block_size,
-               float scale, const Bf16Running<HD>& state, const uint32_t (*queries)[16][16], int fetch,
-               Between&& between) {
+               int64_t scale_offset, float scale, const Bf16Running<HD>& state, const uint32_t (*queries)[16][16],
+               int fetch, Between&& between) {
   using namespace amx_decode;
+  using Elem = KVElem<Kind>;
+  constexpr bool kCodes = Kind != tokenloom::kPlain;
   constexpr int kChunks = HD / 32;
   constexpr int kChunk = kBf16Chunk;
   const auto [scores, probs, acc, run_max, run_sum] = state;
+  const Elem* raw[32];
   const c10::BFloat16* rows[32];
+  alignas(64) c10::BFloat16 widened[32 * HD];  // 16 K rows, or 32 V rows, as one run of bf16
+  alignas(64) float k_scales[16];
+  alignas(64) float v_scales[kChunk];
   for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-    group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, rows);
-    if (fetch > 0 && t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half
-      prefetch_rows(v_cache + (rows[0] - k_cache), row, fetch, block_size % 16 == 0 ? 16 : 1);
+    group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
+    if (fetch > 0 && !kCodes && t0 + 16 <= ctx) {  // this group's V rows into L2 for the chunk's second half
+      prefetch_rows(v_cache + (raw[0] - k_cache), row, fetch, block_size % 16 == 0 ? 16 : 1);
     }
-    const bool in_place = block_size % 16 == 0 && t0 + 16 <= ctx;
-    score_group<HD>(rows, in_place, row, heads, queries, scale, scores + (t0 - c0), kChunk);
+    const c10::BFloat16* a = widened;
+    int64_t stride = HD * sizeof(c10::BFloat16);
+    if constexpr (kCodes) {
+      widen_rows<HD, Kind>(raw, widened, rows);
+      for (int j = 0; j < 16; ++j) {
+        k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
+        v_scales[t0 - c0 + j] =
+            tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) * tokenloom::code_unit(Kind);
+      }
+    } else {
+      if (block_size % 16 == 0 && t0 + 16 <= ctx) {  // 16 rows of one block: read in place
+        a = raw[0];
+        stride = row * static_cast<int64_t>(sizeof(c10::BFloat16));
+      } else {  // rows from two blocks, or the context's last row repeated: copied into one run
+        for (int j = 0; j < 16; ++j) std::memcpy(widened + j * HD, raw[j], HD * sizeof(c10::BFloat16));
+      }
+    }
+    score_group<HD>(a, stride, heads, queries, scale, kCodes ? k_scales : nullptr, scores + (t0 - c0), kChunk);
     between();
   }
   softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
-    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
+    __m512 weight = p;
+    if constexpr (kCodes) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weight);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
   });
   const int64_t live_pairs = (keys + 15) / 16 * 8;  // softmax_chunk wrote whole groups of 16 keys
@@ -779,12 +799,18 @@ void amx_chunk(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const
       _tile_loadd(3, first + 48, HD * sizeof(float));
     }
     for (int64_t t0 = c0; t0 < c0 + keys; t0 += 32) {
-      group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, rows);
-      group_rows(v_cache, table, std::min(t0 + 16, ctx - 1), ctx, row, block_stride, block_size, rows + 16);
+      group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
+      group_rows(v_cache, table, std::min(t0 + 16, ctx - 1), ctx, row, block_stride, block_size, raw + 16);
       if (fetch > 0 && c_first == 0) {  // the next chunk's rows, while this chunk's V rows are multiplied
         for (int64_t next = t0 + kChunk; next < t0 + kChunk + 32 && next + 16 <= ctx; next += 16) {
-          prefetch_group(k_cache, v_cache, table, next, row, block_stride, block_size, fetch, false);
+          prefetch_group(k_cache, v_cache, table, next, row, block_stride, block_size, fetch, kCodes);
         }
+      }
+      if constexpr (kCodes) {
+        widen_rows<HD, Kind>(raw, widened, rows);
+        widen_rows<HD, Kind>(raw + 16, widened + 16 * HD, rows + 16);
+      } else {
+        std::copy(raw, raw + 32, rows);
       }
       interleave_values<HD>(rows, c_first, c_count, values);
       _tile_loadd(TL_PROBS, probs + (t0 - c0) / 2, (kChunk / 2) * sizeof(uint32_t));
@@ -820,19 +846,17 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
   const int fetch = Kind == tokenloom::kPlain ? HD : static_cast<int>(row);  // an 8-bit cache's whole entries
   bf16_first_fetch<HD, Kind>(k_cache, v_cache, table, ctx, row, block_stride, block_size, fetch);
 #if defined(TOKENLOOM_DECODE_ON_AMX)
-  if constexpr (Kind == tokenloom::kPlain) {
-    if (amx_decode::usable(group)) {
-      alignas(64) uint32_t queries[HD / 32][16][16];
-      amx_decode::pack_queries<HD>(q, group, queries);
-      amx_decode::configure(group);
-      for (int64_t c0 = 0; c0 < ctx; c0 += kBf16Chunk) {
-        amx_chunk<HD>(k_cache, v_cache, table, c0, std::min<int64_t>(kBf16Chunk, ctx - c0), ctx, group, row,
-                      block_stride, block_size, scale, state, queries, fetch, [] {});
-      }
-      _tile_release();
-      bf16_finish<HD>(state, group, out);
-      return;
+  if (amx_decode::usable(group)) {
+    alignas(64) uint32_t queries[HD / 32][16][16];
+    amx_decode::pack_queries<HD>(q, group, queries);
+    amx_decode::configure(group);
+    for (int64_t c0 = 0; c0 < ctx; c0 += kBf16Chunk) {
+      amx_chunk<HD, Kind>(k_cache, v_cache, table, c0, std::min<int64_t>(kBf16Chunk, ctx - c0), ctx, group, row,
+                          block_stride, block_size, scale_offset, scale, state, queries, fetch, [] {});
     }
+    _tile_release();
+    bf16_finish<HD>(state, group, out);
+    return;
   }
 #endif
   for (int64_t c0 = 0; c0 < ctx; c0 += kBf16Chunk) {
@@ -895,8 +919,9 @@ void attend_bf16_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, cons
     }
     amx_decode::configure(group);
     each_chunk([&](int64_t kv_head, int64_t c0, int64_t keys, const auto& between) {
-      amx_chunk<HD>(k_cache + kv_head * HD, v_cache + kv_head * HD, table, c0, keys, ctx, group, row, block_stride,
-                    block_size, scale, state.from(kv_head * group), queries + kv_head * (HD / 32), 0, between);
+      amx_chunk<HD, tokenloom::kPlain>(k_cache + kv_head * HD, v_cache + kv_head * HD, table, c0, keys, ctx, group,
+                                       row, block_stride, block_size, 0, scale, state.from(kv_head * group),
+                                       queries + kv_head * (HD / 32), 0, between);
     });
     _tile_release();
   } else
@@ -1468,6 +1493,8 @@ void attend_unit(const T* q_head, const at::Tensor& k_cache, const at::Tensor& v
   const Elem* k = k_cache.const_data_ptr<Elem>() + at.offset;
   const Elem* v = v_cache.const_data_ptr<Elem>() + at.offset;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // An int8 cache stays on VNNI's integer products on AMX CPUs too: widened to bf16 for the tiles it was read 1.3x
+  // slower (benchmarks/RESULTS.md).
   if constexpr (Kind == tokenloom::kInt8) {
     if (head_dim == 64) {
       attend_int8_vnni<T, 64>(q_head, k, v, table, ctx, group, at.row, at.block_stride, block_size, at.scale_offset, s,
