@@ -834,6 +834,10 @@ void amx_chunk(const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache, const i
     }
   }
 }
+#undef TL_PROBS
+#undef TL_B
+#undef TL_SCORES
+#undef TL_KEYS
 #endif  // TOKENLOOM_DECODE_ON_AMX
 
 // One sequence, one KV head: its `group` query heads over ctx keys, chunk after chunk.
