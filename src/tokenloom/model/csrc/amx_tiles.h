@@ -21,6 +21,12 @@
 
 #include "work_sharing.h"
 
+// Built for a CPU with AMX's bf16 tiles, and for Linux, which grants them on request: where the bf16 attention
+// kernels (prefill_attention.cpp, paged_attention.cpp) take them.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define TOKENLOOM_AMX_BF16 1
+#endif
+
 #if defined(__AMX_TILE__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -227,6 +227,17 @@ inline void group_rows(const Elem* cache, const int64_t* table, int64_t t0, int6
   }
 }
 
+// The K and V scales of 16 keys' 8-bit entries (raw: their K entries; V's lie where K's do), times code_unit(Kind).
+template <int64_t Kind>
+inline void group_scales(const uint8_t* const* raw, const uint8_t* k_cache, const uint8_t* v_cache,
+                         int64_t scale_offset, float* k_scales, float* v_scales) {
+  const float unit = tokenloom::code_unit(Kind);
+  for (int j = 0; j < 16; ++j) {
+    k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * unit;
+    v_scales[j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) * unit;
+  }
+}
+
 // Keys t0 .. t0 + 15 (t0 + 16 <= ctx) into L2: their K rows and, with_v, their V rows (V lies as K does); `entry`
 // elements of each row (an 8-bit cache's whole entries).
 template <typename Elem>
@@ -350,10 +361,8 @@ void attend_f32_avx512(const float* q, const F32Elem<Kind>* k_cache, const F32El
         for (int j = 0; j < 16; ++j) {
           for (int c = 0; c < kVecs; ++c) _mm512_store_ps(widened + j * HD + 16 * c, row_vector<Kind>(raw[j], c));
           rows[j] = widened + j * HD;
-          k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
-          v_scales[t0 - c0 + j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
-                                  tokenloom::code_unit(Kind);
         }
+        group_scales<Kind>(raw, k_cache, v_cache, scale_offset, k_scales, v_scales + (t0 - c0));
       } else {
         std::copy(raw, raw + 16, rows);
         if (t0 + 16 <= ctx) prefetch_rows(v_cache + (raw[0] - k_cache), row, HD, contiguous);  // for the V pass
@@ -441,6 +450,14 @@ inline void widen_rows(const uint8_t* const* raw, c10::BFloat16* widened, const 
   }
 }
 
+// Group g of a chunk's probabilities for one query head, 16 keys, rounded to bf16 pairs for the dot products with V
+// (as transformers' bfloat16 attention rounds them); from an 8-bit cache times V's scales first.
+template <int64_t Kind>
+inline void store_probabilities(uint32_t* probs, int g, __m512 p, const float* v_scales) {
+  if constexpr (Kind != tokenloom::kPlain) p = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + 8 * g), (__m256i)_mm512_cvtneps_pbh(p));
+}
+
 // The running state of `heads` query heads over a context streamed in chunks of kBf16Chunk keys, head by head (a
 // KV head's group is the state from its first query head on): each head's scores and bf16 probabilities for the
 // chunk, its p.v accumulators (per 32 dims, in unpack order: see bf16_finish), running maximum and sum.
@@ -514,11 +531,7 @@ void bf16_chunk(const c10::BFloat16* q, const KVElem<Kind>* k_cache, const KVEle
       std::copy(raw, raw + 16, rows);
     } else {
       widen_rows<HD, Kind>(raw, widened, rows);
-      for (int j = 0; j < 16; ++j) {
-        k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
-        v_scales[t0 - c0 + j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) *
-                                tokenloom::code_unit(Kind);
-      }
+      group_scales<Kind>(raw, k_cache, v_cache, scale_offset, k_scales, v_scales + (t0 - c0));
     }
     for (int64_t h = 0; h < heads; ++h) {
       __m512bh qv[kChunks];
@@ -542,11 +555,7 @@ void bf16_chunk(const c10::BFloat16* q, const KVElem<Kind>* k_cache, const KVEle
   }
   // Online softmax: probabilities against the running maximum; what was summed under an older one is rescaled.
   softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
-    // Rounded to bf16 for the dot products with V, as transformers' bfloat16 attention rounds them.
-    __m512 weight = p;
-    if constexpr (Kind != tokenloom::kPlain) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
-    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weight);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
+    store_probabilities<Kind>(probs + h * (kChunk / 2), g, p, v_scales);
   });
   // The chunk's V rows, weighted, for kPass query heads at a time (their accumulators live in registers: N is
   // known when compiled, and every loop over them unrolled). Two keys per bf16 dot product: rows 2i and 2i + 1
@@ -654,11 +663,7 @@ void bf16_finish(const Bf16Running<HD>& state, int64_t heads, const HeadsOut<c10
 // the A tile, a query head a row, and V's rows, interleaved two keys at a time as the AVX-512 kind interleaves them,
 // the B tiles; the accumulators are C tiles loaded from and stored to the running state around each chunk, in the
 // same unpack order, so bf16_finish and the running maximum's rescaling work on them unchanged.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define TOKENLOOM_DECODE_ON_AMX 1
-#endif
-
-#if defined(TOKENLOOM_DECODE_ON_AMX)
+#if defined(TOKENLOOM_AMX_BF16)
 namespace amx_decode {
 
 // Tiles 0-3: accumulators (a query head a row, 16 dims); 4: probabilities (a head a row, 32 keys); 5: a B tile (V's
@@ -762,11 +767,7 @@ void amx_chunk(const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache, const i
     int64_t stride = HD * sizeof(c10::BFloat16);
     if constexpr (kCodes) {
       widen_rows<HD, Kind>(raw, widened, rows);
-      for (int j = 0; j < 16; ++j) {
-        k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset) * tokenloom::code_unit(Kind);
-        v_scales[t0 - c0 + j] =
-            tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset) * tokenloom::code_unit(Kind);
-      }
+      group_scales<Kind>(raw, k_cache, v_cache, scale_offset, k_scales, v_scales + (t0 - c0));
     } else {
       if (block_size % 16 == 0 && t0 + 16 <= ctx) {  // 16 rows of one block: read in place
         a = raw[0];
@@ -779,10 +780,7 @@ void amx_chunk(const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache, const i
     between();
   }
   softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
-    __m512 weight = p;
-    if constexpr (kCodes) weight = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
-    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weight);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + h * (kChunk / 2) + 8 * g), rounded);
+    store_probabilities<Kind>(probs + h * (kChunk / 2), g, p, v_scales);
   });
   const int64_t live_pairs = (keys + 15) / 16 * 8;  // softmax_chunk wrote whole groups of 16 keys
   for (int64_t h = 0; h < heads; ++h) {  // a last group of 32 keys reaching past the chunk: probability 0 there
@@ -838,7 +836,7 @@ void amx_chunk(const KVElem<Kind>* k_cache, const KVElem<Kind>* v_cache, const i
 #undef TL_B
 #undef TL_SCORES
 #undef TL_KEYS
-#endif  // TOKENLOOM_DECODE_ON_AMX
+#endif  // TOKENLOOM_AMX_BF16
 
 // One sequence, one KV head: its `group` query heads over ctx keys, chunk after chunk.
 template <int HD, int64_t Kind>
@@ -849,7 +847,7 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
   const Bf16Running<HD> state = Bf16Running<HD>::start(scratch, group);
   const int fetch = Kind == tokenloom::kPlain ? HD : static_cast<int>(row);  // an 8-bit cache's whole entries
   bf16_first_fetch<HD, Kind>(k_cache, v_cache, table, ctx, row, block_stride, block_size, fetch);
-#if defined(TOKENLOOM_DECODE_ON_AMX)
+#if defined(TOKENLOOM_AMX_BF16)
   if (amx_decode::usable(group)) {
     alignas(64) uint32_t queries[HD / 32][16][16];
     amx_decode::pack_queries<HD>(q, group, queries);
@@ -875,7 +873,8 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
 // on its own prefetches, then left memory idle while it computed: spread out, on a 2-core Xeon with AMX, 16
 // sequences x 4,096 keys read at 19 GB/s, against 15 (benchmarks/RESULTS.md).
 struct RowsAhead {
-  static constexpr int64_t kRowsPerStep = 4;  // x 24 calls a chunk (3 KV heads x 8): ahead of the chunk's 64 rows
+  // x the calls a chunk (with 3 KV heads: 18 on tiles, 24 without) stays ahead of a chunk's 64 rows
+  static constexpr int64_t kRowsPerStep = 4;
   const c10::BFloat16 *k_cache, *v_cache;
   const int64_t* table;
   int64_t row, block_stride, block_size, ctx;
@@ -912,7 +911,7 @@ void attend_bf16_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, cons
       }
     }
   };
-#if defined(TOKENLOOM_DECODE_ON_AMX)
+#if defined(TOKENLOOM_AMX_BF16)
   if (amx_decode::usable(group)) {
     thread_local std::vector<uint32_t> packed;  // [kv head][HD / 32][16][16], on a 64-byte boundary
     packed.resize(num_kv_heads * (HD / 32) * 256 + 16);
@@ -1079,9 +1078,8 @@ void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache
           const __m512i codes = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j] + 64 * c));
           _mm512_store_si512(reinterpret_cast<void*>(unsigned_rows + j * HD + 64 * c), _mm512_xor_si512(codes, flip));
         }
-        k_scales[j] = tokenloom::read_scale(raw[j] + scale_offset);
-        v_scales[t0 - c0 + j] = tokenloom::read_scale(v_cache + (raw[j] - k_cache) + scale_offset);
       }
+      group_scales<tokenloom::kInt8>(raw, k_cache, v_cache, scale_offset, k_scales, v_scales + (t0 - c0));
       for (int64_t h = 0; h < heads; ++h) {
         __m512i q1[kVecs], q2[kVecs];
         for (int c = 0; c < kVecs; ++c) {

@@ -402,7 +402,7 @@ struct Bf16Keys {
 #endif  // __AVX512BF16__
 
 // The bf16 kinds on AMX tiles: built for a CPU with AMX (and Linux, which grants the tiles on request).
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AVX512BF16__) && defined(TOKENLOOM_AMX_BF16)
 #define TOKENLOOM_PREFILL_ON_AMX 1
 #endif
 
