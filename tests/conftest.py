@@ -89,6 +89,16 @@ def make_tiny_checkpoint(arch: str, directory: Path) -> Path:
     return directory
 
 
+@pytest.fixture
+def two_threads():
+    """torch (and the operators' work sharing) on 2 threads: the operator splits long contexts only with a helper to
+    take splits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

@@ -150,16 +150,6 @@ def test_operator_reads_and_writes_strided_rows():
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture
-def two_threads():
-    """torch (and the operators' work sharing) on 2 threads: the operator splits long contexts only with a helper to
-    take splits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 def blocked_case(context_lens, heads, kv_heads, head_dim, block_size, dtype, seed, spare_blocks=0, peaked=False):
     """Caches whose blocks the contexts' tables take in a random order, and one query per context; `peaked` makes
     every other query's softmax sharp, so its running maximum moves between chunks (and splits)."""

@@ -146,6 +146,29 @@ def test_decode_operator_matches_the_plain_path_on_8_bit_caches(name, dtype, hea
     assert row_error(ours, reference) <= row_error_bound(name, dtype, head_dim)
 
 
+@pytest.mark.parametrize(("heads_", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", FORMATS)
+def test_an_8_bit_cache_gives_a_sequence_the_same_output_alone_or_in_a_crowd(
+    name, dtype, heads_, kv_heads, head_dim, two_threads
+):
+    """In a crowd the operator may attend a whole sequence a unit (an int8 cache's blocks read with every KV head at
+    once) where a sequence alone is attended KV head by KV head; each head's arithmetic is the same either way, so
+    every output bit is. 1,100 keys are split in two on 2 threads, alone and in the crowd alike."""
+    needs_operator()
+    lens = [1, 17, 64, 65, 300, 700, 1100]
+    fmt, q, cache_k, cache_v, tables = quantized_case(name, heads_, kv_heads, head_dim, lens)
+    q, context_lens, scale = q.to(dtype), torch.tensor(lens), head_dim**-0.5
+    crowd = cpu_kernel.paged_decode_attention(q, cache_k, cache_v, tables, context_lens, BLOCK, scale, kv_kind=fmt.kind)
+    for i in range(len(lens)):
+        alone = cpu_kernel.paged_decode_attention(
+            q[i : i + 1], cache_k, cache_v, tables[i : i + 1], context_lens[i : i + 1], BLOCK, scale, kv_kind=fmt.kind
+        )  # fmt: skip
+        assert torch.equal(alone, crowd[i : i + 1]), f"sequence {i} differs alone and in the crowd"
+    reference = decode(q.float(), cache_k, cache_v, tables, lens, fmt, use_kernel=False)
+    assert row_error(crowd.float(), reference) <= row_error_bound(name, dtype, head_dim)
+
+
 def row_error_bound(name: str, dtype: torch.dtype, head_dim: int) -> float:
     exact = dtype == torch.float32 and (name != "int8" or head_dim == 48)  # the float32 kernels: no rounding
     avx2_int8 = dtype == torch.float32 and name == "int8" and int8_kernel_isa() == "avx2"  # not VNNI's bytes

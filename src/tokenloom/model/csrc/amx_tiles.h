@@ -59,6 +59,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg of a whole configuration. GCC 12 models _tile_loadconfig as reading less than its 64 bytes, and once
+// dropped a configuration's stores past the first 32 as dead (the tiles' shapes left unset: ldtilecfg faulted); the
+// empty asm says every byte is read.
+inline void load_config(const TileConfig& config) {
+  asm volatile("" : : "m"(config));
+  _tile_loadconfig(&config);
+}
+
 // All eight tiles 16 rows of 64 bytes. Loaded at the start of every unit: other code on this thread (oneDNN) may
 // have configured the tiles its own way since.
 inline void configure_tiles() {
@@ -67,7 +75,7 @@ inline void configure_tiles() {
     config.bytes_per_row[t] = 64;
     config.rows[t] = kTileRows;
   }
-  _tile_loadconfig(&config);
+  load_config(config);
 }
 
 // Rows of the inputs as a unit sees them: `a` (row stride `stride` bytes) padded to whole 32-row blocks.

@@ -249,6 +249,33 @@ inline void prefetch_group(const Elem* k_cache, const Elem* v_cache, const int64
   if (with_v) prefetch_rows(v_cache + (first - k_cache), row, entry, contiguous);
 }
 
+// The K and V rows of a context's keys, whole, asked for from memory a few at a time (some()) as the chunk before
+// theirs is worked on. A chunk's rows asked for at once (as bf16_chunk asks for one KV head's) stalled the kernel
+// on its own prefetches, then left memory idle while it computed: spread out, on a 2-core Xeon with AMX, 16
+// sequences x 4,096 keys read at 19 GB/s, against 15 (benchmarks/RESULTS.md). A row is `row` elements (a bf16
+// cache's every KV head, an 8-bit cache's one entry).
+template <typename Elem>
+struct RowsAhead {
+  const Elem *k_cache, *v_cache;
+  const int64_t* table;
+  int64_t row, block_stride, block_size, ctx;
+  int64_t per_step;  // rows a call to some(): enough that a chunk's calls stay a chunk ahead
+  // an 8-bit cache's KV heads, whose entries of a key lie head_stride elements apart (kv_codes.h)
+  int64_t heads = 1, head_stride = 0;
+  int64_t fetched = 0;  // keys [0, fetched) asked for
+
+  void upto(int64_t end) {
+    for (end = std::min(end, ctx); fetched < end; ++fetched) {
+      const Elem* k_row = row_at(k_cache, table, fetched, row, block_stride, block_size);
+      for (int64_t h = 0; h < heads; ++h) {
+        prefetch_rows(k_row + h * head_stride, row, static_cast<int>(row), 1);
+        prefetch_rows(v_cache + (k_row - k_cache) + h * head_stride, row, static_cast<int>(row), 1);
+      }
+    }
+  }
+  void some(int64_t until) { upto(std::min(fetched + per_step, until)); }
+};
+
 // The online softmax meeting a chunk whose largest score is chunk_max: what one query head summed under a lower
 // running maximum (its HD accumulators and its sum) is rescaled to the new one; nothing is summed before the first.
 template <int HD>
@@ -683,7 +710,7 @@ inline void configure(int64_t group) {
     config.bytes_per_row[t] = 64;
     config.rows[t] = t <= kProbsTile ? static_cast<uint8_t>(group) : 16;
   }
-  _tile_loadconfig(&config);
+  tokenloom::amx::load_config(config);
 }
 
 inline bool usable(int64_t group) { return group <= 16 && tokenloom::amx::tiles_permitted(); }
@@ -868,28 +895,6 @@ void attend_bf16_avx512(const c10::BFloat16* q, const KVElem<Kind>* k_cache, con
   bf16_finish<HD>(state, group, out);
 }
 
-// The K and V rows of a context's keys, whole, asked for from memory a few at a time (some()) as the chunk before
-// theirs is worked on. A chunk's rows asked for at once (as bf16_chunk asks for one KV head's) stalled the kernel
-// on its own prefetches, then left memory idle while it computed: spread out, on a 2-core Xeon with AMX, 16
-// sequences x 4,096 keys read at 19 GB/s, against 15 (benchmarks/RESULTS.md).
-struct RowsAhead {
-  // x the calls a chunk (with 3 KV heads: 18 on tiles, 24 without) stays ahead of a chunk's 64 rows
-  static constexpr int64_t kRowsPerStep = 4;
-  const c10::BFloat16 *k_cache, *v_cache;
-  const int64_t* table;
-  int64_t row, block_stride, block_size, ctx;
-  int64_t fetched = 0;  // keys [0, fetched) asked for
-
-  void upto(int64_t end) {
-    for (end = std::min(end, ctx); fetched < end; ++fetched) {
-      const c10::BFloat16* k_row = row_at(k_cache, table, fetched, row, block_stride, block_size);
-      prefetch_rows(k_row, row, static_cast<int>(row), 1);
-      prefetch_rows(v_cache + (k_row - k_cache), row, static_cast<int>(row), 1);
-    }
-  }
-  void some(int64_t until) { upto(std::min(fetched + kRowsPerStep, until)); }
-};
-
 // One sequence, every KV head, from a bf16 cache: each chunk's rows read whole, one KV head after another, and
 // fetched a chunk ahead (RowsAhead). A KV head's part of a row is 2 of its 6 cache lines on SmolLM2 (3 heads of 64):
 // read head by head, in units of their own, such rows stream at 13 GB/s on a 2-core Xeon whose memory gives 26;
@@ -900,7 +905,8 @@ void attend_bf16_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, cons
                       float scale, const HeadsOut<c10::BFloat16>& out, std::vector<float>& scratch) {
   const int64_t row = num_kv_heads * HD, block_stride = block_size * row;
   const Bf16Running<HD> state = Bf16Running<HD>::start(scratch, num_kv_heads * group);
-  RowsAhead ahead{k_cache, v_cache, table, row, block_stride, block_size, ctx};
+  // 4 rows a call: with 3 KV heads, 18 calls a chunk on tiles, 24 without
+  RowsAhead<c10::BFloat16> ahead{k_cache, v_cache, table, row, block_stride, block_size, ctx, 4};
   ahead.upto(kBf16Chunk);
   // chunk(kv_head, c0, keys, between) for every chunk, KV head by KV head
   auto each_chunk = [&](auto&& chunk) {
@@ -943,19 +949,28 @@ void attend_bf16_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, cons
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// 16 int32 vectors in, one out: lane j holds the sum of v[j]'s 16 lanes (sum_each, in integers).
-inline __m512i sum_each_epi32(const __m512i* v) {
-  __m512i pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+// 16 vectors of 16 dwords, transposed in place: m[r] lane j becomes m[j] lane r (64 shuffles).
+inline void transpose_dwords(__m512i (&m)[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane l: rows 2i, 2i + 1's dwords 4l, 4l + 1, then 4l + 2, 4l + 3
+    a[2 * i] = _mm512_unpacklo_epi32(m[2 * i], m[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(m[2 * i], m[2 * i + 1]);
   }
-  for (int i = 0; i < 4; ++i) {
-    quads[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2 * i], pairs[2 * i + 1]),
-                                _mm512_unpackhi_epi64(pairs[2 * i], pairs[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // b[4i + k], lane l: rows 4i .. 4i + 3's dword 4l + k
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
   }
-  const __m512i q01 = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[0], quads[1], 0x44), _mm512_shuffle_i32x4(quads[0], quads[1], 0xEE));
-  const __m512i q23 = _mm512_add_epi32(_mm512_shuffle_i32x4(quads[2], quads[3], 0x44), _mm512_shuffle_i32x4(quads[2], quads[3], 0xEE));
-  return _mm512_add_epi32(_mm512_shuffle_i32x4(q01, q23, 0x88), _mm512_shuffle_i32x4(q01, q23, 0xDD));
+  for (int k = 0; k < 4; ++k) {  // dword 4l + k of every row: lane l of b[k], b[4 + k], b[8 + k], b[12 + k]
+    const __m512i c0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x44), c1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xEE);
+    const __m512i c2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x44);
+    const __m512i c3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xEE);
+    m[k] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+    m[4 + k] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+    m[8 + k] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+    m[12 + k] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+  }
 }
 
 // p.v of one group of 16 keys for N query heads, a count known when compiled so that their N x 4 x kVecs integer
@@ -1013,134 +1028,218 @@ void weigh_group_vnni(const uint8_t* const* rows, int live, const uint8_t* w8, i
 //   q.k: each query head is quantized once per call in two int8 parts, q = s (q1 + q2 / 256) (one part alone cost
 //        up to 5% of an output's norm: a score's error grows with K's outlier channels), so each row takes two
 //        integer dot products, combined as 256 q1.k + q2.k in int32; K's codes go in as unsigned (code + 128, one
-//        XOR per row, shared by the heads) and the 128 * sum(q) that adds is taken off again;
+//        XOR a vector, shared by the heads) and the 128 * sum(q) that adds is taken off again. 16 keys' codes are
+//        transposed first, 4 codes of every key a vector, so each head's sums build up in the keys' lanes against
+//        its query's 4 codes broadcast: no horizontal sums (they took 45 shuffles a head and 16 keys, the transpose
+//        64 shared by the heads; 64 keys x 512 contexts 1.2x faster, benchmarks/RESULTS.md);
 //   p.v: per 16 keys, each head's probabilities times V's scales are quantized to 0..255 against their largest, and
 //        4 keys' weights meet 4 keys' codes interleaved per dimension; each 16 keys' integer sums are then added,
 //        scaled, into float32 accumulators under the running softmax (as attend_bf16_avx512 streams its chunks).
-// Accumulators hold the dimensions in the order the interleave leaves them (see the end).
+// Accumulators hold the dimensions in the order the interleave leaves them (see int8_finish). The work is split as
+// the bf16 kernels' is: a running state (Int8Running), a chunk of 64 keys of one KV head (int8_chunk), the end
+// (int8_finish); a unit is one KV head (attend_int8_vnni) or a whole sequence (attend_int8_rows).
+template <int HD>
+struct Int8Running {
+  static constexpr int kChunk = 64;
+  float* scores;      // [heads][kChunk]
+  float* acc;         // [heads][HD]
+  float* run_max;     // [heads]
+  float* run_sum;     // [heads]
+  float* q_mul;       // [heads]: each head's q scale x the softmax scale
+  float* w_mul;       // [heads][kChunk / 16]: each 16 keys' weight scale
+  int32_t* q_offset;  // [heads]: 128 x the sum of 256 q1 + q2
+  int8_t* q8;         // [heads][2][HD]: each head's two parts
+  uint8_t* w8;        // [heads][kChunk]
+
+  // The queries [heads][HD] quantized, nothing summed yet; in the caller's scratch.
+  template <typename T>
+  static Int8Running start(const T* q, int64_t heads, float scale, std::vector<float>& scratch) {
+    const int64_t floats = heads * (kChunk + HD + 4 + kChunk / 16);  // q_offset's int32 among them
+    scratch.resize(floats + heads * (2 * HD + kChunk) / 4 + 16);
+    float* f = scratch.data();
+    Int8Running state{f, f + heads * kChunk, f + heads * (kChunk + HD), f + heads * (kChunk + HD + 1),
+                      f + heads * (kChunk + HD + 2), f + heads * (kChunk + HD + 3),
+                      reinterpret_cast<int32_t*>(f + heads * (kChunk + HD + 3 + kChunk / 16)),
+                      reinterpret_cast<int8_t*>(f + floats), nullptr};
+    state.w8 = reinterpret_cast<uint8_t*>(state.q8 + 2 * heads * HD);
+    for (int64_t h = 0; h < heads; ++h) {
+      float amax = 0.0f;
+      for (int d = 0; d < HD; ++d) amax = std::max(amax, std::fabs(widen(q[h * HD + d])));
+      const float qs = amax > 0.0f ? amax / 127.0f : 1.0f;
+      int32_t sum = 0;
+      int8_t* q1 = state.q8 + 2 * h * HD;
+      int8_t* q2 = q1 + HD;
+      for (int d = 0; d < HD; ++d) {
+        const float x = widen(q[h * HD + d]) / qs;
+        const float first = std::nearbyint(x);
+        q1[d] = static_cast<int8_t>(first);
+        q2[d] = static_cast<int8_t>(std::clamp(std::nearbyint((x - first) * 256.0f), -127.0f, 127.0f));
+        sum += 256 * q1[d] + q2[d];
+      }
+      state.q_offset[h] = 128 * sum;
+      state.q_mul[h] = qs / 256.0f * scale;
+    }
+    std::fill(state.acc, state.acc + heads * HD, 0.0f);
+    std::fill(state.run_max, state.run_max + heads, kNoMax);
+    std::fill(state.run_sum, state.run_sum + heads, 0.0f);
+    return state;
+  }
+
+  // The state of query heads from `first` on.
+  Int8Running from(int64_t first) const {
+    return {scores + first * kChunk, acc + first * HD, run_max + first, run_sum + first, q_mul + first,
+            w_mul + first * (kChunk / 16), q_offset + first, q8 + first * 2 * HD, w8 + first * kChunk};
+  }
+};
+
+// The query heads whose integer accumulators fit in registers at once, in the p.v pass.
+template <int HD>
+constexpr int64_t kInt8Pass = 256 / HD;
+
+// The calls int8_chunk makes to between() in a chunk of 64 keys: one a head and 16 keys in the q.k pass, one a pass
+// and 16 keys in the p.v pass.
+template <int HD>
+constexpr int64_t int8_chunk_calls(int64_t heads) {
+  return (Int8Running<HD>::kChunk / 16) * (heads + (heads + kInt8Pass<HD> - 1) / kInt8Pass<HD>);
+}
+
+// Keys c0 .. c0 + keys of one KV head (its `heads` query heads' state) into the running softmax: q.k 16 keys at a
+// time, the chunk's softmax, then p.v. between() is called int8_chunk_calls times, spread over the chunk: where the
+// caller fetches the next chunk.
+template <int HD, typename Between>
+void int8_chunk(const Int8Running<HD>& state, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table,
+                int64_t c0, int64_t keys, int64_t ctx, int64_t heads, int64_t row, int64_t block_stride,
+                int64_t block_size, int64_t scale_offset, const Between& between) {
+  static_assert(HD % 64 == 0, "whole 64-byte vectors of codes");
+  constexpr int kVecs = HD / 64;
+  constexpr int kChunk = Int8Running<HD>::kChunk;
+  constexpr int kPass = kInt8Pass<HD>;
+  const uint8_t* raw[16];
+  alignas(64) float k_scales[16];
+  alignas(64) float v_scales[kChunk];
+  auto store_scores = [&](int64_t h, int64_t t0, __m512i exact) {
+    const __m512 times = _mm512_mul_ps(_mm512_set1_ps(state.q_mul[h]), _mm512_load_ps(k_scales));
+    _mm512_storeu_ps(state.scores + h * kChunk + (t0 - c0), _mm512_mul_ps(_mm512_cvtepi32_ps(exact), times));
+  };
+  for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+    group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
+    group_scales<tokenloom::kInt8>(raw, k_cache, v_cache, scale_offset, k_scales, v_scales + (t0 - c0));
+    __m512i columns[16 * kVecs];  // codes 4i .. 4i + 3 of the 16 keys, as unsigned (+ 128)
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < kVecs; ++c) {
+      __m512i m[16];
+      for (int j = 0; j < 16; ++j) m[j] = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j] + 64 * c));
+      transpose_dwords(m);
+      for (int r = 0; r < 16; ++r) columns[16 * c + r] = _mm512_xor_si512(m[r], flip);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      between();
+      const int8_t* q1 = state.q8 + 2 * h * HD;
+      const int8_t* q2 = q1 + HD;
+      __m512i first[4], second[4];  // 4 sums each: the multiply-adds' latency covered
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) first[i] = second[i] = _mm512_setzero_si512();
+#pragma GCC unroll 32
+      for (int i = 0; i < 16 * kVecs; ++i) {
+        int32_t four1, four2;
+        std::memcpy(&four1, q1 + 4 * i, sizeof(four1));
+        std::memcpy(&four2, q2 + 4 * i, sizeof(four2));
+        tokenloom::dpbusd(first[i % 4], columns[i], _mm512_set1_epi32(four1));
+        tokenloom::dpbusd(second[i % 4], columns[i], _mm512_set1_epi32(four2));
+      }
+      const __m512i one = _mm512_add_epi32(_mm512_add_epi32(first[0], first[1]), _mm512_add_epi32(first[2], first[3]));
+      const __m512i two =
+          _mm512_add_epi32(_mm512_add_epi32(second[0], second[1]), _mm512_add_epi32(second[2], second[3]));
+      const __m512i exact = _mm512_add_epi32(_mm512_slli_epi32(one, 8), two);
+      store_scores(h, t0, _mm512_sub_epi32(exact, _mm512_set1_epi32(state.q_offset[h])));
+    }
+  }
+  // Online softmax, as attend_bf16_avx512; then each 16 keys' weights (p x V's scale) as bytes.
+  softmax_chunk<HD>(state.scores, kChunk, heads, keys, state.run_max, state.run_sum, state.acc,
+                    [&](int64_t h, int g, __m512 p) {
+                      const __m512 w = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
+                      const float w_max = _mm512_reduce_max_ps(w);
+                      const float to_byte = w_max > 0.0f ? 255.0f / w_max : 0.0f;
+                      state.w_mul[h * (kChunk / 16) + g] = w_max / 255.0f;
+                      const __m512i bytes = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(to_byte)));  // nearest
+                      _mm_storeu_si128(reinterpret_cast<__m128i*>(state.w8 + h * kChunk + 16 * g),
+                                       _mm512_cvtusepi32_epi8(bytes));
+                    });
+  // p.v, kPass heads at a time: per 16 keys, 4 keys per integer dot product (their codes interleaved per dim).
+  for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
+    const int n = static_cast<int>(std::min<int64_t>(kPass, heads - h0));
+    for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
+      group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
+      between();
+      const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: weight 0
+      const int64_t g = (t0 - c0) / 16;
+      with_count<kPass>(n, [&]<int N>() {
+        weigh_group_vnni<HD, N>(raw, live, state.w8 + h0 * kChunk + (t0 - c0), kChunk,
+                                state.w_mul + h0 * (kChunk / 16) + g, kChunk / 16, state.acc + h0 * HD);
+      });
+    }
+  }
+}
+
+// The heads' outputs (and a split's denominators). Accumulator 4c + m, lane 4L + r holds dim 64c + 16L + 4m + r
+// (the unpacks work within 128-bit lanes).
+template <typename T, int HD>
+void int8_finish(const Int8Running<HD>& state, int64_t heads, const HeadsOut<T>& out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.0f / state.run_sum[h];
+    for (int c = 0; c < HD / 64; ++c) {
+      for (int m = 0; m < 4; ++m) {
+        for (int lane = 0; lane < 16; ++lane) {
+          const int dim = 64 * c + 16 * (lane / 4) + 4 * m + lane % 4;
+          out.put(h * HD + dim, state.acc[h * HD + 16 * (4 * c + m) + lane] * inv);
+        }
+      }
+    }
+    out.denominator(h, state.run_max[h], state.run_sum[h]);
+  }
+}
+
+// One sequence, one KV head: its `group` query heads over ctx keys, chunk after chunk, the next chunk's entries
+// (codes and scale, V's with K's: see prefetch_rows) fetched a few at a time as a chunk is worked on (RowsAhead).
 template <typename T, int HD>
 void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table, int64_t ctx,
                       int64_t group, int64_t row, int64_t block_stride, int64_t block_size, int64_t scale_offset,
                       float scale, const HeadsOut<T>& out, std::vector<float>& scratch) {
-  static_assert(HD % 64 == 0, "whole 64-byte vectors of codes");
-  constexpr int kVecs = HD / 64;
-  constexpr int kChunk = 64;
-  constexpr int kPass = 256 / HD;  // query heads whose integer accumulators fit in registers at once
-  const int64_t heads = group;
-  // float scratch: scores [heads][kChunk], acc [heads][HD], run_max, run_sum, q_mul, w_mul [heads][kChunk / 16];
-  // then bytes: q8 [heads][2][HD] (each head's two parts), w8 [heads][kChunk].
-  const int64_t floats = heads * (kChunk + HD + 3 + kChunk / 16);
-  scratch.resize(floats + heads * (2 * HD + kChunk) / 4 + 16);
-  float* scores = scratch.data();
-  float* acc = scores + heads * kChunk;
-  float* run_max = acc + heads * HD;
-  float* run_sum = run_max + heads;
-  float* q_mul = run_sum + heads;  // each head's q scale x the softmax scale
-  float* w_mul = q_mul + heads;    // [heads][kChunk / 16]: each 16 keys' weight scale
-  int8_t* q8 = reinterpret_cast<int8_t*>(scratch.data() + floats);
-  uint8_t* w8 = reinterpret_cast<uint8_t*>(q8 + 2 * heads * HD);
-  std::vector<int32_t> q_offset(heads);  // 128 x the sum of 256 q1 + q2
-  for (int64_t h = 0; h < heads; ++h) {
-    float amax = 0.0f;
-    for (int d = 0; d < HD; ++d) amax = std::max(amax, std::fabs(widen(q[h * HD + d])));
-    const float qs = amax > 0.0f ? amax / 127.0f : 1.0f;
-    int32_t sum = 0;
-    int8_t* q1 = q8 + 2 * h * HD;
-    int8_t* q2 = q1 + HD;
-    for (int d = 0; d < HD; ++d) {
-      const float x = widen(q[h * HD + d]) / qs;
-      const float first = std::nearbyint(x);
-      q1[d] = static_cast<int8_t>(first);
-      q2[d] = static_cast<int8_t>(std::clamp(std::nearbyint((x - first) * 256.0f), -127.0f, 127.0f));
-      sum += 256 * q1[d] + q2[d];
-    }
-    q_offset[h] = 128 * sum;
-    q_mul[h] = qs / 256.0f * scale;
-  }
-  std::fill(acc, acc + heads * HD, 0.0f);
-  std::fill(run_max, run_max + heads, kNoMax);
-  std::fill(run_sum, run_sum + heads, 0.0f);
-  const uint8_t* raw[16];
-  alignas(64) uint8_t unsigned_rows[16 * HD];  // 16 K rows, code + 128
-  alignas(64) float k_scales[16];
-  alignas(64) float v_scales[kChunk];
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int entry = static_cast<int>(row);  // codes and scale: V comes a chunk ahead with K (see prefetch_rows)
-  for (int64_t t0 = 0; t0 + 16 <= std::min<int64_t>(kChunk, ctx); t0 += 16) {
-    prefetch_group(k_cache, v_cache, table, t0, row, block_stride, block_size, entry, true);
-  }
+  constexpr int64_t kChunk = Int8Running<HD>::kChunk;
+  const Int8Running<HD> state = Int8Running<HD>::start(q, group, scale, scratch);
+  const int64_t calls = int8_chunk_calls<HD>(group);
+  RowsAhead<uint8_t> ahead{k_cache, v_cache, table, row, block_stride, block_size, ctx, (kChunk + calls - 1) / calls};
+  ahead.upto(kChunk);
   for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
-    const int64_t keys = std::min<int64_t>(kChunk, ctx - c0);
-    for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-      group_rows(k_cache, table, t0, ctx, row, block_stride, block_size, raw);
-      for (int j = 0; j < 16; ++j) {
-        for (int c = 0; c < kVecs; ++c) {
-          const __m512i codes = _mm512_loadu_si512(reinterpret_cast<const void*>(raw[j] + 64 * c));
-          _mm512_store_si512(reinterpret_cast<void*>(unsigned_rows + j * HD + 64 * c), _mm512_xor_si512(codes, flip));
-        }
-      }
-      group_scales<tokenloom::kInt8>(raw, k_cache, v_cache, scale_offset, k_scales, v_scales + (t0 - c0));
-      for (int64_t h = 0; h < heads; ++h) {
-        __m512i q1[kVecs], q2[kVecs];
-        for (int c = 0; c < kVecs; ++c) {
-          q1[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(q8 + 2 * h * HD + 64 * c));
-          q2[c] = _mm512_loadu_si512(reinterpret_cast<const void*>(q8 + 2 * h * HD + HD + 64 * c));
-        }
-        __m512i dots[16];
-#pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) {
-          __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
-#pragma GCC unroll 16
-          for (int c = 0; c < kVecs; ++c) {
-            const __m512i k = _mm512_load_si512(reinterpret_cast<const void*>(unsigned_rows + j * HD + 64 * c));
-            tokenloom::dpbusd(first, k, q1[c]);
-            tokenloom::dpbusd(second, k, q2[c]);
-          }
-          dots[j] = _mm512_add_epi32(_mm512_slli_epi32(first, 8), second);
-        }
-        const __m512i exact = _mm512_sub_epi32(sum_each_epi32(dots), _mm512_set1_epi32(q_offset[h]));
-        const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(_mm512_set1_ps(q_mul[h]), _mm512_load_ps(k_scales)));
-        _mm512_storeu_ps(scores + h * kChunk + (t0 - c0), s);
-      }
-    }
-    // Online softmax, as attend_bf16_avx512; then each 16 keys' weights (p x V's scale) as bytes.
-    softmax_chunk<HD>(scores, kChunk, heads, keys, run_max, run_sum, acc, [&](int64_t h, int g, __m512 p) {
-      const __m512 w = _mm512_mul_ps(p, _mm512_load_ps(v_scales + 16 * g));
-      const float w_max = _mm512_reduce_max_ps(w);
-      const float to_byte = w_max > 0.0f ? 255.0f / w_max : 0.0f;
-      w_mul[h * (kChunk / 16) + g] = w_max / 255.0f;
-      const __m512i bytes = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(to_byte)));  // rounded to nearest
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(w8 + h * kChunk + 16 * g), _mm512_cvtusepi32_epi8(bytes));
-    });
-    // p.v, kPass heads at a time: per 16 keys, 4 keys per integer dot product (their codes interleaved per dim).
-    for (int64_t h0 = 0; h0 < heads; h0 += kPass) {
-      const int n = static_cast<int>(std::min<int64_t>(kPass, heads - h0));
-      for (int64_t t0 = c0; t0 < c0 + keys; t0 += 16) {
-        group_rows(v_cache, table, t0, ctx, row, block_stride, block_size, raw);
-        if (h0 == 0 && t0 + kChunk + 16 <= ctx) {
-          prefetch_group(k_cache, v_cache, table, t0 + kChunk, row, block_stride, block_size, entry, true);
-        }
-        const int live = static_cast<int>(std::min<int64_t>(16, c0 + keys - t0));  // past it: weight 0
-        const int64_t g = (t0 - c0) / 16;
-        with_count<kPass>(n, [&]<int N>() {
-          weigh_group_vnni<HD, N>(raw, live, w8 + h0 * kChunk + (t0 - c0), kChunk, w_mul + h0 * (kChunk / 16) + g,
-                                  kChunk / 16, acc + h0 * HD);
-        });
-      }
+    int8_chunk<HD>(state, k_cache, v_cache, table, c0, std::min(kChunk, ctx - c0), ctx, group, row,
+                   block_stride, block_size, scale_offset, [&] { ahead.some(c0 + 2 * kChunk); });
+  }
+  int8_finish<T, HD>(state, group, out);
+}
+
+// One sequence, every KV head, from an int8 cache: each chunk's keys KV head by KV head, a block's entries for all
+// its KV heads (num_kv_heads x block_size x (HD + 4) bytes in one run, kv_codes.h) fetched together a chunk ahead.
+// Each head's arithmetic is the one its own unit (attend_int8_vnni) would do, in the same order.
+template <typename T, int HD>
+void attend_int8_rows(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table, int64_t ctx,
+                      int64_t group, int64_t num_kv_heads, int64_t block_size, float scale, const HeadsOut<T>& out,
+                      std::vector<float>& scratch) {
+  constexpr int64_t kChunk = Int8Running<HD>::kChunk;
+  const int64_t entry = HD + 4, head_stride = block_size * entry, block_stride = num_kv_heads * head_stride;
+  const Int8Running<HD> state = Int8Running<HD>::start(q, num_kv_heads * group, scale, scratch);
+  const int64_t calls = num_kv_heads * int8_chunk_calls<HD>(group);
+  RowsAhead<uint8_t> ahead{k_cache,    v_cache,      table, entry, block_stride, block_size, ctx,
+                           (kChunk + calls - 1) / calls, num_kv_heads, head_stride};
+  ahead.upto(kChunk);
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+      int8_chunk<HD>(state.from(kv_head * group), k_cache + kv_head * head_stride, v_cache + kv_head * head_stride,
+                     table, c0, std::min(kChunk, ctx - c0), ctx, group, entry, block_stride, block_size, HD,
+                     [&] { ahead.some(c0 + 2 * kChunk); });
     }
   }
-  // Accumulator 4c + m, lane 4L + r holds dim 64c + 16L + 4m + r (the unpacks work within 128-bit lanes).
-  for (int64_t h = 0; h < heads; ++h) {
-    const float inv = 1.0f / run_sum[h];
-    for (int c = 0; c < kVecs; ++c) {
-      for (int m = 0; m < 4; ++m) {
-        for (int lane = 0; lane < 16; ++lane) {
-          const int dim = 64 * c + 16 * (lane / 4) + 4 * m + lane % 4;
-          out.put(h * HD + dim, acc[h * HD + 16 * (4 * c + m) + lane] * inv);
-        }
-      }
-    }
-    out.denominator(h, run_max[h], run_sum[h]);
+  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+    int8_finish<T, HD>(state.from(kv_head * group), group, out.from(kv_head * group, HD));
   }
 }
 #endif
@@ -1607,27 +1706,43 @@ struct Piece {
   int64_t seq, kv_head, first, keys, part;
 };
 
-// Whether a call's units are whole sequences, every KV head of a row read in one sweep (attend_bf16_rows): a bf16
-// cache on AVX-512 BF16 with more than one KV head, where there are pieces enough to keep the threads busy (a
-// sequence's pieces are its splits; below 2 a thread, one unit per KV head spreads better). The choice moves no
-// output bit: each head's arithmetic is the same either way.
+// Whether a call's units are whole sequences, every KV head of a block read in one sweep: a bf16 cache on AVX-512
+// BF16 (attend_bf16_rows) or an int8 cache on VNNI (attend_int8_rows), with more than one KV head, where there are
+// pieces enough to keep the threads busy (a sequence's pieces are its splits; below 2 a thread, one unit per KV
+// head spreads better). The choice moves no output bit: each head's arithmetic is the same either way.
 template <typename T, int64_t Kind>
 bool reads_whole_rows(int64_t num_kv_heads, int64_t head_dim, int64_t whole_pieces, int64_t threads) {
+  const bool worth_it = num_kv_heads > 1 && (head_dim == 64 || head_dim == 128) && whole_pieces >= 2 * threads;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && Kind == tokenloom::kPlain) {
-    return num_kv_heads > 1 && (head_dim == 64 || head_dim == 128) && whole_pieces >= 2 * threads;
-  }
+  if constexpr (std::is_same_v<T, c10::BFloat16> && Kind == tokenloom::kPlain) return worth_it;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (Kind == tokenloom::kInt8) return worth_it;
 #endif
   return false;
 }
 
 // One piece of a call that reads whole rows: every KV head of its sequence.
-template <typename T>
+template <typename T, int64_t Kind>
 void attend_rows_unit(const T* q_seq, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
                       int64_t ctx, int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       float s, const HeadsOut<T>& out, std::vector<float>& scratch) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if constexpr (Kind == tokenloom::kInt8) {
+    const uint8_t* k = k_cache.const_data_ptr<uint8_t>();
+    const uint8_t* v = v_cache.const_data_ptr<uint8_t>();
+    if (head_dim == 64) {
+      attend_int8_rows<T, 64>(q_seq, k, v, table, ctx, group, num_kv_heads, block_size, s, out, scratch);
+      return;
+    }
+    if (head_dim == 128) {
+      attend_int8_rows<T, 128>(q_seq, k, v, table, ctx, group, num_kv_heads, block_size, s, out, scratch);
+      return;
+    }
+  }
+#endif
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && Kind == tokenloom::kPlain) {
     const T* k = k_cache.const_data_ptr<T>();
     const T* v = v_cache.const_data_ptr<T>();
     if (head_dim == 64) {
@@ -1733,7 +1848,7 @@ void decode_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
     // A split reads its keys' blocks only: the table from its first block on (splits start on a block's start).
     const int64_t* table = tables + piece.seq * max_blocks + piece.first / block_size;
     if (whole_rows) {
-      attend_rows_unit<T>(q_ptr + piece.seq * q_stride, k_cache, v_cache, table, piece.keys, group, num_kv_heads,
+      attend_rows_unit<T, Kind>(q_ptr + piece.seq * q_stride, k_cache, v_cache, table, piece.keys, group, num_kv_heads,
                           head_dim, block_size, s, sink, scratch);
       return;
     }
