@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/vs_vllm.py [--only tokenloom|vllm] [--vllm-venv ~/venv-vllm] [--write-results]
         [--tokenloom-args "--max-num-seqs 32"]... [--vllm-args "--kv-cache-dtype fp8"]... [--rounds 3]
-        [--workload mixed-64|long-decode|single-stream|beam-search] [--tokenloom-source CHECKOUT]... [--lora N]
+        [--workload mixed-64|long-decode|single-stream|beam-search] [--tokenloom-source CHECKOUT]...
+        [--source-args "--kv-cache-dtype int8"] [--lora N]
         [--model CHECKPOINT_DIR]
 
 Workload mixed-64: the 64 requests of benchmarks/offline_throughput.py (prompts of 32-512 token ids, 18,436 in all;
@@ -33,7 +34,7 @@ turn: multi-LoRA serving, both engines.
 Each --tokenloom-args (or --vllm-args) given starts one more server of that kind with those flags, so
 configurations of both engines compare in one sitting (the default: one of each, with no extra flags). Each
 --tokenloom-source (another checkout, a `git worktree` of an earlier commit) starts one more tokenloom server, default
-flags, running that checkout's code: a refactor's before and after in the same sitting.
+flags (or --source-args), running that checkout's code: a refactor's before and after in the same sitting.
 
 With --rounds N both servers stay up (one idle while the other is measured) and are measured N times,
 alternating who goes first, then each figure's median is added: this machine's speed drifts by 10-20% over
@@ -402,6 +403,7 @@ def main() -> None:
     parser.add_argument(
         "--tokenloom-source", type=Path, action="append", default=[], help="another checkout to serve (repeatable)"
     )
+    parser.add_argument("--source-args", default="", help="flags for every --tokenloom-source server")
     parser.add_argument(
         "--rounds", type=int, default=1, help="measure each server this many times, alternating, and add medians"
     )
@@ -440,8 +442,8 @@ def main() -> None:
                                     text=True, check=True).stdout.strip()  # fmt: skip
             pythonpath = {"PYTHONPATH": str(checkout.resolve() / "src")}
             server = stack.enter_context(LocalServer("--served-model-name", MODEL_NAME, "--max-model-len", "8192",
-                                                     env=pythonpath))  # fmt: skip
-            servers.append((f"tokenloom at {commit}, default flags", server.url))
+                                                     *shlex.split(args.source_args), env=pythonpath))  # fmt: skip
+            servers.append((f"tokenloom at {commit}, {args.source_args or 'default flags'}", server.url))
         runs: dict[str, list[Run]] = {label: [] for label, _ in servers}
         for round_ in range(args.rounds):
             # Who goes first alternates, so neither always meets the machine in the same state.

@@ -961,7 +961,7 @@ void attend_bf16_rows(const c10::BFloat16* q, const c10::BFloat16* k_cache, cons
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // 16 vectors of 16 dwords, transposed in place: m[r] lane j becomes m[j] lane r (64 shuffles).
-inline void transpose_dwords(__m512i (&m)[16]) {
+[[gnu::always_inline]] inline void transpose_dwords(__m512i (&m)[16]) {
   __m512i a[16], b[16];
   for (int i = 0; i < 8; ++i) {  // per 128-bit lane l: rows 2i, 2i + 1's dwords 4l, 4l + 1, then 4l + 2, 4l + 3
     a[2 * i] = _mm512_unpacklo_epi32(m[2 * i], m[2 * i + 1]);
