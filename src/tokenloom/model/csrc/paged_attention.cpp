@@ -1210,48 +1210,51 @@ void int8_finish(const Int8Running<HD>& state, int64_t heads, const HeadsOut<T>&
   }
 }
 
-// One sequence, one KV head: its `group` query heads over ctx keys, chunk after chunk, the next chunk's entries
-// (codes and scale, V's with K's: see prefetch_rows) fetched a few at a time as a chunk is worked on (RowsAhead).
+// One sequence's KV heads `kv_heads` (one unit's: one, or every head of the cache) from an int8 cache: each chunk's
+// keys KV head by KV head, a block's entries for all of them (kv_heads x block_size x (HD + 4) bytes in one run for a
+// whole sequence, kv_codes.h) fetched a chunk ahead a few keys at a time (RowsAhead; V's with K's: see prefetch_rows).
+// A head's arithmetic is the same whichever unit it is in, so its output bits are.
+template <typename T, int HD>
+void attend_int8_heads(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table, int64_t ctx,
+                       int64_t group, int64_t kv_heads, int64_t head_stride, int64_t block_stride, int64_t block_size,
+                       float scale, const HeadsOut<T>& out, std::vector<float>& scratch) {
+  constexpr int64_t kChunk = Int8Running<HD>::kChunk;
+  constexpr int64_t kEntry = HD + 4;  // codes, then the scale
+  const Int8Running<HD> state = Int8Running<HD>::start(q, kv_heads * group, scale, scratch);
+  const int64_t calls = kv_heads * int8_chunk_calls<HD>(group);
+  RowsAhead<uint8_t> ahead{k_cache,    v_cache,      table, kEntry, block_stride, block_size, ctx,
+                           (kChunk + calls - 1) / calls, kv_heads, head_stride};
+  ahead.upto(kChunk);
+  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
+    for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
+      int8_chunk<HD>(state.from(kv_head * group), k_cache + kv_head * head_stride, v_cache + kv_head * head_stride,
+                     table, c0, std::min(kChunk, ctx - c0), ctx, group, kEntry, block_stride, block_size, HD,
+                     [&] { ahead.some(c0 + 2 * kChunk); });
+    }
+  }
+  for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
+    int8_finish<T, HD>(state.from(kv_head * group), group, out.from(kv_head * group, HD));
+  }
+}
+
+// One sequence, one KV head (its layout's `row` is an entry, HD + 4 bytes; its scale HD bytes in).
 template <typename T, int HD>
 void attend_int8_vnni(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table, int64_t ctx,
                       int64_t group, int64_t row, int64_t block_stride, int64_t block_size, int64_t scale_offset,
                       float scale, const HeadsOut<T>& out, std::vector<float>& scratch) {
-  constexpr int64_t kChunk = Int8Running<HD>::kChunk;
-  const Int8Running<HD> state = Int8Running<HD>::start(q, group, scale, scratch);
-  const int64_t calls = int8_chunk_calls<HD>(group);
-  RowsAhead<uint8_t> ahead{k_cache, v_cache, table, row, block_stride, block_size, ctx, (kChunk + calls - 1) / calls};
-  ahead.upto(kChunk);
-  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
-    int8_chunk<HD>(state, k_cache, v_cache, table, c0, std::min(kChunk, ctx - c0), ctx, group, row,
-                   block_stride, block_size, scale_offset, [&] { ahead.some(c0 + 2 * kChunk); });
-  }
-  int8_finish<T, HD>(state, group, out);
+  TORCH_INTERNAL_ASSERT(row == HD + 4 && scale_offset == HD, "an int8 head's entries: HD codes, then the scale");
+  attend_int8_heads<T, HD>(q, k_cache, v_cache, table, ctx, group, 1, 0, block_stride, block_size, scale, out,
+                           scratch);
 }
 
-// One sequence, every KV head, from an int8 cache: each chunk's keys KV head by KV head, a block's entries for all
-// its KV heads (num_kv_heads x block_size x (HD + 4) bytes in one run, kv_codes.h) fetched together a chunk ahead.
-// Each head's arithmetic is the one its own unit (attend_int8_vnni) would do, in the same order.
+// One sequence, every KV head.
 template <typename T, int HD>
 void attend_int8_rows(const T* q, const uint8_t* k_cache, const uint8_t* v_cache, const int64_t* table, int64_t ctx,
                       int64_t group, int64_t num_kv_heads, int64_t block_size, float scale, const HeadsOut<T>& out,
                       std::vector<float>& scratch) {
-  constexpr int64_t kChunk = Int8Running<HD>::kChunk;
-  const int64_t entry = HD + 4, head_stride = block_size * entry, block_stride = num_kv_heads * head_stride;
-  const Int8Running<HD> state = Int8Running<HD>::start(q, num_kv_heads * group, scale, scratch);
-  const int64_t calls = num_kv_heads * int8_chunk_calls<HD>(group);
-  RowsAhead<uint8_t> ahead{k_cache,    v_cache,      table, entry, block_stride, block_size, ctx,
-                           (kChunk + calls - 1) / calls, num_kv_heads, head_stride};
-  ahead.upto(kChunk);
-  for (int64_t c0 = 0; c0 < ctx; c0 += kChunk) {
-    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-      int8_chunk<HD>(state.from(kv_head * group), k_cache + kv_head * head_stride, v_cache + kv_head * head_stride,
-                     table, c0, std::min(kChunk, ctx - c0), ctx, group, entry, block_stride, block_size, HD,
-                     [&] { ahead.some(c0 + 2 * kChunk); });
-    }
-  }
-  for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-    int8_finish<T, HD>(state.from(kv_head * group), group, out.from(kv_head * group, HD));
-  }
+  const int64_t head_stride = block_size * (HD + 4);
+  attend_int8_heads<T, HD>(q, k_cache, v_cache, table, ctx, group, num_kv_heads, head_stride,
+                           num_kv_heads * head_stride, block_size, scale, out, scratch);
 }
 #endif
 
